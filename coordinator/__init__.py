@@ -1,0 +1,1 @@
+"""The Plexus coordinator: gRPC services, the round engine, strategies and the store."""
