@@ -1,0 +1,460 @@
+"""The one round loop: jobs run one at a time, rounds open, collect updates, close.
+
+Concurrency: every public method takes the engine's condition lock; NextTask
+long-polls wait on it and are woken whenever a round opens or closes. A
+background thread opens rounds once enough sites are online and closes them on
+quorum or deadline. Durable effects go through the Store in one transaction
+each, checkpoint first, so a SIGKILL at any point resumes from the last closed
+round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.aggregate import WeightedSum
+from coordinator.store import TERMINAL, JobRow, Store
+from coordinator.strategies import make_strategy
+from plexus.config import RoundConfig, dump_round_config, parse_round_config
+from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
+                           RoundClosed)
+from plexus.models import available_models, build_model, state_to_numpy
+from plexus.wire import Layout, encode
+
+log = logging.getLogger("plexus.coordinator")
+
+MAX_METRICS = 64
+MAX_REASON = 2000
+SPOOL_READ_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class TaskGrant:
+    """What NextTask hands a site."""
+
+    kind: str                 # "train" | "evaluate"
+    task_id: str
+    job_id: str
+    round: int
+    model_round: int
+    config_yaml: str
+    nonce: bytes
+    deadline_unix_s: float
+    seed: int
+
+
+@dataclass
+class RoundState:
+    round: int
+    kind: str
+    model_round: int
+    participants: list[str]
+    deadline: float                          # monotonic
+    total: WeightedSum | None
+    grants: dict[str, TaskGrant] = field(default_factory=dict)
+    outcomes: dict[str, str] = field(default_factory=dict)
+    receiving: set[str] = field(default_factory=set)
+    contributors: list[str] = field(default_factory=list)
+    samples: int = 0
+
+
+@dataclass
+class ActiveJob:
+    row: JobRow
+    cfg: RoundConfig
+    strategy: object
+    layout: Layout
+    state: dict[str, np.ndarray]
+    blob: bytes
+    model_round: int
+    round: RoundState | None = None
+
+
+def site_seed(job_seed: int, round_: int, site: str) -> int:
+    """A per-site, per-round training seed: reproducible, different for every site and round."""
+    digest = hashlib.sha256(f"plexus/v1/site-seed/{job_seed}/{round_}/{site}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def validate_job(cfg: RoundConfig) -> None:
+    """Everything the coordinator can check at submit time, with a message that says how to fix it."""
+    make_strategy(cfg.strategy)
+    if cfg.model.name not in available_models():
+        raise ConfigError(f"model.name: unknown model {cfg.model.name!r}; models installed at the coordinator: "
+                          f"{sorted(available_models())}")
+    build_model(cfg.model.name, cfg.model.args, seed=cfg.seed)
+    if cfg.privacy.secure_aggregation:
+        raise ConfigError("privacy.secure_aggregation: secure aggregation is not available in this Plexus version; "
+                          "set it to false")
+    if cfg.privacy.dp is not None:
+        raise ConfigError("privacy.dp: differential privacy is not available in this Plexus version; remove the dp block")
+
+
+class Engine:
+    def __init__(self, store: Store, *, federation: str = "", poll_timeout_s: float = 20.0,
+                 clock=time.time, monotonic=time.monotonic):
+        self.store = store
+        self.federation = federation
+        self.poll_timeout_s = poll_timeout_s
+        self.online_window_s = 2 * poll_timeout_s + 10
+        self._clock, self._mono = clock, monotonic
+        self._cv = threading.Condition()
+        self._seen: dict[str, float] = {}
+        self._active: ActiveJob | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="plexus-engine", daemon=True)
+
+    # lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.store.interrupt_open_rounds()
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if self._stopping:
+                    return
+                try:
+                    timeout = self._tick()
+                except Exception:  # the loop must survive; the job is failed with the reason
+                    log.exception("round engine error")
+                    self._fail_active("internal error in the round engine; see the coordinator log")
+                    timeout = 0.5
+                self._cv.wait(timeout)
+
+    # admin side --------------------------------------------------------------------------
+    def submit(self, config_yaml: str, who: str) -> str:
+        cfg = parse_round_config(config_yaml, source="submitted round config")
+        validate_job(cfg)
+        job_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+        with self._cv:
+            self.store.add_job(job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, who)
+            self._cv.notify_all()
+        return job_id
+
+    def abort(self, job_id: str, who: str) -> None:
+        with self._cv:
+            row = self.store.job(job_id)
+            if row.status in TERMINAL:
+                raise FailedPrecondition(f"job {job_id} is already {row.status}; only queued or running jobs can be aborted")
+            self.store.set_job(job_id, status="aborted", message=f"aborted by {who}",
+                               event=("job_aborted", row.current_round, "", f"aborted by {who}"))
+            if self._active and self._active.row.id == job_id:
+                self._active = None
+                self.store.interrupt_open_rounds()
+            self._cv.notify_all()
+
+    def wait_events(self, job_id: str, after_id: int, timeout: float) -> list[tuple]:
+        with self._cv:
+            events = self.store.events_after(job_id, after_id)
+            if not events:
+                self._cv.wait(timeout)
+                events = self.store.events_after(job_id, after_id)
+            return events
+
+    def online_sites(self) -> set[str]:
+        with self._cv:
+            now = self._mono()
+            return {s for s, t in self._seen.items() if now - t <= self.online_window_s}
+
+    # site side ---------------------------------------------------------------------------
+    def join(self, site: str, *, agent_version: str, models: list[str], datasets: list[str], policy_digest: str) -> None:
+        with self._cv:
+            self._seen[site] = self._mono()
+            self.store.site_seen(site, agent_version=agent_version, models=models, datasets=datasets,
+                                 policy_digest=policy_digest)
+            self._cv.notify_all()
+
+    def next_task(self, site: str, wait_s: float) -> TaskGrant | None:
+        end = self._mono() + max(0.0, min(wait_s, self.poll_timeout_s))
+        with self._cv:
+            self.store.site_seen(site)
+            while True:
+                self._seen[site] = self._mono()
+                self._cv.notify_all()
+                grant = self._grant(site)
+                remaining = end - self._mono()
+                if grant or remaining <= 0 or self._stopping:
+                    return grant
+                self._cv.wait(remaining)
+
+    def model_for(self, site: str, task_id: str) -> tuple[Layout, bytes, str, int]:
+        with self._cv:
+            job, rs, grant = self._current_grant(site, task_id)
+            return job.layout, job.blob, job.row.id, rs.model_round
+
+    def submit_update(self, site: str, header, chunks: Iterable) -> str:
+        """Receive one site's update: validate while streaming to a spool file, then fold it."""
+        with self._cv:
+            job, rs, grant = self._current_grant(site, header.task_id)
+            self._check_binding(grant, header.job_id, header.round, header.nonce, "train")
+            if site in rs.receiving:
+                raise FailedPrecondition(f"an update for task {grant.task_id} is already being received")
+            if not 1 <= header.num_samples <= 2 ** 31:
+                raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}")
+            metrics = _metrics(header.eval_metrics, "eval_metrics") | _metrics(header.metrics, "metrics")
+            job.layout.require_same(Layout.from_proto(header.manifest))
+            rs.receiving.add(site)
+            layout, spool = job.layout, self.store.spool / f"{grant.task_id}.part"
+        try:
+            max_abs = _receive_to(spool, layout, chunks)
+        except IntegrityError as exc:
+            self._reject(site, grant, str(exc))
+            spool.unlink(missing_ok=True)
+            raise
+        except BaseException:
+            with self._cv:
+                rs.receiving.discard(site)   # a broken stream may be retried while the round is open
+            spool.unlink(missing_ok=True)
+            raise
+        try:
+            with self._cv:
+                rs.receiving.discard(site)
+                if self._active is not job or job.round is not rs or site in rs.outcomes:
+                    raise RoundClosed(f"round {grant.round} of job {grant.job_id} closed before the update was complete")
+                try:
+                    rs.total.fold(_read_blocks(spool), header.num_samples, max_abs)
+                except IntegrityError as exc:
+                    self._record(rs, grant, site, "rejected", str(exc))
+                    raise
+                rs.contributors.append(site)
+                rs.samples += header.num_samples
+                recorded = {(rs.model_round, "eval", k[5:]): v for k, v in metrics.items() if k.startswith("eval:")}
+                recorded |= {(rs.round, "train", k[6:]): v for k, v in metrics.items() if k.startswith("train:")}
+                recorded[(rs.round, "train", "num_samples")] = float(header.num_samples)
+                self._record(rs, grant, site, "submitted", "", recorded)
+                return f"update for round {grant.round} accepted ({header.num_samples} samples)"
+        finally:
+            spool.unlink(missing_ok=True)
+
+    def report(self, site: str, result, status: str) -> str:
+        with self._cv:
+            job, rs, grant = self._current_grant(site, result.task_id)
+            self._check_binding(grant, result.job_id, result.round, result.nonce, None)
+            reason = result.reason[:MAX_REASON]
+            if status == "declined":
+                self.store.decline(job.row.id, site, reason or "declined by site policy")
+                self._record(rs, grant, site, "declined", reason or "declined by site policy")
+                return "decline recorded; this site will not be asked again for this job"
+            if status == "failed":
+                self._record(rs, grant, site, "failed", reason or "the site reported a failure")
+                return "failure recorded"
+            if grant.kind != "evaluate":
+                raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
+            metrics = _metrics(result.eval_metrics, "eval_metrics")
+            self._record(rs, grant, site, "evaluated", "",
+                         {(rs.model_round, "eval", k[5:]): v for k, v in metrics.items()})
+            return "evaluation recorded"
+
+    # internals ---------------------------------------------------------------------------
+    def _record(self, rs: RoundState, grant: TaskGrant, site: str, status: str, reason: str,
+                metrics: dict | None = None) -> None:
+        rs.outcomes[site] = status
+        self.store.finish_task(grant.task_id, status, reason, job_id=grant.job_id, round_=grant.round,
+                               site=site, metrics=metrics)
+        if reason:
+            log.info("job %s round %d site %s: %s (%s)", grant.job_id, grant.round, site, status, reason)
+        self._cv.notify_all()
+
+    def _reject(self, site: str, grant: TaskGrant, reason: str) -> None:
+        with self._cv:
+            job = self._active
+            if job and job.round and job.round.round == grant.round and job.row.id == grant.job_id:
+                job.round.receiving.discard(site)
+                if site not in job.round.outcomes:
+                    self._record(job.round, grant, site, "rejected", reason)
+
+    def _current_grant(self, site: str, task_id: str) -> tuple[ActiveJob, RoundState, TaskGrant]:
+        row = self.store.task(task_id)
+        if row is None:
+            raise NotFound(f"no task {task_id!r}; ask for a new task with NextTask")
+        _, job_id, round_, owner, _, _, status = row
+        if owner != site:
+            raise PermissionDenied(f"task {task_id} was issued to another site; a site may only answer its own tasks")
+        job = self._active
+        rs = job.round if job and job.row.id == job_id else None
+        if rs is None or rs.round != round_ or site not in rs.grants or rs.grants[site].task_id != task_id:
+            raise RoundClosed(f"round {round_} of job {job_id} is closed; this task can no longer be answered")
+        if status != "issued" or site in rs.outcomes:
+            raise FailedPrecondition(f"task {task_id} was already answered ({status}); replays are refused")
+        return job, rs, rs.grants[site]
+
+    @staticmethod
+    def _check_binding(grant: TaskGrant, job_id: str, round_: int, nonce: bytes, kind: str | None) -> None:
+        if (job_id, round_) != (grant.job_id, grant.round) or not secrets.compare_digest(nonce, grant.nonce):
+            raise IntegrityError("the submission's (job, round, nonce) does not match the task it answers")
+        if kind and grant.kind != kind:
+            raise FailedPrecondition(f"task {grant.task_id} is a {grant.kind} task, not a {kind} task")
+
+    def _grant(self, site: str) -> TaskGrant | None:
+        job = self._active
+        if job is None or job.round is None or site not in job.round.participants or site in job.round.outcomes:
+            return None
+        rs = job.round
+        if site not in rs.grants:
+            remaining = rs.deadline - self._mono()
+            grant = TaskGrant(kind=rs.kind, task_id=uuid.uuid4().hex, job_id=job.row.id, round=rs.round,
+                              model_round=rs.model_round, config_yaml=job.row.config_yaml,
+                              nonce=secrets.token_bytes(16), deadline_unix_s=self._clock() + remaining,
+                              seed=site_seed(job.cfg.seed, rs.round, site))
+            self.store.add_task(grant.task_id, job.row.id, rs.round, site, rs.kind, grant.nonce)
+            rs.grants[site] = grant
+        return rs.grants[site]   # a site that restarted mid-task gets the same task back
+
+    def _tick(self) -> float:
+        if self._active is None and not self._activate_next():
+            return 1.0
+        job = self._active
+        if job.round is None:
+            self._maybe_open_round(job)
+            return 0.5
+        return self._maybe_close_round(job)
+
+    def _activate_next(self) -> bool:
+        pending = [j for j in self.store.jobs() if j.status in ("queued", "running")]
+        if not pending:
+            return False
+        row = next((j for j in pending if j.status == "running"), pending[0])
+        cfg = parse_round_config(row.config_yaml, source=f"job {row.id}")
+        try:
+            strategy = make_strategy(cfg.strategy)
+            if row.status == "queued":
+                state = state_to_numpy(build_model(cfg.model.name, cfg.model.args, seed=cfg.seed))
+                self.store.save_checkpoint(row.id, 0, state)
+                self.store.set_job(row.id, status="running", current_round=0,
+                                   event=("job_started", 0, "", f"{cfg.rounds} rounds of {cfg.strategy.name}"))
+                row = self.store.job(row.id)
+            else:
+                state = self.store.load_checkpoint(row.id, row.current_round)
+                self.store.event(row.id, "job_resumed", row.current_round, "",
+                                 f"resuming after round {row.current_round}")
+        except (ConfigError, NotFound) as exc:
+            self.store.set_job(row.id, status="failed", message=str(exc), event=("job_failed", 0, "", str(exc)))
+            return False
+        layout, blob = encode(state)
+        self._active = ActiveJob(row, cfg, strategy, layout, state, blob, row.current_round)
+        log.info("job %s active at round %d", row.id, row.current_round)
+        return True
+
+    def _eligible_online(self, job: ActiveJob) -> list[str]:
+        now, declined = self._mono(), self.store.declines(job.row.id)
+        return sorted(s for s, t in self._seen.items() if now - t <= self.online_window_s and s not in declined)
+
+    def _maybe_open_round(self, job: ActiveJob) -> None:
+        cfg = job.cfg
+        evaluating = job.model_round >= cfg.rounds
+        online = self._eligible_online(job)
+        participants = online if evaluating else job.strategy.configure(job.model_round + 1, online)
+        if len(participants) < cfg.sites.min:
+            message = f"waiting for sites: {len(participants)} of {cfg.sites.min} needed are online"
+            if job.row.message != message:
+                self.store.set_job(job.row.id, message=message)
+                job.row = self.store.job(job.row.id)
+            return
+        round_ = job.model_round + 1
+        kind = "evaluate" if evaluating else "train"
+        self.store.open_round(job.row.id, round_, kind)
+        self.store.set_job(job.row.id, message="")
+        job.row = self.store.job(job.row.id)
+        job.round = RoundState(round=round_, kind=kind, model_round=job.model_round, participants=participants,
+                               deadline=self._mono() + cfg.sites.deadline_s,
+                               total=None if evaluating else WeightedSum(job.layout))
+        log.info("job %s round %d (%s) opened for %s", job.row.id, round_, kind, ", ".join(participants))
+        self._cv.notify_all()
+
+    def _maybe_close_round(self, job: ActiveJob) -> float:
+        rs = job.round
+        remaining = rs.deadline - self._mono()
+        done = all(s in rs.outcomes for s in rs.participants) and not rs.receiving
+        if not done and remaining > 0:
+            return min(remaining, 1.0)
+        for site in rs.participants:
+            if site not in rs.outcomes:
+                rs.outcomes[site] = "late"
+        if rs.kind == "evaluate":
+            evaluated = sorted(s for s, o in rs.outcomes.items() if o == "evaluated")
+            message = f"final model evaluated by {len(evaluated)} site(s)"
+            self.store.close_round(job.row.id, rs.round, status="closed", contributors=evaluated, total_samples=0,
+                                   message=message, job_update={"status": "completed", "message": message},
+                                   event=("job_completed", message))
+            self._active = None
+        elif len(rs.contributors) >= job.cfg.sites.min:
+            self._close_training_round(job, rs)
+        else:
+            problems = ", ".join(f"{s}: {o}" for s, o in sorted(rs.outcomes.items()) if o != "submitted") or "none"
+            message = (f"round {rs.round} failed: {len(rs.contributors)} update(s), below sites.min="
+                       f"{job.cfg.sites.min} (other sites — {problems}); the global model is unchanged at round "
+                       f"{job.model_round}")
+            self.store.close_round(job.row.id, rs.round, status="failed", contributors=sorted(rs.contributors),
+                                   total_samples=rs.samples, message=message,
+                                   job_update={"status": "failed", "message": message}, event=("job_failed", message))
+            self._active = None
+        self._cv.notify_all()
+        return 0.0
+
+    def _close_training_round(self, job: ActiveJob, rs: RoundState) -> None:
+        state = job.strategy.aggregate(rs.round, job.state, rs.total.mean())
+        self.store.save_checkpoint(job.row.id, rs.round, state)
+        message = f"{len(rs.contributors)} update(s), {rs.samples} samples"
+        self.store.close_round(job.row.id, rs.round, status="closed", contributors=sorted(rs.contributors),
+                               total_samples=rs.samples, message=message, job_update={"current_round": rs.round})
+        job.row = self.store.job(job.row.id)
+        job.state = state
+        job.layout, job.blob = encode(state)
+        job.model_round = rs.round
+        job.round = None
+        log.info("job %s round %d closed: %s", job.row.id, rs.round, message)
+
+    def _fail_active(self, message: str) -> None:
+        job = self._active
+        self._active = None
+        if job is not None:
+            self.store.set_job(job.row.id, status="failed", message=message, event=("job_failed", 0, "", message))
+            self.store.interrupt_open_rounds()
+
+
+def _metrics(values, field_name: str) -> dict[str, float]:
+    prefix = "eval:" if field_name == "eval_metrics" else "train:"
+    if len(values) > MAX_METRICS:
+        raise IntegrityError(f"{field_name} has {len(values)} entries; at most {MAX_METRICS} are allowed")
+    out = {}
+    for name, value in values.items():
+        if not name or len(name) > 64 or not np.isfinite(value):
+            raise IntegrityError(f"{field_name}[{name[:64]!r}] must have a 1-64 character name and a finite value")
+        out[prefix + name] = float(value)
+    return out
+
+
+def _receive_to(spool: Path, layout: Layout, chunks: Iterable) -> float:
+    """Stream chunks through a Receiver into the spool file; returns the update's max |value|."""
+    from plexus.wire import Receiver
+
+    with open(spool, "wb") as fh:
+        receiver = Receiver(layout, sink=fh.write)
+        for chunk in chunks:
+            receiver.feed(chunk.offset, chunk.data)
+        receiver.finish()
+    return receiver.max_abs
+
+
+def _read_blocks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as fh:
+        while block := fh.read(SPOOL_READ_BYTES):
+            yield block

@@ -1,0 +1,142 @@
+"""Thin gRPC servicers: parse the request, call the engine, build the reply."""
+
+from __future__ import annotations
+
+import json
+
+from coordinator.engine import Engine
+from coordinator.store import TERMINAL, JobRow
+from plexus import __version__
+from plexus.errors import IntegrityError
+from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
+from plexus.rpc import Authenticator, guarded
+from plexus.wire import iter_chunks
+
+_KINDS = {"train": fpb.TASK_TRAIN, "evaluate": fpb.TASK_EVALUATE}
+_RESULTS = {fpb.RESULT_EVALUATED: "evaluated", fpb.RESULT_DECLINED: "declined", fpb.RESULT_FAILED: "failed"}
+
+
+def model_stream(job_id: str, round_: int, layout, blob: bytes, chunk_bytes: int):
+    """Header, then chunks that are slices of the one shared blob (no per-stream copy of the model)."""
+    yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=job_id, round=round_, manifest=layout.to_proto()))
+    for offset, piece in iter_chunks(blob, chunk_bytes):
+        yield fpb.ModelMessage(chunk={"offset": offset, "data": bytes(piece)})
+
+
+class FederationService(federation_pb2_grpc.FederationServicer):
+    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int):
+        self.engine, self.auth, self.chunk_bytes = engine, auth, chunk_bytes
+
+    @guarded(kind="site")
+    def Join(self, request, context, *, who):
+        self.engine.join(who.name, agent_version=request.agent_version[:64], models=list(request.models)[:256],
+                         datasets=list(request.datasets)[:256], policy_digest=request.policy_digest[:128])
+        return fpb.JoinReply(federation=self.engine.federation, site=who.name,
+                             poll_timeout_s=self.engine.poll_timeout_s)
+
+    @guarded(kind="site")
+    def NextTask(self, request, context, *, who):
+        grant = self.engine.next_task(who.name, request.wait_s)
+        if grant is None:
+            return fpb.Task(kind=fpb.TASK_NONE)
+        return fpb.Task(kind=_KINDS[grant.kind], task_id=grant.task_id, job_id=grant.job_id, round=grant.round,
+                        model_round=grant.model_round, config_yaml=grant.config_yaml, nonce=grant.nonce,
+                        deadline_unix_s=grant.deadline_unix_s, seed=grant.seed)
+
+    @guarded(kind="site")
+    def FetchModel(self, request, context, *, who):
+        layout, blob, job_id, model_round = self.engine.model_for(who.name, request.task_id)
+        yield from model_stream(job_id, model_round, layout, blob, self.chunk_bytes)
+
+    @guarded(kind="site")
+    def SubmitUpdate(self, request_iterator, context, *, who):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("body") != "header":
+            raise IntegrityError("an update stream must start with its header")
+        message = self.engine.submit_update(who.name, first.header, _chunks(request_iterator))
+        return fpb.SubmitReply(accepted=True, message=message)
+
+    @guarded(kind="site")
+    def ReportResult(self, request, context, *, who):
+        if request.status not in _RESULTS:
+            raise IntegrityError("result status must be EVALUATED, DECLINED or FAILED")
+        return fpb.ResultReply(message=self.engine.report(who.name, request, _RESULTS[request.status]))
+
+
+def _chunks(messages):
+    for message in messages:
+        if message.WhichOneof("body") != "chunk":
+            raise IntegrityError("an update stream carries one header, then only chunks")
+        yield message.chunk
+
+
+def job_summary(row: JobRow) -> admin_pb2.JobSummary:
+    return admin_pb2.JobSummary(job_id=row.id, name=row.name, status=row.status, rounds=row.rounds,
+                                current_round=row.current_round, message=row.message, submitted_by=row.submitted_by,
+                                created_unix_s=row.created, updated_unix_s=row.updated, strategy=row.strategy)
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int):
+        self.engine, self.auth, self.chunk_bytes = engine, auth, chunk_bytes
+        self.store = engine.store
+
+    @guarded(kind="admin", min_role="operator")
+    def SubmitJob(self, request, context, *, who):
+        job_id = self.engine.submit(request.config_yaml, who.name)
+        return job_summary(self.store.job(job_id))
+
+    @guarded(kind="admin", min_role="viewer")
+    def ListJobs(self, request, context, *, who):
+        return admin_pb2.JobList(jobs=[job_summary(r) for r in self.store.jobs()])
+
+    @guarded(kind="admin", min_role="viewer")
+    def GetJob(self, request, context, *, who):
+        row = self.store.job(request.job_id)
+        rounds = [admin_pb2.RoundInfo(round=r, status=f"{status}" if kind == "train" else f"{status} (evaluation)",
+                                      opened_unix_s=opened, closed_unix_s=closed or 0.0,
+                                      contributors=json.loads(contributors), total_samples=samples, message=message)
+                  for r, kind, status, opened, closed, contributors, samples, message in self.store.rounds(row.id)]
+        events = [admin_pb2.SiteStatus(site=s, status=st, round=r, reason=reason)
+                  for s, st, r, reason in self.store.site_events(row.id)]
+        metrics = [admin_pb2.MetricRow(round=r, site=s, kind=k, name=n, value=v)
+                   for r, s, k, n, v in self.store.metrics(row.id)]
+        return admin_pb2.JobDetail(summary=job_summary(row), config_yaml=row.config_yaml, rounds=rounds,
+                                   site_events=events, metrics=metrics)
+
+    @guarded(kind="admin", min_role="viewer")
+    def WatchJob(self, request, context, *, who):
+        row = self.store.job(request.job_id)
+        last = 0
+        while context.is_active():
+            for event_id, at, kind, round_, site, message in self.engine.wait_events(row.id, last, 1.0):
+                last = event_id
+                yield admin_pb2.JobEvent(unix_s=at, kind=kind, round=round_, site=site, message=message,
+                                         summary=job_summary(self.store.job(row.id)))
+            if self.store.job(row.id).status in TERMINAL and not self.store.events_after(row.id, last):
+                return
+
+    @guarded(kind="admin", min_role="operator")
+    def AbortJob(self, request, context, *, who):
+        self.engine.abort(request.job_id, who.name)
+        return job_summary(self.store.job(request.job_id))
+
+    @guarded(kind="admin", min_role="operator")
+    def DownloadModel(self, request, context, *, who):
+        from plexus.wire import encode
+
+        row = self.store.job(request.job_id)
+        round_ = row.current_round if request.round < 0 else request.round
+        if round_ > row.current_round:
+            raise IntegrityError(f"job {row.id} has closed rounds 0..{row.current_round}; round {round_} has no model yet")
+        layout, blob = encode(self.store.load_checkpoint(row.id, round_))
+        self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}")
+        yield from model_stream(row.id, round_, layout, blob, self.chunk_bytes)
+
+    @guarded(kind="admin", min_role="viewer")
+    def ListSites(self, request, context, *, who):
+        online = self.engine.online_sites()
+        return admin_pb2.SiteList(sites=[
+            admin_pb2.SiteInfo(site=name, last_seen_unix_s=seen, online=name in online, policy_digest=digest,
+                               models=json.loads(models), datasets=json.loads(datasets), agent_version=version)
+            for name, seen, version, digest, models, datasets in self.store.sites()])

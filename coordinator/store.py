@@ -1,0 +1,252 @@
+"""The coordinator's durable state: SQLite (WAL) plus one safetensors checkpoint per closed round."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from plexus.errors import NotFound
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, config_yaml TEXT NOT NULL, strategy TEXT NOT NULL,
+    status TEXT NOT NULL, rounds INTEGER NOT NULL, current_round INTEGER NOT NULL DEFAULT 0,
+    message TEXT NOT NULL DEFAULT '', submitted_by TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS rounds (
+    job_id TEXT NOT NULL, round INTEGER NOT NULL, kind TEXT NOT NULL, status TEXT NOT NULL,
+    opened REAL NOT NULL, closed REAL, total_samples INTEGER NOT NULL DEFAULT 0,
+    contributors TEXT NOT NULL DEFAULT '[]', message TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (job_id, round));
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL,
+    kind TEXT NOT NULL, nonce BLOB NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '',
+    issued REAL NOT NULL, finished REAL);
+CREATE INDEX IF NOT EXISTS tasks_by_round ON tasks (job_id, round, site);
+CREATE TABLE IF NOT EXISTS declines (
+    job_id TEXT NOT NULL, site TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY (job_id, site));
+CREATE TABLE IF NOT EXISTS metrics (
+    job_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, kind TEXT NOT NULL,
+    name TEXT NOT NULL, value REAL NOT NULL, PRIMARY KEY (job_id, round, site, kind, name));
+CREATE TABLE IF NOT EXISTS sites (
+    name TEXT PRIMARY KEY, first_seen REAL NOT NULL, last_seen REAL NOT NULL,
+    agent_version TEXT NOT NULL DEFAULT '', policy_digest TEXT NOT NULL DEFAULT '',
+    models TEXT NOT NULL DEFAULT '[]', datasets TEXT NOT NULL DEFAULT '[]');
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, at REAL NOT NULL, kind TEXT NOT NULL,
+    round INTEGER NOT NULL DEFAULT 0, site TEXT NOT NULL DEFAULT '', message TEXT NOT NULL DEFAULT '');
+"""
+
+TERMINAL = ("completed", "failed", "aborted")
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: str
+    name: str
+    config_yaml: str
+    strategy: str
+    status: str
+    rounds: int
+    current_round: int
+    message: str
+    submitted_by: str
+    created: float
+    updated: float
+
+
+class Store:
+    """All SQL lives here; callers get rows and plain values back. Thread-safe."""
+
+    def __init__(self, state_dir: Path, *, clock=time.time):
+        self.state_dir = Path(state_dir)
+        self.checkpoints = self.state_dir / "checkpoints"
+        self.spool = self.state_dir / "spool"
+        for d in (self.state_dir, self.checkpoints, self.spool):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(self.state_dir / "plexus.db", check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _tx(self, statements: list[tuple[str, tuple]]) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, args in statements:
+                    self._db.execute(sql, args)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _all(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # jobs -------------------------------------------------------------------------------
+    def add_job(self, job_id: str, name: str, config_yaml: str, strategy: str, rounds: int, who: str) -> None:
+        now = self.clock()
+        self._tx([("INSERT INTO jobs (id, name, config_yaml, strategy, status, rounds, submitted_by, created, updated)"
+                   " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?)", (job_id, name, config_yaml, strategy, rounds, who, now, now)),
+                  self._event_sql(job_id, "job_submitted", 0, "", f"submitted by {who}")])
+
+    def job(self, job_id: str) -> JobRow:
+        rows = self._all("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        if not rows:
+            raise NotFound(f"no job {job_id!r}; `plexus job list` shows the jobs this coordinator knows")
+        return JobRow(*rows[0])
+
+    def jobs(self) -> list[JobRow]:
+        return [JobRow(*r) for r in self._all("SELECT * FROM jobs ORDER BY created, id")]
+
+    def set_job(self, job_id: str, *, status: str | None = None, current_round: int | None = None,
+                message: str | None = None, event: tuple[str, int, str, str] | None = None) -> None:
+        sets, args = ["updated = ?"], [self.clock()]
+        for column, value in (("status", status), ("current_round", current_round), ("message", message)):
+            if value is not None:
+                sets.append(f"{column} = ?")
+                args.append(value)
+        statements = [(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", (*args, job_id))]
+        if event:
+            statements.append(self._event_sql(job_id, *event))
+        self._tx(statements)
+
+    # rounds and tasks --------------------------------------------------------------------
+    def open_round(self, job_id: str, round_: int, kind: str) -> None:
+        self._tx([("DELETE FROM rounds WHERE job_id = ? AND round = ?", (job_id, round_)),
+                  ("UPDATE tasks SET status = 'stale' WHERE job_id = ? AND round = ? AND status = 'issued'",
+                   (job_id, round_)),
+                  ("INSERT INTO rounds (job_id, round, kind, status, opened) VALUES (?, ?, ?, 'open', ?)",
+                   (job_id, round_, kind, self.clock())),
+                  self._event_sql(job_id, "round_opened", round_, "", kind)])
+
+    def close_round(self, job_id: str, round_: int, *, status: str, contributors: list[str], total_samples: int,
+                    message: str, job_update: dict | None = None, event: tuple[str, str] | None = None) -> None:
+        """Close a round, and in the same transaction move the job on (its current round, status)."""
+        statements = [
+            ("UPDATE rounds SET status = ?, closed = ?, contributors = ?, total_samples = ?, message = ?"
+             " WHERE job_id = ? AND round = ?",
+             (status, self.clock(), json.dumps(contributors), total_samples, message, job_id, round_)),
+            ("UPDATE tasks SET status = 'late', finished = ? WHERE job_id = ? AND round = ? AND status = 'issued'",
+             (self.clock(), job_id, round_)),
+        ]
+        if job_update:
+            cols = ", ".join(f"{k} = ?" for k in job_update)
+            statements.append((f"UPDATE jobs SET {cols}, updated = ? WHERE id = ?",
+                               (*job_update.values(), self.clock(), job_id)))
+        kind, text = event or (f"round_{status}", message)
+        statements.append(self._event_sql(job_id, kind, round_, "", text))
+        self._tx(statements)
+
+    def interrupt_open_rounds(self) -> None:
+        """After a restart: rounds that were open are void and their tasks can no longer be answered."""
+        self._tx([("UPDATE tasks SET status = 'stale' WHERE status = 'issued'", ()),
+                  ("UPDATE rounds SET status = 'interrupted', closed = ? WHERE status = 'open'", (self.clock(),))])
+
+    def rounds(self, job_id: str) -> list[tuple]:
+        return self._all("SELECT round, kind, status, opened, closed, contributors, total_samples, message"
+                         " FROM rounds WHERE job_id = ? ORDER BY round", (job_id,))
+
+    def add_task(self, task_id: str, job_id: str, round_: int, site: str, kind: str, nonce: bytes) -> None:
+        self._tx([("INSERT INTO tasks (task_id, job_id, round, site, kind, nonce, status, issued)"
+                   " VALUES (?, ?, ?, ?, ?, ?, 'issued', ?)", (task_id, job_id, round_, site, kind, nonce, self.clock()))])
+
+    def task(self, task_id: str) -> tuple | None:
+        rows = self._all("SELECT task_id, job_id, round, site, kind, nonce, status FROM tasks WHERE task_id = ?",
+                         (task_id,))
+        return rows[0] if rows else None
+
+    def finish_task(self, task_id: str, status: str, reason: str = "", *, job_id: str = "", round_: int = 0,
+                    site: str = "", metrics: Mapping[tuple[int, str, str], float] | None = None) -> None:
+        """Record a task's outcome, its metrics and an event, atomically."""
+        statements = [("UPDATE tasks SET status = ?, reason = ?, finished = ? WHERE task_id = ?",
+                       (status, reason, self.clock(), task_id))]
+        for (round_key, kind, name), value in (metrics or {}).items():
+            statements.append(("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?, ?, ?)",
+                               (job_id, round_key, site, kind, name, float(value))))
+        statements.append(self._event_sql(job_id, f"site_{status}", round_, site, reason))
+        self._tx(statements)
+
+    def site_events(self, job_id: str) -> list[tuple]:
+        return self._all("SELECT site, status, round, reason FROM tasks WHERE job_id = ?"
+                         " AND status NOT IN ('issued', 'stale') ORDER BY round, site", (job_id,))
+
+    def decline(self, job_id: str, site: str, reason: str) -> None:
+        self._tx([("INSERT OR REPLACE INTO declines VALUES (?, ?, ?, ?)", (job_id, site, reason, self.clock()))])
+
+    def declines(self, job_id: str) -> dict[str, str]:
+        return dict(self._all("SELECT site, reason FROM declines WHERE job_id = ?", (job_id,)))
+
+    def metrics(self, job_id: str) -> list[tuple]:
+        return self._all("SELECT round, site, kind, name, value FROM metrics WHERE job_id = ?"
+                         " ORDER BY round, site, kind, name", (job_id,))
+
+    # sites and events --------------------------------------------------------------------
+    def site_seen(self, name: str, **info) -> None:
+        now = self.clock()
+        with self._lock:
+            self._db.execute("INSERT INTO sites (name, first_seen, last_seen) VALUES (?, ?, ?)"
+                             " ON CONFLICT(name) DO UPDATE SET last_seen = excluded.last_seen", (name, now, now))
+            if info:
+                self._db.execute(
+                    "UPDATE sites SET agent_version = ?, policy_digest = ?, models = ?, datasets = ? WHERE name = ?",
+                    (info["agent_version"], info["policy_digest"], json.dumps(info["models"]),
+                     json.dumps(info["datasets"]), name))
+
+    def sites(self) -> list[tuple]:
+        return self._all("SELECT name, last_seen, agent_version, policy_digest, models, datasets FROM sites"
+                         " ORDER BY name")
+
+    def event(self, job_id: str, kind: str, round_: int = 0, site: str = "", message: str = "") -> None:
+        self._tx([self._event_sql(job_id, kind, round_, site, message)])
+
+    def events_after(self, job_id: str, after_id: int) -> list[tuple]:
+        return self._all("SELECT id, at, kind, round, site, message FROM events WHERE job_id = ? AND id > ?"
+                         " ORDER BY id", (job_id, after_id))
+
+    def _event_sql(self, job_id: str, kind: str, round_: int, site: str, message: str) -> tuple[str, tuple]:
+        return ("INSERT INTO events (job_id, at, kind, round, site, message) VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, self.clock(), kind, round_, site, message))
+
+    # checkpoints -------------------------------------------------------------------------
+    def checkpoint_path(self, job_id: str, round_: int) -> Path:
+        return self.checkpoints / job_id / f"{round_}.safetensors"
+
+    def save_checkpoint(self, job_id: str, round_: int, state: Mapping[str, np.ndarray]) -> Path:
+        """Write atomically: a crash leaves either the old file or the complete new one."""
+        path = self.checkpoint_path(job_id, round_)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(".tmp")
+        save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(tmp),
+                  metadata={"job": job_id, "round": str(round_)})
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return path
+
+    def load_checkpoint(self, job_id: str, round_: int) -> dict[str, np.ndarray]:
+        path = self.checkpoint_path(job_id, round_)
+        if not path.exists():
+            raise NotFound(f"job {job_id} has no checkpoint for round {round_}")
+        return load_file(str(path))

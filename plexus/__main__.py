@@ -1,0 +1,5 @@
+import sys
+
+from plexus.cli import main
+
+sys.exit(main())

@@ -1,0 +1,322 @@
+"""The `plexus` command: PKI, coordinator, site agent, admin and the demo, behind one entry point."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from plexus.errors import PlexusError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=os.environ.get("PLEXUS_LOG", "INFO").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        return args.run(args) or 0
+    except PlexusError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        import grpc
+
+        if isinstance(exc, grpc.RpcError):
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plexus", description="Federated learning across hospitals.")
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="run a whole local federation (4 hospitals, mTLS, heart disease)")
+    demo.add_argument("--sites", type=int, default=4, help="number of hospitals, 1-4 (default 4)")
+    demo.add_argument("--rounds", type=int, default=20, help="federated rounds (default 20)")
+    demo.add_argument("--workdir", type=Path, help="keep PKI, state and logs here (default: a temp dir)")
+    demo.set_defaults(run=_demo)
+
+    pki = sub.add_parser("pki", help="federation CA and certificates").add_subparsers(metavar="ACTION")
+    init = pki.add_parser("init", help="create a federation CA and the coordinator's kit")
+    init.add_argument("dir", type=Path)
+    init.add_argument("--federation", required=True)
+    init.add_argument("--host", action="append", default=[], help="coordinator host name or IP (repeatable)")
+    init.add_argument("--port", type=int, default=8443)
+    init.set_defaults(run=lambda a: _pki("init", a))
+    site = pki.add_parser("add-site", help="issue a site kit")
+    site.add_argument("dir", type=Path)
+    site.add_argument("name")
+    site.set_defaults(run=lambda a: _pki("add-site", a))
+    admin = pki.add_parser("add-admin", help="issue an admin kit")
+    admin.add_argument("dir", type=Path)
+    admin.add_argument("name")
+    admin.add_argument("--role", choices=["admin", "operator", "viewer"], default="viewer")
+    admin.set_defaults(run=lambda a: _pki("add-admin", a))
+    revoke = pki.add_parser("revoke", help="revoke a certificate (the coordinator refuses it on the next call)")
+    revoke.add_argument("dir", type=Path)
+    revoke.add_argument("name")
+    revoke.set_defaults(run=lambda a: _pki("revoke", a))
+
+    coord = sub.add_parser("coordinator", help="the coordinator service").add_subparsers(metavar="ACTION")
+    crun = coord.add_parser("run", help="run the coordinator")
+    crun.add_argument("--config", type=Path, required=True)
+    crun.set_defaults(run=_coordinator_run)
+
+    siteg = sub.add_parser("site", help="the site agent").add_subparsers(metavar="ACTION")
+    srun = siteg.add_parser("run", help="run the site agent")
+    srun.add_argument("--config", type=Path, required=True)
+    srun.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    srun.set_defaults(run=_site_run)
+
+    job = sub.add_parser("job", help="submit and follow jobs").add_subparsers(metavar="ACTION")
+    submit = _admin(job.add_parser("submit", help="submit a round config"))
+    submit.add_argument("file", type=Path)
+    submit.add_argument("--wait", action="store_true", help="follow the job until it ends")
+    submit.set_defaults(run=_job_submit)
+    _admin(job.add_parser("list", help="list jobs")).set_defaults(run=_job_list)
+    for name, fn, text in (("show", _job_show, "a job's rounds, sites and metrics"),
+                           ("watch", _job_watch, "follow a job live"), ("abort", _job_abort, "abort a job")):
+        cmd = _admin(job.add_parser(name, help=text))
+        cmd.add_argument("job_id")
+        cmd.set_defaults(run=fn)
+    dl = _admin(job.add_parser("download", help="download a global model as safetensors"))
+    dl.add_argument("job_id")
+    dl.add_argument("--round", type=int, default=-1, help="round (default: the latest closed round)")
+    dl.add_argument("-o", "--output", type=Path, required=True)
+    dl.set_defaults(run=_job_download)
+    met = _admin(job.add_parser("metrics", help="per-site, per-round metrics"))
+    met.add_argument("job_id")
+    met.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    met.set_defaults(run=_job_metrics)
+
+    sites = sub.add_parser("sites", help="the federation's sites").add_subparsers(metavar="ACTION")
+    _admin(sites.add_parser("list", help="list sites")).set_defaults(run=_sites_list)
+    return p
+
+
+def _admin(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--coordinator", default=os.environ.get("PLEXUS_COORDINATOR"),
+                   help="host:port (or PLEXUS_COORDINATOR; default: from the kit's admin.yaml)")
+    p.add_argument("--kit", type=Path, default=os.environ.get("PLEXUS_KIT"),
+                   help="admin kit folder (or PLEXUS_KIT)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def _client(args):
+    from plexus.admin_client import AdminClient
+    from plexus.config import load_admin_config
+
+    if args.kit is None:
+        raise PlexusError("no admin kit: pass --kit DIR or set PLEXUS_KIT (made by `plexus pki add-admin`)")
+    address = args.coordinator
+    if address is None:
+        if not (args.kit / "admin.yaml").exists():
+            raise PlexusError(f"no coordinator address: pass --coordinator HOST:PORT or set PLEXUS_COORDINATOR")
+        address = load_admin_config(args.kit / "admin.yaml").coordinator
+    return AdminClient(address, args.kit)
+
+
+# pki / services --------------------------------------------------------------------------
+def _pki(action: str, args) -> int:
+    from plexus import pki
+
+    if action == "init":
+        pki.init_federation(args.dir, args.federation, hosts=args.host, port=args.port)
+        print(f"federation {args.federation!r} created in {args.dir}; coordinator kit: {args.dir / 'coordinator'}")
+    elif action == "add-site":
+        print(f"site kit: {pki.add_site(args.dir, args.name)}")
+    elif action == "add-admin":
+        print(f"admin kit ({args.role}): {pki.add_admin(args.dir, args.name, role=args.role)}")
+    else:
+        serial = pki.revoke(args.dir, args.name)
+        print(f"revoked {args.name!r} (serial {serial}); the CRL in {args.dir / 'coordinator' / 'crl.pem'} is updated")
+    return 0
+
+
+def _coordinator_run(args) -> int:
+    from coordinator.server import run
+    from plexus.config import load_coordinator_config
+
+    return run(load_coordinator_config(args.config))
+
+
+def _site_run(args) -> int:
+    import signal
+    import threading
+
+    import torch
+
+    from plexus.config import load_site_config
+    from site_agent.agent import SiteAgent
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    agent = SiteAgent(load_site_config(args.config))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.stop.set())
+    worker = threading.Thread(target=agent.run, name="plexus-site", daemon=True)
+    worker.start()
+    agent.stop.wait()
+    return 0
+
+
+# admin ----------------------------------------------------------------------------------
+def _summary_dict(s) -> dict:
+    return {"job_id": s.job_id, "name": s.name, "status": s.status, "strategy": s.strategy,
+            "round": s.current_round, "rounds": s.rounds, "message": s.message, "submitted_by": s.submitted_by}
+
+
+def _job_submit(args) -> int:
+    try:
+        text = args.file.read_text()
+    except OSError as exc:
+        raise PlexusError(f"cannot read {args.file}: {exc.strerror}") from None
+    with _client(args) as client:
+        summary = client.submit(text)
+        print(json.dumps(_summary_dict(summary)) if args.json else f"submitted job {summary.job_id}")
+        if args.wait:
+            return _follow(client, summary.job_id, args.json)
+    return 0
+
+
+def _job_list(args) -> int:
+    with _client(args) as client:
+        jobs = [_summary_dict(s) for s in client.jobs()]
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+    else:
+        _table(["job_id", "status", "round", "rounds", "strategy", "message"], jobs)
+    return 0
+
+
+def _job_show(args) -> int:
+    from plexus.admin_client import mean_eval
+
+    with _client(args) as client:
+        detail = client.job(args.job_id)
+    evals = mean_eval(detail)
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(detail, preserving_proto_field_name=True), indent=2))
+        return 0
+    s = detail.summary
+    print(f"job {s.job_id}  ({s.name}, {s.strategy})  status: {s.status}  round {s.current_round}/{s.rounds}")
+    if s.message:
+        print(f"  {s.message}")
+    rows = [{"round": r.round, "status": r.status, "sites": len(r.contributors), "samples": r.total_samples,
+             "secs": f"{r.closed_unix_s - r.opened_unix_s:.2f}" if r.closed_unix_s else "",
+             **{f"eval_{k}": f"{v:.4f}" for k, v in evals.get(r.round - 1, {}).items()}} for r in detail.rounds]
+    if rows:
+        print("\nrounds (eval_* = the incoming global model on the sites' held-out rows):")
+        _table(list(dict.fromkeys(k for r in rows for k in r)), rows)
+    issues = [e for e in detail.site_events if e.status not in ("submitted", "evaluated")]
+    if issues:
+        print("\nsites that did not contribute:")
+        _table(["round", "site", "status", "reason"],
+               [{"round": e.round, "site": e.site, "status": e.status, "reason": e.reason} for e in issues])
+    return 0
+
+
+def _job_watch(args) -> int:
+    with _client(args) as client:
+        return _follow(client, args.job_id, args.json)
+
+
+def _follow(client, job_id: str, as_json: bool) -> int:
+    from plexus.admin_client import mean_eval
+
+    status = "unknown"
+    for event in client.watch(job_id):
+        status = event.summary.status
+        extra = ""
+        if event.kind == "round_closed":
+            latest = mean_eval(client.job(job_id)).get(event.round - 1, {})
+            extra = "  " + " ".join(f"{k}={v:.4f}" for k, v in latest.items() if k in ("accuracy", "auc", "loss"))
+        if as_json:
+            print(json.dumps({"at": event.unix_s, "kind": event.kind, "round": event.round, "site": event.site,
+                              "message": event.message, "status": status}), flush=True)
+        else:
+            when = time.strftime("%H:%M:%S", time.localtime(event.unix_s))
+            where = f" round {event.round}" if event.round else ""
+            who = f" {event.site}" if event.site else ""
+            print(f"[{when}]{where} {event.kind}{who}: {event.message}{extra}", flush=True)
+    return 0 if status == "completed" else 1
+
+
+def _job_abort(args) -> int:
+    with _client(args) as client:
+        s = client.abort(args.job_id)
+    print(json.dumps(_summary_dict(s)) if args.json else f"job {s.job_id}: {s.status}")
+    return 0
+
+
+def _job_download(args) -> int:
+    with _client(args) as client:
+        got = client.download_to(args.job_id, args.output, args.round)
+    print(json.dumps({"job_id": args.job_id, "round": got, "path": str(args.output)}) if args.json
+          else f"wrote round {got} of job {args.job_id} to {args.output}")
+    return 0
+
+
+def _job_metrics(args) -> int:
+    with _client(args) as client:
+        detail = client.job(args.job_id)
+    rows = [{"round": m.round, "site": m.site, "kind": m.kind, "name": m.name, "value": m.value}
+            for m in detail.metrics]
+    fmt = "json" if args.json else args.format
+    if fmt == "json":
+        print(json.dumps(rows, indent=2))
+    elif fmt == "csv":
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=["round", "site", "kind", "name", "value"])
+        writer.writeheader()
+        writer.writerows(rows)
+        print(out.getvalue(), end="")
+    else:
+        _table(["round", "site", "kind", "name", "value"], [{**r, "value": f"{r['value']:.6g}"} for r in rows])
+    return 0
+
+
+def _sites_list(args) -> int:
+    with _client(args) as client:
+        sites = [{"site": s.site, "online": s.online, "last_seen": time.strftime(
+            "%Y-%m-%d %H:%M:%S", time.localtime(s.last_seen_unix_s)), "policy_digest": s.policy_digest[:16],
+            "datasets": ",".join(s.datasets), "version": s.agent_version} for s in client.sites()]
+    if args.json:
+        print(json.dumps(sites, indent=2))
+    else:
+        _table(["site", "online", "last_seen", "datasets", "policy_digest", "version"], sites)
+    return 0
+
+
+def _demo(args) -> int:
+    from plexus.demo import run_demo
+
+    return run_demo(sites=args.sites, rounds=args.rounds, workdir=args.workdir)
+
+
+def _table(columns: list[str], rows: list[dict]) -> None:
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,513 @@
+"""Typed Plexus configuration: YAML validated into frozen dataclasses, loaded once.
+
+Every problem raises ConfigError reading ``<source>:<line>: <key.path>: <problem>; <fix>``.
+One generic walker reads any config dataclass from its type hints; per-field
+range checks live in field metadata, cross-field checks in ``_CROSS_CHECKS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from plexus.errors import ConfigError
+
+__all__ = [
+    "AdminConfig", "CoordinatorConfig", "DPSpec", "DataSpec", "DatasetSpec", "ModelSpec",
+    "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SiteConfig", "SitesSpec",
+    "StrategySpec", "TrainSpec", "dump_round_config", "load_admin_config",
+    "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
+    "split_address",
+]
+
+from plexus.datasets import HOSPITALS
+
+
+def split_address(addr: str) -> tuple[str, int]:
+    """Split "host:port" or "[v6]:port" into (host, port); the host comes back unbracketed."""
+    host, sep, port = addr.rpartition(":")
+    example = "write it like 'coordinator.example.org:8443' or '[::1]:8443'"
+    if not sep or not host or not (port.isascii() and port.isdigit()):
+        raise ValueError(f"{addr!r} is not host:port; {example}")
+    if host.startswith("[") and host.endswith("]") and len(host) > 2:
+        host = host[1:-1]
+    elif ":" in host or "[" in host or "]" in host:
+        raise ValueError(f"{addr!r} has a bare IPv6 host; put it in brackets, e.g. '[::1]:8443'")
+    if any(c.isspace() or c == "/" for c in host):
+        raise ValueError(f"{addr!r} has an invalid host; {example}")
+    if int(port) > 65535:
+        raise ValueError(f"port {int(port)} in {addr!r} is out of range; use a port in 0..65535")
+    return host, int(port)
+
+
+# Field checks: metadata={"check": fn}, fn(value) -> "<problem>; <fix>" or None.
+def _range(lo: float, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False) -> dict:
+    if hi is None:
+        wanted = f"> {lo}" if lo_open else f">= {lo}"
+    else:
+        wanted = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+    def check(value: float) -> str | None:
+        too_low = value <= lo if lo_open else value < lo
+        too_high = hi is not None and (value >= hi if hi_open else value > hi)
+        return f"{value!r} is out of range; use a value {wanted}" if too_low or too_high else None
+
+    return {"check": check}
+
+
+def _one_of(*choices: str) -> dict:
+    def check(value: str) -> str | None:
+        if value in choices:
+            return None
+        return f"{value!r} is not allowed; use one of: {', '.join(sorted(choices))}"
+
+    return {"check": check}
+
+
+def _matching(pattern: str, rule: str) -> dict:
+    regex = re.compile(pattern)
+
+    def check(value: str) -> str | None:
+        return None if regex.fullmatch(value) else f"{value!r} is not a valid name; use {rule}"
+
+    return {"check": check}
+
+
+def _address(min_port: int) -> dict:
+    def check(value: str) -> str | None:
+        try:
+            _, port = split_address(value)
+        except ValueError as e:
+            return str(e)
+        if port < min_port:
+            return f"port {port} is out of range; use a port in {min_port}..65535"
+        return None
+
+    return {"check": check}
+
+
+def _non_empty() -> dict:
+    return {"check": lambda value: None if value else "is empty; list at least one item or remove the key"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model registry name and the keyword arguments for its constructor."""
+
+    name: str
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class DataSpec:
+    """The dataset name each site maps to its own local data."""
+
+    dataset: str
+
+
+@dataclass(frozen=True, slots=True)
+class StrategySpec:
+    """An aggregation strategy registry name and its arguments."""
+
+    name: str = "fedavg"
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SitesSpec:
+    """How many sites a round needs and how long it waits for them."""
+
+    min: int = field(default=1, metadata=_range(1))
+    deadline_s: float = field(default=300.0, metadata=_range(0, lo_open=True))
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerSpec:
+    """The local optimizer each site trains with."""
+
+    name: str = field(default="sgd", metadata=_one_of("sgd", "adam"))
+    lr: float = field(default=0.01, metadata=_range(0, lo_open=True))
+    momentum: float = field(default=0.0, metadata=_range(0, 1, hi_open=True))
+    weight_decay: float = field(default=0.0, metadata=_range(0))
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSpec:
+    """Local training per round."""
+
+    epochs: int = field(default=1, metadata=_range(1))
+    batch_size: int = field(default=32, metadata=_range(1))
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+
+
+@dataclass(frozen=True, slots=True)
+class DPSpec:
+    """Differential privacy: where noise is added and how much."""
+
+    mode: str = field(metadata=_one_of("central", "distributed"))
+    noise_multiplier: float = field(metadata=_range(0))
+    clip_norm: float = field(metadata=_range(0, lo_open=True))
+    delta: float = field(default=1e-5, metadata=_range(0, 1, lo_open=True, hi_open=True))
+    target_epsilon: float | None = field(default=None, metadata=_range(0, lo_open=True))
+
+
+@dataclass(frozen=True, slots=True)
+class PrivacySpec:
+    """Secure aggregation and differential privacy settings of a job."""
+
+    secure_aggregation: bool = False
+    dp: DPSpec | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RoundConfig:
+    """One training job, as submitted with `plexus job submit`."""
+
+    name: str = field(metadata=_matching(
+        r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}",
+        "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"))
+    model: ModelSpec
+    data: DataSpec
+    rounds: int = field(metadata=_range(1, 100_000))
+    strategy: StrategySpec = field(default_factory=StrategySpec)
+    sites: SitesSpec = field(default_factory=SitesSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    privacy: PrivacySpec = field(default_factory=PrivacySpec)
+    seed: int = field(default=0, metadata=_range(0, 2**63 - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetSpec:
+    """Where a site finds one named dataset; which keys it needs depends on `kind`."""
+
+    kind: str = field(metadata=_one_of("csv", "npz", "heart-disease"))
+    path: Path | None = None
+    label: str | None = None
+    hospital: str | None = field(default=None, metadata=_one_of(*HOSPITALS))
+    features: tuple[str, ...] | None = field(default=None, metadata=_non_empty())
+    test_fraction: float = field(default=0.34, metadata=_range(0, 1, lo_open=True, hi_open=True))
+    split_seed: int = 43
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """What a site agrees to run."""
+
+    allowed_models: tuple[str, ...] = ()
+    require_secure_aggregation: bool = False
+    max_epsilon: float | None = field(default=None, metadata=_range(0, lo_open=True))
+
+
+@dataclass(frozen=True, slots=True)
+class SiteConfig:
+    """A hospital's site agent; relative paths are relative to the config file."""
+
+    site: str = field(metadata=_matching(
+        r"[a-z0-9][a-z0-9_-]{0,62}",
+        "1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit"))
+    coordinator: str = field(metadata=_address(1))
+    kit: Path
+    state_dir: Path = Path("state")
+    datasets: dict[str, DatasetSpec] = field(default_factory=dict)
+    policy: PolicySpec = field(default_factory=PolicySpec)
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """The coordinator service; relative paths are relative to the config file."""
+
+    listen: str = field(metadata=_address(0))  # port 0 picks a free port
+    kit: Path
+    state_dir: Path = Path("state")
+    crl: Path | None = None
+    poll_timeout_s: float = field(default=20.0, metadata=_range(0, 300, lo_open=True))
+    chunk_bytes: int = field(default=1 << 20, metadata=_range(1 << 16, 1 << 22))
+    max_workers: int = field(default=128, metadata=_range(8, 4096))
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    """Where the admin CLI finds the coordinator and its credentials."""
+
+    coordinator: str = field(metadata=_address(1))
+    kit: Path
+
+
+_DATASET_NEEDS = {"csv": ("path", "label"), "npz": ("path",), "heart-disease": ("hospital",)}
+_DATASET_EXAMPLE = {"path": "<file path>", "label": "<label column>",
+                    "hospital": f"<one of {', '.join(HOSPITALS)}>"}
+
+
+def _dataset_problem(spec: DatasetSpec) -> tuple[str, str] | None:
+    for key in _DATASET_NEEDS[spec.kind]:
+        if getattr(spec, key) is None:
+            return key, f"required for kind {spec.kind!r} but not set; add '{key}: {_DATASET_EXAMPLE[key]}'"
+    return None
+
+
+# Cross-field checks: fn(obj) -> (key, "<problem>; <fix>") or None.
+_CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {DatasetSpec: _dataset_problem}
+
+_TAG = "tag:yaml.org,2002:"
+_TAG_NAMES = {"bool": "a boolean", "int": "an integer", "float": "a number", "null": "null",
+              "str": "a string", "timestamp": "a date"}
+_SCALARS = {  # type -> (accepted YAML tags, name, fix)
+    bool: ({"bool"}, "a boolean", "write true or false"),
+    int: ({"int"}, "an integer", "write a whole number, e.g. 3"),
+    float: ({"int", "float"}, "a number", "write a number, e.g. 0.5"),
+    str: ({"str"}, "a string", "write a string (quote it if it looks like a number, date or boolean)"),
+    Path: ({"str"}, "a path", "write a file path"),
+}
+# PyYAML (YAML 1.1) reads an unquoted 1e-5 as a string; a float field accepts it anyway.
+_PLAIN_EXP_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+_CONSTRUCTOR = yaml.constructor.SafeConstructor()
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _describe(node: Node) -> str:
+    if isinstance(node, MappingNode):
+        return "a mapping"
+    if isinstance(node, SequenceNode):
+        return "a list"
+    name = _TAG_NAMES.get(node.tag.removeprefix(_TAG), f"a value tagged {node.tag}")
+    return name if name == "null" else f"{name} ({node.value})"
+
+
+def _expected(tp: Any) -> str:
+    if dataclasses.is_dataclass(tp) or tp is dict or typing.get_origin(tp) is dict:
+        return "a mapping"
+    if typing.get_origin(tp) is tuple:
+        return "a list"
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        return _expected(_optional_inner(tp))
+    return _SCALARS[tp][1]
+
+
+def _optional_inner(tp: Any) -> Any:
+    (inner,) = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+    return inner
+
+
+def _is_null(node: Node) -> bool:
+    return isinstance(node, ScalarNode) and node.tag == _TAG + "null"
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+class _Reader:
+    """Reads a composed YAML node tree into the type a dataclass field declares."""
+
+    def __init__(self, source: str, base: Path | None) -> None:
+        self.source = source
+        self.base = base
+        self._seen: set[int] = set()
+
+    def fail(self, node: Node, path: str, problem: str) -> NoReturn:
+        raise ConfigError(f"{self.source}:{node.start_mark.line + 1}: {path or '(top level)'}: {problem}")
+
+    def read(self, tp: Any, node: Node, path: str) -> Any:
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if dataclasses.is_dataclass(tp):
+            return self.read_dataclass(tp, node, path)
+        if origin in (types.UnionType, typing.Union):  # only `X | None` is used
+            return None if _is_null(node) else self.read(_optional_inner(tp), node, path)
+        if origin is tuple:
+            return tuple(self.read(args[0], item, f"{path}[{i}]")
+                         for i, item in enumerate(self.items(node, path)))
+        if origin is dict:
+            return {key: self.read(args[1], value, _join(path, key))
+                    for key, (_, value) in self.entries(node, path).items()}
+        if tp is dict:
+            return {key: self.plain(value, _join(path, key))
+                    for key, (_, value) in self.entries(node, path).items()}
+        return self.scalar(tp, node, path)
+
+    def read_dataclass(self, cls: type, node: Node, path: str) -> Any:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        allowed = ", ".join(sorted(fields))
+        entries = self.entries(node, path, fix=f"write a mapping with keys: {allowed}")
+        for key, (key_node, _) in entries.items():
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                self.fail(key_node, _join(path, key), f"unknown key; allowed keys: {allowed}{hint}")
+        hints, values = _hints(cls), {}
+        for name, f in fields.items():
+            if name in entries:
+                value_node = entries[name][1]
+                values[name] = self.read(hints[name], value_node, _join(path, name))
+                check = f.metadata.get("check")
+                problem = check(values[name]) if check and values[name] is not None else None
+                if problem:
+                    self.fail(value_node, _join(path, name), problem)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                self.fail(node, _join(path, name),
+                          f"missing required key; add '{name}:' with {_expected(hints[name])}")
+            elif isinstance(f.default, Path):
+                values[name] = self.path(f.default)
+        obj = cls(**values)
+        problem = _CROSS_CHECKS[cls](obj) if cls in _CROSS_CHECKS else None
+        if problem:
+            key, text = problem
+            self.fail(entries[key][1] if key in entries else node, _join(path, key), text)
+        return obj
+
+    def entries(
+        self, node: Node, path: str, fix: str = "write key: value pairs"
+    ) -> dict[str, tuple[Node, Node]]:
+        """The mapping's string keys to (key node, value node); rejects duplicates."""
+        if not isinstance(node, MappingNode):
+            self.fail(node, path, f"expected a mapping, got {_describe(node)}; {fix}")
+        self.once(node, path)
+        entries: dict[str, tuple[Node, Node]] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _TAG + "merge":
+                self.fail(key_node, path, "merge keys (<<) are not supported; write the keys out")
+            if not (isinstance(key_node, ScalarNode) and key_node.tag == _TAG + "str"):
+                self.fail(key_node, path, f"keys must be strings, got {_describe(key_node)}; quote the key")
+            key = key_node.value
+            if key in entries:
+                first = entries[key][0].start_mark.line + 1
+                self.fail(key_node, _join(path, key), f"duplicate key (first at line {first}); keep only one")
+            entries[key] = (key_node, value_node)
+        return entries
+
+    def items(self, node: Node, path: str) -> list[Node]:
+        if not isinstance(node, SequenceNode):
+            self.fail(node, path, f"expected a list, got {_describe(node)}; write a list, e.g. [a, b]")
+        self.once(node, path)
+        return node.value
+
+    def once(self, node: Node, path: str) -> None:
+        # An alias re-uses its anchor's node: refusing repeats stops recursive
+        # documents and exponential "billion laughs" expansion in submitted configs.
+        if id(node) in self._seen:
+            self.fail(node, path,
+                      "repeats a mapping or list through a YAML alias; write the value out in full")
+        self._seen.add(id(node))
+
+    def scalar(self, tp: type, node: Node, path: str) -> Any:
+        tags, name, fix = _SCALARS[tp]
+        tag = node.tag.removeprefix(_TAG) if isinstance(node, ScalarNode) else None
+        if tag in tags:
+            try:
+                value = _CONSTRUCTOR.yaml_constructors[node.tag](_CONSTRUCTOR, node)
+            except ValueError:
+                self.fail(node, path, f"{node.value!r} is not {name}; {fix}")
+        elif tp is float and tag == "str" and node.style is None and _PLAIN_EXP_FLOAT.fullmatch(node.value):
+            value = node.value
+        else:
+            self.fail(node, path, f"expected {name}, got {_describe(node)}; {fix}")
+        if tp is float:
+            value = float(value)
+            if not math.isfinite(value):
+                self.fail(node, path, f"{value!r} is not a finite number; {fix}")
+        if tp in (str, Path) and not value:
+            self.fail(node, path, f"is empty; {fix}")
+        return self.path(value) if tp is Path else value
+
+    def plain(self, node: Node, path: str) -> Any:
+        """A free-form value (model args): strings, numbers, booleans, null, lists, mappings."""
+        if isinstance(node, MappingNode):
+            return self.read(dict, node, path)
+        if isinstance(node, SequenceNode):
+            return [self.plain(item, f"{path}[{i}]") for i, item in enumerate(self.items(node, path))]
+        if node.tag.removeprefix(_TAG) not in ("str", "int", "float", "bool", "null"):
+            self.fail(node, path, f"unsupported value, {_describe(node)}; "
+                                  "use a string, number, boolean, list or mapping (quote dates)")
+        return _CONSTRUCTOR.yaml_constructors[node.tag](_CONSTRUCTOR, node)
+
+    def path(self, value: str | Path) -> Path:
+        path = Path(value).expanduser()
+        return self.base / path if self.base is not None and not path.is_absolute() else path
+
+
+def _parse(text: str, cls: type, source: str, base: Path | None) -> Any:
+    keys = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        problem = ", ".join(part for part in (e.context, e.problem) if part)
+        raise ConfigError(f"{source}:{mark.line + 1 if mark else 1}: (yaml): {problem}; "
+                          "fix the YAML syntax") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}:1: (yaml): {e}; fix the YAML syntax") from None
+    except RecursionError:
+        raise ConfigError(f"{source}:1: (yaml): nested too deeply; flatten the document") from None
+    if root is None or _is_null(root):
+        raise ConfigError(f"{source}:1: (top level): the document is empty; "
+                          f"write a mapping with keys: {keys}")
+    try:
+        return _Reader(source, base).read(cls, root, "")
+    except RecursionError:
+        raise ConfigError(f"{source}:1: (top level): nested too deeply; flatten the document") from None
+
+
+def _load(path: Path, cls: type) -> Any:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file ({e.strerror or e}); check the path") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: config file is not UTF-8 text; save it as UTF-8") from None
+    return _parse(text, cls, str(path), Path(os.path.abspath(path)).parent)
+
+
+def parse_round_config(text: str, *, source: str = "<round config>") -> RoundConfig:
+    """Parse a round config from YAML text; `source` labels error messages."""
+    return _parse(text, RoundConfig, source, None)
+
+
+def load_round_config(path: Path) -> RoundConfig:
+    """Read and validate a round config file."""
+    return _load(path, RoundConfig)
+
+
+def dump_round_config(cfg: RoundConfig) -> str:
+    """Canonical YAML for a round config: sorted keys, every default written out."""
+    return yaml.safe_dump(_to_plain(cfg), sort_keys=True, default_flow_style=False, allow_unicode=True)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(item) for item in obj]
+    if isinstance(obj, dict):
+        return {key: _to_plain(value) for key, value in obj.items()}
+    return str(obj) if isinstance(obj, Path) else obj
+
+
+def load_site_config(path: Path) -> SiteConfig:
+    """Read and validate a site agent config; relative paths resolve against its folder."""
+    return _load(path, SiteConfig)
+
+
+def load_coordinator_config(path: Path) -> CoordinatorConfig:
+    """Read and validate a coordinator config; relative paths resolve against its folder."""
+    return _load(path, CoordinatorConfig)
+
+
+def load_admin_config(path: Path) -> AdminConfig:
+    """Read and validate an admin CLI config; relative paths resolve against its folder."""
+    return _load(path, AdminConfig)

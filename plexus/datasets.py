@@ -1,0 +1,392 @@
+"""Datasets a site trains on: the bundled Fed-Heart-Disease split and local CSV / NPZ files."""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from plexus.errors import ConfigError, IntegrityError
+
+HOSPITALS = ("cleveland", "hungary", "switzerland", "va")
+
+HEART_DISEASE_CSV = Path(__file__).parent / "data" / "heart_disease_uci.csv"
+
+# Hospital name in a config -> value of the CSV's `dataset` column.
+_HOSPITAL_COLUMN = {
+    "cleveland": "Cleveland",
+    "hungary": "Hungary",
+    "switzerland": "Switzerland",
+    "va": "VA Long Beach",
+}
+
+# Fixed, data-independent scaling (value / constant, roughly the clinical upper
+# bound of each measurement). Per-site standardisation would give every
+# hospital a different feature space and leak site statistics; pooled
+# statistics would need sharing data. Constants are documented in
+# plexus/data/HEART_DISEASE_NOTICE.md.
+_HEART_SCALE = {"age": 100.0, "trestbps": 200.0, "chol": 600.0, "thalch": 220.0, "oldpeak": 6.0}
+
+_HEART_FEATURES = (
+    "age",
+    "sex",
+    "cp_atypical_angina",
+    "cp_non_anginal",
+    "cp_asymptomatic",
+    "trestbps",
+    "chol",
+    "fbs",
+    "restecg_st_t_abnormality",
+    "restecg_lv_hypertrophy",
+    "thalch",
+    "exang",
+    "oldpeak",
+)
+_HEART_COLUMNS = ("id", "dataset", "age", "sex", "cp", "trestbps", "chol", "fbs",
+                  "restecg", "thalch", "exang", "oldpeak", "num")
+_SEX = {"Male": 1.0, "Female": 0.0}
+_BOOL = {"TRUE": 1.0, "FALSE": 0.0}
+# FLamby's codes: cp 1..4, restecg 0..2; one-hot with the first level dropped.
+_CP = {"typical angina": 1, "atypical angina": 2, "non-anginal": 3, "asymptomatic": 4}
+_RESTECG = {"normal": 0, "st-t abnormality": 1, "lv hypertrophy": 2}
+
+
+@dataclass(frozen=True, eq=False)
+class Split:
+    """A train/test split of one site's data, ready for torch."""
+
+    x_train: np.ndarray  # float32 (n, ...) C-contiguous
+    y_train: np.ndarray  # int64 (n,)
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    feature_names: tuple[str, ...]
+
+
+def load_dataset(spec: Any) -> Split:
+    """Load the dataset a DatasetSpec describes (dispatch on ``spec.kind``)."""
+    try:
+        loader = KINDS[spec.kind]
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"unknown dataset kind {spec.kind!r}; expected one of {sorted(KINDS)}"
+        ) from None
+    return loader(spec)
+
+
+def heart_disease(
+    hospital: str, *, path: Path | None = None, test_fraction: float = 0.34, seed: int = 43
+) -> Split:
+    """One hospital of Fed-Heart-Disease, preprocessed as FLamby does, split train/test."""
+    if hospital not in _HOSPITAL_COLUMN:
+        raise ConfigError(f"unknown hospital {hospital!r}; expected one of {list(HOSPITALS)}")
+    path = HEART_DISEASE_CSV if path is None else Path(path)
+    x, y = _heart_rows(path, _HOSPITAL_COLUMN[hospital])
+    train, test = stratified_split(y, test_fraction, seed)
+    return _make_split(x[train], y[train], x[test], y[test], _HEART_FEATURES)
+
+
+def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (train, test) index arrays with each label's share kept; same seed, same split.
+
+    The test set has ceil(test_fraction * n) rows (scikit-learn's convention,
+    which reproduces FLamby's split sizes); rows are shared out between labels
+    by largest remainder.
+    """
+    y = np.asarray(y)
+    if y.ndim != 1:
+        raise ValueError(f"labels must be 1-D, got shape {y.shape}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    n = len(y)
+    # round() first: 0.34 * 50 is 17.000000000000004 in floating point.
+    n_test = math.ceil(round(test_fraction * n, 9))
+    if not 1 <= n_test <= n - 1:
+        raise ValueError(
+            f"cannot split {n} samples with test_fraction={test_fraction}: "
+            "train and test would not both be non-empty"
+        )
+    classes, counts = np.unique(y, return_counts=True)
+    quotas = counts * n_test / n
+    per_class = np.floor(quotas).astype(np.int64)
+    short = n_test - int(per_class.sum())
+    per_class[np.argsort(-(quotas - per_class), kind="stable")[:short]] += 1
+
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for label, k in zip(classes, per_class):
+        members = rng.permutation(np.flatnonzero(y == label))
+        test.append(members[:k])
+        train.append(members[k:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def _load_heart_disease(spec: Any) -> Split:
+    _reject_fields(spec, "heart-disease", ("label", "features"))
+    if spec.hospital is None:
+        raise ConfigError(f"heart-disease dataset needs `hospital`, one of {list(HOSPITALS)}")
+    return heart_disease(
+        spec.hospital, path=spec.path, test_fraction=spec.test_fraction, seed=spec.split_seed
+    )
+
+
+def _heart_rows(path: Path, hospital_column: str) -> tuple[np.ndarray, np.ndarray]:
+    with _open(path) as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in _HEART_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise IntegrityError(f"{path} is not the UCI heart-disease CSV: missing columns {missing}")
+        features, labels = [], []
+        for row in reader:
+            if _hospital_of(row) != hospital_column:
+                continue
+            # FLamby drops every row with a missing value among the kept columns.
+            if any(row[c] == "" for c in _HEART_COLUMNS):
+                continue
+            features.append(_heart_features(row, path))
+            labels.append(1 if int(row["num"]) > 0 else 0)
+    if not labels:
+        raise IntegrityError(f"{path} has no complete rows for hospital {hospital_column!r}")
+    return np.asarray(features, dtype=np.float32), np.asarray(labels, dtype=np.int64)
+
+
+def _hospital_of(row: dict[str, str]) -> str:
+    # The merged CSV labels the first Hungarian patient (id 304: 28-year-old
+    # man, chol 132, thalch 185) as Cleveland. UCI's processed.cleveland.data
+    # has 303 rows, its youngest patient is 29, and this row is the first line
+    # of processed.hungarian.data; moving it back restores FLamby's 303/261.
+    if row["id"] == "304" and row["age"] == "28" and row["chol"] == "132" and row["thalch"] == "185":
+        return "Hungary"
+    return row["dataset"]
+
+
+def _heart_features(row: dict[str, str], path: Path) -> list[float]:
+    def lookup(table: dict[str, Any], column: str) -> Any:
+        try:
+            return table[row[column]]
+        except KeyError:
+            raise IntegrityError(
+                f"{path}: id {row['id']}: unexpected {column} value {row[column]!r}; "
+                f"expected one of {sorted(table)}"
+            ) from None
+
+    def number(column: str) -> float:
+        return _parse_number(row[column], path, column, f"id {row['id']}") / _HEART_SCALE[column]
+
+    cp = lookup(_CP, "cp")
+    restecg = lookup(_RESTECG, "restecg")
+    return [
+        number("age"),
+        lookup(_SEX, "sex"),
+        float(cp == 2), float(cp == 3), float(cp == 4),
+        number("trestbps"),
+        number("chol"),
+        lookup(_BOOL, "fbs"),
+        float(restecg == 1), float(restecg == 2),
+        number("thalch"),
+        lookup(_BOOL, "exang"),
+        number("oldpeak"),
+    ]
+
+
+def _load_csv(spec: Any) -> Split:
+    _reject_fields(spec, "csv", ("hospital",))
+    path = _required_path(spec, "csv")
+    if spec.label is None:
+        raise ConfigError("csv dataset needs `label`: the name of the label column")
+    with _open(path) as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            raise IntegrityError(f"{path} is empty; expected a header row and data rows")
+        rows = [row for row in reader if row]  # csv.reader yields [] for blank lines
+    if len(set(header)) != len(header):
+        raise IntegrityError(f"{path}: duplicate column names in header {header}")
+    if spec.label not in header:
+        raise ConfigError(f"label column {spec.label!r} is not in {path}; columns: {header}")
+    if spec.features is None:
+        features = tuple(c for c in header if c != spec.label)
+    else:
+        features = tuple(spec.features)
+        unknown = [c for c in features if c not in header]
+        if unknown:
+            raise ConfigError(f"feature columns {unknown} are not in {path}; columns: {header}")
+        if spec.label in features:
+            raise ConfigError(f"label column {spec.label!r} is also listed in features")
+        if len(set(features)) != len(features):
+            raise ConfigError(f"features lists a column twice: {list(features)}")
+    if not features:
+        raise ConfigError(f"{path} has no feature columns besides the label {spec.label!r}")
+    if not rows:
+        raise IntegrityError(f"{path} has a header but no data rows")
+
+    label_at = header.index(spec.label)
+    columns = [(c, header.index(c)) for c in features]
+    x = np.empty((len(rows), len(columns)), dtype=np.float64)
+    raw_labels = []
+    for i, row in enumerate(rows, start=1):
+        if len(row) != len(header):
+            raise IntegrityError(
+                f"{path}: data row {i} has {len(row)} fields, the header has {len(header)}"
+            )
+        for j, (name, at) in enumerate(columns):
+            x[i - 1, j] = _parse_number(row[at], path, name, f"data row {i}")
+        if row[label_at] == "":
+            raise IntegrityError(f"{path}: data row {i}: label column {spec.label!r} is empty")
+        raw_labels.append(row[label_at])
+    y = _encode_labels(raw_labels)
+    train, test = stratified_split(y, spec.test_fraction, spec.split_seed)
+    return _make_split(x[train], y[train], x[test], y[test], features)
+
+
+def _encode_labels(raw: list[str]) -> np.ndarray:
+    # Non-negative integer labels are kept as they are: a site that lacks a
+    # class must still put the others at the indices the other sites use.
+    try:
+        ints = np.asarray([int(v) for v in raw], dtype=np.int64)
+    except ValueError:
+        ints = None
+    if ints is not None and ints.min() >= 0:
+        return ints
+    try:
+        values = sorted(set(raw), key=float)
+    except ValueError:
+        values = sorted(set(raw))
+    index = {v: i for i, v in enumerate(values)}
+    return np.asarray([index[v] for v in raw], dtype=np.int64)
+
+
+def _load_npz(spec: Any) -> Split:
+    _reject_fields(spec, "npz", ("label", "features", "hospital"))
+    path = _required_path(spec, "npz")
+    try:
+        # NEVER allow_pickle: unpickling a crafted file runs arbitrary code.
+        archive = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise IntegrityError(f"{path} is not a readable .npz archive of numeric arrays: {e}") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise IntegrityError(f"{path} holds a single array; expected an .npz archive (np.savez)")
+    with archive:
+        names = set(archive.files)
+        if {"x_train", "y_train", "x_test", "y_test"} <= names:
+            wanted = ("x_train", "y_train", "x_test", "y_test")
+        elif {"x", "y"} <= names:
+            wanted = ("x", "y")
+        else:
+            raise IntegrityError(
+                f"{path} must hold arrays x_train, y_train, x_test, y_test or x, y; "
+                f"it holds {sorted(names)}"
+            )
+        arrays = {name: _npz_array(archive, name, path) for name in wanted}
+        names_array = _npz_array(archive, "feature_names", path) if "feature_names" in names else None
+
+    if "x" in arrays:
+        x, y = _check_xy(arrays["x"], arrays["y"], path, "x", "y")
+        train, test = stratified_split(y, spec.test_fraction, spec.split_seed)
+        x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
+    else:
+        x_train, y_train = _check_xy(arrays["x_train"], arrays["y_train"], path, "x_train", "y_train")
+        x_test, y_test = _check_xy(arrays["x_test"], arrays["y_test"], path, "x_test", "y_test")
+        if x_train.shape[1:] != x_test.shape[1:]:
+            raise IntegrityError(
+                f"{path}: x_train rows have shape {x_train.shape[1:]}, x_test rows {x_test.shape[1:]}"
+            )
+    return _make_split(x_train, y_train, x_test, y_test, _npz_feature_names(names_array, x_train, path))
+
+
+def _npz_array(archive: Any, name: str, path: Path) -> np.ndarray:
+    try:
+        return archive[name]
+    except ValueError:
+        raise IntegrityError(
+            f"{path}: array {name!r} has object dtype, which needs pickle; "
+            "Plexus never unpickles data: save numeric arrays instead"
+        ) from None
+
+
+def _check_xy(x: np.ndarray, y: np.ndarray, path: Path, xname: str, yname: str) -> tuple[np.ndarray, np.ndarray]:
+    if x.dtype.kind not in "biuf":
+        raise IntegrityError(f"{path}: {xname} has dtype {x.dtype}; features must be numeric")
+    if y.dtype.kind not in "biu":
+        raise IntegrityError(
+            f"{path}: {yname} has dtype {y.dtype}; labels must be integers (y.astype(np.int64))"
+        )
+    if x.ndim < 2:
+        raise IntegrityError(f"{path}: {xname} has shape {x.shape}; expected (n, features...)")
+    if y.ndim != 1 or len(y) != len(x):
+        raise IntegrityError(f"{path}: {yname} has shape {y.shape}; expected ({len(x)},) to match {xname}")
+    if len(y) == 0:
+        raise IntegrityError(f"{path}: {xname} and {yname} are empty")
+    if not np.isfinite(x).all():
+        raise IntegrityError(f"{path}: {xname} contains NaN or infinite values")
+    if y.min() < 0:
+        raise IntegrityError(f"{path}: {yname} has negative labels; labels must be 0..K-1")
+    return x, y.astype(np.int64)
+
+
+def _npz_feature_names(names: np.ndarray | None, x: np.ndarray, path: Path) -> tuple[str, ...]:
+    if names is None:
+        return tuple(f"x{i}" for i in range(x.shape[1])) if x.ndim == 2 else ()
+    if names.dtype.kind != "U" or names.shape != (math.prod(x.shape[1:]),):
+        raise IntegrityError(
+            f"{path}: feature_names must be a 1-D string array with one name per feature"
+        )
+    return tuple(str(n) for n in names)
+
+
+def _make_split(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
+                feature_names: tuple[str, ...]) -> Split:
+    return Split(
+        x_train=np.ascontiguousarray(x_train, dtype=np.float32),
+        y_train=np.ascontiguousarray(y_train, dtype=np.int64),
+        x_test=np.ascontiguousarray(x_test, dtype=np.float32),
+        y_test=np.ascontiguousarray(y_test, dtype=np.int64),
+        num_classes=int(max(y_train.max(), y_test.max())) + 1,
+        feature_names=tuple(feature_names),
+    )
+
+
+def _parse_number(value: str, path: Path, column: str, where: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise IntegrityError(
+            f"{path}: {where}, column {column!r}: {value!r} is not a finite number; "
+            "every feature must be numeric (encode categories and fill gaps before training)"
+        )
+    return number
+
+
+def _reject_fields(spec: Any, kind: str, fields: tuple[str, ...]) -> None:
+    for name in fields:
+        if getattr(spec, name, None) is not None:
+            raise ConfigError(f"`{name}` does not apply to a dataset of kind {kind!r}")
+
+
+def _required_path(spec: Any, kind: str) -> Path:
+    if spec.path is None:
+        raise ConfigError(f"{kind} dataset needs `path`")
+    path = Path(spec.path)
+    if not path.is_file():
+        raise ConfigError(f"dataset file {path} does not exist")
+    return path
+
+
+def _open(path: Path):
+    try:
+        return path.open(newline="", encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"dataset file {path} does not exist") from None
+
+
+KINDS: dict[str, Callable[[Any], Split]] = {
+    "csv": _load_csv,
+    "npz": _load_npz,
+    "heart-disease": _load_heart_disease,
+}

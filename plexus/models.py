@@ -1,0 +1,194 @@
+"""The model registry: model names a round config may use, and state <-> numpy conversion."""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from plexus.errors import ConfigError, IntegrityError
+
+ENTRY_POINT_GROUP = "plexus.models"
+
+
+def _int_arg(model: str, name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"model {model!r}: argument {name!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"model {model!r}: argument {name!r} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+class Logistic(nn.Module):
+    """Multinomial logistic regression: one linear layer producing logits."""
+
+    def __init__(self, in_features: int, num_classes: int = 2) -> None:
+        super().__init__()
+        self.linear = nn.Linear(
+            _int_arg("logistic", "in_features", in_features, minimum=1),
+            _int_arg("logistic", "num_classes", num_classes, minimum=2),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class MLP(nn.Module):
+    """Fully connected Linear/ReLU(/Dropout) stack producing logits."""
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden: Sequence[int] = (32,),
+        num_classes: int = 2,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        width = _int_arg("mlp", "in_features", in_features, minimum=1)
+        if isinstance(hidden, (str, bytes)) or not isinstance(hidden, Sequence):
+            raise ConfigError(f"model 'mlp': argument 'hidden' must be a list of layer widths, got {hidden!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"model 'mlp': argument 'dropout' must be a number in [0, 1), got {dropout!r}")
+        layers: list[nn.Module] = []
+        for size in hidden:
+            size = _int_arg("mlp", "hidden", size, minimum=1)
+            layers += [nn.Linear(width, size), nn.ReLU()]
+            if dropout > 0:
+                layers.append(nn.Dropout(float(dropout)))
+            width = size
+        layers.append(nn.Linear(width, _int_arg("mlp", "num_classes", num_classes, minimum=2)))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class CNN(nn.Module):
+    """Two conv/ReLU/max-pool blocks and a linear head, for (N, C, H, W) images like Fashion-MNIST."""
+
+    def __init__(self, in_channels: int = 1, image_size: int = 28, num_classes: int = 10, width: int = 16) -> None:
+        super().__init__()
+        channels = _int_arg("cnn", "in_channels", in_channels, minimum=1)
+        # Two 2x2 poolings must leave at least one pixel.
+        size = _int_arg("cnn", "image_size", image_size, minimum=4)
+        width = _int_arg("cnn", "width", width, minimum=1)
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, width, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(2 * width * (size // 4) ** 2, _int_arg("cnn", "num_classes", num_classes, minimum=2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.features(x), 1))
+
+
+REGISTRY: dict[str, Callable[..., nn.Module]] = {"logistic": Logistic, "mlp": MLP, "cnn": CNN}
+
+
+def available_models() -> dict[str, Callable[..., nn.Module]]:
+    """Built-in models plus those installed under the ``plexus.models`` entry-point group."""
+    models = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in REGISTRY}
+    return {**{name: _load_plugin(ep) for name, ep in models.items()}, **REGISTRY}
+
+
+def build_model(name: str, args: Mapping[str, Any], *, seed: int) -> nn.Module:
+    """Construct model ``name`` with ``args``, its weights initialised from ``seed`` alone."""
+    factory = _lookup(name)
+    if not isinstance(args, Mapping):
+        raise ConfigError(f"model {name!r}: args must be a mapping of argument names to values, got {args!r}")
+    _check_args(name, factory, args)
+    # fork_rng: initialise from the seed without disturbing the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model = factory(**args)
+        except ConfigError as e:
+            raise ConfigError(f"{e}; accepted arguments: {_accepted(factory)}") from None
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model {name!r} factory returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def state_to_numpy(model: nn.Module) -> dict[str, np.ndarray]:
+    """The model's state as detached, contiguous CPU numpy copies, sorted by name."""
+    return {
+        name: np.ascontiguousarray(tensor.detach().cpu().numpy()).copy()
+        for name, tensor in sorted(model.state_dict().items())
+    }
+
+
+def load_numpy_state(model: nn.Module, state: Mapping[str, np.ndarray]) -> None:
+    """Copy ``state`` into ``model``; names and shapes must match exactly (nothing is copied otherwise)."""
+    current = model.state_dict()
+    missing = sorted(set(current) - set(state))
+    if missing:
+        raise IntegrityError(f"state is missing tensor {missing[0]!r} (missing: {missing})")
+    unexpected = sorted(set(state) - set(current))
+    if unexpected:
+        raise IntegrityError(f"state has unexpected tensor {unexpected[0]!r} (unexpected: {unexpected})")
+    for name, target in current.items():
+        value = state[name]
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"state tensor {name!r} is a {type(value).__name__}, not a numpy array")
+        if value.shape != tuple(target.shape):
+            raise IntegrityError(
+                f"state tensor {name!r} has shape {value.shape}, the model expects {tuple(target.shape)}"
+            )
+    with torch.no_grad():
+        for name, target in current.items():
+            target.copy_(torch.tensor(state[name]))
+
+
+def _lookup(name: str) -> Callable[..., nn.Module]:
+    if name in REGISTRY:
+        return REGISTRY[name]
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            return _load_plugin(ep)
+    raise ConfigError(f"unknown model {name!r}; available models: {sorted(available_models())}")
+
+
+def _load_plugin(ep: Any) -> Callable[..., nn.Module]:
+    try:
+        factory = ep.load()
+    except Exception as e:  # a broken plugin must name itself, not surface as a bare ImportError
+        raise ConfigError(f"model plugin {ep.name!r} ({ep.value}) failed to load: {e}") from e
+    if not callable(factory):
+        raise ConfigError(f"model plugin {ep.name!r} ({ep.value}) is not callable")
+    return factory
+
+
+def _check_args(name: str, factory: Callable[..., nn.Module], args: Mapping[str, Any]) -> None:
+    params = inspect.signature(factory).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for arg in args:
+        if arg not in accepted:
+            raise ConfigError(
+                f"model {name!r} has no argument {arg!r}; accepted arguments: {_accepted(factory)}"
+            )
+    for p in params:
+        if p.name in accepted and p.default is p.empty and p.name not in args:
+            raise ConfigError(
+                f"model {name!r} needs argument {p.name!r}; accepted arguments: {_accepted(factory)}"
+            )
+
+
+def _accepted(factory: Callable[..., nn.Module]) -> str:
+    params = inspect.signature(factory).parameters.values()
+    return ", ".join(
+        p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    )

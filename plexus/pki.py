@@ -1,0 +1,642 @@
+"""The federation PKI: a CA, kits for the coordinator, sites and admins, and a CRL.
+
+Every certificate is ECDSA P-256 signed with SHA-256 by the federation CA.
+Identity is read from a verified peer certificate (CN = name, OU = kind,
+TITLE = admin role); a request field is never trusted for it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import json
+import os
+import re
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from plexus import errors
+
+KINDS = ("coordinator", "site", "admin")
+ROLES = ("admin", "operator", "viewer")
+
+COORDINATOR_NAME = "coordinator"
+CA_VALIDITY = dt.timedelta(days=3650)
+LEAF_VALIDITY = dt.timedelta(days=825)
+CRL_VALIDITY = dt.timedelta(days=30)
+# Backdate not_valid_before so a peer whose clock runs a little behind still accepts a fresh cert.
+CLOCK_SKEW = dt.timedelta(minutes=5)
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_FEDERATION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$")
+_DNS_LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+_INIT_HINT = "run `plexus pki init DIR --federation NAME` first"
+_KIT_FILES = ("ca.pem", "cert.pem", "key.pem")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a certificate speaks for; `role` is set only for admins."""
+
+    name: str
+    kind: str
+    role: str | None
+    serial: int
+
+
+@dataclass(frozen=True)
+class Kit:
+    """The PEM files of one participant's kit, as read from `path`."""
+
+    ca_pem: bytes
+    cert_pem: bytes
+    key_pem: bytes
+    path: Path
+
+
+# ---------------------------------------------------------------------------
+# Issuing
+
+
+def init_federation(
+    root: Path,
+    federation: str,
+    *,
+    hosts: Sequence[str] = (),
+    port: int = 8443,
+    now: dt.datetime | None = None,
+) -> Path:
+    """Create the federation CA, an empty CRL and the coordinator kit under `root`; return `root`."""
+    root = Path(root)
+    now = _utc(now)
+    if not isinstance(federation, str) or not _FEDERATION_RE.match(federation):
+        raise errors.ConfigError(
+            f"federation name {federation!r} is invalid: use 1-64 letters, digits, spaces, '.', '_' "
+            "or '-', starting with a letter or digit"
+        )
+    if isinstance(hosts, str):
+        raise TypeError("hosts must be a sequence of host names, not a single string")
+    hosts = list(dict.fromkeys(hosts))
+    for host in hosts:
+        _parse_host(host)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise errors.ConfigError(f"port {port!r} is invalid: use an integer between 1 and 65535")
+    if (root / "federation.json").exists() or (root / "ca").exists():
+        raise errors.ConfigError(
+            f"{root} already holds a federation; refusing to overwrite its CA. "
+            "Pick an empty directory, or use `plexus pki add-site/add-admin` to extend this one"
+        )
+
+    if not root.exists():  # a directory the user already had keeps its mode; every subfolder is 0700
+        _make_dir(root)
+    _make_dir(root / "ca")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, f"{federation} CA"),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, federation),
+        ]
+    )
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(now + CA_VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_atomic(root / "ca" / "ca.key", _key_pem(ca_key), mode=0o600)
+    _write_atomic(root / "ca" / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
+
+    registry = {"federation": federation, "hosts": hosts, "port": port, "issued": []}
+    san: list[x509.GeneralName] = [_parse_host(h) for h in hosts]
+    for extra in (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))):
+        if extra not in san:
+            san.append(extra)
+    kit_dir = root / COORDINATOR_NAME
+    crl_pem = _build_crl(ca_cert, ca_key, registry, number=1, now=now)
+    _issue(
+        root, registry, ca_cert, ca_key, COORDINATOR_NAME, "coordinator", None, san, kit_dir, now,
+        config=("coordinator.yaml", _coordinator_yaml(port)),
+    )
+    _write_atomic(root / "crl.pem", crl_pem)
+    _write_atomic(kit_dir / "crl.pem", crl_pem)
+    return root
+
+
+def add_site(root: Path, name: str, *, now: dt.datetime | None = None) -> Path:
+    """Issue a site certificate and write its kit; return the kit dir `root/sites/<name>`."""
+    root = Path(root)
+    now = _utc(now)
+    _check_name(name, "site")
+    registry = _load_registry(root)
+    _check_unique(registry, name)
+    ca_cert, ca_key = _load_ca(root)
+    kit_dir = root / "sites" / name
+    _issue(
+        root, registry, ca_cert, ca_key, name, "site", None, [x509.DNSName(name)], kit_dir, now,
+        config=("site.yaml", _site_yaml(name, _coordinator_address(registry))),
+    )
+    return kit_dir
+
+
+def add_admin(root: Path, name: str, *, role: str = "viewer", now: dt.datetime | None = None) -> Path:
+    """Issue an admin certificate carrying `role` and write its kit; return `root/admins/<name>`."""
+    root = Path(root)
+    now = _utc(now)
+    _check_name(name, "admin")
+    if role not in ROLES:
+        raise errors.ConfigError(f"unknown role {role!r} for admin {name!r}: use one of {sorted(ROLES)}")
+    registry = _load_registry(root)
+    _check_unique(registry, name)
+    ca_cert, ca_key = _load_ca(root)
+    kit_dir = root / "admins" / name
+    _issue(
+        root, registry, ca_cert, ca_key, name, "admin", role, [x509.DNSName(name)], kit_dir, now,
+        config=("admin.yaml", _admin_yaml(_coordinator_address(registry))),
+    )
+    return kit_dir
+
+
+def revoke(root: Path, name: str, *, now: dt.datetime | None = None) -> int:
+    """Revoke the active certificate issued to `name`, rebuild the CRL, return the revoked serial."""
+    root = Path(root)
+    now = _utc(now)
+    registry = _load_registry(root)
+    entries = [e for e in registry["issued"] if e["name"] == name]
+    active = [e for e in entries if not e["revoked"]]
+    if not entries:
+        known = sorted({e["name"] for e in registry["issued"]})
+        raise errors.NotFound(f"no certificate was issued to {name!r} in {root}; issued names: {known}")
+    if not active:
+        raise errors.ConfigError(
+            f"the certificate of {name!r} is already revoked; issue a new one with "
+            "`plexus pki add-site/add-admin` if it should come back"
+        )
+    entry = active[0]
+    entry["revoked"] = True
+    entry["revoked_at"] = now.isoformat()
+    ca_cert, ca_key = _load_ca(root)
+    number = max(_crl_number(root / "crl.pem"), _crl_number(root / COORDINATOR_NAME / "crl.pem")) + 1
+    crl_pem = _build_crl(ca_cert, ca_key, registry, number=number, now=now)
+    # CRLs first: if writing the registry then fails, a rerun revokes again instead of
+    # reporting "already revoked" for a serial that no CRL lists.
+    _write_atomic(root / "crl.pem", crl_pem)
+    if (root / COORDINATOR_NAME).is_dir():
+        _write_atomic(root / COORDINATOR_NAME / "crl.pem", crl_pem)
+    _save_registry(root, registry)
+    return entry["serial"]
+
+
+# ---------------------------------------------------------------------------
+# Reading kits and certificates
+
+
+def load_kit(kit_dir: Path) -> Kit:
+    """Read and check a kit: files present, key private to its owner, cert issued by its CA."""
+    kit_dir = Path(kit_dir)
+    data = {}
+    for fname in _KIT_FILES:
+        path = kit_dir / fname
+        try:
+            data[fname] = path.read_bytes()
+        except FileNotFoundError:
+            raise errors.ConfigError(
+                f"{path.resolve()} is missing; a kit (ca.pem, cert.pem, key.pem) is made by "
+                "`plexus pki add-site DIR NAME` or `plexus pki add-admin DIR NAME`"
+            ) from None
+    key_path = kit_dir / "key.pem"
+    if os.name == "posix" and key_path.stat().st_mode & 0o077:
+        raise errors.ConfigError(
+            f"{key_path.resolve()} is readable by group or others; run `chmod 600 {key_path.resolve()}`"
+        )
+    ca = _load_cert_file(data["ca.pem"], kit_dir / "ca.pem")
+    cert = _load_cert_file(data["cert.pem"], kit_dir / "cert.pem")
+    try:
+        key = serialization.load_pem_private_key(data["key.pem"], password=None)
+    except (ValueError, TypeError) as exc:
+        raise errors.ConfigError(f"{key_path.resolve()} is not an unencrypted PEM private key: {exc}") from None
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise errors.IntegrityError(
+            f"{kit_dir / 'cert.pem'} was not issued by the CA in {kit_dir / 'ca.pem'}; "
+            "the kit mixes federations: issue a fresh one with `plexus pki add-site/add-admin`"
+        ) from None
+    if key.public_key() != cert.public_key():
+        raise errors.IntegrityError(
+            f"{key_path} does not belong to {kit_dir / 'cert.pem'}; issue a fresh kit with "
+            "`plexus pki add-site/add-admin`"
+        )
+    return Kit(ca_pem=data["ca.pem"], cert_pem=data["cert.pem"], key_pem=data["key.pem"], path=kit_dir)
+
+
+def identity_from_cert(cert_pem: bytes) -> Identity:
+    """Read the identity from a certificate (PEM or DER) that TLS has already verified."""
+    cert = _parse_cert(cert_pem)
+    subject = cert.subject
+    name = _single_attr(subject, NameOID.COMMON_NAME, "CN")
+    kind = _single_attr(subject, NameOID.ORGANIZATIONAL_UNIT_NAME, "OU")
+    if kind not in KINDS:
+        raise errors.Unauthenticated(f"certificate of {name!r} has kind (OU) {kind!r}; expected one of {list(KINDS)}")
+    role = None
+    if kind == "admin":
+        role = _single_attr(subject, NameOID.TITLE, "TITLE")
+        if role not in ROLES:
+            raise errors.Unauthenticated(f"admin certificate of {name!r} has unknown role {role!r}")
+    return Identity(name=name, kind=kind, role=role, serial=cert.serial_number)
+
+
+def federation_of(cert_pem: bytes) -> str:
+    """The federation name (subject O) a certificate was issued for."""
+    return _single_attr(_parse_cert(cert_pem).subject, NameOID.ORGANIZATION_NAME, "O")
+
+
+class RevocationList:
+    """A CA-verified CRL that reloads itself when its file changes; `check` raises on revoked certs.
+
+    Fails closed: if the file is replaced by one that is missing, unsigned, from another CA or
+    older (a lower CRL number), `check` raises instead of trusting a stale list silently.
+    """
+
+    def __init__(self, crl_path: Path, ca_pem: bytes):
+        self._path = Path(crl_path)
+        try:
+            self._ca = x509.load_pem_x509_certificate(ca_pem)
+        except (ValueError, TypeError) as exc:
+            raise errors.ConfigError(f"the CA certificate given for the CRL is not a PEM certificate: {exc}") from None
+        self._lock = threading.Lock()
+        self._number = 0
+        if not self._path.exists():
+            raise errors.ConfigError(
+                f"CRL {self._path} does not exist; copy crl.pem from the federation's PKI directory "
+                "(made by `plexus pki init`)"
+            )
+        self._state = self._load()
+
+    def check(self, cert_pem: bytes) -> None:
+        """Raise errors.Unauthenticated if the certificate's serial is on the CRL."""
+        cert = _parse_cert(cert_pem)
+        # One tuple, swapped in one assignment, so a reader never pairs a new stat key with old serials.
+        key, revoked = self._state
+        if self._stat() != key:
+            with self._lock:
+                if self._stat() != self._state[0]:
+                    self._state = self._load()
+            key, revoked = self._state
+        if cert.serial_number in revoked:
+            try:
+                ident = identity_from_cert(cert_pem)
+                who = f"{ident.kind} {ident.name!r}"
+            except errors.Unauthenticated:
+                who = "an unknown participant"
+            raise errors.Unauthenticated(
+                f"certificate of {who} (serial {cert.serial_number}) has been revoked; "
+                "ask the federation operator for a new kit"
+            )
+
+    def _stat(self) -> tuple[int, int, int]:
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            raise errors.ConfigError(f"CRL {self._path} has disappeared; restore it from the PKI directory") from None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _load(self) -> tuple[tuple[int, int, int], frozenset[int]]:
+        key = self._stat()
+        data = self._path.read_bytes()
+        try:
+            if data.lstrip().startswith(b"-----BEGIN"):
+                crl = x509.load_pem_x509_crl(data)
+            else:
+                crl = x509.load_der_x509_crl(data)
+        except ValueError as exc:
+            raise errors.IntegrityError(f"CRL {self._path} cannot be parsed: {exc}") from None
+        if crl.issuer != self._ca.subject or not crl.is_signature_valid(self._ca.public_key()):
+            raise errors.IntegrityError(
+                f"CRL {self._path} fails verification against this federation's CA (tampered, or "
+                "from another federation); copy the crl.pem written by `plexus pki revoke` for this federation"
+            )
+        number = _crl_number_of(crl)
+        if number < self._number:
+            raise errors.IntegrityError(
+                f"CRL {self._path} has number {number}, older than the {self._number} already loaded; "
+                "an old CRL would un-revoke certificates: restore the latest crl.pem"
+            )
+        self._number = number
+        return key, frozenset(r.serial_number for r in crl)
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+
+
+def _utc(now: dt.datetime | None) -> dt.datetime:
+    if now is None:
+        return dt.datetime.now(dt.timezone.utc)
+    if not isinstance(now, dt.datetime):
+        raise TypeError(f"now must be a datetime, not {type(now).__name__}")
+    if now.tzinfo is None:
+        raise ValueError("now must be timezone-aware, e.g. datetime.now(timezone.utc)")
+    return now.astimezone(dt.timezone.utc)
+
+
+def _check_name(name: str, kind: str) -> None:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise errors.ConfigError(
+            f"{kind} name {name!r} is invalid: use 1-63 lowercase letters, digits, '_' or '-', "
+            "starting with a letter or digit"
+        )
+
+
+def _check_unique(registry: dict, name: str) -> None:
+    for entry in registry["issued"]:
+        if entry["name"] == name and not entry["revoked"]:
+            raise errors.ConfigError(
+                f"a certificate for {entry['kind']} {name!r} is already issued (serial {entry['serial']}); "
+                f"names are unique across the federation: revoke it first with "
+                f"`plexus pki revoke DIR {name}`, or pick another name"
+            )
+
+
+def _parse_host(host: str) -> x509.GeneralName:
+    if not isinstance(host, str):
+        raise TypeError(f"host must be a string, not {type(host).__name__}")
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if len(host) > 253 or not all(_DNS_LABEL_RE.match(label) for label in labels):
+        raise errors.ConfigError(
+            f"host {host!r} is neither an IP address nor a DNS name; pass the bare name "
+            "(the port goes in --port)"
+        )
+    return x509.DNSName(host.rstrip("."))
+
+
+def _coordinator_address(registry: dict) -> str:
+    host = registry["hosts"][0] if registry["hosts"] else "localhost"
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass
+    return f"{host}:{registry['port']}"
+
+
+def _make_dir(path: Path) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    # The mode is set at creation so a private key is never readable by others, even briefly.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _load_registry(root: Path) -> dict:
+    path = root / "federation.json"
+    if not path.is_file() or not (root / "ca" / "ca.key").is_file():
+        raise errors.ConfigError(f"{root} is not an initialised federation PKI directory; {_INIT_HINT}")
+    try:
+        registry = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise errors.ConfigError(f"{path} is not valid JSON ({exc}); restore it from a backup") from None
+    if not isinstance(registry, dict) or not {"federation", "hosts", "port", "issued"} <= registry.keys():
+        raise errors.ConfigError(
+            f"{path} lacks federation/hosts/port/issued; it was not written by `plexus pki init`"
+        )
+    return registry
+
+
+def _save_registry(root: Path, registry: dict) -> None:
+    text = json.dumps(registry, indent=2, sort_keys=False) + "\n"
+    _write_atomic(root / "federation.json", text.encode("utf-8"))
+
+
+def _load_ca(root: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    try:
+        cert = x509.load_pem_x509_certificate((root / "ca" / "ca.pem").read_bytes())
+        key = serialization.load_pem_private_key((root / "ca" / "ca.key").read_bytes(), password=None)
+    except FileNotFoundError as exc:
+        raise errors.ConfigError(f"{exc.filename} is missing; {_INIT_HINT}") from None
+    except (ValueError, TypeError) as exc:
+        raise errors.ConfigError(f"the CA in {root / 'ca'} cannot be loaded: {exc}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != cert.public_key():
+        raise errors.ConfigError(f"{root / 'ca' / 'ca.key'} does not match {root / 'ca' / 'ca.pem'}")
+    return cert, key
+
+
+def _issue(
+    root: Path,
+    registry: dict,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    name: str,
+    kind: str,
+    role: str | None,
+    san: list[x509.GeneralName],
+    kit_dir: Path,
+    now: dt.datetime,
+    *,
+    config: tuple[str, str],
+) -> None:
+    """Issue a leaf cert, record it in federation.json, then write the kit."""
+    federation = registry["federation"]
+    attrs = [
+        x509.NameAttribute(NameOID.COMMON_NAME, name),
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, federation),
+        x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, kind),
+    ]
+    if role is not None:
+        attrs.append(x509.NameAttribute(NameOID.TITLE, role))
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    if kind == "coordinator":
+        usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
+    key = ec.generate_private_key(ec.SECP256R1())
+    serial = x509.random_serial_number()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name(attrs))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(serial)
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(min(now + LEAF_VALIDITY, ca_cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.SubjectAlternativeName(san), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    # Record before writing the kit, so every certificate that exists on disk can be revoked.
+    registry["issued"].append(
+        {"name": name, "kind": kind, "role": role, "serial": serial, "revoked": False, "revoked_at": None}
+    )
+    _save_registry(root, registry)
+    _make_dir(kit_dir.parent)
+    _make_dir(kit_dir)
+    _write_atomic(kit_dir / "key.pem", _key_pem(key), mode=0o600)
+    _write_atomic(kit_dir / "cert.pem", cert.public_bytes(serialization.Encoding.PEM))
+    _write_atomic(kit_dir / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
+    _write_atomic(kit_dir / config[0], config[1].encode("utf-8"))
+
+
+def _build_crl(
+    ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, registry: dict, *, number: int, now: dt.datetime
+) -> bytes:
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(now)
+        .next_update(now + CRL_VALIDITY)
+        .add_extension(x509.CRLNumber(number), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False)
+    )
+    for entry in registry["issued"]:
+        if entry["revoked"]:
+            revoked_at = dt.datetime.fromisoformat(entry["revoked_at"]) if entry.get("revoked_at") else now
+            builder = builder.add_revoked_certificate(
+                x509.RevokedCertificateBuilder()
+                .serial_number(entry["serial"])
+                .revocation_date(revoked_at)
+                .build()
+            )
+    return builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def _crl_number_of(crl: x509.CertificateRevocationList) -> int:
+    try:
+        return crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+    except x509.ExtensionNotFound:
+        return 0
+
+
+def _crl_number(path: Path) -> int:
+    try:
+        return _crl_number_of(x509.load_pem_x509_crl(path.read_bytes()))
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _parse_cert(cert_pem: bytes) -> x509.Certificate:
+    if not isinstance(cert_pem, (bytes, bytearray, memoryview)):
+        raise TypeError(f"certificate must be bytes, not {type(cert_pem).__name__}")
+    data = bytes(cert_pem)
+    try:
+        if data.lstrip().startswith(b"-----BEGIN"):
+            return x509.load_pem_x509_certificate(data)
+        return x509.load_der_x509_certificate(data)
+    except ValueError:
+        raise errors.Unauthenticated("the peer certificate cannot be parsed") from None
+
+
+def _load_cert_file(data: bytes, path: Path) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError as exc:
+        raise errors.ConfigError(f"{path} is not a PEM certificate: {exc}") from None
+
+
+def _single_attr(subject: x509.Name, oid: x509.ObjectIdentifier, label: str) -> str:
+    attrs = subject.get_attributes_for_oid(oid)
+    if len(attrs) != 1 or not isinstance(attrs[0].value, str):
+        raise errors.Unauthenticated(f"certificate subject must hold exactly one {label}; got {subject.rfc4514_string()}")
+    return attrs[0].value
+
+
+def _coordinator_yaml(port: int) -> str:
+    return (
+        "# Plexus coordinator config; relative paths are relative to this file's folder.\n"
+        f"# Change listen to \"0.0.0.0:{port}\" to accept remote sites.\n"
+        f'listen: "127.0.0.1:{port}"\n'
+        'kit: "."\n'
+        'state_dir: "./state"\n'
+        'crl: "crl.pem"\n'
+    )
+
+
+def _site_yaml(name: str, coordinator: str) -> str:
+    return (
+        "# Plexus site config; relative paths are relative to this file's folder.\n"
+        f'site: "{name}"\n'
+        f'coordinator: "{coordinator}"\n'
+        'kit: "."\n'
+        'state_dir: "./state"\n'
+        "# Map each dataset name a job asks for to data on this machine, e.g.\n"
+        "#   heart-disease: {kind: heart-disease, hospital: cleveland}\n"
+        "datasets: {}\n"
+        "policy:\n"
+        "  allowed_models: [logistic, mlp, cnn]\n"
+        "  require_secure_aggregation: false\n"
+    )
+
+
+def _admin_yaml(coordinator: str) -> str:
+    return (
+        "# Plexus admin CLI config; relative paths are relative to this file's folder.\n"
+        f'coordinator: "{coordinator}"\n'
+        'kit: "."\n'
+    )

@@ -1,0 +1,184 @@
+from plexus.proto.plexus.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_NONE: _ClassVar[TaskKind]
+    TASK_TRAIN: _ClassVar[TaskKind]
+    TASK_EVALUATE: _ClassVar[TaskKind]
+
+class ResultStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESULT_UNSPECIFIED: _ClassVar[ResultStatus]
+    RESULT_EVALUATED: _ClassVar[ResultStatus]
+    RESULT_DECLINED: _ClassVar[ResultStatus]
+    RESULT_FAILED: _ClassVar[ResultStatus]
+TASK_NONE: TaskKind
+TASK_TRAIN: TaskKind
+TASK_EVALUATE: TaskKind
+RESULT_UNSPECIFIED: ResultStatus
+RESULT_EVALUATED: ResultStatus
+RESULT_DECLINED: ResultStatus
+RESULT_FAILED: ResultStatus
+
+class JoinRequest(_message.Message):
+    __slots__ = ("agent_version", "models", "datasets", "policy_digest")
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    agent_version: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    datasets: _containers.RepeatedScalarFieldContainer[str]
+    policy_digest: str
+    def __init__(self, agent_version: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[str]] = ..., policy_digest: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("federation", "site", "poll_timeout_s")
+    FEDERATION_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    POLL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    federation: str
+    site: str
+    poll_timeout_s: float
+    def __init__(self, federation: _Optional[str] = ..., site: _Optional[str] = ..., poll_timeout_s: _Optional[float] = ...) -> None: ...
+
+class NextTaskRequest(_message.Message):
+    __slots__ = ("wait_s",)
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    wait_s: float
+    def __init__(self, wait_s: _Optional[float] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("kind", "task_id", "job_id", "round", "model_round", "config_yaml", "nonce", "deadline_unix_s", "seed")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    kind: TaskKind
+    task_id: str
+    job_id: str
+    round: int
+    model_round: int
+    config_yaml: str
+    nonce: bytes
+    deadline_unix_s: float
+    seed: int
+    def __init__(self, kind: _Optional[_Union[TaskKind, str]] = ..., task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_round: _Optional[int] = ..., config_yaml: _Optional[str] = ..., nonce: _Optional[bytes] = ..., deadline_unix_s: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class FetchModelRequest(_message.Message):
+    __slots__ = ("task_id",)
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
+
+class ModelMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ModelHeader
+    chunk: _tensor_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[ModelHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class ModelHeader(_message.Message):
+    __slots__ = ("job_id", "round", "manifest")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    round: int
+    manifest: _tensor_pb2.Manifest
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., manifest: _Optional[_Union[_tensor_pb2.Manifest, _Mapping]] = ...) -> None: ...
+
+class UpdateHeader(_message.Message):
+    __slots__ = ("task_id", "job_id", "round", "nonce", "num_samples", "metrics", "eval_metrics", "manifest")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class EvalMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    job_id: str
+    round: int
+    nonce: bytes
+    num_samples: int
+    metrics: _containers.ScalarMap[str, float]
+    eval_metrics: _containers.ScalarMap[str, float]
+    manifest: _tensor_pb2.Manifest
+    def __init__(self, task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., nonce: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., manifest: _Optional[_Union[_tensor_pb2.Manifest, _Mapping]] = ...) -> None: ...
+
+class UpdateMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    chunk: _tensor_pb2.Chunk
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("accepted", "message")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    message: str
+    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class TaskResult(_message.Message):
+    __slots__ = ("task_id", "job_id", "round", "nonce", "status", "reason", "eval_metrics")
+    class EvalMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    job_id: str
+    round: int
+    nonce: bytes
+    status: ResultStatus
+    reason: str
+    eval_metrics: _containers.ScalarMap[str, float]
+    def __init__(self, task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., nonce: _Optional[bytes] = ..., status: _Optional[_Union[ResultStatus, str]] = ..., reason: _Optional[str] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ResultReply(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,227 @@
+"""The tensor wire format: name/dtype/shape manifests plus raw little-endian bytes.
+
+A model travels as a *layout* (tensors sorted by name) and one blob, the
+concatenation of the tensors' bytes in layout order, cut into chunks. Nothing is
+ever pickled; decoding checks every byte against the expected layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from plexus.errors import IntegrityError
+from plexus.proto.plexus.v1 import tensor_pb2
+
+# safetensors dtype names -> little-endian numpy dtypes. Anything else is refused.
+DTYPES: dict[str, np.dtype] = {
+    "F16": np.dtype("<f2"),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "I8": np.dtype("i1"),
+    "I16": np.dtype("<i2"),
+    "I32": np.dtype("<i4"),
+    "I64": np.dtype("<i8"),
+    "U8": np.dtype("u1"),
+}
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_TENSORS = 100_000
+MAX_NAME_LEN = 512
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The wire name of a numpy dtype; TypeError for dtypes the wire does not carry."""
+    name = _NAMES.get(np.dtype(dtype).newbyteorder("<"))
+    if name is None:
+        raise TypeError(f"dtype {dtype} cannot travel on the wire; use one of {sorted(DTYPES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of a layout: where its bytes sit in the blob."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The tensors of a model, sorted by name, with their blob offsets."""
+
+    tensors: tuple[TensorMeta, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.tensors[-1].offset + self.tensors[-1].nbytes if self.tensors else 0
+
+    @property
+    def total_elements(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @classmethod
+    def build(cls, specs: list[tuple[str, str, tuple[int, ...]]]) -> Layout:
+        """Validate (name, dtype, shape) triples and lay them out in name order."""
+        if len(specs) > MAX_TENSORS:
+            raise IntegrityError(f"manifest lists {len(specs)} tensors; at most {MAX_TENSORS} are allowed")
+        names = [s[0] for s in specs]
+        if len(set(names)) != len(names):
+            raise IntegrityError("manifest lists a tensor name twice; names must be unique")
+        tensors, offset = [], 0
+        for name, dtype, shape in sorted(specs):
+            if not name or len(name) > MAX_NAME_LEN:
+                raise IntegrityError(f"tensor name {name[:40]!r} must be 1..{MAX_NAME_LEN} characters")
+            if dtype not in DTYPES:
+                raise IntegrityError(f"tensor {name!r} has dtype {dtype!r}; allowed dtypes are {sorted(DTYPES)}")
+            if any(d < 0 for d in shape):
+                raise IntegrityError(f"tensor {name!r} has a negative dimension in shape {list(shape)}")
+            meta = TensorMeta(name, dtype, tuple(int(d) for d in shape), offset)
+            tensors.append(meta)
+            offset += meta.nbytes
+        return cls(tuple(tensors))
+
+    @classmethod
+    def of(cls, state: Mapping[str, np.ndarray]) -> Layout:
+        return cls.build([(name, dtype_name(a.dtype), tuple(a.shape)) for name, a in state.items()])
+
+    @classmethod
+    def from_proto(cls, manifest: tensor_pb2.Manifest) -> Layout:
+        layout = cls.build([(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors])
+        if manifest.total_bytes != layout.total_bytes:
+            raise IntegrityError(
+                f"manifest says {manifest.total_bytes} bytes but its tensors need {layout.total_bytes}")
+        return layout
+
+    def to_proto(self) -> tensor_pb2.Manifest:
+        return tensor_pb2.Manifest(
+            tensors=[tensor_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape) for t in self.tensors],
+            total_bytes=self.total_bytes,
+        )
+
+    def require_same(self, other: Layout, *, what: str = "update") -> None:
+        """Raise IntegrityError naming the first difference between two layouts."""
+        if self == other:
+            return
+        mine = {t.name: t for t in self.tensors}
+        theirs = {t.name: t for t in other.tensors}
+        if missing := sorted(mine.keys() - theirs.keys()):
+            raise IntegrityError(f"{what} lacks tensor(s) {missing[:5]} of the job's model")
+        if extra := sorted(theirs.keys() - mine.keys()):
+            raise IntegrityError(f"{what} has tensor(s) {extra[:5]} that the job's model does not have")
+        for name, t in mine.items():
+            o = theirs[name]
+            if (t.dtype, t.shape) != (o.dtype, o.shape):
+                raise IntegrityError(
+                    f"{what} tensor {name!r} is {o.dtype}{list(o.shape)}; the job's model has {t.dtype}{list(t.shape)}")
+
+
+def encode(state: Mapping[str, np.ndarray]) -> tuple[Layout, bytes]:
+    """Lay a state dict out as (layout, blob); key order never changes the bytes."""
+    layout = Layout.of(state)
+    blob = bytearray(layout.total_bytes)
+    view = memoryview(blob)
+    for t in layout.tensors:
+        arr = np.ascontiguousarray(state[t.name], dtype=DTYPES[t.dtype])
+        view[t.offset:t.offset + t.nbytes] = arr.reshape(-1).view(np.uint8)
+    return layout, bytes(blob)
+
+
+def decode(layout: Layout, blob: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
+    """Views of a complete, already validated blob as named arrays (no copy)."""
+    if len(blob) != layout.total_bytes:
+        raise IntegrityError(f"blob has {len(blob)} bytes; the layout needs {layout.total_bytes}")
+    return {
+        t.name: np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset).reshape(t.shape)
+        for t in layout.tensors
+    }
+
+
+def iter_chunks(blob: bytes | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[int, memoryview]]:
+    """(offset, slice) pairs covering the blob; slices share the blob's memory."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    view = memoryview(blob)
+    for offset in range(0, len(view), chunk_bytes):
+        yield offset, view[offset:offset + chunk_bytes]
+
+
+class Receiver:
+    """Validates a blob arriving in chunks against an expected layout.
+
+    Checks order and size (no gaps, no bytes beyond the layout) and that every
+    float is finite, element by element, even when chunk edges split an element.
+    Valid bytes are handed to ``sink``; nothing is buffered beyond one element.
+    """
+
+    def __init__(self, layout: Layout, sink=None):
+        self.layout = layout
+        self.received = 0
+        self.max_abs = 0.0
+        self._sink = sink
+        self._tensor = 0
+        self._partial = bytearray()
+
+    def feed(self, offset: int, data: bytes | memoryview) -> None:
+        total = self.layout.total_bytes
+        if offset != self.received:
+            raise IntegrityError(f"chunk at byte {offset} arrived out of order; expected byte {self.received}")
+        if offset + len(data) > total:
+            raise IntegrityError(
+                f"received {offset + len(data)} bytes; the job's model needs exactly {total}")
+        self._validate(offset, memoryview(data))
+        self.received += len(data)
+        if self._sink is not None:
+            self._sink(data)
+
+    def finish(self) -> None:
+        if self.received != self.layout.total_bytes:
+            raise IntegrityError(
+                f"stream ended after {self.received} of {self.layout.total_bytes} bytes; the update is incomplete")
+
+    def _validate(self, offset: int, data: memoryview) -> None:
+        pos, end = offset, offset + len(data)
+        tensors = self.layout.tensors
+        while pos < end:
+            while tensors[self._tensor].offset + tensors[self._tensor].nbytes <= pos:
+                self._tensor += 1
+            t = tensors[self._tensor]
+            dtype = DTYPES[t.dtype]
+            seg_end = min(end, t.offset + t.nbytes)
+            if self._partial:
+                take = min(dtype.itemsize - len(self._partial), seg_end - pos)
+                self._partial += data[pos - offset:pos - offset + take]
+                pos += take
+                if len(self._partial) == dtype.itemsize:
+                    self._check(t, np.frombuffer(bytes(self._partial), dtype=dtype))
+                    self._partial.clear()
+                continue
+            whole = (seg_end - pos) // dtype.itemsize * dtype.itemsize
+            if whole:
+                self._check(t, np.frombuffer(data[pos - offset:pos - offset + whole], dtype=dtype))
+                pos += whole
+            if pos < seg_end:
+                self._partial += data[pos - offset:seg_end - offset]
+                pos = seg_end
+
+    def _check(self, t: TensorMeta, values: np.ndarray) -> None:
+        if values.size == 0:
+            return
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            raise IntegrityError(f"tensor {t.name!r} contains NaN or Inf; refusing the update")
+        peak = float(np.max(np.abs(values.astype(np.float64, copy=False))))
+        self.max_abs = max(self.max_abs, peak)

@@ -1,0 +1,159 @@
+"""The site agent's connection loop: dial out, take tasks, train locally, send updates.
+
+The agent only ever dials out. While the coordinator is unreachable it retries
+with capped exponential backoff; a coordinator restart costs a few seconds, not
+an operator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+
+import grpc
+
+from plexus import __version__, transport
+from plexus.config import RoundConfig, SiteConfig, parse_round_config
+from plexus.datasets import Split, load_dataset
+from plexus.models import available_models, build_model, load_numpy_state, state_to_numpy
+from plexus.pki import load_kit
+from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
+from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, Receiver, decode, encode, iter_chunks
+from site_agent.policy import policy_digest, refusal
+from site_agent.training import evaluate, train_local
+
+log = logging.getLogger("plexus.site")
+
+BACKOFF_START_S = 0.25
+BACKOFF_CAP_S = 8.0
+_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+          grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+class SiteAgent:
+    def __init__(self, config: SiteConfig, *, stop: threading.Event | None = None,
+                 backoff_cap_s: float = BACKOFF_CAP_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        self.config = config
+        self.kit = load_kit(config.kit)
+        self.stop = stop or threading.Event()
+        self.backoff_cap_s = backoff_cap_s
+        self.chunk_bytes = chunk_bytes
+        self._data: dict[str, Split] = {}
+        self._rng = random.Random()
+
+    def run(self) -> None:
+        """Connect, serve tasks, reconnect on failure, until `stop` is set."""
+        delay = BACKOFF_START_S
+        while not self.stop.is_set():
+            try:
+                with transport.channel(self.kit, self.config.coordinator) as channel:
+                    stub = federation_pb2_grpc.FederationStub(channel)
+                    reply = stub.Join(fpb.JoinRequest(
+                        agent_version=__version__, models=sorted(available_models()),
+                        datasets=sorted(self.config.datasets), policy_digest=policy_digest(self.config.policy)),
+                        timeout=10)
+                    log.info("joined federation %r as site %r", reply.federation, reply.site)
+                    delay = BACKOFF_START_S
+                    self._serve(stub, reply.poll_timeout_s or 20.0)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                level = logging.INFO if code in _RETRY else logging.ERROR
+                log.log(level, "coordinator %s: %s: %s; retrying in %.1fs", self.config.coordinator,
+                        code.name, exc.details(), delay)
+            self.stop.wait(delay * (1 + 0.25 * self._rng.random()))
+            delay = min(delay * 2, self.backoff_cap_s)
+
+    def _serve(self, stub, poll_s: float) -> None:
+        while not self.stop.is_set():
+            task = stub.NextTask(fpb.NextTaskRequest(wait_s=poll_s), timeout=poll_s + 15)
+            if task.kind != fpb.TASK_NONE:
+                self.handle(stub, task)
+
+    def handle(self, stub, task: fpb.Task) -> None:
+        """Run one task; policy refusals and local failures are reported, never silently dropped."""
+        try:
+            job = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
+        except ValueError as exc:
+            return self._report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
+        reason = refusal(self.config.policy, job, set(available_models()))
+        if reason is None and job.data.dataset not in self.config.datasets:
+            reason = (f"dataset {job.data.dataset!r} is not configured at this site "
+                      f"(configured: {sorted(self.config.datasets)})")
+        if reason:
+            log.warning("declining job %s: %s", task.job_id, reason)
+            return self._report(stub, task, fpb.RESULT_DECLINED, reason)
+        try:
+            data = self._dataset(job.data.dataset)
+            model = build_model(job.model.name, job.model.args, seed=job.seed)
+            load_numpy_state(model, self._fetch(stub, task, Layout.of(state_to_numpy(model))))
+            eval_metrics = evaluate(model, data.x_test, data.y_test)
+            if task.kind == fpb.TASK_EVALUATE:
+                return self._report(stub, task, fpb.RESULT_EVALUATED, "", eval_metrics)
+            result = train_local(model, data.x_train, data.y_train, job.train, seed=task.seed)
+        except grpc.RpcError:
+            raise
+        except (ValueError, RuntimeError, LookupError) as exc:
+            log.exception("task %s failed", task.task_id)
+            return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
+        self._submit(stub, task, job, model, result, eval_metrics)
+
+    def _dataset(self, name: str) -> Split:
+        if name not in self._data:
+            self._data[name] = load_dataset(self.config.datasets[name])
+        return self._data[name]
+
+    def _fetch(self, stub, task: fpb.Task, expected: Layout) -> dict:
+        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_remaining(task))
+        first = next(stream)
+        if first.WhichOneof("body") != "header":
+            raise ValueError("the model stream did not start with a header")
+        layout = Layout.from_proto(first.header.manifest)
+        expected.require_same(layout, what="the coordinator's model")
+        blob = bytearray(layout.total_bytes)
+        view = memoryview(blob)
+        receiver = Receiver(layout)
+        for message in stream:
+            chunk = message.chunk
+            receiver.feed(chunk.offset, chunk.data)
+            view[chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
+        receiver.finish()
+        return decode(layout, blob)
+
+    def _submit(self, stub, task, job: RoundConfig, model, result, eval_metrics: dict) -> None:
+        layout, blob = encode(state_to_numpy(model))
+        header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                                  num_samples=result.num_samples, metrics=result.metrics,
+                                  eval_metrics=eval_metrics, manifest=layout.to_proto())
+
+        def messages():
+            yield fpb.UpdateMessage(header=header)
+            for offset, piece in iter_chunks(blob, self.chunk_bytes):
+                yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(piece)})
+
+        try:
+            reply = stub.SubmitUpdate(messages(), timeout=_remaining(task))
+        except grpc.RpcError as exc:
+            if exc.code() in _RETRY:
+                raise
+            log.warning("job %s round %d: update refused: %s", task.job_id, task.round, exc.details())
+            return
+        log.info("job %s round %d: sent update sha256=%s (%d samples, train_loss %.4f): %s", task.job_id,
+                 task.round, hashlib.sha256(blob).hexdigest()[:16], result.num_samples,
+                 result.metrics.get("train_loss", float("nan")), reply.message)
+
+    def _report(self, stub, task, status, reason: str, eval_metrics: dict | None = None) -> None:
+        try:
+            stub.ReportResult(fpb.TaskResult(task_id=task.task_id, job_id=task.job_id, round=task.round,
+                                             nonce=task.nonce, status=status, reason=reason,
+                                             eval_metrics=eval_metrics or {}), timeout=30)
+        except grpc.RpcError as exc:
+            if exc.code() in _RETRY:
+                raise
+            log.warning("job %s round %d: result refused: %s", task.job_id, task.round, exc.details())
+
+
+def _remaining(task: fpb.Task) -> float:
+    return max(5.0, task.deadline_unix_s - time.time() + 5.0)

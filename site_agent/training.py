@@ -1,0 +1,177 @@
+"""Local training and evaluation of a model on a site's own data."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plexus.errors import ConfigError
+
+_EVAL_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one local training run reports back (never the data itself)."""
+
+    num_samples: int
+    steps: int
+    metrics: dict[str, float]  # "train_loss": sample-weighted mean over the last epoch
+
+
+def _sgd(params: Any, opt: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+
+
+def _adam(params: Any, opt: Any) -> torch.optim.Optimizer:
+    if opt.momentum:
+        raise ConfigError("optimizer 'adam' takes no momentum (it uses betas); set momentum to 0 or use sgd")
+    return torch.optim.Adam(params, lr=opt.lr, weight_decay=opt.weight_decay)
+
+
+OPTIMIZERS: dict[str, Callable[[Any, Any], torch.optim.Optimizer]] = {"sgd": _sgd, "adam": _adam}
+
+
+def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, seed: int) -> TrainResult:
+    """Train ``model`` in place with cross-entropy; the same seed and inputs give the same bits."""
+    _check_train(train)
+    try:
+        make_optimizer = OPTIMIZERS[train.optimizer.name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown optimizer {train.optimizer.name!r}; expected one of {sorted(OPTIMIZERS)}"
+        ) from None
+    device = _device(model)
+    xt, yt = _tensors(x, y, device)
+    n = len(yt)
+    if n == 0:
+        raise ValueError("no training samples: x and y are empty, so there is nothing to train on")
+    optimizer = make_optimizer(model.parameters(), train.optimizer)
+
+    was_training = model.training
+    model.train()
+    steps = 0
+    # Dropout draws from the global RNG: seed a fork of it so the caller's stream is untouched.
+    forked = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=forked):
+            torch.manual_seed(seed)
+            order_rng = torch.Generator().manual_seed(seed)
+            for _ in range(train.epochs):
+                order = torch.randperm(n, generator=order_rng).to(device)
+                loss_sum = 0.0
+                for start in range(0, n, train.batch_size):
+                    batch = order[start:start + train.batch_size]
+                    logits = model(xt[batch])
+                    if steps == 0:
+                        _check_labels(yt, logits)
+                    loss = F.cross_entropy(logits, yt[batch])
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    steps += 1
+                    loss_sum += loss.item() * len(batch)
+    finally:
+        model.train(was_training)
+    train_loss = loss_sum / n
+    if not math.isfinite(train_loss):
+        raise ValueError(f"training diverged (train_loss={train_loss}); lower the learning rate")
+    return TrainResult(num_samples=n, steps=steps, metrics={"train_loss": train_loss})
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """Loss, accuracy and sample count of ``model`` on (x, y); "auc" too for two classes when both occur."""
+    xt, yt = _tensors(x, y, _device(model))
+    n = len(yt)
+    if n == 0:
+        raise ValueError("no evaluation samples: x and y are empty")
+    was_training = model.training
+    model.eval()
+    try:
+        logits = torch.cat([model(xt[i:i + _EVAL_BATCH]) for i in range(0, n, _EVAL_BATCH)])
+    finally:
+        model.train(was_training)
+    _check_labels(yt, logits)
+    metrics = {
+        "loss": F.cross_entropy(logits, yt).item(),
+        "accuracy": (logits.argmax(dim=1) == yt).double().mean().item(),
+        "num_samples": float(n),
+    }
+    labels = yt.cpu().numpy()
+    if logits.shape[1] == 2 and 0 < labels.sum() < n:
+        # The logit margin ranks samples exactly as the softmax probability, without saturating.
+        metrics["auc"] = roc_auc(labels, (logits[:, 1] - logits[:, 0]).double().cpu().numpy())
+    return metrics
+
+
+def roc_auc(y_true: np.ndarray, scores: np.ndarray) -> float:
+    """Area under the ROC curve via the Mann-Whitney U statistic, ties given average ranks."""
+    y_true = np.asarray(y_true)
+    scores = np.asarray(scores, dtype=np.float64)
+    if y_true.ndim != 1 or y_true.shape != scores.shape:
+        raise ValueError(f"y_true and scores must be 1-D of equal length, got {y_true.shape} and {scores.shape}")
+    if not np.isin(y_true, (0, 1)).all():
+        raise ValueError("y_true must contain only 0 and 1")
+    if np.isnan(scores).any():
+        raise ValueError("scores contain NaN")
+    positive = y_true == 1
+    n_pos = int(positive.sum())
+    n_neg = len(y_true) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("ROC AUC is undefined when y_true holds only one class")
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores = scores[order]
+    # Tied scores share the mean of the 1-based ranks they span.
+    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    ends = np.r_[starts[1:], len(scores)]
+    ranks = np.empty(len(scores), dtype=np.float64)
+    ranks[order] = np.repeat((starts + ends + 1) / 2.0, ends - starts)
+    u = ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
+
+
+def _check_train(train: Any) -> None:
+    for name in ("epochs", "batch_size"):
+        value = getattr(train, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+    opt = train.optimizer
+    if not (isinstance(opt.lr, (int, float)) and math.isfinite(opt.lr) and opt.lr > 0):
+        raise ConfigError(f"train.optimizer.lr must be a positive number, got {opt.lr!r}")
+    if not 0.0 <= opt.momentum < 1.0:
+        raise ConfigError(f"train.optimizer.momentum must be in [0, 1), got {opt.momentum!r}")
+    if not 0.0 <= opt.weight_decay:
+        raise ConfigError(f"train.optimizer.weight_decay must be >= 0, got {opt.weight_decay!r}")
+
+
+def _device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _tensors(x: np.ndarray, y: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    x = np.asarray(x)
+    y = np.asarray(y)
+    if x.dtype.kind not in "biuf":
+        raise TypeError(f"x must be numeric, got dtype {x.dtype}")
+    if y.dtype.kind not in "iu":
+        raise TypeError(f"y must hold integer class labels, got dtype {y.dtype}")
+    if y.ndim != 1 or x.ndim < 1 or len(x) != len(y):
+        raise ValueError(f"x and y must have the same number of rows, got shapes {x.shape} and {y.shape}")
+    return (torch.tensor(x, dtype=torch.float32, device=device),
+            torch.tensor(y, dtype=torch.int64, device=device))
+
+
+def _check_labels(y: torch.Tensor, logits: torch.Tensor) -> None:
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= logits.shape[1]):
+        raise ValueError(
+            f"labels must be in 0..{logits.shape[1] - 1} for a model with {logits.shape[1]} outputs, "
+            f"got labels from {int(y.min())} to {int(y.max())}"
+        )

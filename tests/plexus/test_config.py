@@ -1,0 +1,519 @@
+"""Tests for plexus.config: parsing, defaults, round trips and error messages."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plexus.config import (
+    AdminConfig,
+    CoordinatorConfig,
+    DataSpec,
+    DatasetSpec,
+    DPSpec,
+    ModelSpec,
+    OptimizerSpec,
+    PolicySpec,
+    PrivacySpec,
+    RoundConfig,
+    SitesSpec,
+    StrategySpec,
+    TrainSpec,
+    dump_round_config,
+    load_admin_config,
+    load_coordinator_config,
+    load_round_config,
+    load_site_config,
+    parse_round_config,
+    split_address,
+)
+from plexus.errors import ConfigError
+
+DESIGN_ROUND = """\
+name: heart-fedavg
+model: {name: mlp, args: {in_features: 13, hidden: [32], num_classes: 2}}
+data: {dataset: heart-disease}          # each site maps this name to its own data
+strategy: {name: fedavg}
+rounds: 20
+sites: {min: 3, deadline_s: 60}
+train: {epochs: 1, batch_size: 32, optimizer: {name: sgd, lr: 0.05}}
+privacy: {secure_aggregation: true, dp: {mode: central, noise_multiplier: 1.0, clip_norm: 1.0}}
+seed: 0
+"""
+
+DESIGN_SITE = """\
+site: cleveland
+coordinator: coordinator.example.org:8443
+kit: ./kits/cleveland
+datasets:
+  heart-disease: {kind: csv, path: /data/heart.csv, label: target}
+policy:
+  allowed_models: [mlp, logistic]
+  require_secure_aggregation: true
+  max_epsilon: 8.0
+"""
+
+MINIMAL = "name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 3\n"
+
+
+def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def round_error(text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_round_config(textwrap.dedent(text), source="job.yaml")
+    return str(info.value)
+
+
+def site_error(tmp_path: Path, text: str) -> str:
+    path = write(tmp_path, text, "site.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_site_config(path)
+    return str(info.value).removeprefix(f"{path}:")
+
+
+# --- valid configs -----------------------------------------------------------
+
+
+def test_design_round_config_example():
+    cfg = parse_round_config(DESIGN_ROUND)
+    assert cfg == RoundConfig(
+        name="heart-fedavg",
+        model=ModelSpec(name="mlp", args={"in_features": 13, "hidden": [32], "num_classes": 2}),
+        data=DataSpec(dataset="heart-disease"),
+        strategy=StrategySpec(name="fedavg"),
+        rounds=20,
+        sites=SitesSpec(min=3, deadline_s=60.0),
+        train=TrainSpec(epochs=1, batch_size=32, optimizer=OptimizerSpec(name="sgd", lr=0.05)),
+        privacy=PrivacySpec(
+            secure_aggregation=True,
+            dp=DPSpec(mode="central", noise_multiplier=1.0, clip_norm=1.0),
+        ),
+        seed=0,
+    )
+    assert cfg.privacy.dp.delta == 1e-5 and cfg.privacy.dp.target_epsilon is None
+
+
+def test_design_site_config_example(tmp_path):
+    path = write(tmp_path, DESIGN_SITE, "etc/site.yaml")
+    cfg = load_site_config(path)
+    assert cfg.site == "cleveland"
+    assert cfg.coordinator == "coordinator.example.org:8443"
+    assert cfg.kit == tmp_path / "etc" / "kits" / "cleveland"
+    assert cfg.state_dir == tmp_path / "etc" / "state"
+    assert cfg.datasets == {
+        "heart-disease": DatasetSpec(kind="csv", path=Path("/data/heart.csv"), label="target"),
+    }
+    assert cfg.policy == PolicySpec(
+        allowed_models=("mlp", "logistic"), require_secure_aggregation=True, max_epsilon=8.0
+    )
+
+
+def test_round_config_defaults():
+    cfg = parse_round_config(MINIMAL)
+    assert cfg.strategy == StrategySpec(name="fedavg", args={})
+    assert cfg.sites == SitesSpec(min=1, deadline_s=300.0)
+    assert cfg.train == TrainSpec(
+        epochs=1, batch_size=32,
+        optimizer=OptimizerSpec(name="sgd", lr=0.01, momentum=0.0, weight_decay=0.0),
+    )
+    assert cfg.privacy == PrivacySpec(secure_aggregation=False, dp=None)
+    assert cfg.seed == 0
+    assert cfg.model.args == {}
+
+
+def test_dataclasses_are_frozen():
+    cfg = parse_round_config(MINIMAL)
+    with pytest.raises(AttributeError):
+        cfg.rounds = 5  # type: ignore[misc]
+
+
+def test_int_accepted_for_float_fields():
+    cfg = parse_round_config(MINIMAL + "sites: {deadline_s: 60}\ntrain: {optimizer: {lr: 1}}\n")
+    assert cfg.sites.deadline_s == 60.0 and type(cfg.sites.deadline_s) is float
+    assert type(cfg.train.optimizer.lr) is float
+
+
+def test_unquoted_exponent_accepted_for_float_fields():
+    # PyYAML's YAML 1.1 resolver reads `1e-5` as a string; float fields take it anyway.
+    cfg = parse_round_config(
+        MINIMAL + "privacy: {dp: {mode: distributed, noise_multiplier: 0, clip_norm: 2, delta: 1e-6}}\n"
+    )
+    assert cfg.privacy.dp.delta == 1e-6
+
+
+def test_dp_null_allowed():
+    assert parse_round_config(MINIMAL + "privacy: {dp: null}\n").privacy.dp is None
+
+
+def test_scalar_alias_allowed():
+    cfg = parse_round_config(MINIMAL + "sites: {min: &n 2}\ntrain: {epochs: *n}\n")
+    assert cfg.sites.min == cfg.train.epochs == 2
+
+
+def test_load_round_config_file(tmp_path):
+    path = write(tmp_path, DESIGN_ROUND, "job.yaml")
+    assert load_round_config(path) == parse_round_config(DESIGN_ROUND)
+
+
+# --- round trip --------------------------------------------------------------
+
+
+def test_dump_is_canonical_and_round_trips():
+    cfg = parse_round_config(DESIGN_ROUND)
+    text = dump_round_config(cfg)
+    assert parse_round_config(text) == cfg
+    assert "target_epsilon: null" in text and "weight_decay: 0.0" in text  # defaults explicit
+    top_keys = [line.split(":")[0] for line in text.splitlines() if not line.startswith(" ")]
+    assert top_keys == sorted(top_keys)
+    assert dump_round_config(parse_round_config(text)) == text
+
+
+positive = st.floats(min_value=0, exclude_min=True, allow_nan=False, allow_infinity=False)
+arg_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet="abcXYZ019 :-_#'\"", max_size=8),
+    lambda inner: st.lists(inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@st.composite
+def round_configs(draw):
+    dp = draw(st.none() | st.builds(
+        DPSpec,
+        mode=st.sampled_from(["central", "distributed"]),
+        noise_multiplier=st.floats(min_value=0, allow_nan=False, allow_infinity=False),
+        clip_norm=positive,
+        delta=st.floats(min_value=0, max_value=1, exclude_min=True, exclude_max=True),
+        target_epsilon=st.none() | positive,
+    ))
+    return RoundConfig(
+        name=draw(st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", fullmatch=True)),
+        model=ModelSpec(name="mlp", args=draw(st.dictionaries(
+            st.text(alphabet="abc_-:1 ", min_size=1, max_size=6), arg_values, max_size=4))),
+        data=DataSpec(dataset=draw(st.sampled_from(["heart", "yes", "123", "null"]))),
+        rounds=draw(st.integers(1, 100_000)),
+        sites=SitesSpec(min=draw(st.integers(1, 50)), deadline_s=draw(positive)),
+        train=TrainSpec(optimizer=OptimizerSpec(
+            name=draw(st.sampled_from(["sgd", "adam"])),
+            lr=draw(positive),
+            momentum=draw(st.floats(min_value=0, max_value=1, exclude_max=True)),
+        )),
+        privacy=PrivacySpec(secure_aggregation=draw(st.booleans()), dp=dp),
+        seed=draw(st.integers(0, 2**63 - 1)),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(round_configs())
+def test_dump_parse_round_trip_property(cfg):
+    assert parse_round_config(dump_round_config(cfg)) == cfg
+
+
+# --- round config errors: key path and line ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "prefix", "detail"),
+    [
+        # unknown keys, top level and nested, list the allowed keys
+        (MINIMAL + "roundz: 4\n", "job.yaml:5: roundz: unknown key",
+         "allowed keys: data, model, name, privacy, rounds, seed, sites, strategy, train"),
+        (MINIMAL + "train:\n  optimizer:\n    lr: 0.1\n    nesterov: true\n",
+         "job.yaml:8: train.optimizer.nesterov: unknown key",
+         "allowed keys: lr, momentum, name, weight_decay"),
+        (MINIMAL + "privacy: {dp: {mode: central, noise_multiplier: 1, clip_norm: 1, eps: 3}}\n",
+         "job.yaml:5: privacy.dp.eps: unknown key",
+         "allowed keys: clip_norm, delta, mode, noise_multiplier, target_epsilon"),
+        # wrong types
+        ("name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: true\n",
+         "job.yaml:4: rounds: expected an integer, got a boolean", "whole number"),
+        ("name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 2.0\n",
+         "job.yaml:4: rounds: expected an integer, got a number", "whole number"),
+        (MINIMAL + "sites:\n  deadline_s: fast\n", "job.yaml:6: sites.deadline_s: expected a number, got a string",
+         "write a number"),
+        (MINIMAL + "train: {optimizer: {lr: '0.1'}}\n", "job.yaml:5: train.optimizer.lr: expected a number", ""),
+        ("name: job\nmodel: [mlp]\ndata: {dataset: heart}\nrounds: 3\n",
+         "job.yaml:2: model: expected a mapping, got a list", "write a mapping with keys: args, name"),
+        ("name: 2024\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 3\n",
+         "job.yaml:1: name: expected a string, got an integer", "quote it"),
+        (MINIMAL + "privacy: {secure_aggregation: 1}\n",
+         "job.yaml:5: privacy.secure_aggregation: expected a boolean", "true or false"),
+        (MINIMAL + "model2: x\nprivacy:\n  dp: []\n", "job.yaml:5: model2: unknown key", ""),
+        (MINIMAL + "privacy:\n  dp: []\n", "job.yaml:6: privacy.dp: expected a mapping, got a list", ""),
+        (MINIMAL + "seed: null\n", "job.yaml:5: seed: expected an integer, got null", ""),
+        (MINIMAL + "sites: {deadline_s: .inf}\n", "job.yaml:5: sites.deadline_s: inf is not a finite number", ""),
+        # missing required keys: line of the parent mapping
+        ("# a job\nname: job\nmodel: {name: mlp}\ndata: {dataset: heart}\n",
+         "job.yaml:2: rounds: missing required key", "add 'rounds:' with an integer"),
+        (MINIMAL + "privacy:\n  dp:\n    mode: central\n    noise_multiplier: 1.0\n",
+         "job.yaml:7: privacy.dp.clip_norm: missing required key", "add 'clip_norm:' with a number"),
+        ("name: job\nmodel: {args: {}}\ndata: {dataset: heart}\nrounds: 3\n",
+         "job.yaml:2: model.name: missing required key", ""),
+        # out of range
+        ("name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 0\n",
+         "job.yaml:4: rounds: 0 is out of range", "use a value in [1, 100000]"),
+        ("name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 100001\n",
+         "job.yaml:4: rounds: 100001 is out of range", ""),
+        (MINIMAL + "sites: {min: 0}\n", "job.yaml:5: sites.min: 0 is out of range", "use a value >= 1"),
+        (MINIMAL + "sites: {deadline_s: 0}\n", "job.yaml:5: sites.deadline_s: 0.0 is out of range", "> 0"),
+        (MINIMAL + "train:\n  optimizer: {momentum: 1}\n",
+         "job.yaml:6: train.optimizer.momentum: 1.0 is out of range", "use a value in [0, 1)"),
+        (MINIMAL + "train: {optimizer: {name: rmsprop}}\n",
+         "job.yaml:5: train.optimizer.name: 'rmsprop' is not allowed", "use one of: adam, sgd"),
+        (MINIMAL + "privacy: {dp: {mode: local, noise_multiplier: 1, clip_norm: 1}}\n",
+         "job.yaml:5: privacy.dp.mode: 'local' is not allowed", "use one of: central, distributed"),
+        (MINIMAL + "privacy: {dp: {mode: central, noise_multiplier: 1, clip_norm: 1, delta: 1}}\n",
+         "job.yaml:5: privacy.dp.delta: 1.0 is out of range", "in (0, 1)"),
+        (MINIMAL + "privacy: {dp: {mode: central, noise_multiplier: -1, clip_norm: 1}}\n",
+         "job.yaml:5: privacy.dp.noise_multiplier: -1.0 is out of range", ""),
+        (MINIMAL + "privacy: {dp: {mode: central, noise_multiplier: 1, clip_norm: 1, target_epsilon: 0}}\n",
+         "job.yaml:5: privacy.dp.target_epsilon: 0.0 is out of range", ""),
+        (MINIMAL + "seed: -1\n", "job.yaml:5: seed: -1 is out of range", ""),
+        (MINIMAL + f"seed: {2**63}\n", "job.yaml:5: seed: 9223372036854775808 is out of range", ""),
+        # bad job names
+        ("name: 'bad name'\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 3\n",
+         "job.yaml:1: name: 'bad name' is not a valid name", "letters, digits"),
+        ("name: -job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 3\n",
+         "job.yaml:1: name: '-job' is not a valid name", ""),
+        (f"name: {'a' * 65}\nmodel: {{name: mlp}}\ndata: {{dataset: heart}}\nrounds: 3\n",
+         "job.yaml:1: name: 'aaaa", "not a valid name"),
+        ("name: ''\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 3\n", "job.yaml:1: name: is empty", ""),
+        # duplicate keys, top level and inside free-form args
+        (MINIMAL + "rounds: 4\n", "job.yaml:5: rounds: duplicate key (first at line 4)", "keep only one"),
+        (MINIMAL.replace("{name: mlp}", "{name: mlp, args: {a: 1, a: 2}}"),
+         "job.yaml:2: model.args.a: duplicate key (first at line 2)", ""),
+        # free-form args
+        (MINIMAL.replace("{name: mlp}", "{name: mlp, args: {1: 2}}"),
+         "job.yaml:2: model.args: keys must be strings, got an integer", "quote the key"),
+        (MINIMAL.replace("{name: mlp}", "{name: mlp, args: {when: 2024-01-01}}"),
+         "job.yaml:2: model.args.when: unsupported value, a date", "quote dates"),
+        (MINIMAL.replace("{name: mlp}", "{name: mlp, args: [1]}"),
+         "job.yaml:2: model.args: expected a mapping, got a list", ""),
+        # document shape and syntax
+        ("", "job.yaml:1: (top level): the document is empty", "write a mapping with keys: data, model"),
+        ("# only a comment\n", "job.yaml:1: (top level): the document is empty", ""),
+        ("- name: job\n", "job.yaml:1: (top level): expected a mapping, got a list", ""),
+        ("name: job\nmodel: {name: mlp\n", "job.yaml:3: (yaml):", "fix the YAML syntax"),
+        ("name: job\n---\nname: other\n", "job.yaml:2: (yaml):", "single document"),
+    ],
+)
+def test_round_config_errors(text, prefix, detail):
+    message = round_error(text)
+    assert message.startswith(prefix), message
+    assert detail in message
+    assert "; " in message  # every message says how to fix it
+
+
+def test_unknown_key_suggests_close_match():
+    assert "did you mean 'rounds'?" in round_error(MINIMAL + "roundz: 4\n")
+
+
+def test_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        parse_round_config("rounds: nope\n")
+
+
+def test_default_source_label():
+    with pytest.raises(ConfigError, match=r"^<round config>:1: "):
+        parse_round_config("")
+
+
+def test_recursive_alias_rejected():
+    text = MINIMAL.replace("{name: mlp}", "{name: mlp, args: {loop: &a [*a]}}")
+    assert "model.args.loop[0]: repeats a mapping or list through a YAML alias" in round_error(text)
+
+
+def test_alias_bomb_rejected_quickly():
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    text = MINIMAL.replace("{name: mlp}", "{name: mlp, args: {" + ", ".join(lines) + "}}")
+    assert "through a YAML alias" in round_error(text)
+
+
+def test_python_tags_are_never_constructed():
+    message = round_error(MINIMAL.replace("{name: mlp}", "{name: mlp, args: {x: !!python/name:os.system ''}}"))
+    assert "model.args.x: unsupported value" in message
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="nope.yaml") as info:
+        load_round_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    path = write(tmp_path, "\n\n", "empty.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_round_config(path)
+    assert str(info.value).startswith(f"{path}:1: (top level): the document is empty")
+
+
+# --- site config -------------------------------------------------------------
+
+SITE = "site: cleveland\ncoordinator: coord.example.org:8443\nkit: kit\n"
+
+
+def test_site_config_defaults(tmp_path):
+    cfg = load_site_config(write(tmp_path, SITE, "site.yaml"))
+    assert cfg.kit == tmp_path / "kit"
+    assert cfg.state_dir == tmp_path / "state"
+    assert cfg.datasets == {}
+    assert cfg.policy == PolicySpec(allowed_models=(), require_secure_aggregation=False, max_epsilon=None)
+
+
+def test_site_paths_resolve_against_config_folder(tmp_path):
+    text = SITE.replace("kit: kit", "kit: ../kits/site-a") + textwrap.dedent("""\
+        state_dir: /var/lib/plexus
+        datasets:
+          local: {kind: npz, path: data/train.npz}
+          absolute: {kind: csv, path: /srv/heart.csv, label: target, features: [age, sex]}
+          heart: {kind: heart-disease, hospital: va, test_fraction: 0.25, split_seed: 7}
+    """)
+    folder = tmp_path / "conf"
+    cfg = load_site_config(write(folder, text, "site.yaml"))
+    assert cfg.kit == folder / ".." / "kits" / "site-a"
+    assert cfg.state_dir == Path("/var/lib/plexus")
+    assert cfg.datasets["local"].path == folder / "data" / "train.npz"
+    assert cfg.datasets["absolute"].path == Path("/srv/heart.csv")
+    assert cfg.datasets["absolute"].features == ("age", "sex")
+    assert cfg.datasets["heart"] == DatasetSpec(
+        kind="heart-disease", hospital="va", test_fraction=0.25, split_seed=7
+    )
+    assert cfg.datasets["local"].test_fraction == 0.34 and cfg.datasets["local"].split_seed == 43
+
+
+def test_site_paths_resolve_when_loaded_by_relative_path(tmp_path, monkeypatch):
+    write(tmp_path / "conf", SITE, "site.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert load_site_config(Path("conf/site.yaml")).kit == tmp_path / "conf" / "kit"
+
+
+@pytest.mark.parametrize(
+    ("text", "prefix", "detail"),
+    [
+        (SITE.replace("cleveland", "Cleveland"), "1: site: 'Cleveland' is not a valid name", "lowercase"),
+        (SITE.replace("cleveland", "a/b"), "1: site: 'a/b' is not a valid name", ""),
+        (SITE.replace("coord.example.org:8443", "coord.example.org"),
+         "2: coordinator: 'coord.example.org' is not host:port", "'[::1]:8443'"),
+        (SITE.replace("coord.example.org:8443", "coord:70000"),
+         "2: coordinator: port 70000 in 'coord:70000' is out of range", ""),
+        (SITE.replace("coord.example.org:8443", "coord:0"),
+         "2: coordinator: port 0 is out of range", "1..65535"),
+        (SITE.replace("coord.example.org:8443", "'::1:8443'"), "2: coordinator:", "brackets"),
+        (SITE.replace("kit: kit\n", ""), "1: kit: missing required key", "add 'kit:' with a path"),
+        (SITE + "policy: {allowed_model: [mlp]}\n", "4: policy.allowed_model: unknown key",
+         "allowed keys: allowed_models, max_epsilon, require_secure_aggregation"),
+        (SITE + "policy:\n  allowed_models: mlp\n", "5: policy.allowed_models: expected a list", ""),
+        (SITE + "policy:\n  allowed_models: [mlp, 3]\n", "5: policy.allowed_models[1]: expected a string", ""),
+        (SITE + "policy: {max_epsilon: 0}\n", "4: policy.max_epsilon: 0.0 is out of range", ""),
+        (SITE + "datasets:\n  heart:\n    kind: csv\n    path: heart.csv\n",
+         "6: datasets.heart.label: required for kind 'csv' but not set", "add 'label: <label column>'"),
+        (SITE + "datasets:\n  arrays: {kind: npz}\n",
+         "5: datasets.arrays.path: required for kind 'npz' but not set", "add 'path: <file path>'"),
+        (SITE + "datasets:\n  heart: {kind: heart-disease}\n",
+         "5: datasets.heart.hospital: required for kind 'heart-disease'", "cleveland, hungary, switzerland, va"),
+        (SITE + "datasets:\n  heart:\n    kind: heart-disease\n    hospital: mars\n",
+         "7: datasets.heart.hospital: 'mars' is not allowed", "use one of: cleveland, hungary, switzerland, va"),
+        (SITE + "datasets:\n  heart: {kind: parquet, path: x}\n", "5: datasets.heart.kind: 'parquet' is not allowed",
+         "csv, heart-disease, npz"),
+        (SITE + "datasets:\n  h: {kind: csv, path: x, label: y, test_fraction: 1}\n",
+         "5: datasets.h.test_fraction: 1.0 is out of range", "in (0, 1)"),
+        (SITE + "datasets:\n  h: {kind: csv, path: x, label: y, features: []}\n",
+         "5: datasets.h.features: is empty", ""),
+        (SITE + "datasets: [heart]\n", "4: datasets: expected a mapping, got a list", ""),
+        (SITE + "kit: other\n", "4: kit: duplicate key (first at line 3)", ""),
+    ],
+)
+def test_site_config_errors(tmp_path, text, prefix, detail):
+    message = site_error(tmp_path, text)
+    assert message.startswith(prefix), message
+    assert detail in message
+
+
+# --- coordinator and admin configs -------------------------------------------
+
+
+def test_coordinator_config_defaults_and_paths(tmp_path):
+    cfg = load_coordinator_config(write(tmp_path, "listen: '0.0.0.0:0'\nkit: kits/coordinator\ncrl: ca.crl\n"))
+    assert cfg == CoordinatorConfig(
+        listen="0.0.0.0:0",
+        kit=tmp_path / "kits" / "coordinator",
+        state_dir=tmp_path / "state",
+        crl=tmp_path / "ca.crl",
+        poll_timeout_s=20.0,
+        chunk_bytes=1048576,
+        max_workers=128,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "prefix"),
+    [
+        ("listen: ':8443'\nkit: k\n", "1: listen: ':8443' is not host:port"),
+        ("listen: '[::]:8443'\nkit: k\npoll_timeout_s: 301\n", "3: poll_timeout_s: 301.0 is out of range"),
+        ("listen: 'h:1'\nkit: k\npoll_timeout_s: 0\n", "3: poll_timeout_s: 0.0 is out of range"),
+        ("listen: 'h:1'\nkit: k\nchunk_bytes: 1024\n", "3: chunk_bytes: 1024 is out of range"),
+        ("listen: 'h:1'\nkit: k\nmax_workers: 4097\n", "3: max_workers: 4097 is out of range"),
+        ("listen: 'h:1'\nkit: k\nworkers: 8\n", "3: workers: unknown key"),
+        ("listen: 'h:1'\nkit: k\ncrl: ''\n", "3: crl: is empty"),
+    ],
+)
+def test_coordinator_config_errors(tmp_path, text, prefix):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_coordinator_config(path)
+    assert str(info.value).startswith(f"{path}:{prefix}"), str(info.value)
+
+
+def test_admin_config(tmp_path):
+    cfg = load_admin_config(write(tmp_path, "coordinator: '[::1]:8443'\nkit: /etc/plexus/admin\n"))
+    assert cfg == AdminConfig(coordinator="[::1]:8443", kit=Path("/etc/plexus/admin"))
+    with pytest.raises(ConfigError, match=r"2: kit: missing required key"):
+        load_admin_config(write(tmp_path, "# admin\ncoordinator: 'h:443'\n", "bad.yaml"))
+
+
+# --- split_address -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("addr", "expected"),
+    [
+        ("coordinator.example.org:8443", ("coordinator.example.org", 8443)),
+        ("10.0.0.1:1", ("10.0.0.1", 1)),
+        ("[::1]:8443", ("::1", 8443)),
+        ("[::]:0", ("::", 0)),
+        ("localhost:65535", ("localhost", 65535)),
+    ],
+)
+def test_split_address(addr, expected):
+    assert split_address(addr) == expected
+
+
+@pytest.mark.parametrize(
+    ("addr", "needle"),
+    [
+        ("localhost", "is not host:port"),
+        (":8443", "is not host:port"),
+        ("host:", "is not host:port"),
+        ("host:http", "is not host:port"),
+        ("host:-1", "is not host:port"),
+        ("host:65536", "out of range"),
+        ("::1:8443", "brackets"),
+        ("[]:8443", "brackets"),
+        ("my host:80", "invalid host"),
+    ],
+)
+def test_split_address_rejects(addr, needle):
+    with pytest.raises(ValueError, match=needle):
+        split_address(addr)

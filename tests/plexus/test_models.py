@@ -1,0 +1,119 @@
+import numpy as np
+import pytest
+import torch
+
+from plexus.errors import ConfigError, IntegrityError
+from plexus.models import REGISTRY, available_models, build_model, load_numpy_state, state_to_numpy
+
+MLP_ARGS = {"in_features": 13, "hidden": [8, 4], "num_classes": 2}
+
+
+def _same_bits(a, b):
+    return a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_builtins_are_available():
+    assert {"logistic", "mlp", "cnn"} <= set(available_models())
+    assert available_models()["mlp"] is REGISTRY["mlp"]
+
+
+def test_unknown_model_lists_names():
+    with pytest.raises(ConfigError, match=r"'resnet'.*\['cnn', 'logistic', 'mlp'"):
+        build_model("resnet", {}, seed=0)
+
+
+def test_unknown_argument_names_model_argument_and_accepted():
+    with pytest.raises(ConfigError, match=r"'mlp'.*'hiden'.*in_features, hidden=.*num_classes=2, dropout=0.0"):
+        build_model("mlp", {"in_features": 4, "hiden": [3]}, seed=0)
+
+
+def test_missing_argument():
+    with pytest.raises(ConfigError, match=r"'logistic' needs argument 'in_features'.*accepted"):
+        build_model("logistic", {}, seed=0)
+
+
+@pytest.mark.parametrize(
+    "name, args, bad",
+    [
+        ("logistic", {"in_features": 0}, "in_features"),
+        ("logistic", {"in_features": 3, "num_classes": 1}, "num_classes"),
+        ("logistic", {"in_features": "13"}, "in_features"),
+        ("mlp", {"in_features": 3, "hidden": [4, 0]}, "hidden"),
+        ("mlp", {"in_features": 3, "hidden": 4}, "hidden"),
+        ("mlp", {"in_features": 3, "dropout": 1.0}, "dropout"),
+        ("cnn", {"image_size": 2}, "image_size"),
+        ("cnn", {"width": True}, "width"),
+    ],
+)
+def test_bad_argument_values(name, args, bad):
+    with pytest.raises(ConfigError, match=rf"'{name}'.*'{bad}'.*accepted arguments"):
+        build_model(name, args, seed=0)
+
+
+def test_args_must_be_a_mapping():
+    with pytest.raises(ConfigError, match="mapping"):
+        build_model("logistic", [13], seed=0)
+
+
+@pytest.mark.parametrize(
+    "name, args",
+    [("logistic", {"in_features": 13}), ("mlp", MLP_ARGS), ("cnn", {"width": 4})],
+)
+def test_init_is_deterministic_per_seed_and_leaves_global_rng(name, args):
+    before = torch.get_rng_state()
+    a = state_to_numpy(build_model(name, args, seed=5))
+    b = state_to_numpy(build_model(name, args, seed=5))
+    c = state_to_numpy(build_model(name, args, seed=6))
+    assert torch.equal(torch.get_rng_state(), before)
+    assert _same_bits(a, b)
+    assert not _same_bits(a, c)
+
+
+def test_output_shapes():
+    assert build_model("logistic", {"in_features": 13}, seed=0)(torch.zeros(5, 13)).shape == (5, 2)
+    mlp = build_model("mlp", {"in_features": 13, "hidden": [], "num_classes": 3, "dropout": 0.2}, seed=0)
+    assert mlp(torch.zeros(4, 13)).shape == (4, 3)
+    assert build_model("mlp", {**MLP_ARGS, "dropout": 0.5}, seed=0)(torch.zeros(2, 13)).shape == (2, 2)
+    cnn = build_model("cnn", {}, seed=0)
+    assert cnn(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+    rgb = build_model("cnn", {"in_channels": 3, "image_size": 10, "num_classes": 4, "width": 2}, seed=0)
+    assert rgb(torch.zeros(2, 3, 10, 10)).shape == (2, 4)
+
+
+def test_state_to_numpy_is_sorted_contiguous_copy():
+    model = build_model("mlp", MLP_ARGS, seed=0)
+    state = state_to_numpy(model)
+    assert list(state) == sorted(state)
+    assert all(isinstance(v, np.ndarray) and v.flags.c_contiguous for v in state.values())
+    name = next(iter(state))
+    state[name][...] = 123.0
+    assert not torch.all(model.state_dict()[name] == 123.0)
+
+
+def test_state_round_trip():
+    source = build_model("mlp", MLP_ARGS, seed=1)
+    target = build_model("mlp", MLP_ARGS, seed=2)
+    load_numpy_state(target, state_to_numpy(source))
+    assert _same_bits(state_to_numpy(target), state_to_numpy(source))
+    x = torch.randn(3, 13, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(source(x), target(x))
+
+
+def test_load_state_rejects_missing_unexpected_and_misshapen():
+    model = build_model("logistic", {"in_features": 13}, seed=0)
+    state = state_to_numpy(model)
+    with pytest.raises(IntegrityError, match="missing tensor 'linear.bias'"):
+        load_numpy_state(model, {"linear.weight": state["linear.weight"]})
+    with pytest.raises(IntegrityError, match="unexpected tensor 'extra'"):
+        load_numpy_state(model, {**state, "extra": np.zeros(1, dtype=np.float32)})
+    with pytest.raises(IntegrityError, match=r"'linear.weight' has shape \(2, 12\)"):
+        load_numpy_state(model, {**state, "linear.weight": np.zeros((2, 12), dtype=np.float32)})
+
+
+def test_failed_load_changes_nothing():
+    model = build_model("logistic", {"in_features": 13}, seed=0)
+    before = state_to_numpy(model)
+    bad = {"linear.bias": np.ones(2, dtype=np.float32), "linear.weight": np.ones((1, 13), dtype=np.float32)}
+    with pytest.raises(IntegrityError):
+        load_numpy_state(model, bad)
+    assert _same_bits(state_to_numpy(model), before)

@@ -1,0 +1,417 @@
+"""Behaviour of the federation PKI: layout, certificates, identities, kits and revocation."""
+
+import base64
+import datetime as dt
+import ipaddress
+import json
+import os
+import ssl
+import stat
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from plexus import errors, pki
+
+NOW = dt.datetime(2025, 1, 15, 12, 0, tzinfo=dt.timezone.utc)
+
+
+@pytest.fixture
+def fed(tmp_path):
+    root = tmp_path / "pki"
+    pki.init_federation(root, "Test Fed", hosts=["fl.example.org", "10.0.0.5"], port=9443, now=NOW)
+    return root
+
+
+def _cert(path):
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def _pem_to_der(pem: bytes) -> bytes:
+    body = b"".join(line for line in pem.splitlines() if not line.startswith(b"-----"))
+    return base64.b64decode(body)
+
+
+def _der_to_pem(der: bytes, label: str) -> bytes:
+    b64 = base64.encodebytes(der).replace(b"\n", b"")
+    lines = [b64[i : i + 64] for i in range(0, len(b64), 64)]
+    return b"\n".join([f"-----BEGIN {label}-----".encode(), *lines, f"-----END {label}-----".encode(), b""])
+
+
+def _mode(path):
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# --- init and layout ---------------------------------------------------------
+
+
+def test_init_creates_layout_with_private_modes(fed):
+    site = pki.add_site(fed, "cleveland", now=NOW)
+    admin = pki.add_admin(fed, "alice", role="operator", now=NOW)
+    expected = [
+        "ca/ca.pem", "ca/ca.key", "federation.json", "crl.pem",
+        "coordinator/ca.pem", "coordinator/cert.pem", "coordinator/key.pem",
+        "coordinator/crl.pem", "coordinator/coordinator.yaml",
+        "sites/cleveland/ca.pem", "sites/cleveland/cert.pem", "sites/cleveland/key.pem",
+        "sites/cleveland/site.yaml",
+        "admins/alice/ca.pem", "admins/alice/cert.pem", "admins/alice/key.pem", "admins/alice/admin.yaml",
+    ]
+    for rel in expected:
+        assert (fed / rel).is_file(), rel
+    assert site == fed / "sites" / "cleveland" and admin == fed / "admins" / "alice"
+    for key in ["ca/ca.key", "coordinator/key.pem", "sites/cleveland/key.pem", "admins/alice/key.pem"]:
+        assert _mode(fed / key) == 0o600, key
+    for d in [fed, fed / "ca", fed / "coordinator", fed / "sites", site, fed / "admins", admin]:
+        assert _mode(d) == 0o700, d
+    assert not list(fed.rglob("*.tmp"))
+
+    registry = json.loads((fed / "federation.json").read_text())
+    assert registry["federation"] == "Test Fed"
+    assert registry["hosts"] == ["fl.example.org", "10.0.0.5"] and registry["port"] == 9443
+    issued = {e["name"]: e for e in registry["issued"]}
+    assert set(issued) == {"coordinator", "cleveland", "alice"}
+    assert issued["alice"]["kind"] == "admin" and issued["alice"]["role"] == "operator"
+    assert issued["cleveland"]["serial"] == _cert(site / "cert.pem").serial_number
+    assert not any(e["revoked"] for e in registry["issued"])
+
+
+def test_init_refuses_an_existing_federation(fed):
+    ca_before = (fed / "ca" / "ca.pem").read_bytes()
+    with pytest.raises(errors.ConfigError, match="already holds a federation"):
+        pki.init_federation(fed, "Other", now=NOW)
+    assert (fed / "ca" / "ca.pem").read_bytes() == ca_before
+
+
+@pytest.mark.parametrize("bad", ["", " lead", "a/b", "x" * 65, "naïve"])
+def test_init_rejects_bad_federation_name(tmp_path, bad):
+    with pytest.raises(errors.ConfigError, match="federation name"):
+        pki.init_federation(tmp_path / "pki", bad)
+    assert not (tmp_path / "pki").exists()
+
+
+@pytest.mark.parametrize("host", ["fl.example.org:8443", "bad host", "-x.org"])
+def test_init_rejects_bad_host(tmp_path, host):
+    with pytest.raises(errors.ConfigError, match="--port|DNS name"):
+        pki.init_federation(tmp_path / "pki", "Fed", hosts=[host])
+
+
+def test_commands_on_uninitialised_root_say_how_to_init(tmp_path):
+    for call in (
+        lambda: pki.add_site(tmp_path, "a"),
+        lambda: pki.add_admin(tmp_path / "missing", "a"),
+        lambda: pki.revoke(tmp_path, "a"),
+    ):
+        with pytest.raises(errors.ConfigError, match=r"plexus pki init DIR --federation NAME"):
+            call()
+
+
+# --- certificates --------------------------------------------------------------
+
+
+def test_ca_is_a_constrained_ca(fed):
+    ca = _cert(fed / "ca" / "ca.pem")
+    bc = ca.extensions.get_extension_for_class(x509.BasicConstraints)
+    assert bc.critical and bc.value.ca and bc.value.path_length == 0
+    ku = ca.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert ku.key_cert_sign and ku.crl_sign
+    assert ca.subject.rfc4514_string() == "O=Test Fed,CN=Test Fed CA"
+    assert ca.not_valid_after_utc - NOW > dt.timedelta(days=3600)
+
+
+def test_leaf_certs_are_issued_by_the_ca(fed):
+    ca = _cert(fed / "ca" / "ca.pem")
+    kits = {
+        "coordinator": (fed / "coordinator", ExtendedKeyUsageOID.SERVER_AUTH),
+        "site": (pki.add_site(fed, "cleveland", now=NOW), ExtendedKeyUsageOID.CLIENT_AUTH),
+        "admin": (pki.add_admin(fed, "alice", now=NOW), ExtendedKeyUsageOID.CLIENT_AUTH),
+    }
+    for kind, (kit, usage) in kits.items():
+        cert = _cert(kit / "cert.pem")
+        cert.verify_directly_issued_by(ca)
+        assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        assert cert.extensions.get_extension_for_class(x509.KeyUsage).value.digital_signature
+        assert usage in cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert cert.serial_number.bit_length() > 32
+        aki = cert.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value
+        ski = ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+        assert aki.key_identifier == ski.digest
+        assert cert.not_valid_after_utc == NOW + dt.timedelta(days=825)
+        assert cert.not_valid_before_utc <= NOW
+        assert (kit / "ca.pem").read_bytes() == (fed / "ca" / "ca.pem").read_bytes(), kind
+
+
+def test_coordinator_san_has_hosts_and_loopback(fed):
+    san = _cert(fed / "coordinator" / "cert.pem").extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    ).value
+    assert set(san.get_values_for_type(x509.DNSName)) == {"fl.example.org", "localhost"}
+    assert set(san.get_values_for_type(x509.IPAddress)) == {
+        ipaddress.ip_address("10.0.0.5"),
+        ipaddress.ip_address("127.0.0.1"),
+    }
+
+
+def test_site_san_is_its_name(fed):
+    kit = pki.add_site(fed, "st-marys_2", now=NOW)
+    san = _cert(kit / "cert.pem").extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["st-marys_2"]
+
+
+# --- identities ------------------------------------------------------------------
+
+
+def test_identity_from_site_admin_and_coordinator_certs(fed):
+    site_pem = (pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes()
+    admin_pem = (pki.add_admin(fed, "alice", role="admin", now=NOW) / "cert.pem").read_bytes()
+    site = pki.identity_from_cert(site_pem)
+    assert site == pki.Identity("cleveland", "site", None, _cert_serial(site_pem))
+    assert pki.identity_from_cert(admin_pem) == pki.Identity("alice", "admin", "admin", _cert_serial(admin_pem))
+    bob_pem = (pki.add_admin(fed, "bob", now=NOW) / "cert.pem").read_bytes()
+    assert pki.identity_from_cert(bob_pem).role == "viewer"  # the default role is the least powerful
+    coord = pki.identity_from_cert((fed / "coordinator" / "cert.pem").read_bytes())
+    assert (coord.name, coord.kind, coord.role) == ("coordinator", "coordinator", None)
+    assert pki.identity_from_cert(ssl.PEM_cert_to_DER_cert(site_pem.decode())) == site
+
+
+def _cert_serial(pem):
+    return x509.load_pem_x509_certificate(pem).serial_number
+
+
+def test_identity_rejects_garbage_and_certs_without_a_kind(fed):
+    with pytest.raises(errors.Unauthenticated):
+        pki.identity_from_cert(b"not a certificate")
+    with pytest.raises(errors.Unauthenticated):
+        pki.identity_from_cert(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    with pytest.raises(errors.Unauthenticated, match="OU"):
+        pki.identity_from_cert((fed / "ca" / "ca.pem").read_bytes())  # the CA has no OU
+
+
+# --- issuing errors ----------------------------------------------------------------
+
+
+def test_duplicate_name_refused_until_revoked(fed):
+    pki.add_site(fed, "cleveland", now=NOW)
+    with pytest.raises(errors.ConfigError, match="revoke it first"):
+        pki.add_site(fed, "cleveland", now=NOW)
+    with pytest.raises(errors.ConfigError, match="revoke it first"):
+        pki.add_admin(fed, "cleveland", now=NOW)
+    with pytest.raises(errors.ConfigError, match="revoke it first"):
+        pki.add_site(fed, "coordinator", now=NOW)
+    old = pki.revoke(fed, "cleveland", now=NOW)
+    new = pki.identity_from_cert((pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes())
+    assert new.serial != old
+
+
+@pytest.mark.parametrize("bad", ["Cleveland", "-site", "_x", "a b", "a.b", "../etc", "", "x" * 64])
+def test_bad_names_refused_with_the_name_in_the_message(fed, bad):
+    with pytest.raises(errors.ConfigError) as site_err:
+        pki.add_site(fed, bad, now=NOW)
+    assert repr(bad) in str(site_err.value)
+    with pytest.raises(errors.ConfigError) as admin_err:
+        pki.add_admin(fed, bad, now=NOW)
+    assert repr(bad) in str(admin_err.value)
+    assert not (fed / "sites").exists()
+
+
+def test_unknown_role_refused(fed):
+    with pytest.raises(errors.ConfigError, match=r"unknown role 'root'.*\['admin', 'operator', 'viewer'\]"):
+        pki.add_admin(fed, "alice", role="root", now=NOW)
+
+
+def test_naive_clock_refused(fed):
+    with pytest.raises(ValueError, match="timezone-aware"):
+        pki.add_site(fed, "cleveland", now=dt.datetime(2025, 1, 1))
+
+
+# --- revocation --------------------------------------------------------------------
+
+
+def test_revoke_is_seen_by_an_existing_revocation_list(fed):
+    bad_pem = (pki.add_site(fed, "mallory", now=NOW) / "cert.pem").read_bytes()
+    good_pem = (pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes()
+    ca_pem = (fed / "ca" / "ca.pem").read_bytes()
+    crl = pki.RevocationList(fed / "coordinator" / "crl.pem", ca_pem)
+    crl.check(bad_pem)
+    crl.check(good_pem)
+
+    serial = pki.revoke(fed, "mallory", now=NOW + dt.timedelta(hours=1))
+
+    assert serial == pki.identity_from_cert(bad_pem).serial
+    with pytest.raises(errors.Unauthenticated, match=rf"site 'mallory' \(serial {serial}\) has been revoked"):
+        crl.check(bad_pem)
+    crl.check(good_pem)
+    fresh = pki.RevocationList(fed / "crl.pem", ca_pem)
+    with pytest.raises(errors.Unauthenticated):
+        fresh.check(bad_pem)
+    fresh.check(good_pem)
+    registry = json.loads((fed / "federation.json").read_text())
+    assert {e["name"]: e["revoked"] for e in registry["issued"]} == {
+        "coordinator": False, "mallory": True, "cleveland": False,
+    }
+
+
+def test_revoked_crl_lists_all_revoked_serials_with_increasing_numbers(fed):
+    a = pki.add_site(fed, "a", now=NOW)
+    pki.add_admin(fed, "b", role="admin", now=NOW)
+    sa = pki.revoke(fed, "a", now=NOW)
+    first = x509.load_pem_x509_crl((fed / "crl.pem").read_bytes())
+    sb = pki.revoke(fed, "b", now=NOW + dt.timedelta(days=1))
+    second = x509.load_pem_x509_crl((fed / "crl.pem").read_bytes())
+    assert (fed / "coordinator" / "crl.pem").read_bytes() == (fed / "crl.pem").read_bytes()
+    assert {r.serial_number for r in second} == {sa, sb}
+    assert _crl_number(second) > _crl_number(first)
+    assert second.last_update_utc == NOW + dt.timedelta(days=1)
+    assert second.next_update_utc == NOW + dt.timedelta(days=31)
+    assert second.is_signature_valid(_cert(fed / "ca" / "ca.pem").public_key())
+    assert _cert(a / "cert.pem").serial_number == sa
+
+
+def _crl_number(crl):
+    return crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+
+
+def test_revoke_unknown_or_twice(fed):
+    with pytest.raises(errors.NotFound, match="'nobody'"):
+        pki.revoke(fed, "nobody", now=NOW)
+    pki.add_site(fed, "cleveland", now=NOW)
+    pki.revoke(fed, "cleveland", now=NOW)
+    with pytest.raises(errors.ConfigError, match="already revoked"):
+        pki.revoke(fed, "cleveland", now=NOW)
+
+
+def test_crl_from_another_federation_is_rejected(fed, tmp_path):
+    other = pki.init_federation(tmp_path / "other", "Other Fed", now=NOW)
+    ca_pem = (fed / "ca" / "ca.pem").read_bytes()
+    with pytest.raises(errors.IntegrityError, match="fails verification against this federation's CA"):
+        pki.RevocationList(other / "crl.pem", ca_pem)
+
+
+def test_crl_from_a_same_named_federation_is_rejected(fed, tmp_path):
+    twin = pki.init_federation(tmp_path / "twin", "Test Fed", now=NOW)
+    with pytest.raises(errors.IntegrityError):
+        pki.RevocationList(twin / "crl.pem", (fed / "ca" / "ca.pem").read_bytes())
+
+
+def test_tampered_crl_is_rejected(fed, tmp_path):
+    pki.add_site(fed, "mallory", now=NOW)
+    serial = pki.revoke(fed, "mallory", now=NOW)
+    der = bytearray(_pem_to_der((fed / "crl.pem").read_bytes()))
+    # Edit the revoked serial (an attacker un-revoking a cert): still parses, signature no longer holds.
+    raw = serial.to_bytes((serial.bit_length() + 8) // 8, "big")
+    at = bytes(der).index(raw)
+    der[at + len(raw) - 1] ^= 0x01
+    path = tmp_path / "tampered.pem"
+    path.write_bytes(_der_to_pem(bytes(der), "X509 CRL"))
+    ca_pem = (fed / "ca" / "ca.pem").read_bytes()
+    with pytest.raises(errors.IntegrityError):
+        pki.RevocationList(path, ca_pem)
+    # Flipping any byte of the signature is caught too.
+    der = bytearray(_pem_to_der((fed / "crl.pem").read_bytes()))
+    der[-1] ^= 0x01
+    path.write_bytes(_der_to_pem(bytes(der), "X509 CRL"))
+    with pytest.raises(errors.IntegrityError):
+        pki.RevocationList(path, ca_pem)
+
+
+def test_crl_tampered_after_load_fails_closed(fed):
+    site_pem = (pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes()
+    ca_pem = (fed / "ca" / "ca.pem").read_bytes()
+    crl_path = fed / "coordinator" / "crl.pem"
+    crl = pki.RevocationList(crl_path, ca_pem)
+    der = bytearray(_pem_to_der(crl_path.read_bytes()))
+    der[-1] ^= 0x01
+    crl_path.write_bytes(_der_to_pem(bytes(der), "X509 CRL"))
+    with pytest.raises(errors.IntegrityError):
+        crl.check(site_pem)
+
+
+def test_older_crl_cannot_replace_a_newer_one(fed):
+    pki.add_site(fed, "mallory", now=NOW)
+    ca_pem = (fed / "ca" / "ca.pem").read_bytes()
+    old = (fed / "crl.pem").read_bytes()
+    pki.revoke(fed, "mallory", now=NOW)
+    crl = pki.RevocationList(fed / "crl.pem", ca_pem)
+    (fed / "crl.pem").write_bytes(old)
+    with pytest.raises(errors.IntegrityError, match="older"):
+        crl.check((fed / "sites" / "mallory" / "cert.pem").read_bytes())
+
+
+def test_missing_crl_is_a_config_error(fed):
+    with pytest.raises(errors.ConfigError, match="does not exist"):
+        pki.RevocationList(fed / "nope.pem", (fed / "ca" / "ca.pem").read_bytes())
+
+
+# --- kits ----------------------------------------------------------------------------
+
+
+def test_load_kit_reads_a_valid_kit(fed):
+    kit_dir = pki.add_site(fed, "cleveland", now=NOW)
+    kit = pki.load_kit(kit_dir)
+    assert kit.path == kit_dir
+    assert kit.cert_pem == (kit_dir / "cert.pem").read_bytes()
+    assert kit.ca_pem == (fed / "ca" / "ca.pem").read_bytes()
+    assert kit.key_pem.startswith(b"-----BEGIN PRIVATE KEY-----")
+    pki.load_kit(fed / "coordinator")
+
+
+def test_load_kit_missing_file(fed):
+    kit_dir = pki.add_site(fed, "cleveland", now=NOW)
+    (kit_dir / "cert.pem").unlink()
+    with pytest.raises(errors.ConfigError, match=r"cert\.pem is missing.*plexus pki add-site") as err:
+        pki.load_kit(kit_dir)
+    assert str((kit_dir / "cert.pem").resolve()) in str(err.value)
+
+
+def test_load_kit_rejects_a_readable_key(fed):
+    kit_dir = pki.add_site(fed, "cleveland", now=NOW)
+    os.chmod(kit_dir / "key.pem", 0o644)
+    with pytest.raises(errors.ConfigError, match=r"chmod 600 .*key\.pem"):
+        pki.load_kit(kit_dir)
+
+
+def test_load_kit_rejects_cert_from_another_ca(fed, tmp_path):
+    kit_dir = pki.add_site(fed, "cleveland", now=NOW)
+    other = pki.add_site(pki.init_federation(tmp_path / "other", "Other Fed", now=NOW), "cleveland", now=NOW)
+    for name in ("cert.pem", "key.pem"):
+        (kit_dir / name).write_bytes((other / name).read_bytes())
+    with pytest.raises(errors.IntegrityError, match="not issued by the CA"):
+        pki.load_kit(kit_dir)
+
+
+def test_load_kit_rejects_a_key_of_another_cert(fed):
+    kit_dir = pki.add_site(fed, "cleveland", now=NOW)
+    other = pki.add_site(fed, "boston", now=NOW)
+    (kit_dir / "key.pem").write_bytes((other / "key.pem").read_bytes())
+    with pytest.raises(errors.IntegrityError, match="does not belong"):
+        pki.load_kit(kit_dir)
+
+
+# --- ready configs ---------------------------------------------------------------------
+
+
+def test_generated_configs_parse_and_hold_the_expected_keys(fed):
+    coord_text = (fed / "coordinator" / "coordinator.yaml").read_text()
+    assert "0.0.0.0:9443" in coord_text  # the comment on how to accept remote sites
+    assert yaml.safe_load(coord_text) == {
+        "listen": "127.0.0.1:9443", "kit": ".", "state_dir": "./state", "crl": "crl.pem",
+    }
+    site_text = (pki.add_site(fed, "123", now=NOW) / "site.yaml").read_text()
+    assert "heart-disease: {kind: heart-disease, hospital: cleveland}" in site_text
+    assert yaml.safe_load(site_text) == {
+        "site": "123",
+        "coordinator": "fl.example.org:9443",
+        "kit": ".",
+        "state_dir": "./state",
+        "datasets": {},
+        "policy": {"allowed_models": ["logistic", "mlp", "cnn"], "require_secure_aggregation": False},
+    }
+    admin = yaml.safe_load((pki.add_admin(fed, "alice", now=NOW) / "admin.yaml").read_text())
+    assert admin == {"coordinator": "fl.example.org:9443", "kit": "."}
+
+
+def test_configs_default_to_localhost_without_hosts(tmp_path):
+    root = pki.init_federation(tmp_path / "pki", "Fed", now=NOW)
+    site = yaml.safe_load((pki.add_site(root, "a", now=NOW) / "site.yaml").read_text())
+    assert site["coordinator"] == "localhost:8443"
