@@ -4,7 +4,8 @@ Each update is quantised to 64-bit fixed point *before* it is folded in, so the
 running sum is integer arithmetic: associative, hence the same bits whatever
 order the sites' updates arrive in. That is what makes a seeded federated run
 reproducible bit for bit. Memory is one int64 per model element, whatever the
-number of sites.
+number of sites, plus one more while an update is folded (so a refused update
+leaves the sum untouched).
 """
 
 from __future__ import annotations
@@ -45,22 +46,27 @@ class WeightedSum:
                 "has probably diverged")
 
     def fold(self, blobs: Iterable[bytes | memoryview], weight: int, max_abs: float) -> None:
-        """Add weight × (the update whose blob arrives as consecutive pieces)."""
+        """Add weight × (the update whose blob arrives as consecutive pieces); all or nothing."""
         self.check_fits(weight, max_abs)
-        self._bound += weight * max_abs
+        delta = np.zeros_like(self.acc)  # committed only once the whole blob has been read
         pending = bytearray()
         position = 0  # byte position in the blob
         for piece in blobs:
             pending += piece
-            used = self._fold_bytes(position, memoryview(pending), weight)
+            used = self._fold_bytes(delta, position, memoryview(pending), weight)
             del pending[:used]
             position += used
-        if pending or position != self.layout.total_bytes:
-            raise IntegrityError("update blob ended early; it was not folded completely")
+        received, total = position + len(pending), self.layout.total_bytes
+        if received < total:
+            raise IntegrityError(f"update blob ended early, after {received} of {total} bytes; it was not folded")
+        if received > total:
+            raise IntegrityError(f"update blob is longer than the layout's {total} bytes; it was not folded")
+        self.acc += delta
+        self._bound += weight * max_abs
         self.total_weight += weight
         self.count += 1
 
-    def _fold_bytes(self, position: int, data: memoryview, weight: int) -> int:
+    def _fold_bytes(self, into: np.ndarray, position: int, data: memoryview, weight: int) -> int:
         """Fold as many whole elements of data (starting at blob byte position) as possible."""
         used = 0
         for t, first_elem in zip(self.layout.tensors, self._elem_offsets):
@@ -77,7 +83,7 @@ class WeightedSum:
                 m = min(FOLD_ELEMENTS, n - k)
                 values = np.frombuffer(data, dtype=dtype, count=m, offset=used + k * dtype.itemsize)
                 fixed = np.rint(values.astype(np.float64) * _SCALE).astype(np.int64)
-                self.acc[elem + k:elem + k + m] += fixed * weight
+                into[elem + k:elem + k + m] += fixed * weight
             used += n * dtype.itemsize
         return used
 

@@ -207,10 +207,14 @@ class Engine:
             self._check_binding(grant, header.job_id, header.round, header.nonce, "train")
             if site in rs.receiving:
                 raise FailedPrecondition(f"an update for task {grant.task_id} is already being received")
-            if not 1 <= header.num_samples <= 2 ** 31:
-                raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}")
-            metrics = _metrics(header.eval_metrics, "eval_metrics") | _metrics(header.metrics, "metrics")
-            job.layout.require_same(Layout.from_proto(header.manifest))
+            try:
+                if not 1 <= header.num_samples <= 2 ** 31:
+                    raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}")
+                metrics = _metrics(header.eval_metrics, "eval_metrics") | _metrics(header.metrics, "metrics")
+                job.layout.require_same(Layout.from_proto(header.manifest))
+            except IntegrityError as exc:
+                self._record(rs, grant, site, "rejected", str(exc))
+                raise
             rs.receiving.add(site)
             layout, spool = job.layout, self.store.spool / f"{grant.task_id}.part"
         try:

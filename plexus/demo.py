@@ -50,6 +50,8 @@ class Federation:
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         log.close()
         self.procs[name] = proc
+        with open(self.workdir / "pids", "a") as fh:  # lets an operator (and the tests) check nothing is left
+            fh.write(f"{proc.pid} {name}\n")
         return proc
 
     def check_alive(self) -> None:

@@ -1,0 +1,251 @@
+"""Tests for coordinator.aggregate and the FedAvg strategy: exact, order-independent weighted means."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from coordinator.aggregate import FRAC_BITS, MAX_WEIGHT, WeightedSum
+from coordinator.strategies import REGISTRY, FedAvg, make_strategy
+from plexus.config import StrategySpec
+from plexus.errors import ConfigError, IntegrityError
+from plexus.wire import encode
+
+
+def _mean(updates: list[tuple[dict[str, np.ndarray], int]], *, pieces=None) -> dict[str, np.ndarray]:
+    layout = encode(updates[0][0])[0]
+    total = WeightedSum(layout)
+    for state, weight in updates:
+        blob = encode(state)[1]
+        peak = max((float(np.abs(a.astype(np.float64)).max()) for a in state.values() if a.size), default=0.0)
+        total.fold(pieces(blob) if pieces else [blob], weight, peak)
+    return total.mean()
+
+
+def _bits(state: dict[str, np.ndarray]) -> dict[str, bytes]:
+    return {k: np.ascontiguousarray(v).reshape(-1).view(np.uint8).tobytes() for k, v in state.items()}
+
+
+# hand-computed means ---------------------------------------------------------------------
+
+def test_two_sites_weighted_by_samples():
+    a = {"w": np.array([1.0, 2.0, 0.25], np.float32), "n": np.array([1, 10, 6], np.int64)}
+    b = {"w": np.array([3.0, -2.0, 0.5], np.float32), "n": np.array([2, 3, 0], np.int64)}
+
+    mean = _mean([(a, 1), (b, 3)])
+
+    # w: (1·1 + 3·3)/4, (1·2 − 3·2)/4, (0.25 + 1.5)/4; n: 7/4, 19/4, 6/4 → rint (half to even)
+    assert mean["w"].dtype == np.float32 and mean["n"].dtype == np.int64
+    assert mean["w"].tolist() == [2.5, -1.0, 0.4375]
+    assert mean["n"].tolist() == [2, 5, 2]
+
+
+def test_integer_means_round_half_to_even():
+    sites = [({"n": np.array([1, 2, -1, -3, 7], np.int64)}, 1), ({"n": np.array([2, 3, -2, -2, 7], np.int64)}, 1)]
+
+    # 1.5 → 2, 2.5 → 2, −1.5 → −2, −2.5 → −2, 7 → 7
+    assert _mean(sites)["n"].tolist() == [2, 2, -2, -2, 7]
+
+
+def test_three_sites_dyadic_values_are_exact():
+    sites = [({"w": np.array([[0.5, -4.0]]), "b": np.array(1.0, np.float32)}, 2),
+             ({"w": np.array([[1.5, 8.0]]), "b": np.array(-1.0, np.float32)}, 3),
+             ({"w": np.array([[-0.25, 0.0]]), "b": np.array(0.75, np.float32)}, 3)]
+
+    mean = _mean(sites)
+
+    # w[0]: (1 + 4.5 − 0.75)/8 = 0.59375; w[1]: (−8 + 24)/8 = 2; b: (2 − 3 + 2.25)/8 = 0.15625
+    assert mean["w"].shape == (1, 2) and mean["b"].shape == ()
+    assert mean["w"].tolist() == [[0.59375, 2.0]]
+    assert mean["b"].item() == 0.15625
+
+
+def test_three_sites_non_dyadic_values_within_the_fixed_point_resolution():
+    sites = [({"w": np.array([0.1, 1 / 3, -0.7])}, 1),
+             ({"w": np.array([0.2, 2 / 3, 0.3])}, 1),
+             ({"w": np.array([0.4, 0.0, 0.9])}, 5)]
+
+    mean = _mean(sites)["w"]
+
+    expected = np.array([(0.1 + 0.2 + 2.0) / 7, (1 / 3 + 2 / 3) / 7, (-0.7 + 0.3 + 4.5) / 7])
+    assert np.abs(mean - expected).max() <= 2.0 ** -30
+    assert not np.array_equal(mean, np.zeros(3))
+
+
+def test_a_single_site_mean_is_its_own_model_when_representable():
+    state = {"w": np.array([1.25, -7.5, 1024.0], np.float32), "n": np.array([-5, 0, 9], np.int32)}
+
+    mean = _mean([(state, 17)])
+
+    assert _bits(mean) == _bits(state)
+
+
+# order and chunking independence -----------------------------------------------------------
+
+_SHAPES = {"a.w": ("<f4", (3, 2)), "b.v": ("<f8", (4,)), "c.n": ("<i4", (3,)), "d.s": ("<f4", ())}
+_ELEMENTS = {"<f4": st.floats(-1e3, 1e3, width=32), "<f8": st.floats(-1e3, 1e3), "<i4": st.integers(-1000, 1000)}
+
+
+@st.composite
+def _updates(draw) -> list[tuple[dict[str, np.ndarray], int]]:
+    out = []
+    for _ in range(draw(st.integers(2, 5))):
+        state = {name: draw(hnp.arrays(np.dtype(dt), shape, elements=_ELEMENTS[dt])) for name, (dt, shape) in _SHAPES.items()}
+        out.append((state, draw(st.integers(1, 10_000))))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), updates=_updates())
+def test_any_fold_order_gives_bit_identical_means(data, updates):
+    permuted = data.draw(st.permutations(updates))
+
+    reference = _mean(updates)
+    again = _mean(permuted)
+
+    assert _bits(again) == _bits(reference)
+    for name in _SHAPES:
+        assert np.array_equal(again[name].reshape(-1).view(np.uint8), reference[name].reshape(-1).view(np.uint8))
+    weights = sum(w for _, w in updates)
+    for name in ("a.w", "b.v"):
+        exact = sum(s[name].astype(np.float64) * w for s, w in updates) / weights
+        assert np.allclose(reference[name], exact, rtol=2e-7, atol=2.0 ** -30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), updates=_updates())
+def test_splitting_blobs_into_arbitrary_pieces_gives_identical_means(data, updates):
+    def pieces(blob: bytes) -> list[bytes]:
+        cuts = sorted(data.draw(st.lists(st.integers(0, len(blob)), max_size=12)))
+        edges = [0, *cuts, len(blob)]
+        return [blob[i:j] for i, j in zip(edges, edges[1:])]   # equal cuts give empty pieces too
+
+    assert _bits(_mean(updates, pieces=pieces)) == _bits(_mean(updates))
+
+
+def test_byte_by_byte_fold_matches_whole_blob_fold():
+    updates = [({"w": np.array([0.1, -0.2, 0.3], np.float32), "n": np.array([3, 4], np.int64)}, 7),
+               ({"w": np.array([1.1, 2.2, -3.3], np.float32), "n": np.array([-3, 40], np.int64)}, 2)]
+
+    one_byte = _mean(updates, pieces=lambda blob: [blob[i:i + 1] for i in range(len(blob))])
+
+    assert _bits(one_byte) == _bits(_mean(updates))
+
+
+# refusals --------------------------------------------------------------------------------
+
+def _sum() -> tuple[WeightedSum, bytes]:
+    layout, blob = encode({"w": np.array([1.0, -2.0], np.float32), "n": np.array([3], np.int64)})
+    return WeightedSum(layout), blob
+
+
+@pytest.mark.parametrize("weight", [0, -1, MAX_WEIGHT + 1, 2 ** 40])
+def test_check_fits_refuses_weights_outside_the_range(weight):
+    total, blob = _sum()
+
+    with pytest.raises(IntegrityError, match=f"between 1 and {MAX_WEIGHT}; got {weight}"):
+        total.check_fits(weight, 1.0)
+    with pytest.raises(IntegrityError):
+        total.fold([blob], weight, 3.0)
+    assert total.count == 0 and total.total_weight == 0 and not total.acc.any()
+
+
+def test_check_fits_accepts_the_extreme_weights():
+    total, _ = _sum()
+
+    total.check_fits(1, 1.0)
+    total.check_fits(MAX_WEIGHT, 0.25)       # 2**31 · 0.25 = 2**29, inside the 2**30 range
+
+
+def test_check_fits_refuses_an_update_beyond_the_fixed_point_range():
+    total, _ = _sum()
+    limit = 2.0 ** (62 - FRAC_BITS)      # Σ n·|x| must stay below this
+
+    total.check_fits(1000, limit / 1000 * 0.99)
+    with pytest.raises(IntegrityError, match="exceeds the fixed-point range") as err:
+        total.check_fits(1000, 1e9)
+    assert "num_samples 1000" in str(err.value) and "diverged" in str(err.value)
+
+
+def test_the_range_is_shared_by_all_folded_updates():
+    layout, blob = encode({"w": np.array([6e8, -1.0])})
+    total = WeightedSum(layout)
+
+    total.fold([blob], 1, 6e8)
+
+    with pytest.raises(IntegrityError, match="fixed-point range"):
+        total.check_fits(1, 6e8)              # 1.2e9 > 2**30 in total
+    total.check_fits(1, 4e8)                  # 1.0e9 < 2**30
+    with pytest.raises(IntegrityError, match="ended early"):
+        total.fold([blob[:-1]], 1, 4e8)       # a refused update uses none of the range
+    total.check_fits(1, 4e8)
+
+
+def test_mean_of_nothing_is_refused():
+    total, _ = _sum()
+
+    with pytest.raises(IntegrityError, match="no update was aggregated"):
+        total.mean()
+
+
+@pytest.mark.parametrize("cut", [1, 4, 8, 11])
+def test_a_truncated_blob_is_refused_and_leaves_the_sum_untouched(cut):
+    total, blob = _sum()
+    other = encode({"w": np.array([3.0, 4.0], np.float32), "n": np.array([5], np.int64)})[1]
+    total.fold([blob], 1, 3.0)
+
+    with pytest.raises(IntegrityError, match=f"ended early, after {16 - cut} of 16 bytes; it was not folded"):
+        total.fold([other[:len(other) - cut]], 5, 5.0)
+    with pytest.raises(IntegrityError, match="ended early"):
+        total.fold([other[:3], other[3:len(other) - cut]], 5, 5.0)
+    with pytest.raises(IntegrityError, match="ended early"):
+        total.fold([], 5, 5.0)
+
+    assert total.count == 1 and total.total_weight == 1
+    assert _bits(total.mean()) == _bits({"w": np.array([1.0, -2.0], np.float32), "n": np.array([3], np.int64)})
+    total.fold([other], 1, 5.0)
+    assert total.mean()["w"].tolist() == [2.0, 1.0] and total.mean()["n"].tolist() == [4]
+
+
+def test_a_blob_with_extra_bytes_is_refused():
+    total, blob = _sum()
+
+    with pytest.raises(IntegrityError, match="longer than the layout's 16 bytes; it was not folded"):
+        total.fold([blob, b"\0" * 4], 1, 3.0)
+    assert total.count == 0 and not total.acc.any()
+
+
+# strategies --------------------------------------------------------------------------------
+
+def test_make_strategy_refuses_an_unknown_name_and_lists_the_known():
+    with pytest.raises(ConfigError, match=r"unknown strategy 'fedprox'; known strategies: \['fedavg'\]"):
+        make_strategy(StrategySpec(name="fedprox"))
+    assert sorted(REGISTRY) == ["fedavg"]
+
+
+def test_make_strategy_builds_fedavg_and_refuses_arguments_it_does_not_take():
+    assert isinstance(make_strategy(StrategySpec()), FedAvg)
+    assert isinstance(make_strategy(StrategySpec(name="fedavg")), FedAvg)
+
+    with pytest.raises(ConfigError, match="strategy.args: fedavg does not accept"):
+        make_strategy(StrategySpec(name="fedavg", args={"mu": 0.1}))
+
+
+def test_fedavg_trains_every_available_site_in_sorted_order():
+    assert FedAvg().configure(3, ["site-c", "site-a", "site-b"]) == ["site-a", "site-b", "site-c"]
+    assert FedAvg().configure(1, []) == []
+
+
+def test_fedavg_aggregate_returns_the_weighted_mean():
+    current = {"w": np.zeros(3, np.float32)}
+    sites = [({"w": np.array([1.0, 2.0, 3.0], np.float32)}, 1), ({"w": np.array([3.0, 2.0, 1.0], np.float32)}, 3)]
+    mean = _mean(sites)
+
+    nxt = FedAvg().aggregate(1, current, mean)
+
+    assert nxt["w"].tolist() == [2.5, 2.0, 1.5]
+    assert _bits(nxt) == _bits(mean)
+    assert not current["w"].any()

@@ -1,0 +1,29 @@
+"""Fixtures for integration tests; the machinery lives in harness.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from integration.harness import HOSPITAL_OF, Federation
+from plexus import pki
+
+
+@pytest.fixture(scope="session")
+def pki_root(tmp_path_factory) -> Path:
+    """One federation CA for the session: sites a-d, an operator and a viewer."""
+    root = tmp_path_factory.mktemp("pki") / "federation"
+    pki.init_federation(root, "test-federation", hosts=["127.0.0.1"])
+    for name in HOSPITAL_OF:
+        pki.add_site(root, name)
+    pki.add_admin(root, "ops", role="operator")
+    pki.add_admin(root, "viewer", role="viewer")
+    return root
+
+
+@pytest.fixture
+def federation(pki_root, tmp_path):
+    fed = Federation(pki_root, tmp_path / "state")
+    yield fed
+    fed.close()

@@ -1,0 +1,160 @@
+"""Real federations for integration tests: a CA in tmp_path, a coordinator on 127.0.0.1:0, mTLS everywhere."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from coordinator.server import Coordinator
+from plexus import pki, transport
+from plexus.admin_client import AdminClient
+from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig
+from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
+from plexus.wire import Layout, Receiver, decode, encode, iter_chunks
+from site_agent.agent import SiteAgent
+
+HOSPITAL_OF = {"a": "cleveland", "b": "hungary", "c": "va", "d": "switzerland"}
+
+HEART_JOB = """\
+name: {name}
+model: {{name: {model}, args: {{in_features: 13, num_classes: 2}}}}
+data: {{dataset: heart-disease}}
+rounds: {rounds}
+sites: {{min: {min}, deadline_s: {deadline}}}
+train: {{epochs: 1, batch_size: 32, optimizer: {{name: sgd, lr: 0.1}}}}
+seed: {seed}
+"""
+
+
+def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=30, seed=0) -> str:
+    return HEART_JOB.format(name=name, model=model, rounds=rounds, min=min, deadline=deadline, seed=seed)
+
+
+def wait_until(predicate, timeout: float = 30.0, what: str = "condition"):
+    """Poll with a deadline (tests never sleep blindly)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Federation:
+    def __init__(self, root: Path, state_dir: Path):
+        self.root = root
+        self.coordinator = Coordinator(CoordinatorConfig(
+            listen="127.0.0.1:0", kit=root / "coordinator", state_dir=state_dir,
+            crl=root / "coordinator" / "crl.pem", poll_timeout_s=1.0, chunk_bytes=65536, max_workers=64))
+        self.coordinator.start()
+        self.address = f"127.0.0.1:{self.coordinator.port}"
+        self.agents: list[tuple[SiteAgent, threading.Thread]] = []
+        self.clients: list = []
+
+    @property
+    def store(self):
+        return self.coordinator.store
+
+    def admin(self, name: str = "ops") -> AdminClient:
+        client = AdminClient(self.address, self.root / "admins" / name)
+        self.clients.append(client)
+        return client
+
+    def start_site(self, name: str, *, allowed_models=("logistic", "mlp"), dataset: str = "heart-disease") -> SiteAgent:
+        config = SiteConfig(site=name, coordinator=self.address, kit=self.root / "sites" / name,
+                            state_dir=self.root / "sites" / name / "state",
+                            datasets={dataset: DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[name])},
+                            policy=PolicySpec(allowed_models=tuple(allowed_models)))
+        agent = SiteAgent(config, backoff_cap_s=0.5)
+        thread = threading.Thread(target=agent.run, daemon=True)
+        thread.start()
+        self.agents.append((agent, thread))
+        return agent
+
+    def raw_site(self, name: str) -> RawSite:
+        site = RawSite(self.root / "sites" / name, self.address)
+        self.clients.append(site)
+        return site
+
+    def wait_online(self, *names: str) -> None:
+        wait_until(lambda: set(names) <= self.coordinator.engine.online_sites(), what=f"sites {names} online")
+
+    def wait_job(self, job_id: str, timeout: float = 60.0) -> str:
+        return wait_until(lambda: (s := self.store.job(job_id).status) in ("completed", "failed", "aborted") and s,
+                          timeout, f"job {job_id} to end")
+
+    def close(self) -> None:
+        for agent, _ in self.agents:
+            agent.stop.set()
+        for client in self.clients:
+            client.close()
+        self.coordinator.stop(grace=0.5)
+        for _, thread in self.agents:
+            thread.join(timeout=10)
+
+
+class RawSite:
+    """A site speaking the protocol by hand, to send what an honest agent never would."""
+
+    def __init__(self, kit_dir: Path, address: str):
+        self.channel = transport.channel(pki.load_kit(kit_dir), address)
+        self.stub = federation_pb2_grpc.FederationStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def join(self) -> fpb.JoinReply:
+        return self.stub.Join(fpb.JoinRequest(agent_version="raw", models=["logistic"]), timeout=5)
+
+    def next_task(self, timeout: float = 30.0) -> fpb.Task:
+        def poll():
+            task = self.stub.NextTask(fpb.NextTaskRequest(wait_s=1.0), timeout=10)
+            return task if task.kind != fpb.TASK_NONE else None
+        return wait_until(poll, timeout, "a task")
+
+    def fetch(self, task: fpb.Task) -> tuple[Layout, dict]:
+        stream = self.stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=10)
+        layout = Layout.from_proto(next(stream).header.manifest)
+        blob = bytearray()
+        receiver = Receiver(layout, sink=blob.extend)
+        for message in stream:
+            receiver.feed(message.chunk.offset, message.chunk.data)
+        receiver.finish()
+        return layout, {k: v.copy() for k, v in decode(layout, blob).items()}
+
+    def submit(self, task: fpb.Task, state: dict, *, num_samples: int = 10, extra: bytes = b"",
+               manifest=None, task_id: str | None = None, nonce: bytes | None = None) -> fpb.SubmitReply:
+        layout, blob = encode(state)
+        header = fpb.UpdateHeader(task_id=task_id or task.task_id, job_id=task.job_id, round=task.round,
+                                  nonce=task.nonce if nonce is None else nonce, num_samples=num_samples,
+                                  manifest=manifest or layout.to_proto())
+
+        def messages():
+            yield fpb.UpdateMessage(header=header)
+            data = blob + extra
+            for offset, piece in iter_chunks(data, 1000):
+                yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(piece)})
+
+        return self.stub.SubmitUpdate(messages(), timeout=10)
+
+    def report(self, task: fpb.Task, status, reason: str = "") -> fpb.ResultReply:
+        return self.stub.ReportResult(fpb.TaskResult(task_id=task.task_id, job_id=task.job_id, round=task.round,
+                                                     nonce=task.nonce, status=status, reason=reason), timeout=5)
+
+    def answer_everything_with_failure(self, stop: threading.Event) -> threading.Thread:
+        """Keep polling and fail every further task, so rounds need not wait for this site's deadline."""
+        def loop():
+            while not stop.is_set():
+                try:
+                    task = self.stub.NextTask(fpb.NextTaskRequest(wait_s=0.5), timeout=5)
+                    if task.kind != fpb.TASK_NONE:
+                        self.report(task, fpb.RESULT_FAILED, "raw test site does not work")
+                except grpc.RpcError:
+                    return
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        return thread

@@ -1,0 +1,62 @@
+"""`plexus demo` as a user runs it: separate processes, mTLS, a table at the end, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from integration.harness import wait_until
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose; it is its parent's to reap
+    stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}/stat").exists() else ""
+    return bool(stat) and stat.split(") ", 1)[1][0] != "Z"
+
+
+def _pids(workdir: Path) -> list[int]:
+    return [int(line.split()[0]) for line in (workdir / "pids").read_text().splitlines()]
+
+
+def test_demo_federated_model_is_within_three_points_of_pooled(tmp_path):
+    workdir = tmp_path / "demo"
+    result = subprocess.run([sys.executable, "-m", "plexus", "demo", "--rounds", "20", "--workdir", str(workdir)],
+                            capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.count(" 4 sites ") == 20          # every round closed with all four hospitals
+    pooled_col = {}
+    for label in ("federated (FedAvg)", "pooled (ceiling)", "cleveland alone"):
+        row = re.search(re.escape(label) + r"((?:\s+[0-9.]+){6})", out)
+        assert row, f"no row {label!r} in:\n{out}"
+        values = [float(v) for v in row.group(1).split()]
+        pooled_col[label] = values[4]               # accuracy on all sites' held-out rows pooled
+    assert pooled_col["federated (FedAvg)"] >= pooled_col["pooled (ceiling)"] - 0.03, out
+    assert not [pid for pid in _pids(workdir) if _alive(pid)]
+
+
+def test_demo_ctrl_c_leaves_no_process_behind(tmp_path):
+    workdir = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, "-m", "plexus", "demo", "--rounds", "200", "--workdir", str(workdir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    try:
+        for line in proc.stdout:
+            if "round   2/200" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    pids = _pids(workdir)
+    assert len(pids) == 5  # the coordinator and four sites were started
+    wait_until(lambda: not [pid for pid in pids if _alive(pid)], 15, "the demo's children to exit")

@@ -1,0 +1,106 @@
+"""Who may talk to the coordinator: only certificates from this federation's CA, unrevoked, in role."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from plexus import pki
+from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
+
+from integration.harness import Federation, heart_job
+
+
+def _admin_stub(channel):
+    return admin_pb2_grpc.AdminStub(channel)
+
+
+def test_no_client_certificate_is_refused(federation):
+    ca = (federation.root / "ca" / "ca.pem").read_bytes()
+    with grpc.secure_channel(federation.address, grpc.ssl_channel_credentials(root_certificates=ca)) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            _admin_stub(channel).ListJobs(admin_pb2.ListJobsRequest(), timeout=5)
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+
+
+def test_plaintext_is_refused(federation):
+    with grpc.insecure_channel(federation.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            _admin_stub(channel).ListJobs(admin_pb2.ListJobsRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_certificate_from_another_ca_is_refused(federation, tmp_path):
+    other = tmp_path / "other"
+    pki.init_federation(other, "other-federation", hosts=["127.0.0.1"])
+    foreign = pki.load_kit(pki.add_admin(other, "mallory", role="admin"))
+    ca = (federation.root / "ca" / "ca.pem").read_bytes()  # the attacker even trusts the right server
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=foreign.key_pem,
+                                               certificate_chain=foreign.cert_pem)
+    with grpc.secure_channel(federation.address, credentials) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            _admin_stub(channel).ListJobs(admin_pb2.ListJobsRequest(), timeout=5)
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+
+
+def test_revoked_site_is_refused_on_its_next_call(tmp_path):
+    root = tmp_path / "pki"
+    pki.init_federation(root, "revocation-test", hosts=["127.0.0.1"])
+    pki.add_site(root, "a")
+    pki.add_site(root, "b")
+    fed = Federation(root, tmp_path / "state")
+    try:
+        a, b = fed.raw_site("a"), fed.raw_site("b")
+        assert b.join().site == "b"
+        pki.revoke(root, "b")
+        with pytest.raises(grpc.RpcError) as err:
+            b.join()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "revoked" in err.value.details()
+        assert a.join().site == "a"  # others are untouched
+    finally:
+        fed.close()
+
+
+def test_viewer_cannot_submit_or_abort_but_can_read(federation):
+    viewer, ops = federation.admin("viewer"), federation.admin("ops")
+    with pytest.raises(grpc.RpcError) as err:
+        viewer.submit(heart_job())
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "viewer" in err.value.details() and "operator" in err.value.details()
+    job_id = ops.submit(heart_job()).job_id
+    with pytest.raises(grpc.RpcError) as err:
+        viewer.abort(job_id)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert [j.job_id for j in viewer.jobs()] == [job_id]
+    assert viewer.job(job_id).summary.status in ("queued", "running")
+
+
+def test_site_and_admin_certificates_cannot_cross_services(federation):
+    site = federation.raw_site("a")
+    with pytest.raises(grpc.RpcError) as err:
+        _admin_stub(site.channel).ListJobs(admin_pb2.ListJobsRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    ops = federation.admin("ops")
+    with pytest.raises(grpc.RpcError) as err:
+        federation_pb2_grpc.FederationStub(ops.channel).Join(fpb.JoinRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_identity_comes_from_the_certificate(federation):
+    reply = federation.raw_site("c").join()
+    assert reply.site == "c" and reply.federation == "test-federation"
+    assert [s.site for s in federation.admin().sites()] == ["c"]
+
+
+def test_bad_round_config_is_rejected_with_key_and_line(federation):
+    ops = federation.admin()
+    with pytest.raises(grpc.RpcError) as err:
+        ops.submit(heart_job().replace("rounds: 2", "rounds: 2\nbogus_key: 1"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "bogus_key" in err.value.details() and ":5:" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        ops.submit(heart_job(model="resnet9000"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "resnet9000" in err.value.details() and "logistic" in err.value.details()
+    assert ops.jobs() == []

@@ -1,0 +1,124 @@
+"""Kill the coordinator with SIGKILL mid-job, start it again: the job resumes and ends as if nothing happened."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plexus import pki
+from plexus.admin_client import AdminClient
+from plexus.cli import main as cli
+
+from integration.harness import HOSPITAL_OF, heart_job, wait_until
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    def __init__(self, logs: Path):
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "plexus", *args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Processes(tmp_path)
+    yield p
+    p.stop_all()
+
+
+def test_sigkill_mid_job_resumes_from_last_closed_round(tmp_path, procs):
+    root = tmp_path / "pki"
+    port = _free_port()
+    pki.init_federation(root, "resume-test", hosts=["127.0.0.1"], port=port)
+    admin_kit = pki.add_admin(root, "ops", role="operator")
+    coord_cfg = root / "coordinator" / "coordinator.yaml"
+    coord_cfg.write_text(coord_cfg.read_text() + "poll_timeout_s: 1\n")
+    for name in ("a", "b"):
+        kit = pki.add_site(root, name)
+        (kit / "site.yaml").write_text(
+            f'site: "{name}"\ncoordinator: "127.0.0.1:{port}"\nkit: "."\n'
+            f"datasets:\n  heart-disease: {{kind: heart-disease, hospital: {HOSPITAL_OF[name]}}}\n"
+            "policy: {allowed_models: [logistic]}\n")
+    state = root / "coordinator" / "state"
+    addr = state / "coordinator.addr"
+
+    coordinator = procs.start("coordinator", "coordinator", "run", "--config", str(coord_cfg))
+    wait_until(addr.exists, 60, "the coordinator to listen")
+    for name in ("a", "b"):
+        procs.start(f"site-{name}", "site", "run", "--config", str(root / "sites" / name / "site.yaml"),
+                    "--threads", "1")
+    address = f"127.0.0.1:{port}"
+    rounds = 12
+    with AdminClient(address, admin_kit) as client:
+        job_id = client.submit(heart_job(name="resume", rounds=rounds, min=2, seed=3)).job_id
+        wait_until(lambda: client.job(job_id).summary.current_round >= 3, 60, "round 3 to close")
+
+    coordinator.send_signal(signal.SIGKILL)
+    coordinator.wait(timeout=10)
+    killed_at = max(r.round for r in _rounds_in_db(state, job_id))
+    assert killed_at < rounds, "the job finished before the kill; the test did not test resuming"
+    addr.unlink()
+
+    procs.start("coordinator-2", "coordinator", "run", "--config", str(coord_cfg))
+    wait_until(addr.exists, 60, "the restarted coordinator to listen")
+    with AdminClient(address, admin_kit) as client:
+        wait_until(lambda: client.job(job_id).summary.status in ("completed", "failed"), 120, "the job to end")
+        detail = client.job(job_id)
+        assert detail.summary.status == "completed", detail.summary.message
+        closed = sorted(r.round for r in detail.rounds if r.status.startswith("closed"))
+        assert closed == list(range(1, rounds + 2))  # every training round plus the final evaluation
+        kinds = [e.kind for e in client.watch(job_id)]
+        assert "job_resumed" in kinds
+
+        # The same job run without interruption gives the same model, bit for bit.
+        again = client.submit(heart_job(name="resume", rounds=rounds, min=2, seed=3)).job_id
+        wait_until(lambda: client.job(again).summary.status == "completed", 120, "the reference job")
+        resumed_model, reference_model = tmp_path / "resumed.safetensors", tmp_path / "reference.safetensors"
+        for job, path in ((job_id, resumed_model), (again, reference_model)):
+            assert cli(["job", "download", job, "-o", str(path), "--kit", str(admin_kit),
+                        "--coordinator", address]) == 0
+    assert _tensor_bytes(resumed_model) == _tensor_bytes(reference_model)
+
+
+def _rounds_in_db(state: Path, job_id: str):
+    import sqlite3
+
+    with sqlite3.connect(state / "plexus.db") as db:
+        return [type("R", (), {"round": r})() for (r,) in db.execute(
+            "SELECT round FROM rounds WHERE job_id = ? AND status = 'closed'", (job_id,))]
+
+
+def _tensor_bytes(path: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    return {k: v.tobytes() for k, v in load_file(str(path)).items()}
