@@ -4,8 +4,7 @@ Each update is quantised to 64-bit fixed point *before* it is folded in, so the
 running sum is integer arithmetic: associative, hence the same bits whatever
 order the sites' updates arrive in. That is what makes a seeded federated run
 reproducible bit for bit. Memory is one int64 per model element, whatever the
-number of sites, plus one more while an update is folded (so a refused update
-leaves the sum untouched).
+number of sites.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ class WeightedSum:
         self.total_weight = 0
         self.count = 0
         self._bound = 0.0
+        self._poisoned = ""
         self._elem_offsets = np.cumsum([0] + [t.numel for t in layout.tensors]).tolist()
 
     def check_fits(self, weight: int, max_abs: float) -> None:
@@ -45,26 +45,41 @@ class WeightedSum:
                 f"exceeds the fixed-point range (Σ n·|x| < {_LIMIT / _SCALE:.3g}); the site's training "
                 "has probably diverged")
 
-    def fold(self, blobs: Iterable[bytes | memoryview], weight: int, max_abs: float) -> None:
-        """Add weight × (the update whose blob arrives as consecutive pieces); all or nothing."""
+    def fold(self, pieces: Iterable[bytes | memoryview], weight: int, max_abs: float, *, nbytes: int) -> None:
+        """Add weight × (an update blob of nbytes, arriving as consecutive pieces).
+
+        Everything that can be checked up front is, so a refused update leaves the sum
+        untouched without a second model-sized buffer. Should the pieces then disagree
+        with nbytes (a source changing under us), the sum is poisoned and mean() refuses.
+        """
+        total = self.layout.total_bytes
+        if nbytes != total:
+            raise IntegrityError(f"update blob has {nbytes} bytes; the layout needs {total}; it was not folded")
         self.check_fits(weight, max_abs)
-        delta = np.zeros_like(self.acc)  # committed only once the whole blob has been read
+        self._require_clean()
         pending = bytearray()
         position = 0  # byte position in the blob
-        for piece in blobs:
-            pending += piece
-            used = self._fold_bytes(delta, position, memoryview(pending), weight)
-            del pending[:used]
-            position += used
-        received, total = position + len(pending), self.layout.total_bytes
-        if received < total:
-            raise IntegrityError(f"update blob ended early, after {received} of {total} bytes; it was not folded")
-        if received > total:
-            raise IntegrityError(f"update blob is longer than the layout's {total} bytes; it was not folded")
-        self.acc += delta
+        try:
+            for piece in pieces:
+                pending += piece
+                used = self._fold_bytes(self.acc, position, memoryview(pending), weight)
+                del pending[:used]
+                position += used
+                if position + len(pending) > total:
+                    break
+        except BaseException as exc:
+            self._poisoned = f"folding an update failed part-way ({type(exc).__name__})"
+            raise
+        if pending or position != total:
+            self._poisoned = f"an update declared {total} bytes but delivered {position + len(pending)}"
+            self._require_clean()
         self._bound += weight * max_abs
         self.total_weight += weight
         self.count += 1
+
+    def _require_clean(self) -> None:
+        if self._poisoned:
+            raise IntegrityError(f"this round's sum is unusable: {self._poisoned}; the round must fail")
 
     def _fold_bytes(self, into: np.ndarray, position: int, data: memoryview, weight: int) -> int:
         """Fold as many whole elements of data (starting at blob byte position) as possible."""
@@ -89,6 +104,7 @@ class WeightedSum:
 
     def mean(self) -> dict[str, np.ndarray]:
         """The weighted mean, cast back to each tensor's dtype."""
+        self._require_clean()
         if self.total_weight == 0:
             raise IntegrityError("no update was aggregated; there is no mean to take")
         flat = self.acc.astype(np.float64) / (_SCALE * self.total_weight)

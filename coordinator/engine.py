@@ -29,7 +29,7 @@ from plexus.config import RoundConfig, dump_round_config, parse_round_config
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
                            RoundClosed)
 from plexus.models import available_models, build_model, state_to_numpy
-from plexus.wire import Layout, encode
+from plexus.wire import Layout, Receiver, encode
 
 log = logging.getLogger("plexus.coordinator")
 
@@ -234,7 +234,7 @@ class Engine:
                 if self._active is not job or job.round is not rs or site in rs.outcomes:
                     raise RoundClosed(f"round {grant.round} of job {grant.job_id} closed before the update was complete")
                 try:
-                    rs.total.fold(_read_blocks(spool), header.num_samples, max_abs)
+                    rs.total.fold(_read_blocks(spool), header.num_samples, max_abs, nbytes=spool.stat().st_size)
                 except IntegrityError as exc:
                     self._record(rs, grant, site, "rejected", str(exc))
                     raise
@@ -400,18 +400,23 @@ class Engine:
                                    event=("job_completed", message))
             self._active = None
         elif len(rs.contributors) >= job.cfg.sites.min:
-            self._close_training_round(job, rs)
+            try:
+                self._close_training_round(job, rs)
+            except IntegrityError as exc:
+                self._fail_round(job, rs, str(exc))
         else:
             problems = ", ".join(f"{s}: {o}" for s, o in sorted(rs.outcomes.items()) if o != "submitted") or "none"
-            message = (f"round {rs.round} failed: {len(rs.contributors)} update(s), below sites.min="
-                       f"{job.cfg.sites.min} (other sites — {problems}); the global model is unchanged at round "
-                       f"{job.model_round}")
-            self.store.close_round(job.row.id, rs.round, status="failed", contributors=sorted(rs.contributors),
-                                   total_samples=rs.samples, message=message,
-                                   job_update={"status": "failed", "message": message}, event=("job_failed", message))
-            self._active = None
+            self._fail_round(job, rs, f"{len(rs.contributors)} update(s), below sites.min={job.cfg.sites.min} "
+                                      f"(other sites — {problems})")
         self._cv.notify_all()
         return 0.0
+
+    def _fail_round(self, job: ActiveJob, rs: RoundState, why: str) -> None:
+        message = f"round {rs.round} failed: {why}; the global model is unchanged at round {job.model_round}"
+        self.store.close_round(job.row.id, rs.round, status="failed", contributors=sorted(rs.contributors),
+                               total_samples=rs.samples, message=message,
+                               job_update={"status": "failed", "message": message}, event=("job_failed", message))
+        self._active = None
 
     def _close_training_round(self, job: ActiveJob, rs: RoundState) -> None:
         state = job.strategy.aggregate(rs.round, job.state, rs.total.mean())
@@ -448,8 +453,6 @@ def _metrics(values, field_name: str) -> dict[str, float]:
 
 def _receive_to(spool: Path, layout: Layout, chunks: Iterable) -> float:
     """Stream chunks through a Receiver into the spool file; returns the update's max |value|."""
-    from plexus.wire import Receiver
-
     with open(spool, "wb") as fh:
         receiver = Receiver(layout, sink=fh.write)
         for chunk in chunks:

@@ -10,7 +10,7 @@ from plexus import __version__
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, guarded
-from plexus.wire import iter_chunks
+from plexus.wire import encode, iter_chunks
 
 _KINDS = {"train": fpb.TASK_TRAIN, "evaluate": fpb.TASK_EVALUATE}
 _RESULTS = {fpb.RESULT_EVALUATED: "evaluated", fpb.RESULT_DECLINED: "declined", fpb.RESULT_FAILED: "failed"}
@@ -123,8 +123,6 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @guarded(kind="admin", min_role="operator")
     def DownloadModel(self, request, context, *, who):
-        from plexus.wire import encode
-
         row = self.store.job(request.job_id)
         round_ = row.current_round if request.round < 0 else request.round
         if round_ > row.current_round:

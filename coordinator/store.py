@@ -73,6 +73,8 @@ class Store:
         self.spool = self.state_dir / "spool"
         for d in (self.state_dir, self.checkpoints, self.spool):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for leftover in self.spool.glob("*.part"):  # half-received updates of a crashed run are void
+            leftover.unlink()
         self.clock = clock
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.state_dir / "plexus.db", check_same_thread=False, isolation_level=None)
@@ -233,7 +235,8 @@ class Store:
         path = self.checkpoint_path(job_id, round_)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_suffix(".tmp")
-        save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(tmp),
+        # np.asarray, not np.ascontiguousarray: the latter turns a 0-d tensor into shape (1,)
+        save_file({k: np.asarray(v, order="C") for k, v in state.items()}, str(tmp),
                   metadata={"job": job_id, "round": str(round_)})
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())

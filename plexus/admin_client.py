@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 from plexus import transport
 from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc
-from plexus.wire import Layout, Receiver, decode
+from plexus.wire import Layout, assemble, decode
 
 
 class AdminClient:
@@ -55,13 +55,7 @@ class AdminClient:
                                          timeout=max(self.timeout_s, 600))
         header = next(stream).header
         layout = Layout.from_proto(header.manifest)
-        blob = bytearray(layout.total_bytes)
-        view, receiver = memoryview(blob), Receiver(layout)
-        for message in stream:
-            receiver.feed(message.chunk.offset, message.chunk.data)
-            view[message.chunk.offset:message.chunk.offset + len(message.chunk.data)] = message.chunk.data
-        receiver.finish()
-        return header.round, decode(layout, blob)
+        return header.round, decode(layout, assemble(layout, (message.chunk for message in stream)))
 
     def download_to(self, job_id: str, path: Path, round_: int = -1) -> int:
         got, state = self.download(job_id, round_)

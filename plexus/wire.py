@@ -8,7 +8,7 @@ ever pickled; decoding checks every byte against the expected layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -225,3 +225,15 @@ class Receiver:
             raise IntegrityError(f"tensor {t.name!r} contains NaN or Inf; refusing the update")
         peak = float(np.max(np.abs(values.astype(np.float64, copy=False))))
         self.max_abs = max(self.max_abs, peak)
+
+
+def assemble(layout: Layout, chunks: Iterable) -> bytearray:
+    """Validate chunks (objects with .offset and .data) into one complete blob for the layout."""
+    blob = bytearray(layout.total_bytes)
+    view = memoryview(blob)
+    receiver = Receiver(layout)
+    for chunk in chunks:
+        receiver.feed(chunk.offset, chunk.data)
+        view[chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
+    receiver.finish()
+    return blob

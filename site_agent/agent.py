@@ -21,7 +21,7 @@ from plexus.datasets import Split, load_dataset
 from plexus.models import available_models, build_model, load_numpy_state, state_to_numpy
 from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
-from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, Receiver, decode, encode, iter_chunks
+from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, decode, encode, iter_chunks
 from site_agent.policy import policy_digest, refusal
 from site_agent.training import evaluate, train_local
 
@@ -112,15 +112,7 @@ class SiteAgent:
             raise ValueError("the model stream did not start with a header")
         layout = Layout.from_proto(first.header.manifest)
         expected.require_same(layout, what="the coordinator's model")
-        blob = bytearray(layout.total_bytes)
-        view = memoryview(blob)
-        receiver = Receiver(layout)
-        for message in stream:
-            chunk = message.chunk
-            receiver.feed(chunk.offset, chunk.data)
-            view[chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
-        receiver.finish()
-        return decode(layout, blob)
+        return decode(layout, assemble(layout, (message.chunk for message in stream)))
 
     def _submit(self, stub, task, job: RoundConfig, model, result, eval_metrics: dict) -> None:
         layout, blob = encode(state_to_numpy(model))

@@ -13,7 +13,7 @@ from plexus import pki, transport
 from plexus.admin_client import AdminClient
 from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
-from plexus.wire import Layout, Receiver, decode, encode, iter_chunks
+from plexus.wire import Layout, assemble, decode, encode, iter_chunks
 from site_agent.agent import SiteAgent
 
 HOSPITAL_OF = {"a": "cleveland", "b": "hungary", "c": "va", "d": "switzerland"}
@@ -119,11 +119,7 @@ class RawSite:
     def fetch(self, task: fpb.Task) -> tuple[Layout, dict]:
         stream = self.stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=10)
         layout = Layout.from_proto(next(stream).header.manifest)
-        blob = bytearray()
-        receiver = Receiver(layout, sink=blob.extend)
-        for message in stream:
-            receiver.feed(message.chunk.offset, message.chunk.data)
-        receiver.finish()
+        blob = assemble(layout, (message.chunk for message in stream))
         return layout, {k: v.copy() for k, v in decode(layout, blob).items()}
 
     def submit(self, task: fpb.Task, state: dict, *, num_samples: int = 10, extra: bytes = b"",

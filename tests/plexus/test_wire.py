@@ -20,7 +20,8 @@ def _extremes(name: str) -> np.ndarray:
     dtype = DTYPES[name]
     if dtype.kind == "f":
         info = np.finfo(dtype)
-        values = [0.0, -0.0, 1.0, -1.5, float(info.max), float(info.min), float(info.tiny), float(info.smallest_subnormal)]
+        values = [0.0, -0.0, 1.0, -1.5, float(info.max), float(info.min), float(info.tiny),
+                  float(info.smallest_subnormal)]
     else:
         info = np.iinfo(dtype)
         values = [0, 1, int(info.max), int(info.min), int(info.max) // 3]
@@ -345,7 +346,7 @@ def _states(draw) -> dict[str, np.ndarray]:
     return state
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(state=_states(), chunk=st.integers(1, 97))
 def test_receiver_accepts_any_finite_state_in_any_chunking(state, chunk):
     layout, blob = encode(state)

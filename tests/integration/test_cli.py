@@ -1,0 +1,83 @@
+"""The `plexus` CLI against a live coordinator: what an operator types, what they read back."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import stat
+
+from plexus.cli import main as cli
+
+from integration.harness import heart_job
+
+
+def _admin_args(fed, name="ops"):
+    return ["--kit", str(fed.root / "admins" / name), "--coordinator", fed.address]
+
+
+def test_pki_commands_make_kits_and_revoke(tmp_path, capsys):
+    root = tmp_path / "fed"
+    assert cli(["pki", "init", str(root), "--federation", "cli-test", "--host", "127.0.0.1"]) == 0
+    assert cli(["pki", "add-site", str(root), "oslo"]) == 0
+    assert cli(["pki", "add-admin", str(root), "ann", "--role", "operator"]) == 0
+    assert stat.S_IMODE((root / "sites" / "oslo" / "key.pem").stat().st_mode) == 0o600
+    assert cli(["pki", "add-site", str(root), "oslo"]) == 1
+    assert "revoke it first" in capsys.readouterr().err
+    assert cli(["pki", "revoke", str(root), "oslo"]) == 0
+    assert "revoked 'oslo'" in capsys.readouterr().out
+    assert cli(["pki", "add-site", str(tmp_path / "nowhere"), "x"]) == 1
+    assert "plexus pki init" in capsys.readouterr().err
+
+
+def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
+    for name in "ab":
+        federation.start_site(name)
+    federation.wait_online("a", "b")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(heart_job(rounds=2, min=2))
+    assert cli(["job", "submit", str(job_file), "--wait", *_admin_args(federation)]) == 0
+    out = capsys.readouterr().out
+    assert "round_closed" in out and "job_completed" in out and "accuracy=" in out
+
+    assert cli(["job", "list", "--json", *_admin_args(federation, "viewer")]) == 0
+    jobs = json.loads(capsys.readouterr().out)
+    assert [(j["status"], j["round"], j["rounds"]) for j in jobs] == [("completed", 2, 2)]
+    job_id = jobs[0]["job_id"]
+
+    assert cli(["job", "show", job_id, *_admin_args(federation, "viewer")]) == 0
+    out = capsys.readouterr().out
+    assert "status: completed" in out and "eval_accuracy" in out
+
+    assert cli(["job", "metrics", job_id, "--format", "csv", *_admin_args(federation, "viewer")]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert {(r["site"], r["kind"], r["name"]) for r in rows} >= {("a", "eval", "auc"), ("b", "train", "train_loss")}
+
+    model = tmp_path / "m.safetensors"
+    assert cli(["job", "download", job_id, "--round", "1", "-o", str(model), *_admin_args(federation)]) == 0
+    from safetensors.numpy import load_file
+    assert load_file(str(model))["linear.weight"].shape == (2, 13)
+    assert cli(["job", "download", job_id, "--round", "9", "-o", str(model), *_admin_args(federation)]) == 1
+    assert "round 9 has no model yet" in capsys.readouterr().err
+
+    assert cli(["sites", "list", "--json", *_admin_args(federation, "viewer")]) == 0
+    sites = json.loads(capsys.readouterr().out)
+    assert [(s["site"], s["online"], s["datasets"]) for s in sites] == [("a", True, "heart-disease"),
+                                                                       ("b", True, "heart-disease")]
+
+
+def test_abort_and_role_errors_read_clearly(federation, tmp_path, capsys):
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(heart_job(rounds=2, min=3))
+    assert cli(["job", "submit", str(job_file), "--json", *_admin_args(federation)]) == 0
+    job_id = json.loads(capsys.readouterr().out)["job_id"]
+    assert cli(["job", "abort", job_id, *_admin_args(federation, "viewer")]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
+    assert cli(["job", "abort", job_id, *_admin_args(federation)]) == 0
+    assert "aborted" in capsys.readouterr().out
+    assert cli(["job", "abort", job_id, *_admin_args(federation)]) == 1
+    assert "already aborted" in capsys.readouterr().err
+    assert cli(["job", "show", "no-such-job", *_admin_args(federation)]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    assert cli(["job", "list", "--coordinator", federation.address, "--kit", str(tmp_path / "none")]) == 1
+    assert "ca.pem is missing" in capsys.readouterr().err
