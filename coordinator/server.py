@@ -25,7 +25,8 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig):
         kit = load_kit(config.kit)
-        crl = RevocationList(config.crl, kit.ca_pem) if config.crl else None
+        # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used.
+        crl = RevocationList(config.crl or Path(config.kit) / "crl.pem", kit.ca_pem)
         self.store = Store(config.state_dir)
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s)
         auth = Authenticator(crl)

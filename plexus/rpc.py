@@ -45,7 +45,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 class Authenticator:
     """Turns a call's peer certificate into an Identity, checking the CRL on every call."""
 
-    def __init__(self, crl: RevocationList | None):
+    def __init__(self, crl: RevocationList):
         self._crl = crl
         self._cache: dict[bytes, Identity] = {}
         self._lock = threading.Lock()
@@ -55,8 +55,7 @@ class Authenticator:
         if not certs:
             raise errors.Unauthenticated("no client certificate was presented; connect with your kit's cert.pem/key.pem")
         pem = certs[0]
-        if self._crl is not None:
-            self._crl.check(pem)
+        self._crl.check(pem)
         with self._lock:
             ident = self._cache.get(pem)
         if ident is None:

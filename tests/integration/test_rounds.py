@@ -175,3 +175,26 @@ def test_seeded_runs_give_the_same_model_bit_for_bit(federation, tmp_path):
         models.append(path.read_bytes().split(b"}", 1)[1])  # tensor bytes after the JSON header
     assert models[0] == models[1]
     assert models[0] != models[2]
+
+
+def test_site_failure_is_recorded_with_its_reason(federation):
+    for name in "ab":
+        federation.start_site(name)
+    federation.wait_online("a", "b")
+    wrong = heart_job(rounds=2, min=2).replace("in_features: 13", "in_features: 12")
+    job_id = federation.admin().submit(wrong).job_id
+    assert federation.wait_job(job_id) == "failed"
+    detail = federation.admin().job(job_id)
+    failed = {e.site: e.reason for e in detail.site_events if e.status == "failed"}
+    assert set(failed) == {"a", "b"} and all("shape" in r for r in failed.values())
+    assert "below sites.min=2" in detail.summary.message and "a: failed" in detail.summary.message
+
+
+def test_coordinator_refuses_to_start_without_a_crl(pki_root, tmp_path):
+    from coordinator.server import Coordinator
+    from plexus.config import CoordinatorConfig
+    from plexus.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="crl"):
+        Coordinator(CoordinatorConfig(listen="127.0.0.1:0", kit=pki_root / "coordinator", state_dir=tmp_path,
+                                      crl=tmp_path / "missing-crl.pem"))
