@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -76,6 +77,7 @@ class Store:
         for leftover in self.spool.glob("*.part"):  # half-received updates of a crashed run are void
             leftover.unlink()
         self.clock = clock
+        self._listeners: list = []
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.state_dir / "plexus.db", check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -85,6 +87,13 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    def subscribe(self, listener) -> None:
+        """Call listener(event) after each committed event; event = (job_id, kind, round, site, message).
+
+        For observers (metrics, audit): a listener that raises is logged and never breaks the caller.
+        """
+        self._listeners.append(listener)
 
     def _tx(self, statements: list[tuple[str, tuple]]) -> None:
         with self._lock:
@@ -96,6 +105,14 @@ class Store:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+        for sql, args in statements:
+            if sql.startswith("INSERT INTO events"):
+                job_id, _, kind, round_, site, message = args
+                for listener in self._listeners:
+                    try:
+                        listener((job_id, kind, round_, site, message))
+                    except Exception:
+                        logging.getLogger("plexus.store").exception("event listener failed")
 
     def _all(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock:

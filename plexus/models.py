@@ -92,7 +92,23 @@ class CNN(nn.Module):
         return self.head(torch.flatten(self.features(x), 1))
 
 
-REGISTRY: dict[str, Callable[..., nn.Module]] = {"logistic": Logistic, "mlp": MLP, "cnn": CNN}
+class Vector(nn.Module):
+    """A bare float32 parameter vector of `size` elements: for benchmarks of the wire, not for learning."""
+
+    def __init__(self, size: int, chunks: int = 1) -> None:
+        super().__init__()
+        size = _int_arg("vector", "size", size, minimum=1)
+        chunks = _int_arg("vector", "chunks", chunks, minimum=1)
+        if chunks > size:
+            raise ConfigError(f"model 'vector': chunks ({chunks}) cannot exceed size ({size})")
+        bounds = [size * i // chunks for i in range(chunks + 1)]
+        self.parts = nn.ParameterList(nn.Parameter(torch.zeros(b - a)) for a, b in zip(bounds, bounds[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the 'vector' model is a parameter container for benchmarks; it has no forward pass")
+
+
+REGISTRY: dict[str, Callable[..., nn.Module]] = {"logistic": Logistic, "mlp": MLP, "cnn": CNN, "vector": Vector}
 
 
 def available_models() -> dict[str, Callable[..., nn.Module]]:
