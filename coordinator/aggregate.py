@@ -115,3 +115,43 @@ class WeightedSum:
                 values = np.rint(values)
             out[t.name] = values.astype(DTYPES[t.dtype])
         return out
+
+
+class MaskedSum:
+    """Σ y_u mod 2**32 over secure aggregation's masked inputs (U32 blobs), folded piece by piece.
+
+    Wrap-around is the point: masks are uniform mod 2**32 and cancel only in the
+    modular sum. Nothing here can tell a masked vector from noise, by design.
+    """
+
+    def __init__(self, layout: Layout):
+        if any(t.dtype != "U32" for t in layout.tensors):
+            raise TypeError("a masked layout holds U32 tensors only")
+        self.layout = layout
+        self.acc = np.zeros(layout.total_elements, dtype=np.uint32)
+        self.count = 0
+        self._poisoned = ""
+
+    def fold(self, pieces: Iterable[bytes | memoryview], *, nbytes: int) -> None:
+        """Add one masked blob; its declared length is checked before anything is added."""
+        if nbytes != self.layout.total_bytes:
+            raise IntegrityError(f"masked input has {nbytes} bytes; the layout needs {self.layout.total_bytes}")
+        if self._poisoned:
+            raise IntegrityError(f"this round's masked sum is unusable: {self._poisoned}")
+        pending, element = bytearray(), 0
+        try:
+            for piece in pieces:
+                pending += piece
+                whole = len(pending) // 4
+                if element + whole > self.acc.size:
+                    break
+                self.acc[element:element + whole] += np.frombuffer(pending, dtype="<u4", count=whole)
+                del pending[:whole * 4]
+                element += whole
+        except BaseException as exc:
+            self._poisoned = f"folding a masked input failed part-way ({type(exc).__name__})"
+            raise
+        if pending or element != self.acc.size:
+            self._poisoned = "a masked input broke its declared length"
+            raise IntegrityError(f"this round's masked sum is unusable: {self._poisoned}")
+        self.count += 1

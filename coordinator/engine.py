@@ -23,11 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.aggregate import WeightedSum
+from coordinator.secure_round import SecureRound
 from coordinator.store import TERMINAL, JobRow, Store
 from coordinator.strategies import make_strategy
 from plexus.config import RoundConfig, dump_round_config, parse_round_config
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
-                           RoundClosed)
+                           PlexusError, RoundClosed)
+from plexus.secagg import Advert
 from plexus.models import available_models, build_model, state_to_numpy
 from plexus.wire import Layout, Receiver, encode
 
@@ -51,6 +53,7 @@ class TaskGrant:
     nonce: bytes
     deadline_unix_s: float
     seed: int
+    payload: dict | None = None   # secure aggregation phases: what the phase hands this site
 
 
 @dataclass
@@ -66,6 +69,7 @@ class RoundState:
     receiving: set[str] = field(default_factory=set)
     contributors: list[str] = field(default_factory=list)
     samples: int = 0
+    secure: SecureRound | None = None        # set for secure-aggregation training rounds
 
 
 @dataclass
@@ -92,10 +96,15 @@ def validate_job(cfg: RoundConfig) -> None:
     if cfg.model.name not in available_models():
         raise ConfigError(f"model.name: unknown model {cfg.model.name!r}; models installed at the coordinator: "
                           f"{sorted(available_models())}")
-    build_model(cfg.model.name, cfg.model.args, seed=cfg.seed)
+    model = build_model(cfg.model.name, cfg.model.args, seed=cfg.seed)
     if cfg.privacy.secure_aggregation:
-        raise ConfigError("privacy.secure_aggregation: secure aggregation is not available in this Plexus version; "
-                          "set it to false")
+        if not getattr(make_strategy(cfg.strategy), "secure_aggregation", False):
+            raise ConfigError(f"privacy.secure_aggregation: strategy {cfg.strategy.name!r} needs every site's update "
+                              "in the clear, which secure aggregation exists to prevent; use a sum-based strategy "
+                              "(fedavg) or turn secure aggregation off")
+        if any(t.dtype not in ("F16", "F32", "F64") for t in Layout.of(state_to_numpy(model)).tensors):
+            raise ConfigError("privacy.secure_aggregation: the model has integer tensors; secure aggregation "
+                              "sums floating-point updates only")
     if cfg.privacy.dp is not None:
         raise ConfigError("privacy.dp: differential privacy is not available in this Plexus version; remove the dp block")
 
@@ -204,19 +213,23 @@ class Engine:
         """Receive one site's update: validate while streaming to a spool file, then fold it."""
         with self._cv:
             job, rs, grant = self._current_grant(site, header.task_id)
-            self._check_binding(grant, header.job_id, header.round, header.nonce, "train")
+            masked = grant.kind == "secagg_mask"
+            self._check_binding(grant, header.job_id, header.round, header.nonce,
+                                "secagg_mask" if masked else "train")
             if site in rs.receiving:
                 raise FailedPrecondition(f"an update for task {grant.task_id} is already being received")
+            layout = rs.secure.masked_layout if masked else job.layout
             try:
-                if not 1 <= header.num_samples <= 2 ** 31:
+                if not masked and not 1 <= header.num_samples <= 2 ** 31:
                     raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}")
                 metrics = _metrics(header.eval_metrics, "eval_metrics") | _metrics(header.metrics, "metrics")
-                job.layout.require_same(Layout.from_proto(header.manifest))
+                layout.require_same(Layout.from_proto(header.manifest),
+                                    what="masked input" if masked else "update")
             except IntegrityError as exc:
                 self._record(rs, grant, site, "rejected", str(exc))
                 raise
             rs.receiving.add(site)
-            layout, spool = job.layout, self.store.spool / f"{grant.task_id}.part"
+            spool = self.store.spool / f"{grant.task_id}.part"
         try:
             max_abs = _receive_to(spool, layout, chunks)
         except IntegrityError as exc:
@@ -231,8 +244,13 @@ class Engine:
         try:
             with self._cv:
                 rs.receiving.discard(site)
-                if self._active is not job or job.round is not rs or site in rs.outcomes:
+                if self._active is not job or job.round is not rs or rs.grants.get(site) is not grant \
+                        or site in rs.outcomes:
                     raise RoundClosed(f"round {grant.round} of job {grant.job_id} closed before the update was complete")
+                if masked:
+                    rs.secure.masked.fold(_read_blocks(spool), nbytes=spool.stat().st_size)
+                    self._record(rs, grant, site, "submitted", "")
+                    return f"masked input for round {grant.round} accepted"
                 try:
                     rs.total.fold(_read_blocks(spool), header.num_samples, max_abs, nbytes=spool.stat().st_size)
                 except IntegrityError as exc:
@@ -247,6 +265,31 @@ class Engine:
                 return f"update for round {grant.round} accepted ({header.num_samples} samples)"
         finally:
             spool.unlink(missing_ok=True)
+
+    def secagg(self, site: str, message, body: str, value) -> str:
+        """One secure-aggregation answer: an advert, the encrypted shares, or the unmasking reveals."""
+        phase_kind = {"advert": "secagg_advertise", "shares": "secagg_share", "reveal": "secagg_unmask"}[body]
+        with self._cv:
+            job, rs, grant = self._current_grant(site, message.task_id)
+            self._check_binding(grant, message.job_id, message.round, message.nonce, phase_kind)
+            try:
+                if body == "advert":
+                    rs.secure.on_advert(site, value)
+                    metrics = _metrics(message.eval_metrics, "eval_metrics") | _metrics(message.metrics, "metrics")
+                elif body == "shares":
+                    rs.secure.on_shares(site, value)
+                else:
+                    rs.secure.on_reveal(site, value)
+            except IntegrityError as exc:
+                self._record(rs, grant, site, "rejected", str(exc))
+                raise
+            recorded = None
+            if body == "advert":
+                recorded = {(rs.model_round, "eval", k[5:]): v for k, v in metrics.items() if k.startswith("eval:")}
+                recorded |= {(rs.round, "train", k[6:]): v for k, v in metrics.items() if k.startswith("train:")}
+                recorded[(rs.round, "train", "num_samples")] = float(value.num_samples)
+            self._record(rs, grant, site, "submitted", "", recorded)
+            return f"{body} for round {grant.round} accepted"
 
     def report(self, site: str, result, status: str) -> str:
         with self._cv:
@@ -295,7 +338,8 @@ class Engine:
         job = self._active
         rs = job.round if job and job.row.id == job_id else None
         if rs is None or rs.round != round_ or site not in rs.grants or rs.grants[site].task_id != task_id:
-            raise RoundClosed(f"round {round_} of job {job_id} is closed; this task can no longer be answered")
+            raise RoundClosed(f"task {task_id} is no longer current: round {round_} of job {job_id} has closed or "
+                              "moved to its next phase")
         if status != "issued" or site in rs.outcomes:
             raise FailedPrecondition(f"task {task_id} was already answered ({status}); replays are refused")
         return job, rs, rs.grants[site]
@@ -314,11 +358,13 @@ class Engine:
         rs = job.round
         if site not in rs.grants:
             remaining = rs.deadline - self._mono()
-            grant = TaskGrant(kind=rs.kind, task_id=uuid.uuid4().hex, job_id=job.row.id, round=rs.round,
+            kind = rs.secure.task_kind if rs.secure else rs.kind
+            grant = TaskGrant(kind=kind, task_id=uuid.uuid4().hex, job_id=job.row.id, round=rs.round,
                               model_round=rs.model_round, config_yaml=job.row.config_yaml,
                               nonce=secrets.token_bytes(16), deadline_unix_s=self._clock() + remaining,
-                              seed=site_seed(job.cfg.seed, rs.round, site))
-            self.store.add_task(grant.task_id, job.row.id, rs.round, site, rs.kind, grant.nonce)
+                              seed=site_seed(job.cfg.seed, rs.round, site),
+                              payload=rs.secure.payload(site) if rs.secure else None)
+            self.store.add_task(grant.task_id, job.row.id, rs.round, site, kind, grant.nonce)
             rs.grants[site] = grant
         return rs.grants[site]   # a site that restarted mid-task gets the same task back
 
@@ -377,9 +423,12 @@ class Engine:
         self.store.open_round(job.row.id, round_, kind)
         self.store.set_job(job.row.id, message="")
         job.row = self.store.job(job.row.id)
+        secure = None
+        if cfg.privacy.secure_aggregation and not evaluating:
+            secure = SecureRound(job.row.id, round_, job.layout, cfg.privacy.secagg, cfg.sites.min)
         job.round = RoundState(round=round_, kind=kind, model_round=job.model_round, participants=participants,
                                deadline=self._mono() + cfg.sites.deadline_s,
-                               total=None if evaluating else WeightedSum(job.layout))
+                               total=None if evaluating or secure else WeightedSum(job.layout), secure=secure)
         log.info("job %s round %d (%s) opened for %s", job.row.id, round_, kind, ", ".join(participants))
         self._cv.notify_all()
 
@@ -389,6 +438,10 @@ class Engine:
         done = all(s in rs.outcomes for s in rs.participants) and not rs.receiving
         if not done and remaining > 0:
             return min(remaining, 1.0)
+        if rs.secure:
+            self._advance_secure(job, rs)
+            self._cv.notify_all()
+            return 0.0
         for site in rs.participants:
             if site not in rs.outcomes:
                 rs.outcomes[site] = "late"
@@ -401,7 +454,7 @@ class Engine:
             self._active = None
         elif len(rs.contributors) >= job.cfg.sites.min:
             try:
-                self._close_training_round(job, rs)
+                self._close_training_round(job, rs, rs.total.mean())
             except IntegrityError as exc:
                 self._fail_round(job, rs, str(exc))
         else:
@@ -418,8 +471,36 @@ class Engine:
                                job_update={"status": "failed", "message": message}, event=("job_failed", message))
         self._active = None
 
-    def _close_training_round(self, job: ActiveJob, rs: RoundState) -> None:
-        state = job.strategy.aggregate(rs.round, job.state, rs.total.mean())
+    def _advance_secure(self, job: ActiveJob, rs: RoundState) -> None:
+        """Close the current secure-aggregation phase; open the next one, or finish the round."""
+        sec = rs.secure
+        for site in rs.participants:
+            if site not in rs.outcomes:
+                rs.outcomes[site] = "late"
+                if site in rs.grants:
+                    self.store.finish_task(rs.grants[site].task_id, "late", f"no answer in the {sec.phase} phase",
+                                           job_id=job.row.id, round_=rs.round, site=site)
+        answered = sorted(s for s, o in rs.outcomes.items() if o == "submitted")
+        try:
+            following = sec.advance(answered, rs.participants)
+            if sec.phase == "done":
+                delta, weight = sec.result()
+                mean = {}
+                for name, current in job.state.items():
+                    mean[name] = (current.astype(np.float64) + delta[name]).astype(current.dtype)
+                rs.contributors, rs.samples = list(sec.u3), weight
+                self._close_training_round(job, rs, mean)
+                return
+        except PlexusError as exc:
+            self._fail_round(job, rs, str(exc))
+            return
+        rs.participants, rs.grants, rs.outcomes = following, {}, {}
+        rs.deadline = self._mono() + job.cfg.privacy.secagg.phase_timeout_s
+        self.store.event(job.row.id, f"secagg_{sec.phase}", rs.round, "", f"{len(following)} site(s): "
+                         + ", ".join(following))
+
+    def _close_training_round(self, job: ActiveJob, rs: RoundState, mean: dict[str, np.ndarray]) -> None:
+        state = job.strategy.aggregate(rs.round, job.state, mean)
         self.store.save_checkpoint(job.row.id, rs.round, state)
         message = f"{len(rs.contributors)} update(s), {rs.samples} samples"
         self.store.close_round(job.row.id, rs.round, status="closed", contributors=sorted(rs.contributors),

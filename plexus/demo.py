@@ -32,6 +32,7 @@ sites: {{min: {sites}, deadline_s: 60}}
 train: {{epochs: 1, batch_size: 16, optimizer: {{name: sgd, lr: 0.1, momentum: 0.9}}}}
 seed: 0
 """
+SECURE_BLOCK = "privacy: {secure_aggregation: true}\n"
 
 
 class Federation:
@@ -98,7 +99,8 @@ def _wait_for(path: Path, fed: Federation, timeout_s: float = 120) -> str:
     raise RuntimeError(f"the coordinator did not start within {timeout_s:.0f}s; see {fed.logs}")
 
 
-def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, out=sys.stdout) -> int:
+def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, secure: bool = False,
+             out=sys.stdout) -> int:
     if not 1 <= sites <= len(HOSPITALS):
         raise ValueError(f"--sites must be between 1 and {len(HOSPITALS)} (one per hospital in the data)")
     if rounds < 1:
@@ -109,7 +111,7 @@ def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, o
     workdir.mkdir(parents=True, exist_ok=True)
     fed = Federation(workdir)
     try:
-        code = _run(fed, workdir, sites, rounds, started, out)
+        code = _run(fed, workdir, sites, rounds, started, out, secure)
     finally:
         fed.stop()
         if temporary:
@@ -117,7 +119,7 @@ def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, o
     return code
 
 
-def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float, out) -> int:
+def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float, out, secure: bool) -> int:
     from plexus import pki
     from plexus.admin_client import AdminClient, mean_eval
 
@@ -141,10 +143,11 @@ def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float
         (kit / "site.yaml").write_text(_site_yaml(h, h, address))
         fed.spawn(f"site-{h}", "site", "run", "--config", str(kit / "site.yaml"), "--threads", "1")
 
-    config = DEMO_ROUND_CONFIG.format(rounds=rounds, sites=sites)
+    config = DEMO_ROUND_CONFIG.format(rounds=rounds, sites=sites) + (SECURE_BLOCK if secure else "")
     with AdminClient(address, admin_kit) as client:
         job_id = client.submit(config).job_id
-        say(f"submitted job {job_id}: FedAvg, MLP, {rounds} rounds, {sites} hospitals\n")
+        mode = "with secure aggregation" if secure else "plain"
+        say(f"submitted job {job_id}: FedAvg ({mode}), MLP, {rounds} rounds, {sites} hospitals\n")
         round_times = []
         status = "unknown"
         for event in client.watch(job_id):

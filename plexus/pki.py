@@ -640,3 +640,37 @@ def _admin_yaml(coordinator: str) -> str:
         f'coordinator: "{coordinator}"\n'
         'kit: "."\n'
     )
+
+
+def verify_issued(cert_pem: bytes, ca_pem: bytes, *, name: str, kind: str, now: dt.datetime | None = None) -> None:
+    """Raise errors.IntegrityError unless `cert_pem` was signed by `ca_pem`, is valid `now`, and names `kind` `name`.
+
+    For certificates that did not come through TLS (e.g. relayed secure-aggregation adverts).
+    Revocation is not checked here: use RevocationList.check as well where a CRL is at hand.
+    """
+    now = _utc(now)
+    try:
+        cert = _parse_cert(cert_pem)
+        ca = x509.load_pem_x509_certificate(ca_pem)
+    except (errors.Unauthenticated, ValueError):
+        raise errors.IntegrityError(f"the certificate presented for {kind} {name!r} (or the CA) cannot be parsed") from None
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise errors.IntegrityError(
+            f"the certificate presented for {kind} {name!r} was not issued by this federation's CA"
+        ) from None
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise errors.IntegrityError(
+            f"the certificate presented for {kind} {name!r} is not valid at {now.isoformat()} "
+            f"(valid {cert.not_valid_before_utc.isoformat()} to {cert.not_valid_after_utc.isoformat()}); "
+            "issue a fresh kit with `plexus pki add-site`"
+        )
+    try:
+        ident = identity_from_cert(cert_pem)
+    except errors.Unauthenticated as exc:
+        raise errors.IntegrityError(f"the certificate presented for {kind} {name!r} has no valid identity: {exc}") from None
+    if ident.name != name or ident.kind != kind:
+        raise errors.IntegrityError(
+            f"the certificate presented for {kind} {name!r} belongs to {ident.kind} {ident.name!r}"
+        )

@@ -12,23 +12,29 @@ import logging
 import random
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from plexus import __version__, transport
 from plexus.config import RoundConfig, SiteConfig, parse_round_config
+from plexus.errors import FailedPrecondition
+from plexus.secagg import SiteSession
+from plexus.secagg_proto import advert_from_proto, advert_to_proto
 from plexus.datasets import Split, load_dataset
 from plexus.models import available_models, build_model, load_numpy_state, state_to_numpy
 from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, decode, encode, iter_chunks
 from site_agent.policy import policy_digest, refusal
-from site_agent.training import evaluate, train_local
+from site_agent.training import TrainResult, evaluate, train_local
 
 log = logging.getLogger("plexus.site")
 
 BACKOFF_START_S = 0.25
 BACKOFF_CAP_S = 8.0
+SECAGG_LATER_PHASES = (fpb.TASK_SECAGG_SHARE, fpb.TASK_SECAGG_MASKED_INPUT, fpb.TASK_SECAGG_UNMASK)
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
@@ -42,6 +48,7 @@ class SiteAgent:
         self.backoff_cap_s = backoff_cap_s
         self.chunk_bytes = chunk_bytes
         self._data: dict[str, Split] = {}
+        self._secure: dict[tuple[str, int], _Pending] = {}
         self._rng = random.Random()
 
     def run(self) -> None:
@@ -86,19 +93,92 @@ class SiteAgent:
             log.warning("declining job %s: %s", task.job_id, reason)
             return self._report(stub, task, fpb.RESULT_DECLINED, reason)
         try:
+            if task.kind in SECAGG_LATER_PHASES:
+                return self._secagg_phase(stub, task)
             data = self._dataset(job.data.dataset)
             model = build_model(job.model.name, job.model.args, seed=job.seed)
-            load_numpy_state(model, self._fetch(stub, task, Layout.of(state_to_numpy(model))))
-            eval_metrics = evaluate(model, data.x_test, data.y_test)
+            incoming = self._fetch(stub, task, Layout.of(state_to_numpy(model)))
+            load_numpy_state(model, incoming)
+            eval_metrics = self.evaluate(model, data)
             if task.kind == fpb.TASK_EVALUATE:
                 return self._report(stub, task, fpb.RESULT_EVALUATED, "", eval_metrics)
-            result = train_local(model, data.x_train, data.y_train, job.train, seed=task.seed)
+            result = self.train(model, data, job, seed=task.seed)
+            if task.kind == fpb.TASK_SECAGG_ADVERTISE:
+                return self._advertise(stub, task, incoming, model, result, eval_metrics)
         except grpc.RpcError:
             raise
-        except (ValueError, RuntimeError, LookupError) as exc:
+        except (ValueError, RuntimeError, LookupError, FailedPrecondition) as exc:  # IntegrityError is a ValueError
             log.exception("task %s failed", task.task_id)
+            self._secure.pop((task.job_id, task.round), None)
             return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         self._submit(stub, task, job, model, result, eval_metrics)
+
+    # secure aggregation ---------------------------------------------------------------------
+    def _advertise(self, stub, task, incoming: dict, model, result, eval_metrics: dict) -> None:
+        """Keep Δ = trained − incoming at the site; send only two signed public keys and the sample count."""
+        trained = state_to_numpy(model)
+        layout = Layout.of(trained)
+        delta = [(trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1) for t in layout.tensors]
+        session = SiteSession(task.job_id, task.round, self.config.site)
+        advert = session.advertise(result.num_samples, self.kit.key_pem, self.kit.cert_pem)
+        for key in [k for k in self._secure if k[0] == task.job_id]:
+            del self._secure[key]  # an older round of this job can never resume
+        self._secure[(task.job_id, task.round)] = _Pending(session, layout, delta)
+        stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                                      advert=advert_to_proto(advert), metrics=result.metrics,
+                                      eval_metrics=eval_metrics), timeout=30)
+        log.info("job %s round %d: trained on %d samples; advertised secure-aggregation keys", task.job_id,
+                 task.round, result.num_samples)
+
+    def _secagg_phase(self, stub, task) -> None:
+        pending = self._secure.get((task.job_id, task.round))
+        if pending is None:
+            raise FailedPrecondition(f"no secure-aggregation state for job {task.job_id} round {task.round} "
+                                     "(this agent restarted mid-round); it drops out of this round")
+        payload = task.secagg
+        header = dict(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce)
+        if task.kind == fpb.TASK_SECAGG_SHARE:
+            ciphertexts = pending.session.share([advert_from_proto(a) for a in payload.adverts],
+                                                threshold=payload.threshold, total_weight=payload.total_weight,
+                                                ca_pem=self.kit.ca_pem)
+            stub.SecAgg(fpb.SecAggMessage(**header, shares=fpb.SharesMessage(ciphertexts=ciphertexts)), timeout=30)
+        elif task.kind == fpb.TASK_SECAGG_MASKED_INPUT:
+            pending.session.receive_shares(dict(payload.shares_for_you))
+            masked = pending.session.mask(_pieces(pending.delta), clip=payload.clip, bits=payload.frac_bits)
+            self._submit_masked(stub, task, pending.layout, masked)
+        else:
+            reveals = pending.session.unmask(list(payload.u3))
+            del self._secure[(task.job_id, task.round)]
+            stub.SecAgg(fpb.SecAggMessage(**header, reveal=fpb.RevealMessage(reveals=[
+                fpb.ShareReveal(peer=peer, kind=kind, x=x, y=y.to_bytes(66, "big"))
+                for peer, (kind, x, y) in sorted(reveals.items())])), timeout=30)
+            log.info("job %s round %d: revealed the shares for %d survivors", task.job_id, task.round,
+                     len(payload.u3))
+
+    def _submit_masked(self, stub, task, layout: Layout, masked) -> None:
+        manifest = Layout.build([(t.name, "U32", t.shape) for t in layout.tensors]).to_proto()
+        header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                                  manifest=manifest)
+
+        def messages():
+            yield fpb.UpdateMessage(header=header)
+            offset = 0
+            for piece in masked:
+                data = piece.astype("<u4", copy=False).tobytes()
+                for start in range(0, len(data), self.chunk_bytes):
+                    part = data[start:start + self.chunk_bytes]
+                    yield fpb.UpdateMessage(chunk={"offset": offset, "data": part})
+                    offset += len(part)
+
+        stub.SubmitUpdate(messages(), timeout=_remaining(task))
+        log.info("job %s round %d: sent the masked update", task.job_id, task.round)
+
+    def train(self, model, data: Split, job: RoundConfig, *, seed: int) -> TrainResult:
+        """Local training; benchmarks override this with a trivial step."""
+        return train_local(model, data.x_train, data.y_train, job.train, seed=seed)
+
+    def evaluate(self, model, data: Split) -> dict[str, float]:
+        return evaluate(model, data.x_test, data.y_test)
 
     def _dataset(self, name: str) -> Split:
         if name not in self._data:
@@ -145,6 +225,22 @@ class SiteAgent:
             if exc.code() in _RETRY:
                 raise
             log.warning("job %s round %d: result refused: %s", task.job_id, task.round, exc.details())
+
+
+@dataclass
+class _Pending:
+    """A site's secure round between phases: its secrets and the update it has not revealed."""
+
+    session: SiteSession
+    layout: Layout
+    delta: list[np.ndarray]
+
+
+def _pieces(arrays: list[np.ndarray], size: int = 1 << 18):
+    """Consecutive slices of the flattened update, at most `size` elements each."""
+    for array in arrays:
+        for start in range(0, array.size, size):
+            yield array[start:start + size]
 
 
 def _remaining(task: fpb.Task) -> float:

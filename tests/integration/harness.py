@@ -16,7 +16,7 @@ from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import Layout, assemble, decode, encode, iter_chunks
 from site_agent.agent import SiteAgent
 
-HOSPITAL_OF = {"a": "cleveland", "b": "hungary", "c": "va", "d": "switzerland"}
+HOSPITAL_OF = {"a": "cleveland", "b": "hungary", "c": "va", "d": "switzerland", "e": "cleveland"}
 
 HEART_JOB = """\
 name: {name}

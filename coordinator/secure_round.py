@@ -1,0 +1,139 @@
+"""The coordinator's side of one secure-aggregation round (Bonawitz et al. 2017).
+
+Four phases, each a task per site: advertise (train, then signed keys), share
+(encrypted t-of-n shares, relayed), mask (the masked update, summed mod 2**32),
+unmask (reveals that remove exactly the survivors' masks). The coordinator only
+ever holds masked vectors and their sum; PlexusError subclasses raised here say
+why a phase cannot go on, and the engine fails the round with that message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.aggregate import MaskedSum
+from plexus.config import SecAggSpec
+from plexus.errors import FailedPrecondition, IntegrityError
+from plexus.secagg import Advert, ServerSession, default_threshold, dequantize, frac_bits
+from plexus.wire import Layout
+
+TASK_KIND = {"advertise": "secagg_advertise", "share": "secagg_share", "mask": "secagg_mask",
+             "unmask": "secagg_unmask"}
+NEXT = {"advertise": "share", "share": "mask", "mask": "unmask", "unmask": "done"}
+MAX_CIPHERTEXT = 4096
+
+
+class SecureRoundFailed(FailedPrecondition):
+    """Too few sites answered a phase, or the unmasking could not be completed."""
+
+
+@dataclass
+class SecureRound:
+    job_id: str
+    round: int
+    layout: Layout                 # the model's layout (float tensors)
+    spec: SecAggSpec
+    min_sites: int
+    phase: str = "advertise"
+    adverts: dict[str, Advert] = field(default_factory=dict)
+    inbox: dict[str, dict[str, bytes]] = field(default_factory=dict)   # recipient -> sender -> ciphertext
+    reveals: dict[str, dict[str, tuple[str, int, int]]] = field(default_factory=dict)
+    u1: list[str] = field(default_factory=list)
+    u2: list[str] = field(default_factory=list)
+    u3: list[str] = field(default_factory=list)
+    threshold: int = 0
+    total_weight: int = 0
+
+    def __post_init__(self):
+        self.bits = frac_bits(self.spec.clip)
+        self.masked_layout = Layout.build([(t.name, "U32", t.shape) for t in self.layout.tensors])
+        self.masked = MaskedSum(self.masked_layout)
+
+    @property
+    def task_kind(self) -> str:
+        return TASK_KIND[self.phase]
+
+    # answers ------------------------------------------------------------------------------
+    def on_advert(self, site: str, advert: Advert) -> None:
+        if advert.site != site:
+            raise IntegrityError(f"advert names site {advert.site!r}, but the caller's certificate is {site!r}")
+        if not 1 <= advert.num_samples <= 2 ** 31:
+            raise IntegrityError(f"num_samples must be between 1 and 2**31; got {advert.num_samples}")
+        if len(advert.c_pk) != 32 or len(advert.s_pk) != 32 or len(advert.b_commitment) != 32:
+            raise IntegrityError("an advert carries two 32-byte X25519 public keys and a 32-byte commitment")
+        self.adverts[site] = advert
+
+    def on_shares(self, site: str, ciphertexts: dict[str, bytes]) -> None:
+        expected = set(self.u1) - {site}
+        if set(ciphertexts) != expected:
+            raise IntegrityError(f"shares must be addressed to exactly the other sites of U1 {sorted(expected)}")
+        if any(len(c) > MAX_CIPHERTEXT for c in ciphertexts.values()):
+            raise IntegrityError(f"a share ciphertext exceeds {MAX_CIPHERTEXT} bytes")
+        for recipient, ciphertext in ciphertexts.items():
+            self.inbox.setdefault(recipient, {})[site] = ciphertext
+
+    def on_reveal(self, site: str, reveals: dict[str, tuple[str, int, int]]) -> None:
+        survivors, dropped = set(self.u3), set(self.u2) - set(self.u3)
+        for peer, (kind, _, _) in reveals.items():
+            wanted = "b" if peer in survivors else "s" if peer in dropped else None
+            if kind != wanted:
+                raise IntegrityError(f"reveal for {peer!r} must be {wanted or 'absent'!r}, not {kind!r}; "
+                                     "a site never reveals both secrets of one peer")
+        if set(reveals) != set(self.u2):
+            raise IntegrityError(f"a reveal covers exactly U2 {sorted(self.u2)}")
+        self.reveals[site] = reveals
+
+    # transitions --------------------------------------------------------------------------
+    def advance(self, answered: list[str], participants: list[str]) -> list[str]:
+        """Close the current phase with the sites that answered; returns the next phase's sites."""
+        answered = sorted(answered)
+        if self.phase == "advertise":
+            self.threshold = max(self.spec.threshold or 0, default_threshold(len(answered)))
+        # sites.min counts contributors (U3); the unmask phase only needs t responders.
+        need = self.threshold if self.phase == "unmask" else max(self.threshold, self.min_sites)
+        if len(answered) < need:
+            missing = sorted(set(participants) - set(answered))
+            raise SecureRoundFailed(
+                f"secure aggregation, {self.phase} phase: {len(answered)} of {len(participants)} sites answered "
+                f"(missing: {', '.join(missing) or 'none'}); at least {need} are needed "
+                f"(threshold t={self.threshold}, sites.min={self.min_sites})")
+        if self.phase == "advertise":
+            self.u1 = answered
+            self.adverts = {s: self.adverts[s] for s in answered}
+            self.total_weight = sum(a.num_samples for a in self.adverts.values())
+        elif self.phase == "share":
+            self.u2 = answered
+        elif self.phase == "mask":
+            self.u3 = answered
+        self.phase = NEXT[self.phase]
+        return {"share": self.u1, "mask": self.u2, "unmask": self.u3, "done": []}[self.phase]
+
+    def payload(self, site: str) -> dict:
+        """What a site's task for the current phase carries."""
+        base = {"threshold": self.threshold, "total_weight": self.total_weight, "clip": self.spec.clip,
+                "frac_bits": self.bits}
+        if self.phase == "share":
+            return base | {"adverts": [self.adverts[s] for s in self.u1]}
+        if self.phase == "mask":
+            inbox = self.inbox.get(site, {})
+            return base | {"shares_for_you": {s: inbox[s] for s in self.u2 if s in inbox}, "u2": self.u2}
+        if self.phase == "unmask":
+            return base | {"u2": self.u2, "u3": self.u3}
+        return base
+
+    def weight_of(self, site: str) -> int:
+        return self.adverts[site].num_samples
+
+    def result(self) -> tuple[dict[str, np.ndarray], int]:
+        """The survivors' weighted mean update Σ n_u Δ_u / Σ n_u (float64 per tensor) and Σ n_u over U3."""
+        session = ServerSession(self.job_id, self.round, [self.adverts[s] for s in self.u1], self.threshold)
+        total = session.unmask(self.masked.acc, self.u2, self.u3, self.reveals)
+        survivors_weight = sum(self.weight_of(s) for s in self.u3)
+        flat = dequantize(total, self.bits) * (self.total_weight / survivors_weight)
+        out, start = {}, 0
+        for t in self.layout.tensors:
+            out[t.name] = flat[start:start + t.numel].reshape(t.shape)
+            start += t.numel
+        return out, survivors_weight

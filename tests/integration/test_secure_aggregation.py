@@ -1,0 +1,211 @@
+"""Secure aggregation over real gRPC + mTLS: the coordinator learns only the survivors' sum."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from coordinator import aggregate
+from coordinator.engine import site_seed
+from plexus.config import parse_round_config
+from plexus.datasets import heart_disease
+from plexus.models import build_model, load_numpy_state, state_to_numpy
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
+from plexus.secagg import frac_bits
+from site_agent.agent import SiteAgent
+from site_agent.training import train_local
+
+from integration.harness import HOSPITAL_OF, heart_job, wait_until
+
+CLIP = 4.0
+
+
+def secure_job(**kw) -> str:
+    timeout = kw.pop("phase_timeout", 3)
+    return heart_job(**kw) + (f"privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, "
+                              f"phase_timeout_s: {timeout}}}}}\n")
+
+
+class DropsOut(SiteAgent):
+    """An agent that vanishes (answers nothing more) when a given secure-aggregation phase reaches it."""
+
+    def __init__(self, *args, vanish_at, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.vanish_at = vanish_at
+
+    def _secagg_phase(self, stub, task):
+        if task.kind == self.vanish_at:
+            self.stop.set()
+            return None
+        return super()._secagg_phase(stub, task)
+
+
+def _start(federation, name, agent_cls=SiteAgent, **kwargs):
+    from plexus.config import DatasetSpec, PolicySpec, SiteConfig
+
+    config = SiteConfig(site=name, coordinator=federation.address, kit=federation.root / "sites" / name,
+                        state_dir=federation.root / "sites" / name / "state",
+                        datasets={"heart-disease": DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[name])},
+                        policy=PolicySpec(allowed_models=("logistic",), require_secure_aggregation=True))
+    agent = agent_cls(config, backoff_cap_s=0.5, **kwargs)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    federation.agents.append((agent, thread))
+    return agent
+
+
+def _plain_fedavg(job_yaml: str, sites: list[str]) -> tuple[dict, dict]:
+    """Round 1 recomputed in the clear from the sites' deterministic local training."""
+    job = parse_round_config(job_yaml)
+    initial = state_to_numpy(build_model(job.model.name, job.model.args, seed=job.seed))
+    trained, weights = {}, {}
+    for site in sites:
+        data = heart_disease(HOSPITAL_OF[site])
+        model = build_model(job.model.name, job.model.args, seed=job.seed)
+        load_numpy_state(model, initial)
+        result = train_local(model, data.x_train, data.y_train, job.train, seed=site_seed(job.seed, 1, site))
+        trained[site], weights[site] = state_to_numpy(model), result.num_samples
+    total = sum(weights.values())
+    mean = {k: sum(weights[s] * trained[s][k].astype(np.float64) for s in sites) / total for k in initial}
+    return mean, {s: {k: trained[s][k] - initial[k] for k in initial} for s in sites}
+
+
+@pytest.fixture
+def masked_inputs(monkeypatch):
+    """Instrument the aggregation path: record every blob the coordinator's masked sum receives."""
+    seen = []
+    original = aggregate.MaskedSum.fold
+
+    def recording(self, pieces, *, nbytes):
+        blob = b"".join(bytes(p) for p in pieces)
+        seen.append(np.frombuffer(blob, dtype="<u4").copy())
+        return original(self, [blob], nbytes=nbytes)
+
+    monkeypatch.setattr(aggregate.MaskedSum, "fold", recording)
+    return seen
+
+
+def test_round_completes_with_the_survivors_sum_when_sites_drop_out(federation, masked_inputs):
+    for name in "abc":
+        _start(federation, name)
+    _start(federation, "d", DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)  # shared its keys, never masks
+    _start(federation, "e", DropsOut, vanish_at=fpb.TASK_SECAGG_UNMASK)        # masked, then gone
+    federation.wait_online(*"abcde")
+    job_yaml = secure_job(rounds=1, min=3, seed=11, deadline=5)  # the final evaluation waits out d and e
+    job_id = federation.admin().submit(job_yaml).job_id
+    assert federation.wait_job(job_id) == "completed", federation.store.job(job_id).message
+
+    detail = federation.admin().job(job_id)
+    round1 = next(r for r in detail.rounds if r.round == 1)
+    survivors = ["a", "b", "c", "e"]
+    assert list(round1.contributors) == survivors
+    expected, deltas = _plain_fedavg(job_yaml, survivors)
+    assert max(float(np.abs(d).max()) for s in deltas.values() for d in s.values()) < CLIP  # nothing was clipped
+    got = federation.store.load_checkpoint(job_id, 1)
+    bits = frac_bits(CLIP)
+    weights = {s: heart_disease(HOSPITAL_OF[s]).x_train.shape[0] for s in "abcde"}
+    rescale = sum(weights.values()) / sum(weights[s] for s in survivors)  # W over U1 / W over U3
+    bound = len(survivors) * 0.5 * 2.0 ** -bits * rescale  # each site's rounding, rescaled to the survivors
+    for name, value in expected.items():
+        error = np.abs(got[name].astype(np.float64) - value)
+        assert error.max() <= bound + np.abs(value).max() * 2.0 ** -23, (name, error.max(), bound)
+
+    # the coordinator only ever received masked vectors: uniform-looking bytes, unlike the plaintext
+    assert len(masked_inputs) == 4
+    for vector in masked_inputs:
+        counts = np.bincount(vector.view(np.uint8), minlength=256)
+        expected_count = vector.nbytes / 256
+        chi2 = float(((counts - expected_count) ** 2 / expected_count).sum())
+        assert chi2 < 400, chi2          # 255 degrees of freedom: ~330 at p = 0.001
+    plaintexts = [np.concatenate([d.reshape(-1) for _, d in sorted(deltas[s].items())]) for s in survivors]
+    for q in plaintexts:
+        fixed = np.rint(q * 2.0 ** bits).astype(np.int64).astype(np.uint32)
+        assert not any(np.array_equal(fixed, v) for v in masked_inputs)
+        assert fixed.tobytes()[:16] not in (federation.store.state_dir / "plexus.db").read_bytes()
+
+
+def test_too_many_dropouts_fail_the_round_and_keep_the_model(federation):
+    _start(federation, "a")
+    _start(federation, "b")
+    for name in "cd":
+        _start(federation, name, DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)
+    federation.wait_online(*"abcd")
+    job_id = federation.admin().submit(secure_job(rounds=1, min=2, seed=1)).job_id
+    assert federation.wait_job(job_id) == "failed"
+    message = federation.store.job(job_id).message
+    assert "secure aggregation, mask phase: 2 of 4 sites answered" in message and "threshold t=3" in message
+    assert "the global model is unchanged at round 0" in message
+    assert not federation.store.checkpoint_path(job_id, 1).exists()
+
+
+def test_malformed_masked_input_is_excluded_with_a_reason(federation):
+    from plexus.secagg import SiteSession
+    from plexus.secagg_proto import advert_from_proto, advert_to_proto
+
+    for name in "abc":
+        _start(federation, name)
+    raw = federation.raw_site("d")
+    raw.join()
+    federation.wait_online(*"abcd")
+    job_id = federation.admin().submit(secure_job(rounds=1, min=3, seed=2)).job_id
+    kit = federation.root / "sites" / "d"
+    key, cert, ca = ((kit / f).read_bytes() for f in ("key.pem", "cert.pem", "ca.pem"))
+
+    task = raw.next_task()
+    assert task.kind == fpb.TASK_SECAGG_ADVERTISE
+    session = SiteSession(task.job_id, task.round, "d")
+    raw.stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                                      advert=advert_to_proto(session.advertise(50, key, cert))), timeout=5)
+    task = raw.next_task()
+    assert task.kind == fpb.TASK_SECAGG_SHARE
+    shares = session.share([advert_from_proto(a) for a in task.secagg.adverts], threshold=task.secagg.threshold,
+                           total_weight=task.secagg.total_weight, ca_pem=ca)
+    raw.stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                                      shares=fpb.SharesMessage(ciphertexts=shares)), timeout=5)
+    task = raw.next_task()
+    assert task.kind == fpb.TASK_SECAGG_MASKED_INPUT
+    too_short = {"linear.bias": np.zeros(2, np.uint32), "linear.weight": np.zeros((2, 12), np.uint32)}
+    with pytest.raises(grpc.RpcError) as err:
+        raw.submit(task, too_short)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "masked input" in err.value.details()
+
+    stop = threading.Event()
+    raw.answer_everything_with_failure(stop)   # d is out of this round; it fails the final evaluation too
+    try:
+        assert federation.wait_job(job_id) == "completed", federation.store.job(job_id).message
+    finally:
+        stop.set()
+    detail = federation.admin().job(job_id)
+    assert list(next(r for r in detail.rounds if r.round == 1).contributors) == ["a", "b", "c"]
+    rejected = [e for e in detail.site_events if e.site == "d" and e.round == 1 and e.status == "rejected"]
+    assert rejected and rejected[0].reason == err.value.details()
+
+
+def test_secure_aggregation_with_a_non_sum_strategy_is_refused_at_submit(federation, monkeypatch):
+    from coordinator import strategies
+
+    class Median:
+        def configure(self, round_, available):
+            return sorted(available)
+
+    monkeypatch.setitem(strategies.REGISTRY, "median", Median)
+    job = secure_job(rounds=1).replace("rounds: 1", "rounds: 1\nstrategy: {name: median}")
+    with pytest.raises(grpc.RpcError) as err:
+        federation.admin().submit(job)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "needs every site's update in the clear" in err.value.details()
+
+
+def test_site_requiring_secure_aggregation_declines_a_plain_job(federation):
+    _start(federation, "a")
+    federation.start_site("b")
+    federation.start_site("c")
+    federation.wait_online(*"abc")
+    job_id = federation.admin().submit(heart_job(rounds=1, min=2)).job_id
+    assert federation.wait_job(job_id) == "completed"
+    declined = [e for e in federation.admin().job(job_id).site_events if e.status == "declined"]
+    assert [(e.site, e.reason) for e in declined] == [
+        ("a", "this site's policy requires secure aggregation (privacy.secure_aggregation: true)")]
