@@ -8,7 +8,13 @@ import signal
 import threading
 from pathlib import Path
 
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from coordinator.engine import Engine
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import AdminService, FederationService
 from coordinator.store import Store
 from plexus import transport
@@ -31,15 +37,41 @@ class Coordinator:
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s)
         auth = Authenticator(crl)
         self.server, self.port = transport.server(kit, config.listen, max_workers=config.max_workers)
+        self.metrics = CoordinatorMetrics(store=self.store, online_sites=self.engine.online_sites)
+        self.store.subscribe(self.metrics.on_event)
         federation_pb2_grpc.add_FederationServicer_to_server(
-            FederationService(self.engine, auth, chunk_bytes=config.chunk_bytes), self.server)
+            _Metered(FederationService(self.engine, auth, chunk_bytes=config.chunk_bytes), self.metrics), self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminService(self.engine, auth, chunk_bytes=config.chunk_bytes), self.server)
+            _Metered(AdminService(self.engine, auth, chunk_bytes=config.chunk_bytes), self.metrics), self.server)
+        # Health: NOT_SERVING until the engine runs. On the mTLS port for peers with a kit, and
+        # optionally on a plaintext port that serves nothing else, for probes without a certificate.
+        self.health = health.HealthServicer()
+        for service in _HEALTH_SERVICES:
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.health_server, self.health_port = None, None
+        if config.health_listen:
+            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="plexus-health"))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(config.health_listen)
+            if self.health_port == 0:
+                raise OSError(f"could not bind health_listen {config.health_listen}; is another process listening there?")
+        self._metrics_listen = config.metrics_listen
+        self.metrics_server = None
+        self.metrics_port: int | None = None
         self.address_file = Path(config.state_dir) / "coordinator.addr"
 
     def start(self) -> None:
         self.engine.start()
         self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
+        if self._metrics_listen:
+            self.metrics_server = self.metrics.serve(self._metrics_listen)
+            self.metrics_port = self.metrics_server.port
+            log.info("Prometheus metrics on port %d (/metrics)", self.metrics_port)
+        for service in _HEALTH_SERVICES:
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         host = "127.0.0.1"
         tmp = self.address_file.with_suffix(".tmp")
         tmp.write_text(f"{host}:{self.port}\n")
@@ -47,9 +79,33 @@ class Coordinator:
         log.info("coordinator listening on port %d", self.port)
 
     def stop(self, grace: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        if self.health_server is not None:
+            self.health_server.stop(0).wait()
         self.server.stop(grace).wait()
         self.engine.stop()
         self.store.close()
+
+
+_HEALTH_SERVICES = ("", "plexus.v1.Federation", "plexus.v1.Admin")
+_STREAMS_OUT = ("FetchModel", "DownloadModel")
+
+
+class _Metered:
+    """A servicer seen through the metrics: model streams out and update streams in are byte-counted."""
+
+    def __init__(self, servicer, metrics: CoordinatorMetrics):
+        self._servicer, self._metrics = servicer, metrics
+
+    def __getattr__(self, name: str):
+        method = getattr(self._servicer, name)
+        if name in _STREAMS_OUT:
+            return lambda request, context: self._metrics.count_out(method(request, context))
+        if name == "SubmitUpdate":
+            return lambda requests, context: method(self._metrics.count_in(requests), context)
+        return method
 
 
 def run(config: CoordinatorConfig) -> int:
@@ -59,6 +115,10 @@ def run(config: CoordinatorConfig) -> int:
         signal.signal(sig, lambda *_: stop.set())
     coordinator.start()
     print(f"plexus coordinator listening on port {coordinator.port} (mTLS); state in {config.state_dir}", flush=True)
+    if coordinator.health_port:
+        print(f"gRPC health (plaintext, health only) on port {coordinator.health_port}", flush=True)
+    if coordinator.metrics_port:
+        print(f"Prometheus metrics on port {coordinator.metrics_port} (/metrics)", flush=True)
     stop.wait()
     coordinator.stop()
     return 0
