@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.machinery
 import inspect
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -163,6 +166,34 @@ def load_numpy_state(model: nn.Module, state: Mapping[str, np.ndarray]) -> None:
     with torch.no_grad():
         for name, target in current.items():
             target.copy_(torch.tensor(state[name]))
+
+
+def plugin_source_sha256(name: str) -> str:
+    """SHA-256 (hex) of a plug-in model's source, read from disk without importing the plug-in.
+
+    The hash covers the whole top-level module or package its entry point names:
+    a single file hashes as its bytes (what `sha256sum` prints); a package hashes
+    as the sorted "<sha256>  <relative path>" lines of every .py file in it.
+    """
+    if name in REGISTRY:
+        raise ConfigError(f"model {name!r} is built in, not a plug-in; only plug-ins are pinned by hash")
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            break
+    else:
+        raise ConfigError(f"no plug-in model {name!r} is installed (entry-point group {ENTRY_POINT_GROUP!r}); "
+                          f"available models: {sorted(available_models())}")
+    top = ep.module.partition(".")[0]
+    # PathFinder searches sys.path for the files now on disk, runs nothing and ignores sys.modules.
+    spec = importlib.machinery.PathFinder.find_spec(top)
+    if spec is None or spec.origin is None or not spec.has_location:
+        raise ConfigError(f"model plugin {name!r} ({ep.value}): cannot locate the source of module {top!r}")
+    if spec.submodule_search_locations:
+        root = Path(spec.submodule_search_locations[0])
+        lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(root).as_posix()}\n"
+                 for p in sorted(root.rglob("*.py"))]
+        return hashlib.sha256("".join(lines).encode()).hexdigest()
+    return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
 
 
 def _lookup(name: str) -> Callable[..., nn.Module]:

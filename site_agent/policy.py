@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Callable
 from dataclasses import asdict
 
+from plexus.accounting import dp_sgd_epsilon, epsilon_after
 from plexus.config import PolicySpec, RoundConfig
+from plexus.errors import ConfigError
+from plexus.models import REGISTRY, plugin_source_sha256
 
 
 def policy_digest(policy: PolicySpec) -> str:
@@ -15,16 +20,100 @@ def policy_digest(policy: PolicySpec) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def refusal(policy: PolicySpec, job: RoundConfig, installed_models: set[str]) -> str | None:
-    """Why this site declines the job, or None when policy allows it."""
-    if job.model.name not in policy.allowed_models:
-        return (f"model {job.model.name!r} is not in this site's policy.allowed_models "
-                f"{sorted(policy.allowed_models)}")
-    if job.model.name not in installed_models:
-        return f"model {job.model.name!r} is not installed at this site"
+def refusal(policy: PolicySpec, job: RoundConfig, installed_models: set[str], *,
+            train_size: int | Callable[[], int] | None = None, round_: int | None = None) -> str | None:
+    """Why this site declines the job, or None when policy allows it.
+
+    Every rule that needs no data runs first. `train_size` (the site's training
+    rows, or a callable that counts them) is only consulted for a DP-SGD job under
+    max_epsilon, after every other rule passed, so a declined job never touches the
+    data. With `round_`, ε is checked through that round (decide whether to take
+    part in it); without, through the whole job (decide whether to accept it).
+    """
+    name = job.model.name
+    if name not in policy.allowed_models:
+        return f"model {name!r} is not in this site's policy.allowed_models {sorted(policy.allowed_models)}"
+    if name not in installed_models:
+        return f"model {name!r} is not installed at this site"
+    if name not in REGISTRY:
+        reason = _plugin_refusal(policy, name)
+        if reason:
+            return reason
+    if policy.allowed_datasets is not None and job.data.dataset not in policy.allowed_datasets:
+        return (f"dataset {job.data.dataset!r} is not in this site's policy.allowed_datasets "
+                f"{sorted(policy.allowed_datasets)}")
+    if policy.max_rounds is not None and job.rounds > policy.max_rounds:
+        return f"the job has {job.rounds} rounds; this site's policy.max_rounds allows at most {policy.max_rounds}"
     if policy.require_secure_aggregation and not job.privacy.secure_aggregation:
         return "this site's policy requires secure aggregation (privacy.secure_aggregation: true)"
-    if policy.max_epsilon is not None and job.privacy.dp is None:
-        return (f"this site's policy caps ε at {policy.max_epsilon}, and the job has no differential privacy "
-                "(its ε is unbounded)")
+    if policy.min_dp_noise is not None:
+        reason = _noise_refusal(policy.min_dp_noise, job)
+        if reason:
+            return reason
+    if policy.max_epsilon is not None:
+        return _epsilon_refusal(policy.max_epsilon, job, train_size, job.rounds if round_ is None else round_,
+                                whole_job=round_ is None)
     return None
+
+
+def _plugin_refusal(policy: PolicySpec, name: str) -> str | None:
+    try:
+        actual = plugin_source_sha256(name)
+    except (ConfigError, OSError) as exc:
+        return f"cannot hash the source of plug-in model {name!r} to check its pin: {exc}"
+    pinned = policy.plugin_sha256.get(name)
+    if pinned is None:
+        return (f"plug-in model {name!r} is not pinned; add `plugin_sha256: {{{name}: '{actual}'}}` to this site's "
+                "policy after reviewing its source")
+    if pinned != actual:
+        return (f"plug-in model {name!r} does not match this site's policy.plugin_sha256: its source hashes to "
+                f"{actual}, the policy pins {pinned}; its code changed since it was reviewed")
+    return None
+
+
+def _noise_refusal(min_noise: float, job: RoundConfig) -> str | None:
+    noises = {f"privacy.{key}.noise_multiplier": spec.noise_multiplier
+              for key, spec in (("dp", job.privacy.dp), ("dp_sgd", job.privacy.dp_sgd)) if spec is not None}
+    if not noises:
+        return (f"this site's policy.min_dp_noise is {min_noise}, and the job adds no differential-privacy noise "
+                "(set privacy.dp or privacy.dp_sgd)")
+    if max(noises.values()) < min_noise:
+        have = ", ".join(f"{key} = {value}" for key, value in noises.items())
+        return f"the job's DP noise ({have}) is below this site's policy.min_dp_noise {min_noise}"
+    return None
+
+
+def _epsilon_refusal(max_epsilon: float, job: RoundConfig, train_size, rounds: int, *,
+                     whole_job: bool) -> str | None:
+    dp, dp_sgd = job.privacy.dp, job.privacy.dp_sgd
+    if dp is None and dp_sgd is None:
+        return (f"this site's policy caps ε at {max_epsilon}, and the job has no differential privacy "
+                "(its ε is unbounded)")
+    # Client-level DP bounds what is learnt about the whole site, so about any one patient too:
+    # a patient's ε is at most the smaller of the two guarantees. Sample rate 1.0 = no sampling credit.
+    found = []
+    if dp is not None:
+        epsilon = epsilon_after(rounds, dp.noise_multiplier, 1.0, dp.delta)
+        if epsilon <= max_epsilon:
+            return None
+        if whole_job and dp.target_epsilon is not None and dp.target_epsilon <= max_epsilon:
+            return None  # the job stops at its target; the site re-checks every round with round_
+        found.append(f"client-level ε {_fmt(epsilon)} (δ={dp.delta})")
+    if dp_sgd is not None:
+        size = train_size() if callable(train_size) else train_size
+        if size is None:
+            return (f"this site's policy caps ε at {max_epsilon}, and the DP-SGD ε of this job depends on the "
+                    "site's training-set size, which was not given")
+        epsilon = dp_sgd_epsilon(rounds, train_size=size, batch_size=job.train.batch_size, epochs=job.train.epochs,
+                                 noise_multiplier=dp_sgd.noise_multiplier, delta=dp_sgd.delta)
+        if epsilon <= max_epsilon:
+            return None
+        found.append(f"DP-SGD ε {_fmt(epsilon)} on {size} rows (δ={dp_sgd.delta})")
+    span = f"its {rounds} rounds" if whole_job else f"round {rounds}"
+    return (f"the job's accounted ε after {span} would be {' and '.join(found)}, above this site's "
+            f"policy.max_epsilon {max_epsilon}; raise the noise, run fewer rounds or set "
+            f"privacy.dp.target_epsilon <= {max_epsilon}")
+
+
+def _fmt(epsilon: float) -> str:
+    return "inf" if math.isinf(epsilon) else f"{epsilon:.3g}"

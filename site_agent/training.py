@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+import secrets
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -11,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plexus.accounting import PrivacyLedger, dp_sgd_schedule
 from plexus.errors import ConfigError
 
 _EVAL_BATCH = 4096
@@ -83,6 +87,95 @@ def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, s
     if not math.isfinite(train_loss):
         raise ValueError(f"training diverged (train_loss={train_loss}); lower the learning rate")
     return TrainResult(num_samples=n, steps=steps, metrics={"train_loss": train_loss})
+
+
+def train_local_dp_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, dp_sgd: Any, *, seed: int,
+                       ledger: PrivacyLedger | None = None, dp_seed: int | None = None) -> TrainResult:
+    """Train ``model`` in place with Opacus DP-SGD (per-example clipping, Poisson batches, noise σC).
+
+    Privacy across rounds: pass the site's `ledger` for this job (persist it with
+    ``ledger.to_json()`` between rounds); Opacus's optimizer hook steps it in place,
+    and metrics["epsilon"] is the ε accumulated over every round it has seen.
+    Randomness: `seed` drives dropout, as in train_local. Batch sampling and noise
+    come from `dp_seed`, drawn from the OS when None: the coordinator knows `seed`,
+    and DP-SGD's guarantee assumes nobody can predict the noise or the batches.
+    A fixed dp_seed (tests, reproducible runs) gives the same bits every time.
+    """
+    from opacus import PrivacyEngine  # heavy import, only on sites that run DP-SGD
+    from opacus.validators.errors import UnsupportedError
+
+    _check_train(train)
+    try:
+        make_optimizer = OPTIMIZERS[train.optimizer.name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown optimizer {train.optimizer.name!r}; expected one of {sorted(OPTIMIZERS)}"
+        ) from None
+    device = _device(model)
+    xt, yt = _tensors(x, y, device)
+    n = len(yt)
+    if n == 0:
+        raise ValueError("no training samples: x and y are empty, so there is nothing to train on")
+    ledger = PrivacyLedger() if ledger is None else ledger
+    dp_seed = secrets.randbits(63) if dp_seed is None else dp_seed
+    if isinstance(dp_seed, bool) or not isinstance(dp_seed, int) or not 0 <= dp_seed < 1 << 63:
+        raise ValueError(f"dp_seed must be an integer in [0, 2**63) or None, got {dp_seed!r}")
+    sampling = torch.Generator().manual_seed(dp_seed)
+    noise_seed = int.from_bytes(hashlib.sha256(b"plexus/v1/dp-sgd-noise" + dp_seed.to_bytes(8, "big")).digest()[:8],
+                                "big") >> 1
+    noise = torch.Generator(device=device).manual_seed(noise_seed)
+    sample_rate, planned_steps = dp_sgd_schedule(n, train.batch_size, train.epochs)
+
+    with warnings.catch_warnings():  # Opacus warns that secure_mode is off; the docstring says why
+        warnings.simplefilter("ignore", UserWarning)
+        engine = PrivacyEngine(accountant="rdp")
+    engine.accountant = ledger.accountant  # Opacus's step hook records straight into the site's ledger
+    engine.secure_rng = sampling  # Opacus hands it to its Poisson DPDataLoader
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xt, yt), batch_size=train.batch_size)
+    try:
+        hooks, optimizer, loader = engine.make_private(
+            module=model, optimizer=make_optimizer(model.parameters(), train.optimizer), data_loader=loader,
+            noise_multiplier=dp_sgd.noise_multiplier, max_grad_norm=dp_sgd.max_grad_norm,
+            poisson_sampling=True, noise_generator=noise, wrap_model=False)
+    except UnsupportedError as exc:  # e.g. BatchNorm mixes samples, so per-sample gradients do not exist
+        raise ConfigError(f"model {type(model).__name__} cannot be trained with DP-SGD: {exc}") from None
+    if 1 / len(loader) != sample_rate or train.epochs * len(loader) != planned_steps:
+        raise RuntimeError("Opacus's batch schedule differs from plexus.accounting.dp_sgd_schedule; "
+                           "the site policy's ε would be wrong")
+
+    was_training = model.training
+    model.train()
+    steps, loss_sum, seen = 0, 0.0, 0
+    forked = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=forked):
+            torch.manual_seed(seed)
+            for _ in range(train.epochs):
+                loss_sum, seen = 0.0, 0
+                for xb, yb in loader:
+                    logits = model(xb)
+                    if steps == 0:
+                        _check_labels(yt, logits)
+                    # An empty Poisson batch still takes a (pure-noise) step: the accountant counts every step.
+                    loss = F.cross_entropy(logits, yb) if len(yb) else logits.sum() * 0.0
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    steps += 1
+                    loss_sum += loss.item() * len(yb)
+                    seen += len(yb)
+    finally:
+        model.train(was_training)
+        hooks.cleanup()
+        for param in model.parameters():
+            for attr in ("grad_sample", "summed_grad", "_forward_counter"):
+                if hasattr(param, attr):
+                    delattr(param, attr)
+    train_loss = loss_sum / max(seen, 1)
+    if not math.isfinite(train_loss):
+        raise ValueError(f"training diverged (train_loss={train_loss}); lower the learning rate")
+    return TrainResult(num_samples=n, steps=steps,
+                       metrics={"train_loss": train_loss, "epsilon": ledger.epsilon(dp_sgd.delta)})
 
 
 @torch.no_grad()

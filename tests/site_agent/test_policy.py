@@ -1,0 +1,196 @@
+"""Tests for site_agent.policy: every rule declines with its reason, before any data is read."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from plexus import models
+from plexus.accounting import dp_sgd_epsilon, epsilon_after
+from plexus.config import PolicySpec, parse_round_config
+from site_agent.policy import policy_digest, refusal
+
+INSTALLED = {"logistic", "mlp", "cnn", "vector"}
+
+
+def job(privacy: str = "", *, model: str = "mlp", dataset: str = "heart-disease", rounds: int = 10):
+    text = (f"name: j\nmodel: {{name: {model}, args: {{in_features: 13}}}}\ndata: {{dataset: {dataset}}}\n"
+            f"rounds: {rounds}\ntrain: {{epochs: 1, batch_size: 32}}\n")
+    return parse_round_config(text + (f"privacy: {privacy}\n" if privacy else ""))
+
+
+DP = "{dp: {mode: central, noise_multiplier: 1.0, clip_norm: 1.0}}"
+
+
+def untouched():
+    """A dataset-size callable that fails the test if a rule reads the data."""
+    def count() -> int:
+        raise AssertionError("the policy read the site's data for a job it should decline first")
+    return count
+
+
+def test_allowed_job_passes():
+    policy = PolicySpec(allowed_models=("mlp",), require_secure_aggregation=True, max_epsilon=50.0,
+                        min_dp_noise=0.5, max_rounds=10, allowed_datasets=("heart-disease",))
+    assert refusal(policy, job("{secure_aggregation: true, " + DP[1:]), INSTALLED, train_size=untouched()) is None
+
+
+@pytest.mark.parametrize(("policy", "the_job", "reason"), [
+    (PolicySpec(allowed_models=("logistic",)), job(),
+     "model 'mlp' is not in this site's policy.allowed_models ['logistic']"),
+    (PolicySpec(allowed_models=("mlp", "ghost")), job(model="ghost"), "model 'ghost' is not installed at this site"),
+    (PolicySpec(allowed_models=("mlp",), allowed_datasets=("breast-cancer",)), job(),
+     "dataset 'heart-disease' is not in this site's policy.allowed_datasets ['breast-cancer']"),
+    (PolicySpec(allowed_models=("mlp",), max_rounds=5), job(rounds=6),
+     "the job has 6 rounds; this site's policy.max_rounds allows at most 5"),
+    (PolicySpec(allowed_models=("mlp",), require_secure_aggregation=True), job(),
+     "this site's policy requires secure aggregation (privacy.secure_aggregation: true)"),
+    (PolicySpec(allowed_models=("mlp",), min_dp_noise=0.5), job(),
+     "this site's policy.min_dp_noise is 0.5, and the job adds no differential-privacy noise"),
+    (PolicySpec(allowed_models=("mlp",), min_dp_noise=1.5), job(DP),
+     "the job's DP noise (privacy.dp.noise_multiplier = 1.0) is below this site's policy.min_dp_noise 1.5"),
+    (PolicySpec(allowed_models=("mlp",), max_epsilon=8.0), job(),
+     "this site's policy caps ε at 8.0, and the job has no differential privacy (its ε is unbounded)"),
+    (PolicySpec(allowed_models=("mlp",), max_epsilon=8.0), job(DP, rounds=10),
+     f"the job's accounted ε after its 10 rounds would be client-level ε {epsilon_after(10, 1.0, 1.0, 1e-5):.3g}"),
+])
+def test_every_rule_declines_with_its_reason_before_touching_data(policy, the_job, reason):
+    got = refusal(policy, the_job, INSTALLED, train_size=untouched())
+    assert got is not None and got.startswith(reason), got
+
+
+def test_max_epsilon_reason_says_how_to_fix():
+    got = refusal(PolicySpec(allowed_models=("mlp",), max_epsilon=8.0), job(DP), INSTALLED)
+    assert "above this site's policy.max_epsilon 8.0" in got and "privacy.dp.target_epsilon <= 8.0" in got
+
+
+def test_epsilon_within_the_cap_is_accepted():
+    cap = epsilon_after(10, 1.0, 1.0, 1e-5)
+    assert refusal(PolicySpec(allowed_models=("mlp",), max_epsilon=cap), job(DP), INSTALLED) is None
+
+
+def test_target_epsilon_within_the_cap_accepts_the_job_and_the_site_stops_per_round():
+    dp = "{dp: {mode: central, noise_multiplier: 1.0, clip_norm: 1.0, target_epsilon: 5.0}}"
+    policy = PolicySpec(allowed_models=("mlp",), max_epsilon=6.0)
+    the_job = job(dp, rounds=100)
+    assert refusal(policy, the_job, INSTALLED) is None
+    last_ok = max(r for r in range(1, 101) if epsilon_after(r, 1.0, 1.0, 1e-5) <= 6.0)
+    assert refusal(policy, the_job, INSTALLED, round_=last_ok) is None
+    got = refusal(policy, the_job, INSTALLED, round_=last_ok + 1)
+    assert got.startswith(f"the job's accounted ε after round {last_ok + 1} would be"), got
+
+
+def test_dp_sgd_epsilon_uses_the_sites_dataset_size():
+    dp_sgd = "{dp_sgd: {noise_multiplier: 1.0, max_grad_norm: 1.0}}"
+    eps = dp_sgd_epsilon(10, train_size=300, batch_size=32, epochs=1, noise_multiplier=1.0, delta=1e-5)
+    loose, tight = PolicySpec(allowed_models=("mlp",), max_epsilon=eps), PolicySpec(allowed_models=("mlp",),
+                                                                                     max_epsilon=eps * 0.99)
+    assert refusal(loose, job(dp_sgd), INSTALLED, train_size=300) is None
+    assert refusal(loose, job(dp_sgd), INSTALLED, train_size=lambda: 300) is None
+    got = refusal(tight, job(dp_sgd), INSTALLED, train_size=300)
+    assert f"DP-SGD ε {eps:.3g} on 300 rows" in got
+    assert "training-set size, which was not given" in refusal(loose, job(dp_sgd), INSTALLED)
+
+
+def test_either_dp_guarantee_within_the_cap_is_enough():
+    both = ("{dp: {mode: central, noise_multiplier: 0.3, clip_norm: 1.0},"
+            " dp_sgd: {noise_multiplier: 2.0, max_grad_norm: 1.0}}")
+    policy = PolicySpec(allowed_models=("mlp",), max_epsilon=8.0, min_dp_noise=1.0)
+    assert refusal(policy, job(both), INSTALLED, train_size=300) is None
+
+
+def test_policy_digest_changes_with_every_field():
+    base = PolicySpec(allowed_models=("mlp",))
+    variants = [PolicySpec(allowed_models=("mlp",), min_dp_noise=1.0),
+                PolicySpec(allowed_models=("mlp",), max_rounds=3),
+                PolicySpec(allowed_models=("mlp",), allowed_datasets=("x",)),
+                PolicySpec(allowed_models=("mlp",), plugin_sha256={"p": "0" * 64})]
+    digests = {policy_digest(p) for p in [base, *variants]}
+    assert len(digests) == 5 and policy_digest(base) == policy_digest(PolicySpec(allowed_models=("mlp",)))
+
+
+# plug-in pinning ----------------------------------------------------------------------------
+PLUGIN = textwrap.dedent('''\
+    from torch import nn
+
+
+    class Tiny(nn.Module):
+        def __init__(self, in_features: int = 13):
+            super().__init__()
+            self.linear = nn.Linear(in_features, 2)
+
+        def forward(self, x):
+            return self.linear(x)
+    ''')
+
+
+@pytest.fixture
+def tiny_plugin(tmp_path, monkeypatch):
+    """A real plug-in module on disk, registered through a fake entry point (no package install possible here)."""
+    source = tmp_path / "plexus_tiny_plugin.py"
+    source.write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "plexus_tiny_plugin", raising=False)  # restored (and dropped) after the test
+    ep = EntryPoint(name="tiny", value="plexus_tiny_plugin:Tiny", group=models.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(models, "entry_points", lambda group=None: [ep] if group == models.ENTRY_POINT_GROUP else [])
+    return source
+
+
+def test_plugin_hash_is_the_sha256_of_its_source(tiny_plugin):
+    import hashlib
+
+    assert models.plugin_source_sha256("tiny") == hashlib.sha256(tiny_plugin.read_bytes()).hexdigest()
+    assert "tiny" in models.available_models()
+
+
+def test_pinned_plugin_runs_and_a_modified_one_is_caught(tiny_plugin):
+    pinned = models.plugin_source_sha256("tiny")
+    policy = PolicySpec(allowed_models=("tiny",), plugin_sha256={"tiny": pinned})
+    the_job = job(model="tiny")
+    assert refusal(policy, the_job, INSTALLED | {"tiny"}, train_size=untouched()) is None
+
+    data = bytearray(tiny_plugin.read_bytes())
+    data[data.index(b"2)")] = ord("3")  # one byte: two outputs become three
+    tiny_plugin.write_bytes(bytes(data))
+    got = refusal(policy, the_job, INSTALLED | {"tiny"}, train_size=untouched())
+    assert got.startswith("plug-in model 'tiny' does not match this site's policy.plugin_sha256"), got
+    assert pinned in got and models.plugin_source_sha256("tiny") in got
+
+
+def test_unpinned_plugin_is_declined_with_the_hash_to_pin(tiny_plugin):
+    got = refusal(PolicySpec(allowed_models=("tiny",)), job(model="tiny"), INSTALLED | {"tiny"})
+    assert got.startswith("plug-in model 'tiny' is not pinned") and models.plugin_source_sha256("tiny") in got
+
+
+def test_plugin_package_hash_covers_every_module(tmp_path, monkeypatch):
+    pkg = tmp_path / "plexus_tiny_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .net import Tiny\n")
+    (pkg / "net.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = EntryPoint(name="tinypkg", value="plexus_tiny_pkg.net:Tiny", group=models.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(models, "entry_points", lambda group=None: [ep])
+    before = models.plugin_source_sha256("tinypkg")
+    (pkg / "helpers.py").write_text("X = 1\n")  # even a module the entry point does not name
+    assert models.plugin_source_sha256("tinypkg") != before
+
+
+def test_builtin_models_are_not_hashed():
+    from plexus.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="built in"):
+        models.plugin_source_sha256("mlp")
+
+
+def test_pin_model_cli_prints_the_hash_to_pin(tiny_plugin, capsys):
+    from plexus.cli import main as cli
+
+    assert cli(["site", "pin-model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == models.plugin_source_sha256("tiny")
+    assert f"plugin_sha256: {{tiny: '{models.plugin_source_sha256('tiny')}'}}" in out
+    assert cli(["site", "pin-model", "mlp"]) == 1
+    assert "built in" in capsys.readouterr().err
