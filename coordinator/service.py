@@ -10,9 +10,13 @@ from plexus import __version__
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, guarded
+from plexus.secagg_proto import advert_to_proto, advert_from_proto
 from plexus.wire import encode, iter_chunks
 
-_KINDS = {"train": fpb.TASK_TRAIN, "evaluate": fpb.TASK_EVALUATE}
+_KINDS = {"train": fpb.TASK_TRAIN, "evaluate": fpb.TASK_EVALUATE, "secagg_advertise": fpb.TASK_SECAGG_ADVERTISE,
+          "secagg_share": fpb.TASK_SECAGG_SHARE, "secagg_mask": fpb.TASK_SECAGG_MASKED_INPUT,
+          "secagg_unmask": fpb.TASK_SECAGG_UNMASK}
+MAX_SHARE_VALUE_BYTES = 80   # a share value mod 2**521 - 1 fits in 66 bytes
 _RESULTS = {fpb.RESULT_EVALUATED: "evaluated", fpb.RESULT_DECLINED: "declined", fpb.RESULT_FAILED: "failed"}
 
 
@@ -41,7 +45,8 @@ class FederationService(federation_pb2_grpc.FederationServicer):
             return fpb.Task(kind=fpb.TASK_NONE)
         return fpb.Task(kind=_KINDS[grant.kind], task_id=grant.task_id, job_id=grant.job_id, round=grant.round,
                         model_round=grant.model_round, config_yaml=grant.config_yaml, nonce=grant.nonce,
-                        deadline_unix_s=grant.deadline_unix_s, seed=grant.seed)
+                        deadline_unix_s=grant.deadline_unix_s, seed=grant.seed,
+                        secagg=_payload_proto(grant.payload) if grant.payload is not None else None)
 
     @guarded(kind="site")
     def FetchModel(self, request, context, *, who):
@@ -57,10 +62,33 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         return fpb.SubmitReply(accepted=True, message=message)
 
     @guarded(kind="site")
+    def SecAgg(self, request, context, *, who):
+        body = request.WhichOneof("body")
+        if body == "advert":
+            value = advert_from_proto(request.advert)
+        elif body == "shares":
+            value = dict(request.shares.ciphertexts)
+        elif body == "reveal":
+            value = {}
+            for r in request.reveal.reveals:
+                if r.peer in value or len(r.y) > MAX_SHARE_VALUE_BYTES:
+                    raise IntegrityError(f"reveal for {r.peer!r} is repeated or oversized")
+                value[r.peer] = (r.kind, r.x, int.from_bytes(r.y, "big"))
+        else:
+            raise IntegrityError("a SecAgg message carries an advert, shares or a reveal")
+        return fpb.ResultReply(message=self.engine.secagg(who.name, request, body, value))
+
+    @guarded(kind="site")
     def ReportResult(self, request, context, *, who):
         if request.status not in _RESULTS:
             raise IntegrityError("result status must be EVALUATED, DECLINED or FAILED")
         return fpb.ResultReply(message=self.engine.report(who.name, request, _RESULTS[request.status]))
+
+
+def _payload_proto(p: dict) -> fpb.SecAggPayload:
+    return fpb.SecAggPayload(adverts=[advert_to_proto(a) for a in p.get("adverts", [])], threshold=p["threshold"],
+                             total_weight=p["total_weight"], clip=p["clip"], frac_bits=p["frac_bits"],
+                             shares_for_you=p.get("shares_for_you", {}), u2=p.get("u2", []), u3=p.get("u3", []))
 
 
 def _chunks(messages):
@@ -77,9 +105,10 @@ def job_summary(row: JobRow) -> admin_pb2.JobSummary:
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int):
+    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, audit=None):
         self.engine, self.auth, self.chunk_bytes = engine, auth, chunk_bytes
         self.store = engine.store
+        self.audit = audit  # plexus.audit.AuditLog, or None when the server runs without one
 
     @guarded(kind="admin", min_role="operator")
     def SubmitJob(self, request, context, *, who):
@@ -138,3 +167,27 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             admin_pb2.SiteInfo(site=name, last_seen_unix_s=seen, online=name in online, policy_digest=digest,
                                models=json.loads(models), datasets=json.loads(datasets), agent_version=version)
             for name, seen, version, digest, models, datasets in self.store.sites()])
+
+    @guarded(kind="admin", min_role="viewer")
+    def GetAudit(self, request, context, *, who):
+        if self.audit is None:
+            return admin_pb2.AuditReply(problem="audit log not configured")
+        return audit_reply(self.audit, verify=request.verify, limit=request.limit)
+
+
+def audit_reply(log, *, verify: bool, limit: int) -> admin_pb2.AuditReply:
+    """The reply for `plexus audit`: a failed verification is reported in `problem`, with the entries."""
+    problem, verified = "", False
+    if verify:
+        try:
+            log.verify()
+            verified = True
+        except IntegrityError as exc:
+            problem = str(exc)
+    try:
+        entries = [admin_pb2.AuditEntry(seq=e.seq, at=e.at, actor=e.actor, action=e.action, subject=e.subject,
+                                        details_json=json.dumps(e.details, sort_keys=True), hash=e.hash)
+                   for e in log.entries(limit=limit or None)]
+    except IntegrityError as exc:  # an entry too damaged to read: report it, still answer
+        entries, problem = [], problem or str(exc)
+    return admin_pb2.AuditReply(entries=entries, verified=verified, problem=problem, count=log.count())

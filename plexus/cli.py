@@ -21,8 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
-    logging.basicConfig(level=os.environ.get("PLEXUS_LOG", "INFO").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    from plexus.logs import configure
+
+    os.environ["PLEXUS_LOG_FORMAT"] = args.log_format   # processes this one starts (the demo's) log alike
+    configure(args.log_format, os.environ.get("PLEXUS_LOG", "INFO"))
     try:
         return args.run(args) or 0
     except PlexusError as exc:
@@ -41,12 +43,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plexus", description="Federated learning across hospitals.")
+    p.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("PLEXUS_LOG_FORMAT") or "text",
+                   help="log lines on stderr as text or JSON objects (or PLEXUS_LOG_FORMAT; default text)")
     sub = p.add_subparsers(metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="run a whole local federation (4 hospitals, mTLS, heart disease)")
     demo.add_argument("--sites", type=int, default=4, help="number of hospitals, 1-4 (default 4)")
     demo.add_argument("--rounds", type=int, default=20, help="federated rounds (default 20)")
     demo.add_argument("--workdir", type=Path, help="keep PKI, state and logs here (default: a temp dir)")
+    demo.add_argument("--secure-aggregation", action="store_true",
+                      help="run the job with secure aggregation: the coordinator sees only the sum")
     demo.set_defaults(run=_demo)
 
     pki = sub.add_parser("pki", help="federation CA and certificates").add_subparsers(metavar="ACTION")
@@ -80,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     srun.add_argument("--config", type=Path, required=True)
     srun.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     srun.set_defaults(run=_site_run)
+    saudit = _audit_flags(siteg.add_parser("audit", help="print (and verify) this site's own audit log"))
+    saudit.add_argument("--config", type=Path, required=True)
+    saudit.add_argument("--json", action="store_true", help="machine-readable output")
+    saudit.set_defaults(run=_site_audit)
+    pin = siteg.add_parser("pin-model", help="print a plug-in model's source SHA-256 for policy.plugin_sha256")
+    pin.add_argument("name")
+    pin.set_defaults(run=_site_pin_model)
 
     job = sub.add_parser("job", help="submit and follow jobs").add_subparsers(metavar="ACTION")
     submit = _admin(job.add_parser("submit", help="submit a round config"))
@@ -101,9 +114,23 @@ def _parser() -> argparse.ArgumentParser:
     met.add_argument("job_id")
     met.add_argument("--format", choices=["table", "csv", "json"], default="table")
     met.set_defaults(run=_job_metrics)
+    plot = _admin(job.add_parser("plot", help="plot a job's metrics per round to a PNG"))
+    plot.add_argument("job_id")
+    plot.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
+    plot.set_defaults(run=_job_plot)
+
+    health = sub.add_parser("health", help="ask a coordinator's gRPC health service (exit 0 when SERVING)")
+    health.add_argument("address", nargs="?", help="host:port (default: the coordinator in --site-config)")
+    health.add_argument("--kit", type=Path, help="present this kit over mTLS (omit for a plaintext health_listen port)")
+    health.add_argument("--site-config", type=Path, help="use this site config's coordinator address and kit")
+    health.add_argument("--service", default="", help="service name to check (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    health.set_defaults(run=_health)
 
     sites = sub.add_parser("sites", help="the federation's sites").add_subparsers(metavar="ACTION")
     _admin(sites.add_parser("list", help="list sites")).set_defaults(run=_sites_list)
+
+    _audit_flags(_admin(sub.add_parser("audit", help="the coordinator's audit log"))).set_defaults(run=_audit)
     return p
 
 
@@ -292,6 +319,34 @@ def _job_metrics(args) -> int:
     return 0
 
 
+def _job_plot(args) -> int:
+    from plexus.plot import plot_metrics
+
+    with _client(args) as client:
+        detail = client.job(args.job_id)
+    rows = [(m.round, m.site, m.kind, m.name, m.value) for m in detail.metrics]
+    panels = plot_metrics(rows, args.output, title=f"{detail.summary.name} ({detail.summary.job_id})")
+    print(json.dumps({"job_id": args.job_id, "path": str(args.output), "panels": panels}) if args.json
+          else f"wrote {', '.join(panels)} of job {args.job_id} to {args.output}")
+    return 0
+
+
+def _health(args) -> int:
+    from plexus.health import check
+
+    address, kit = args.address, args.kit
+    if args.site_config is not None:
+        from plexus.config import load_site_config
+
+        site = load_site_config(args.site_config)
+        address, kit = address or site.coordinator, kit or site.kit
+    if address is None:
+        raise PlexusError("no address: pass HOST:PORT or --site-config FILE")
+    status = check(address, kit=kit, service=args.service, timeout=args.timeout)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
 def _sites_list(args) -> int:
     with _client(args) as client:
         sites = [{"site": s.site, "online": s.online, "last_seen": time.strftime(
@@ -304,10 +359,75 @@ def _sites_list(args) -> int:
     return 0
 
 
+def _audit_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--verify", action="store_true", help="check the hash chain; exit 1 if it was tampered with")
+    p.add_argument("--limit", type=int, default=0, help="only the last N entries (default: all)")
+    return p
+
+
+def _audit(args) -> int:
+    with _client(args) as client:
+        reply = client.audit(verify=args.verify, limit=max(args.limit, 0))
+    if reply.problem == "audit log not configured":
+        raise PlexusError("the coordinator has no audit log configured")
+    entries = [{"seq": e.seq, "at": e.at, "actor": e.actor, "action": e.action, "subject": e.subject,
+                "details": json.loads(e.details_json or "{}"), "hash": e.hash} for e in reply.entries]
+    return _print_audit(entries, reply.count, args.verify, reply.problem, args.json)
+
+
+def _site_audit(args) -> int:
+    from plexus.audit import AuditLog
+    from plexus.config import load_site_config
+    from plexus.errors import IntegrityError
+
+    path = load_site_config(args.config).state_dir / "audit.db"
+    if not path.exists():  # never create an empty log here: that would hide a deleted one
+        raise PlexusError(f"no audit log at {path}; the site agent writes it once it runs or declines a job")
+    with AuditLog(path) as log:
+        problem = ""
+        if args.verify:
+            try:
+                log.verify()
+            except IntegrityError as exc:
+                problem = str(exc)
+        try:
+            entries = [e.to_dict() for e in log.entries(limit=max(args.limit, 0) or None)]
+        except IntegrityError as exc:
+            entries, problem = [], problem or str(exc)
+        return _print_audit(entries, log.count(), args.verify, problem, args.json)
+
+
+def _print_audit(entries: list[dict], count: int, verify: bool, problem: str, as_json: bool) -> int:
+    if as_json:
+        out = {"count": count, "entries": entries}
+        if verify:
+            out.update(verified=not problem, problem=problem)
+        print(json.dumps(out, indent=2))
+    else:
+        _table(["seq", "time", "actor", "action", "subject", "details"], [
+            {"seq": e["seq"], "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["at"])),
+             "actor": e["actor"], "action": e["action"], "subject": e["subject"],
+             "details": json.dumps(e["details"], sort_keys=True, separators=(",", ":"))} for e in entries])
+        if verify and not problem:
+            print(f"\nverified: {count} entries, hash chain intact")
+    if problem:
+        print(f"audit log verification FAILED: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _site_pin_model(args) -> int:
+    from plexus.models import plugin_source_sha256
+
+    digest = plugin_source_sha256(args.name)
+    print(f"{digest}\n\n# in site.yaml:\npolicy:\n  plugin_sha256: {{{args.name}: '{digest}'}}")
+    return 0
+
+
 def _demo(args) -> int:
     from plexus.demo import run_demo
 
-    return run_demo(sites=args.sites, rounds=args.rounds, workdir=args.workdir)
+    return run_demo(sites=args.sites, rounds=args.rounds, workdir=args.workdir, secure=args.secure_aggregation)
 
 
 def _table(columns: list[str], rows: list[dict]) -> None:

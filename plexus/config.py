@@ -25,7 +25,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from plexus.errors import ConfigError
 
 __all__ = [
-    "AdminConfig", "CoordinatorConfig", "DPSpec", "DataSpec", "DatasetSpec", "ModelSpec",
+    "AdminConfig", "CoordinatorConfig", "DPSGDSpec", "DPSpec", "DataSpec", "DatasetSpec", "ModelSpec",
     "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SiteConfig", "SitesSpec",
     "StrategySpec", "TrainSpec", "dump_round_config", "load_admin_config",
     "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
@@ -98,6 +98,17 @@ def _address(min_port: int) -> dict:
     return {"check": check}
 
 
+def _sha256_values() -> dict:
+    def check(value: dict) -> str | None:
+        for name, digest in value.items():
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                return (f"{name}: {digest!r} is not a SHA-256 hex digest; use the 64 lowercase hex characters "
+                        "that `plexus site pin-model NAME` prints")
+        return None
+
+    return {"check": check}
+
+
 def _non_empty() -> dict:
     return {"check": lambda value: None if value else "is empty; list at least one item or remove the key"}
 
@@ -164,11 +175,31 @@ class DPSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class DPSGDSpec:
+    """Sample-level DP-SGD at each site (Opacus): per-example clipping and noise σ·C."""
+
+    noise_multiplier: float = field(metadata=_range(0))
+    max_grad_norm: float = field(metadata=_range(0, lo_open=True))
+    delta: float = field(default=1e-5, metadata=_range(0, 1, lo_open=True, hi_open=True))
+
+
+@dataclass(frozen=True, slots=True)
+class SecAggSpec:
+    """Secure aggregation tuning: threshold t, the per-coordinate clip of Δ, and each phase's deadline."""
+
+    threshold: int | None = field(default=None, metadata=_range(1))   # None: a majority of the sites
+    clip: float = field(default=4.0, metadata=_range(0, 2 ** 20, lo_open=True))
+    phase_timeout_s: float = field(default=30.0, metadata=_range(0, 3600, lo_open=True))
+
+
+@dataclass(frozen=True, slots=True)
 class PrivacySpec:
     """Secure aggregation and differential privacy settings of a job."""
 
     secure_aggregation: bool = False
     dp: DPSpec | None = None
+    dp_sgd: DPSGDSpec | None = None
+    secagg: SecAggSpec = field(default_factory=SecAggSpec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +239,11 @@ class PolicySpec:
     allowed_models: tuple[str, ...] = ()
     require_secure_aggregation: bool = False
     max_epsilon: float | None = field(default=None, metadata=_range(0, lo_open=True))
+    min_dp_noise: float | None = field(default=None, metadata=_range(0))
+    max_rounds: int | None = field(default=None, metadata=_range(1))
+    allowed_datasets: tuple[str, ...] | None = None
+    # Plug-in model name -> SHA-256 (hex) of its source, as `plexus.models.plugin_source_sha256` computes it.
+    plugin_sha256: dict[str, str] = field(default_factory=dict, metadata=_sha256_values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +271,10 @@ class CoordinatorConfig:
     poll_timeout_s: float = field(default=20.0, metadata=_range(0, 300, lo_open=True))
     chunk_bytes: int = field(default=1 << 20, metadata=_range(1 << 16, 1 << 22))
     max_workers: int = field(default=128, metadata=_range(8, 4096))
+    # Prometheus metrics over plain HTTP (off unless set; keep it on 127.0.0.1 or a private network).
+    metrics_listen: str | None = field(default=None, metadata=_address(0))
+    # grpc.health.v1 only, plaintext, for probes that cannot present a client certificate (off unless set).
+    health_listen: str | None = field(default=None, metadata=_address(0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,8 +297,17 @@ def _dataset_problem(spec: DatasetSpec) -> tuple[str, str] | None:
     return None
 
 
+def _privacy_problem(spec: PrivacySpec) -> tuple[str, str] | None:
+    if spec.dp is not None and spec.dp.mode == "distributed" and not spec.secure_aggregation:
+        return "dp", ("mode 'distributed' needs secure_aggregation: true, because each site adds only part "
+                      "of the noise and its update would be under-protected if the coordinator saw it alone; "
+                      "set privacy.secure_aggregation: true or use dp.mode: central")
+    return None
+
+
 # Cross-field checks: fn(obj) -> (key, "<problem>; <fix>") or None.
-_CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {DatasetSpec: _dataset_problem}
+_CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
+    DatasetSpec: _dataset_problem, PrivacySpec: _privacy_problem}
 
 _TAG = "tag:yaml.org,2002:"
 _TAG_NAMES = {"bool": "a boolean", "int": "an integer", "float": "a number", "null": "null",

@@ -14,6 +14,7 @@ from plexus.config import (
     CoordinatorConfig,
     DataSpec,
     DatasetSpec,
+    DPSGDSpec,
     DPSpec,
     ModelSpec,
     OptimizerSpec,
@@ -145,7 +146,8 @@ def test_int_accepted_for_float_fields():
 def test_unquoted_exponent_accepted_for_float_fields():
     # PyYAML's YAML 1.1 resolver reads `1e-5` as a string; float fields take it anyway.
     cfg = parse_round_config(
-        MINIMAL + "privacy: {dp: {mode: distributed, noise_multiplier: 0, clip_norm: 2, delta: 1e-6}}\n"
+        MINIMAL + "privacy: {secure_aggregation: true,\n"
+                  "          dp: {mode: distributed, noise_multiplier: 0, clip_norm: 2, delta: 1e-6}}\n"
     )
     assert cfg.privacy.dp.delta == 1e-6
 
@@ -208,7 +210,13 @@ def round_configs(draw):
             lr=draw(positive),
             momentum=draw(st.floats(min_value=0, max_value=1, exclude_max=True)),
         )),
-        privacy=PrivacySpec(secure_aggregation=draw(st.booleans()), dp=dp),
+        # distributed DP is only valid under secure aggregation
+        privacy=PrivacySpec(secure_aggregation=draw(st.booleans()) or (dp is not None and dp.mode == "distributed"),
+                            dp=dp, dp_sgd=draw(st.none() | st.builds(
+                                DPSGDSpec,
+                                noise_multiplier=st.floats(min_value=0, allow_nan=False, allow_infinity=False),
+                                max_grad_norm=positive,
+                                delta=st.floats(min_value=0, max_value=1, exclude_min=True, exclude_max=True)))),
         seed=draw(st.integers(0, 2**63 - 1)),
     )
 
@@ -413,7 +421,8 @@ def test_site_paths_resolve_when_loaded_by_relative_path(tmp_path, monkeypatch):
         (SITE.replace("coord.example.org:8443", "'::1:8443'"), "2: coordinator:", "brackets"),
         (SITE.replace("kit: kit\n", ""), "1: kit: missing required key", "add 'kit:' with a path"),
         (SITE + "policy: {allowed_model: [mlp]}\n", "4: policy.allowed_model: unknown key",
-         "allowed keys: allowed_models, max_epsilon, require_secure_aggregation"),
+         "allowed keys: allowed_datasets, allowed_models, max_epsilon, max_rounds, min_dp_noise, "
+         "plugin_sha256, require_secure_aggregation"),
         (SITE + "policy:\n  allowed_models: mlp\n", "5: policy.allowed_models: expected a list", ""),
         (SITE + "policy:\n  allowed_models: [mlp, 3]\n", "5: policy.allowed_models[1]: expected a string", ""),
         (SITE + "policy: {max_epsilon: 0}\n", "4: policy.max_epsilon: 0.0 is out of range", ""),
@@ -517,3 +526,68 @@ def test_split_address(addr, expected):
 def test_split_address_rejects(addr, needle):
     with pytest.raises(ValueError, match=needle):
         split_address(addr)
+
+
+# --- privacy: DP-SGD, distributed DP and the site policy's privacy rules ------
+
+
+def test_dp_sgd_parsed_with_default_delta():
+    cfg = parse_round_config(MINIMAL + "privacy: {dp_sgd: {noise_multiplier: 1.1, max_grad_norm: 1}}\n")
+    assert cfg.privacy.dp_sgd == DPSGDSpec(noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-5)
+    assert parse_round_config(MINIMAL).privacy.dp_sgd is None
+
+
+@pytest.mark.parametrize(("text", "prefix", "detail"), [
+    ("privacy: {dp_sgd: {noise_multiplier: -1, max_grad_norm: 1}}\n",
+     "job.yaml:5: privacy.dp_sgd.noise_multiplier: -1.0 is out of range", ">= 0"),
+    ("privacy: {dp_sgd: {noise_multiplier: 1, max_grad_norm: 0}}\n",
+     "job.yaml:5: privacy.dp_sgd.max_grad_norm: 0.0 is out of range", "> 0"),
+    ("privacy: {dp_sgd: {noise_multiplier: 1, max_grad_norm: 1, delta: 1}}\n",
+     "job.yaml:5: privacy.dp_sgd.delta: 1.0 is out of range", "in (0, 1)"),
+    ("privacy: {dp_sgd: {noise_multiplier: 1}}\n",
+     "job.yaml:5: privacy.dp_sgd.max_grad_norm: missing required key", "add 'max_grad_norm:'"),
+    ("privacy:\n  dp: {mode: distributed, noise_multiplier: 1, clip_norm: 1}\n",
+     "job.yaml:6: privacy.dp: mode 'distributed' needs secure_aggregation: true", "or use dp.mode: central"),
+])
+def test_privacy_errors(text, prefix, detail):
+    with pytest.raises(ConfigError) as info:
+        parse_round_config(MINIMAL + text, source="job.yaml")
+    assert str(info.value).startswith(prefix), str(info.value)
+    assert detail in str(info.value)
+
+
+def test_distributed_dp_with_secure_aggregation_accepted():
+    cfg = parse_round_config(MINIMAL + "privacy:\n  secure_aggregation: true\n"
+                                       "  dp: {mode: distributed, noise_multiplier: 1, clip_norm: 1}\n")
+    assert cfg.privacy.dp.mode == "distributed" and cfg.privacy.secure_aggregation
+
+
+def test_site_policy_privacy_fields(tmp_path):
+    digest = "ab" * 32
+    cfg = load_site_config(write(tmp_path, SITE + f"""\
+policy:
+  allowed_models: [mlp, tiny]
+  min_dp_noise: 0.8
+  max_rounds: 50
+  allowed_datasets: [heart-disease]
+  plugin_sha256: {{tiny: {digest}}}
+""", "site.yaml"))
+    assert cfg.policy == PolicySpec(allowed_models=("mlp", "tiny"), min_dp_noise=0.8, max_rounds=50,
+                                    allowed_datasets=("heart-disease",), plugin_sha256={"tiny": digest})
+    defaults = load_site_config(write(tmp_path, SITE, "plain.yaml")).policy
+    assert (defaults.min_dp_noise, defaults.max_rounds, defaults.allowed_datasets, defaults.plugin_sha256) == (
+        None, None, None, {})
+
+
+@pytest.mark.parametrize(("text", "prefix", "detail"), [
+    ("policy: {min_dp_noise: -0.5}\n", "4: policy.min_dp_noise: -0.5 is out of range", ">= 0"),
+    ("policy: {max_rounds: 0}\n", "4: policy.max_rounds: 0 is out of range", ">= 1"),
+    ("policy: {allowed_datasets: heart}\n", "4: policy.allowed_datasets: expected a list", ""),
+    ("policy:\n  plugin_sha256: {tiny: abc}\n", "5: policy.plugin_sha256: tiny: 'abc' is not a SHA-256 hex digest",
+     "plexus site pin-model"),
+    ("policy:\n  plugin_sha256: {tiny: 3}\n", "5: policy.plugin_sha256.tiny: expected a string", ""),
+])
+def test_site_policy_privacy_errors(tmp_path, text, prefix, detail):
+    message = site_error(tmp_path, SITE + text)
+    assert message.startswith(prefix), message
+    assert detail in message

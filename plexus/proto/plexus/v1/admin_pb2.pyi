@@ -174,3 +174,41 @@ class SiteList(_message.Message):
     SITES_FIELD_NUMBER: _ClassVar[int]
     sites: _containers.RepeatedCompositeFieldContainer[SiteInfo]
     def __init__(self, sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ...) -> None: ...
+
+class AuditEntry(_message.Message):
+    __slots__ = ("seq", "at", "actor", "action", "subject", "details_json", "hash")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    at: float
+    actor: str
+    action: str
+    subject: str
+    details_json: str
+    hash: str
+    def __init__(self, seq: _Optional[int] = ..., at: _Optional[float] = ..., actor: _Optional[str] = ..., action: _Optional[str] = ..., subject: _Optional[str] = ..., details_json: _Optional[str] = ..., hash: _Optional[str] = ...) -> None: ...
+
+class AuditRequest(_message.Message):
+    __slots__ = ("verify", "limit")
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    verify: bool
+    limit: int
+    def __init__(self, verify: _Optional[bool] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class AuditReply(_message.Message):
+    __slots__ = ("entries", "verified", "problem", "count")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[AuditEntry]
+    verified: bool
+    problem: str
+    count: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., verified: _Optional[bool] = ..., problem: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...

@@ -72,6 +72,11 @@ class AdminStub:
                 request_serializer=plexus_dot_v1_dot_admin__pb2.ListSitesRequest.SerializeToString,
                 response_deserializer=plexus_dot_v1_dot_admin__pb2.SiteList.FromString,
                 _registered_method=True)
+        self.GetAudit = channel.unary_unary(
+                '/plexus.v1.Admin/GetAudit',
+                request_serializer=plexus_dot_v1_dot_admin__pb2.AuditRequest.SerializeToString,
+                response_deserializer=plexus_dot_v1_dot_admin__pb2.AuditReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -121,6 +126,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAudit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +169,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListSites,
                     request_deserializer=plexus_dot_v1_dot_admin__pb2.ListSitesRequest.FromString,
                     response_serializer=plexus_dot_v1_dot_admin__pb2.SiteList.SerializeToString,
+            ),
+            'GetAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAudit,
+                    request_deserializer=plexus_dot_v1_dot_admin__pb2.AuditRequest.FromString,
+                    response_serializer=plexus_dot_v1_dot_admin__pb2.AuditReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +367,33 @@ class Admin:
             '/plexus.v1.Admin/ListSites',
             plexus_dot_v1_dot_admin__pb2.ListSitesRequest.SerializeToString,
             plexus_dot_v1_dot_admin__pb2.SiteList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/plexus.v1.Admin/GetAudit',
+            plexus_dot_v1_dot_admin__pb2.AuditRequest.SerializeToString,
+            plexus_dot_v1_dot_admin__pb2.AuditReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,23 +25,31 @@ _sym_db = _symbol_database.Default()
 from plexus.proto.plexus.v1 import tensor_pb2 as plexus_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aplexus/v1/federation.proto\x12\tplexus.v1\x1a\x16plexus/v1/tensor.proto\"]\n\x0bJoinRequest\x12\x15\n\ragent_version\x18\x01 \x01(\t\x12\x0e\n\x06models\x18\x02 \x03(\t\x12\x10\n\x08\x64\x61tasets\x18\x03 \x03(\t\x12\x15\n\rpolicy_digest\x18\x04 \x01(\t\"E\n\tJoinReply\x12\x12\n\nfederation\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x16\n\x0epoll_timeout_s\x18\x03 \x01(\x01\"!\n\x0fNextTaskRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\"\xb9\x01\n\x04Task\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.plexus.v1.TaskKind\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\r\x12\x13\n\x0bmodel_round\x18\x05 \x01(\r\x12\x13\n\x0b\x63onfig_yaml\x18\x06 \x01(\t\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x08 \x01(\x01\x12\x0c\n\x04seed\x18\t \x01(\x04\"$\n\x11\x46\x65tchModelRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"c\n\x0cModelMessage\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.plexus.v1.ModelHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.plexus.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"S\n\x0bModelHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12%\n\x08manifest\x18\x03 \x01(\x0b\x32\x13.plexus.v1.Manifest\"\xe4\x02\n\x0cUpdateHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x04\x12\x35\n\x07metrics\x18\x06 \x03(\x0b\x32$.plexus.v1.UpdateHeader.MetricsEntry\x12>\n\x0c\x65val_metrics\x18\x07 \x03(\x0b\x32(.plexus.v1.UpdateHeader.EvalMetricsEntry\x12%\n\x08manifest\x18\x08 \x01(\x0b\x32\x13.plexus.v1.Manifest\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"e\n\rUpdateMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.plexus.v1.UpdateHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.plexus.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"0\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xf6\x01\n\nTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\'\n\x06status\x18\x05 \x01(\x0e\x32\x17.plexus.v1.ResultStatus\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12<\n\x0c\x65val_metrics\x18\x07 \x03(\x0b\x32&.plexus.v1.TaskResult.EvalMetricsEntry\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1e\n\x0bResultReply\x12\x0f\n\x07message\x18\x01 \x01(\t*<\n\x08TaskKind\x12\r\n\tTASK_NONE\x10\x00\x12\x0e\n\nTASK_TRAIN\x10\x01\x12\x11\n\rTASK_EVALUATE\x10\x02*d\n\x0cResultStatus\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x14\n\x10RESULT_EVALUATED\x10\x01\x12\x13\n\x0fRESULT_DECLINED\x10\x02\x12\x11\n\rRESULT_FAILED\x10\x03\x32\xc5\x02\n\nFederation\x12\x34\n\x04Join\x12\x16.plexus.v1.JoinRequest\x1a\x14.plexus.v1.JoinReply\x12\x37\n\x08NextTask\x12\x1a.plexus.v1.NextTaskRequest\x1a\x0f.plexus.v1.Task\x12\x45\n\nFetchModel\x12\x1c.plexus.v1.FetchModelRequest\x1a\x17.plexus.v1.ModelMessage0\x01\x12\x42\n\x0cSubmitUpdate\x12\x18.plexus.v1.UpdateMessage\x1a\x16.plexus.v1.SubmitReply(\x01\x12=\n\x0cReportResult\x12\x15.plexus.v1.TaskResult\x1a\x16.plexus.v1.ResultReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aplexus/v1/federation.proto\x12\tplexus.v1\x1a\x16plexus/v1/tensor.proto\"]\n\x0bJoinRequest\x12\x15\n\ragent_version\x18\x01 \x01(\t\x12\x0e\n\x06models\x18\x02 \x03(\t\x12\x10\n\x08\x64\x61tasets\x18\x03 \x03(\t\x12\x15\n\rpolicy_digest\x18\x04 \x01(\t\"E\n\tJoinReply\x12\x12\n\nfederation\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x16\n\x0epoll_timeout_s\x18\x03 \x01(\x01\"!\n\x0fNextTaskRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\"\xe3\x01\n\x04Task\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.plexus.v1.TaskKind\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\r\x12\x13\n\x0bmodel_round\x18\x05 \x01(\r\x12\x13\n\x0b\x63onfig_yaml\x18\x06 \x01(\t\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x08 \x01(\x01\x12\x0c\n\x04seed\x18\t \x01(\x04\x12(\n\x06secagg\x18\n \x01(\x0b\x32\x18.plexus.v1.SecAggPayload\"\x88\x01\n\x0cSecAggAdvert\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04\x63_pk\x18\x02 \x01(\x0c\x12\x0c\n\x04s_pk\x18\x03 \x01(\x0c\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x14\n\x0c\x62_commitment\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x10\n\x08\x63\x65rt_pem\x18\x07 \x01(\x0c\"\x94\x02\n\rSecAggPayload\x12(\n\x07\x61\x64verts\x18\x01 \x03(\x0b\x32\x17.plexus.v1.SecAggAdvert\x12\x11\n\tthreshold\x18\x02 \x01(\r\x12\x14\n\x0ctotal_weight\x18\x03 \x01(\x04\x12\x0c\n\x04\x63lip\x18\x04 \x01(\x01\x12\x11\n\tfrac_bits\x18\x05 \x01(\r\x12\x42\n\x0eshares_for_you\x18\x06 \x03(\x0b\x32*.plexus.v1.SecAggPayload.SharesForYouEntry\x12\n\n\x02u2\x18\x07 \x03(\t\x12\n\n\x02u3\x18\x08 \x03(\t\x1a\x33\n\x11SharesForYouEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"?\n\x0bShareReveal\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\t\n\x01x\x18\x03 \x01(\r\x12\t\n\x01y\x18\x04 \x01(\x0c\"\xb6\x03\n\rSecAggMessage\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12)\n\x06\x61\x64vert\x18\x05 \x01(\x0b\x32\x17.plexus.v1.SecAggAdvertH\x00\x12*\n\x06shares\x18\x06 \x01(\x0b\x32\x18.plexus.v1.SharesMessageH\x00\x12*\n\x06reveal\x18\x07 \x01(\x0b\x32\x18.plexus.v1.RevealMessageH\x00\x12\x36\n\x07metrics\x18\x08 \x03(\x0b\x32%.plexus.v1.SecAggMessage.MetricsEntry\x12?\n\x0c\x65val_metrics\x18\t \x03(\x0b\x32).plexus.v1.SecAggMessage.EvalMetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x06\n\x04\x62ody\"\x83\x01\n\rSharesMessage\x12>\n\x0b\x63iphertexts\x18\x01 \x03(\x0b\x32).plexus.v1.SharesMessage.CiphertextsEntry\x1a\x32\n\x10\x43iphertextsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"8\n\rRevealMessage\x12\'\n\x07reveals\x18\x01 \x03(\x0b\x32\x16.plexus.v1.ShareReveal\"$\n\x11\x46\x65tchModelRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"c\n\x0cModelMessage\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.plexus.v1.ModelHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.plexus.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"S\n\x0bModelHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12%\n\x08manifest\x18\x03 \x01(\x0b\x32\x13.plexus.v1.Manifest\"\xe4\x02\n\x0cUpdateHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x04\x12\x35\n\x07metrics\x18\x06 \x03(\x0b\x32$.plexus.v1.UpdateHeader.MetricsEntry\x12>\n\x0c\x65val_metrics\x18\x07 \x03(\x0b\x32(.plexus.v1.UpdateHeader.EvalMetricsEntry\x12%\n\x08manifest\x18\x08 \x01(\x0b\x32\x13.plexus.v1.Manifest\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"e\n\rUpdateMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.plexus.v1.UpdateHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.plexus.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"0\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xf6\x01\n\nTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\'\n\x06status\x18\x05 \x01(\x0e\x32\x17.plexus.v1.ResultStatus\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12<\n\x0c\x65val_metrics\x18\x07 \x03(\x0b\x32&.plexus.v1.TaskResult.EvalMetricsEntry\x1a\x32\n\x10\x45valMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1e\n\x0bResultReply\x12\x0f\n\x07message\x18\x01 \x01(\t*\xa4\x01\n\x08TaskKind\x12\r\n\tTASK_NONE\x10\x00\x12\x0e\n\nTASK_TRAIN\x10\x01\x12\x11\n\rTASK_EVALUATE\x10\x02\x12\x19\n\x15TASK_SECAGG_ADVERTISE\x10\x03\x12\x15\n\x11TASK_SECAGG_SHARE\x10\x04\x12\x1c\n\x18TASK_SECAGG_MASKED_INPUT\x10\x05\x12\x16\n\x12TASK_SECAGG_UNMASK\x10\x06*d\n\x0cResultStatus\x12\x16\n\x12RESULT_UNSPECIFIED\x10\x00\x12\x14\n\x10RESULT_EVALUATED\x10\x01\x12\x13\n\x0fRESULT_DECLINED\x10\x02\x12\x11\n\rRESULT_FAILED\x10\x03\x32\x81\x03\n\nFederation\x12\x34\n\x04Join\x12\x16.plexus.v1.JoinRequest\x1a\x14.plexus.v1.JoinReply\x12\x37\n\x08NextTask\x12\x1a.plexus.v1.NextTaskRequest\x1a\x0f.plexus.v1.Task\x12\x45\n\nFetchModel\x12\x1c.plexus.v1.FetchModelRequest\x1a\x17.plexus.v1.ModelMessage0\x01\x12\x42\n\x0cSubmitUpdate\x12\x18.plexus.v1.UpdateMessage\x1a\x16.plexus.v1.SubmitReply(\x01\x12=\n\x0cReportResult\x12\x15.plexus.v1.TaskResult\x1a\x16.plexus.v1.ResultReply\x12:\n\x06SecAgg\x12\x18.plexus.v1.SecAggMessage\x1a\x16.plexus.v1.ResultReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'plexus.v1.federation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SECAGGPAYLOAD_SHARESFORYOUENTRY']._loaded_options = None
+  _globals['_SECAGGPAYLOAD_SHARESFORYOUENTRY']._serialized_options = b'8\001'
+  _globals['_SECAGGMESSAGE_METRICSENTRY']._loaded_options = None
+  _globals['_SECAGGMESSAGE_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_SECAGGMESSAGE_EVALMETRICSENTRY']._loaded_options = None
+  _globals['_SECAGGMESSAGE_EVALMETRICSENTRY']._serialized_options = b'8\001'
+  _globals['_SHARESMESSAGE_CIPHERTEXTSENTRY']._loaded_options = None
+  _globals['_SHARESMESSAGE_CIPHERTEXTSENTRY']._serialized_options = b'8\001'
   _globals['_UPDATEHEADER_METRICSENTRY']._loaded_options = None
   _globals['_UPDATEHEADER_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_UPDATEHEADER_EVALMETRICSENTRY']._loaded_options = None
   _globals['_UPDATEHEADER_EVALMETRICSENTRY']._serialized_options = b'8\001'
   _globals['_TASKRESULT_EVALMETRICSENTRY']._loaded_options = None
   _globals['_TASKRESULT_EVALMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TASKKIND']._serialized_start=1471
-  _globals['_TASKKIND']._serialized_end=1531
-  _globals['_RESULTSTATUS']._serialized_start=1533
-  _globals['_RESULTSTATUS']._serialized_end=1633
+  _globals['_TASKKIND']._serialized_start=2630
+  _globals['_TASKKIND']._serialized_end=2794
+  _globals['_RESULTSTATUS']._serialized_start=2796
+  _globals['_RESULTSTATUS']._serialized_end=2896
   _globals['_JOINREQUEST']._serialized_start=65
   _globals['_JOINREQUEST']._serialized_end=158
   _globals['_JOINREPLY']._serialized_start=160
@@ -49,29 +57,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NEXTTASKREQUEST']._serialized_start=231
   _globals['_NEXTTASKREQUEST']._serialized_end=264
   _globals['_TASK']._serialized_start=267
-  _globals['_TASK']._serialized_end=452
-  _globals['_FETCHMODELREQUEST']._serialized_start=454
-  _globals['_FETCHMODELREQUEST']._serialized_end=490
-  _globals['_MODELMESSAGE']._serialized_start=492
-  _globals['_MODELMESSAGE']._serialized_end=591
-  _globals['_MODELHEADER']._serialized_start=593
-  _globals['_MODELHEADER']._serialized_end=676
-  _globals['_UPDATEHEADER']._serialized_start=679
-  _globals['_UPDATEHEADER']._serialized_end=1035
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=937
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=983
-  _globals['_UPDATEHEADER_EVALMETRICSENTRY']._serialized_start=985
-  _globals['_UPDATEHEADER_EVALMETRICSENTRY']._serialized_end=1035
-  _globals['_UPDATEMESSAGE']._serialized_start=1037
-  _globals['_UPDATEMESSAGE']._serialized_end=1138
-  _globals['_SUBMITREPLY']._serialized_start=1140
-  _globals['_SUBMITREPLY']._serialized_end=1188
-  _globals['_TASKRESULT']._serialized_start=1191
-  _globals['_TASKRESULT']._serialized_end=1437
-  _globals['_TASKRESULT_EVALMETRICSENTRY']._serialized_start=985
-  _globals['_TASKRESULT_EVALMETRICSENTRY']._serialized_end=1035
-  _globals['_RESULTREPLY']._serialized_start=1439
-  _globals['_RESULTREPLY']._serialized_end=1469
-  _globals['_FEDERATION']._serialized_start=1636
-  _globals['_FEDERATION']._serialized_end=1961
+  _globals['_TASK']._serialized_end=494
+  _globals['_SECAGGADVERT']._serialized_start=497
+  _globals['_SECAGGADVERT']._serialized_end=633
+  _globals['_SECAGGPAYLOAD']._serialized_start=636
+  _globals['_SECAGGPAYLOAD']._serialized_end=912
+  _globals['_SECAGGPAYLOAD_SHARESFORYOUENTRY']._serialized_start=861
+  _globals['_SECAGGPAYLOAD_SHARESFORYOUENTRY']._serialized_end=912
+  _globals['_SHAREREVEAL']._serialized_start=914
+  _globals['_SHAREREVEAL']._serialized_end=977
+  _globals['_SECAGGMESSAGE']._serialized_start=980
+  _globals['_SECAGGMESSAGE']._serialized_end=1418
+  _globals['_SECAGGMESSAGE_METRICSENTRY']._serialized_start=1312
+  _globals['_SECAGGMESSAGE_METRICSENTRY']._serialized_end=1358
+  _globals['_SECAGGMESSAGE_EVALMETRICSENTRY']._serialized_start=1360
+  _globals['_SECAGGMESSAGE_EVALMETRICSENTRY']._serialized_end=1410
+  _globals['_SHARESMESSAGE']._serialized_start=1421
+  _globals['_SHARESMESSAGE']._serialized_end=1552
+  _globals['_SHARESMESSAGE_CIPHERTEXTSENTRY']._serialized_start=1502
+  _globals['_SHARESMESSAGE_CIPHERTEXTSENTRY']._serialized_end=1552
+  _globals['_REVEALMESSAGE']._serialized_start=1554
+  _globals['_REVEALMESSAGE']._serialized_end=1610
+  _globals['_FETCHMODELREQUEST']._serialized_start=1612
+  _globals['_FETCHMODELREQUEST']._serialized_end=1648
+  _globals['_MODELMESSAGE']._serialized_start=1650
+  _globals['_MODELMESSAGE']._serialized_end=1749
+  _globals['_MODELHEADER']._serialized_start=1751
+  _globals['_MODELHEADER']._serialized_end=1834
+  _globals['_UPDATEHEADER']._serialized_start=1837
+  _globals['_UPDATEHEADER']._serialized_end=2193
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1312
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1358
+  _globals['_UPDATEHEADER_EVALMETRICSENTRY']._serialized_start=1360
+  _globals['_UPDATEHEADER_EVALMETRICSENTRY']._serialized_end=1410
+  _globals['_UPDATEMESSAGE']._serialized_start=2195
+  _globals['_UPDATEMESSAGE']._serialized_end=2296
+  _globals['_SUBMITREPLY']._serialized_start=2298
+  _globals['_SUBMITREPLY']._serialized_end=2346
+  _globals['_TASKRESULT']._serialized_start=2349
+  _globals['_TASKRESULT']._serialized_end=2595
+  _globals['_TASKRESULT_EVALMETRICSENTRY']._serialized_start=1360
+  _globals['_TASKRESULT_EVALMETRICSENTRY']._serialized_end=1410
+  _globals['_RESULTREPLY']._serialized_start=2597
+  _globals['_RESULTREPLY']._serialized_end=2627
+  _globals['_FEDERATION']._serialized_start=2899
+  _globals['_FEDERATION']._serialized_end=3284
 # @@protoc_insertion_point(module_scope)

@@ -13,6 +13,10 @@ class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_NONE: _ClassVar[TaskKind]
     TASK_TRAIN: _ClassVar[TaskKind]
     TASK_EVALUATE: _ClassVar[TaskKind]
+    TASK_SECAGG_ADVERTISE: _ClassVar[TaskKind]
+    TASK_SECAGG_SHARE: _ClassVar[TaskKind]
+    TASK_SECAGG_MASKED_INPUT: _ClassVar[TaskKind]
+    TASK_SECAGG_UNMASK: _ClassVar[TaskKind]
 
 class ResultStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +27,10 @@ class ResultStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 TASK_NONE: TaskKind
 TASK_TRAIN: TaskKind
 TASK_EVALUATE: TaskKind
+TASK_SECAGG_ADVERTISE: TaskKind
+TASK_SECAGG_SHARE: TaskKind
+TASK_SECAGG_MASKED_INPUT: TaskKind
+TASK_SECAGG_UNMASK: TaskKind
 RESULT_UNSPECIFIED: ResultStatus
 RESULT_EVALUATED: ResultStatus
 RESULT_DECLINED: ResultStatus
@@ -57,7 +65,7 @@ class NextTaskRequest(_message.Message):
     def __init__(self, wait_s: _Optional[float] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("kind", "task_id", "job_id", "round", "model_round", "config_yaml", "nonce", "deadline_unix_s", "seed")
+    __slots__ = ("kind", "task_id", "job_id", "round", "model_round", "config_yaml", "nonce", "deadline_unix_s", "seed", "secagg")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +75,7 @@ class Task(_message.Message):
     NONCE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_FIELD_NUMBER: _ClassVar[int]
     kind: TaskKind
     task_id: str
     job_id: str
@@ -76,7 +85,120 @@ class Task(_message.Message):
     nonce: bytes
     deadline_unix_s: float
     seed: int
-    def __init__(self, kind: _Optional[_Union[TaskKind, str]] = ..., task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_round: _Optional[int] = ..., config_yaml: _Optional[str] = ..., nonce: _Optional[bytes] = ..., deadline_unix_s: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    secagg: SecAggPayload
+    def __init__(self, kind: _Optional[_Union[TaskKind, str]] = ..., task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_round: _Optional[int] = ..., config_yaml: _Optional[str] = ..., nonce: _Optional[bytes] = ..., deadline_unix_s: _Optional[float] = ..., seed: _Optional[int] = ..., secagg: _Optional[_Union[SecAggPayload, _Mapping]] = ...) -> None: ...
+
+class SecAggAdvert(_message.Message):
+    __slots__ = ("site", "c_pk", "s_pk", "num_samples", "b_commitment", "signature", "cert_pem")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    C_PK_FIELD_NUMBER: _ClassVar[int]
+    S_PK_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    B_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    CERT_PEM_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    c_pk: bytes
+    s_pk: bytes
+    num_samples: int
+    b_commitment: bytes
+    signature: bytes
+    cert_pem: bytes
+    def __init__(self, site: _Optional[str] = ..., c_pk: _Optional[bytes] = ..., s_pk: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., b_commitment: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., cert_pem: _Optional[bytes] = ...) -> None: ...
+
+class SecAggPayload(_message.Message):
+    __slots__ = ("adverts", "threshold", "total_weight", "clip", "frac_bits", "shares_for_you", "u2", "u3")
+    class SharesForYouEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    ADVERTS_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
+    FRAC_BITS_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FOR_YOU_FIELD_NUMBER: _ClassVar[int]
+    U2_FIELD_NUMBER: _ClassVar[int]
+    U3_FIELD_NUMBER: _ClassVar[int]
+    adverts: _containers.RepeatedCompositeFieldContainer[SecAggAdvert]
+    threshold: int
+    total_weight: int
+    clip: float
+    frac_bits: int
+    shares_for_you: _containers.ScalarMap[str, bytes]
+    u2: _containers.RepeatedScalarFieldContainer[str]
+    u3: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adverts: _Optional[_Iterable[_Union[SecAggAdvert, _Mapping]]] = ..., threshold: _Optional[int] = ..., total_weight: _Optional[int] = ..., clip: _Optional[float] = ..., frac_bits: _Optional[int] = ..., shares_for_you: _Optional[_Mapping[str, bytes]] = ..., u2: _Optional[_Iterable[str]] = ..., u3: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ShareReveal(_message.Message):
+    __slots__ = ("peer", "kind", "x", "y")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    X_FIELD_NUMBER: _ClassVar[int]
+    Y_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    kind: str
+    x: int
+    y: bytes
+    def __init__(self, peer: _Optional[str] = ..., kind: _Optional[str] = ..., x: _Optional[int] = ..., y: _Optional[bytes] = ...) -> None: ...
+
+class SecAggMessage(_message.Message):
+    __slots__ = ("task_id", "job_id", "round", "nonce", "advert", "shares", "reveal", "metrics", "eval_metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class EvalMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    ADVERT_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    REVEAL_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    job_id: str
+    round: int
+    nonce: bytes
+    advert: SecAggAdvert
+    shares: SharesMessage
+    reveal: RevealMessage
+    metrics: _containers.ScalarMap[str, float]
+    eval_metrics: _containers.ScalarMap[str, float]
+    def __init__(self, task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., nonce: _Optional[bytes] = ..., advert: _Optional[_Union[SecAggAdvert, _Mapping]] = ..., shares: _Optional[_Union[SharesMessage, _Mapping]] = ..., reveal: _Optional[_Union[RevealMessage, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class SharesMessage(_message.Message):
+    __slots__ = ("ciphertexts",)
+    class CiphertextsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
+    ciphertexts: _containers.ScalarMap[str, bytes]
+    def __init__(self, ciphertexts: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class RevealMessage(_message.Message):
+    __slots__ = ("reveals",)
+    REVEALS_FIELD_NUMBER: _ClassVar[int]
+    reveals: _containers.RepeatedCompositeFieldContainer[ShareReveal]
+    def __init__(self, reveals: _Optional[_Iterable[_Union[ShareReveal, _Mapping]]] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
     __slots__ = ("task_id",)

@@ -61,6 +61,11 @@ class FederationStub:
                 request_serializer=plexus_dot_v1_dot_federation__pb2.TaskResult.SerializeToString,
                 response_deserializer=plexus_dot_v1_dot_federation__pb2.ResultReply.FromString,
                 _registered_method=True)
+        self.SecAgg = channel.unary_unary(
+                '/plexus.v1.Federation/SecAgg',
+                request_serializer=plexus_dot_v1_dot_federation__pb2.SecAggMessage.SerializeToString,
+                response_deserializer=plexus_dot_v1_dot_federation__pb2.ResultReply.FromString,
+                _registered_method=True)
 
 
 class FederationServicer:
@@ -101,6 +106,14 @@ class FederationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecAgg(self, request, context):
+        """Secure aggregation's key advertisement, encrypted shares and unmasking reveals.
+        (The masked input itself travels through SubmitUpdate as a U32 tensor stream.)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_FederationServicer_to_server(servicer, server):
             'ReportResult': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportResult,
                     request_deserializer=plexus_dot_v1_dot_federation__pb2.TaskResult.FromString,
+                    response_serializer=plexus_dot_v1_dot_federation__pb2.ResultReply.SerializeToString,
+            ),
+            'SecAgg': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAgg,
+                    request_deserializer=plexus_dot_v1_dot_federation__pb2.SecAggMessage.FromString,
                     response_serializer=plexus_dot_v1_dot_federation__pb2.ResultReply.SerializeToString,
             ),
     }
@@ -266,6 +284,33 @@ class Federation:
             target,
             '/plexus.v1.Federation/ReportResult',
             plexus_dot_v1_dot_federation__pb2.TaskResult.SerializeToString,
+            plexus_dot_v1_dot_federation__pb2.ResultReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAgg(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/plexus.v1.Federation/SecAgg',
+            plexus_dot_v1_dot_federation__pb2.SecAggMessage.SerializeToString,
             plexus_dot_v1_dot_federation__pb2.ResultReply.FromString,
             options,
             channel_credentials,
