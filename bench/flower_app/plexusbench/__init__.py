@@ -1,0 +1,1 @@
+"""Plexus benchmark workload for Flower (numpy only)."""

@@ -1,0 +1,101 @@
+"""Bench-only Plexus site: the real SiteAgent connection loop (mTLS, Join, NextTask long-poll, chunked
+FetchModel / SubmitUpdate), with local training replaced by "add a constant to every parameter,
+num_samples 100". Runs only the built-in `vector` model.
+
+    python bench/plexus_site.py --config site.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plexus.config import load_site_config, parse_round_config  # noqa: E402
+from plexus.models import available_models, build_model, state_to_numpy  # noqa: E402
+from plexus.proto.plexus.v1 import federation_pb2 as fpb  # noqa: E402
+from plexus.wire import Layout, assemble, iter_chunks  # noqa: E402
+from site_agent.agent import SiteAgent, _remaining, log  # noqa: E402
+from site_agent.policy import refusal  # noqa: E402
+
+DELTA = 0.001
+NUM_SAMPLES = 100
+
+
+class BenchSiteAgent(SiteAgent):
+    """SiteAgent whose 'training' adds DELTA in place to the fetched model and sends it back."""
+
+    _layouts: dict = {}
+
+    @property
+    def delta(self) -> float:
+        """A site-specific constant (site-NN adds 0.001 × (NN+1)), the same rule as the Flower ClientApp."""
+        digits = "".join(ch for ch in self.config.site if ch.isdigit())
+        return DELTA * (int(digits or 0) + 1)
+
+    def _layout(self, job) -> Layout:
+        key = (job.model.name, repr(sorted(job.model.args.items())))
+        if key not in self._layouts:  # the registry builds the model once; the layout is what the wire needs
+            self._layouts[key] = Layout.of(state_to_numpy(build_model(job.model.name, job.model.args, seed=0)))
+        return self._layouts[key]
+
+    def handle(self, stub, task: fpb.Task) -> None:
+        try:
+            job = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
+        except ValueError as exc:
+            return self._report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
+        reason = refusal(self.config.policy, job, set(available_models()))
+        if reason is None and job.model.name != "vector":
+            reason = "the bench site only runs the 'vector' model"
+        if reason:
+            return self._report(stub, task, fpb.RESULT_DECLINED, reason)
+        if task.kind == fpb.TASK_EVALUATE:   # nothing to evaluate on a bare vector
+            return self._report(stub, task, fpb.RESULT_EVALUATED, "", {})
+        layout = self._layout(job)
+        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_remaining(task))
+        first = next(stream)
+        got = Layout.from_proto(first.header.manifest)
+        layout.require_same(got, what="the coordinator's model")
+        blob = assemble(layout, (message.chunk for message in stream))   # validated, writable bytearray
+        for t in layout.tensors:                                           # "training": in place
+            view = memoryview(blob)[t.offset:t.offset + t.nbytes].cast("B")
+            np.frombuffer(view, dtype=np.float32)[...] += self.delta
+        header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                                  num_samples=NUM_SAMPLES, manifest=layout.to_proto())
+
+        def messages():
+            yield fpb.UpdateMessage(header=header)
+            for offset, piece in iter_chunks(blob, self.chunk_bytes):
+                yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(piece)})
+
+        reply = stub.SubmitUpdate(messages(), timeout=_remaining(task))
+        log.info("job %s round %d: %s", task.job_id, task.round, reply.message)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", type=Path, required=True)
+    args = p.parse_args()
+    logging.basicConfig(level=os.environ.get("PLEXUS_LOG", "INFO").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+    torch.set_num_threads(1)
+    agent = BenchSiteAgent(load_site_config(args.config))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.stop.set())
+    worker = threading.Thread(target=agent.run, name="plexus-bench-site", daemon=True)
+    worker.start()
+    agent.stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
