@@ -36,8 +36,11 @@ def make_pki(root: Path, sites: int):
     return coord_yaml, admin, kits
 
 
+SECURE = "privacy: {secure_aggregation: true, secagg: {phase_timeout_s: 600}}\n"
+
+
 def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int = 4, timeout_s: float = 900,
-             deadline_s: float = 600) -> dict:
+             deadline_s: float = 600, secure: bool = False) -> dict:
     from plexus.admin_client import AdminClient
 
     root = workdir / "pki"
@@ -46,7 +49,7 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PLEXUS_LOG=os.environ.get("PLEXUS_LOG", "WARNING"),
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result: dict = {"system": "plexus", "size": size, "sites": sites, "rounds": rounds, "chunks": chunks,
-                    "model_bytes": size * 4}
+                    "model_bytes": size * 4, "secure": secure}
     try:
         fleet.spawn("coordinator", "coordinator",
                     [sys.executable, "-m", "plexus", "coordinator", "run", "--config", str(coord_yaml)], env=env,
@@ -59,7 +62,7 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
         for kit in kits:
             (kit / "site.yaml").write_text(
                 f'site: "{kit.name}"\ncoordinator: "{address}"\nkit: "."\nstate_dir: "./state"\n'
-                "datasets: {}\npolicy:\n  allowed_models: [vector]\n  require_secure_aggregation: false\n")
+                "datasets: {bench: {kind: npz, path: unused.npz}}\npolicy:\n  allowed_models: [vector]\n  require_secure_aggregation: false\n")
             fleet.spawn(kit.name, "site", [sys.executable, str(HERE / "plexus_site.py"),
                                            "--config", str(kit / "site.yaml")], env=env, cwd=workdir)
         with AdminClient(address, admin_kit, timeout_s=60) as client:
@@ -68,7 +71,7 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
             result["join_s"] = time.monotonic() - t_sites
             lo0 = lo_counters()
             job_id = client.submit(JOB.format(size=size, sites=sites, rounds=rounds, chunks=chunks,
-                                              deadline=deadline_s)).job_id
+                                              deadline=deadline_s) + (SECURE if secure else "")).job_id
             closes: dict[int, tuple[float, tuple[int, int]]] = {}
             status = "unknown"
             end = time.monotonic() + timeout_s

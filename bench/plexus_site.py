@@ -24,6 +24,7 @@ from plexus.models import available_models, build_model, state_to_numpy  # noqa:
 from plexus.proto.plexus.v1 import federation_pb2 as fpb  # noqa: E402
 from plexus.wire import Layout, assemble, iter_chunks  # noqa: E402
 from site_agent.agent import SiteAgent, _remaining, log  # noqa: E402
+from site_agent.training import TrainResult  # noqa: E402
 from site_agent.policy import refusal  # noqa: E402
 
 DELTA = 0.001
@@ -59,6 +60,8 @@ class BenchSiteAgent(SiteAgent):
             return self._report(stub, task, fpb.RESULT_DECLINED, reason)
         if task.kind == fpb.TASK_EVALUATE:   # nothing to evaluate on a bare vector
             return self._report(stub, task, fpb.RESULT_EVALUATED, "", {})
+        if task.kind != fpb.TASK_TRAIN:      # secure aggregation: the stock protocol code, trivial training
+            return super().handle(stub, task)
         layout = self._layout(job)
         stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_remaining(task))
         first = next(stream)
@@ -78,6 +81,22 @@ class BenchSiteAgent(SiteAgent):
 
         reply = stub.SubmitUpdate(messages(), timeout=_remaining(task))
         log.info("job %s round %d: %s", task.job_id, task.round, reply.message)
+
+
+    # Hooks the stock handler uses on the secure-aggregation path.
+    def _dataset(self, name: str):
+        return None
+
+    def evaluate(self, model, data) -> dict:
+        return {}
+
+    def train(self, model, data, job, *, seed: int) -> TrainResult:
+        import torch
+
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(self.delta)
+        return TrainResult(num_samples=NUM_SAMPLES, steps=1, metrics={})
 
 
 def main() -> int:

@@ -59,7 +59,8 @@ def child(spec: dict) -> dict:
     if kind == "plexus":
         import plexus_side
 
-        return plexus_side.run_case(spec["size"], spec["sites"], spec["rounds"], workdir, chunks=spec["chunks"])
+        return plexus_side.run_case(spec["size"], spec["sites"], spec["rounds"], workdir, chunks=spec["chunks"],
+                                    secure=spec.get("secure", False))
     if kind == "flower":
         import flower_side
 

@@ -90,7 +90,7 @@ class SecureRound:
         """Close the current phase with the sites that answered; returns the next phase's sites."""
         answered = sorted(answered)
         if self.phase == "advertise":
-            self.threshold = max(self.spec.threshold or 0, default_threshold(len(answered)))
+            self.threshold = max(self.spec.threshold or 0, default_threshold(max(1, len(answered))))
         # sites.min counts contributors (U3); the unmask phase only needs t responders.
         need = self.threshold if self.phase == "unmask" else max(self.threshold, self.min_sites)
         if len(answered) < need:

@@ -135,9 +135,10 @@ def prg_uint32(seed: bytes, count: int, *, start: int = 0) -> np.ndarray:
     if block + (skip + 4 * count + 15) // 16 > 1 << 128:
         raise ValueError("the PRG stream is 2**130 uint32 long; start + count exceeds it")
     encryptor = Cipher(algorithms.AES(seed), modes.CTR(block.to_bytes(16, "big"))).encryptor()
-    stream = encryptor.update(bytes(skip + 4 * count))
-    out = np.frombuffer(stream, dtype="<u4", offset=skip, count=count)
-    return out.astype(np.uint32)  # native byte order and writable
+    total = skip + 4 * count
+    raw = np.empty(total + 15, dtype=np.uint8)   # update_into wants block_size - 1 bytes of slack
+    encryptor.update_into(bytes(total), raw)     # keystream = AES-CTR of zeros, written in place (no copy)
+    return raw[skip:total].view("<u4").view(np.uint32)  # writable; native order on little-endian hosts
 
 
 def sign(private_key_pem: bytes, message: bytes) -> bytes:

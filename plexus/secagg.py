@@ -160,11 +160,14 @@ def quantize(delta: np.ndarray, weight: float, clip: float, bits: int) -> np.nda
     limit = frac_bits(clip)
     if bits > limit:
         raise ValueError(f"bits={bits} exceeds frac_bits(clip={clip}) = {limit}; the sum could wrap around 2**32")
-    x = delta.astype(np.float64)
-    if not np.isfinite(x).all():
+    # A sum is finite iff no element is NaN/inf (barring overflow of huge values, then check exactly).
+    if not np.isfinite(np.sum(delta, dtype=np.float64)) and not np.isfinite(delta).all():
         raise errors.IntegrityError("the update holds NaN or infinity; refusing to quantise it")
-    q = np.rint(np.ldexp(np.clip(x, -clip, clip) * float(weight), bits)).astype(np.int64)
-    return (q & 0xFFFFFFFF).astype(np.uint32)
+    x = np.clip(delta, -clip, clip, dtype=np.float64)
+    x *= math.ldexp(float(weight), bits)   # weight·2**bits: a power-of-two scaling of the same product
+    np.rint(x, out=x)
+    # |x| <= 2**30 + 1/2 (frac_bits' bound), so int32 holds it exactly; its bits are the value mod 2**32.
+    return x.astype(np.int32).view(np.uint32)
 
 
 def dequantize(total: np.ndarray, bits: int) -> np.ndarray:
