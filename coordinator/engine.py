@@ -31,7 +31,9 @@ from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotF
                            PlexusError, RoundClosed)
 from plexus.secagg import Advert
 from plexus.models import available_models, build_model, state_to_numpy
-from plexus.wire import Layout, Receiver, encode
+from plexus.accounting import epsilon_after
+from plexus.dp import add_noise, noise_key
+from plexus.wire import DTYPES, Layout, Receiver, encode
 
 log = logging.getLogger("plexus.coordinator")
 
@@ -82,6 +84,7 @@ class ActiveJob:
     blob: bytes
     model_round: int
     round: RoundState | None = None
+    budget_stop: str = ""                    # set when the next round would exceed dp.target_epsilon
 
 
 def site_seed(job_seed: int, round_: int, site: str) -> int:
@@ -105,8 +108,10 @@ def validate_job(cfg: RoundConfig) -> None:
         if any(t.dtype not in ("F16", "F32", "F64") for t in Layout.of(state_to_numpy(model)).tensors):
             raise ConfigError("privacy.secure_aggregation: the model has integer tensors; secure aggregation "
                               "sums floating-point updates only")
-    if cfg.privacy.dp is not None:
-        raise ConfigError("privacy.dp: differential privacy is not available in this Plexus version; remove the dp block")
+    if cfg.privacy.dp is not None and any(t.dtype not in ("F16", "F32", "F64")
+                                          for t in Layout.of(state_to_numpy(model)).tensors):
+        raise ConfigError("privacy.dp: the model has integer tensors; DP-FedAvg clips and noises floating-point "
+                          "updates only")
 
 
 class Engine:
@@ -251,8 +256,12 @@ class Engine:
                     rs.secure.masked.fold(_read_blocks(spool), nbytes=spool.stat().st_size)
                     self._record(rs, grant, site, "submitted", "")
                     return f"masked input for round {grant.round} accepted"
+                dp = job.cfg.privacy.dp
                 try:
-                    rs.total.fold(_read_blocks(spool), header.num_samples, max_abs, nbytes=spool.stat().st_size)
+                    if dp is not None:
+                        _check_clipped(spool, layout, job.state, dp.clip_norm)
+                    weight = 1 if dp is not None else header.num_samples  # DP-FedAvg: each site weighs the same
+                    rs.total.fold(_read_blocks(spool), weight, max_abs, nbytes=spool.stat().st_size)
                 except IntegrityError as exc:
                     self._record(rs, grant, site, "rejected", str(exc))
                     raise
@@ -409,7 +418,15 @@ class Engine:
 
     def _maybe_open_round(self, job: ActiveJob) -> None:
         cfg = job.cfg
-        evaluating = job.model_round >= cfg.rounds
+        dp = cfg.privacy.dp
+        if dp is not None and dp.target_epsilon is not None and not job.budget_stop and job.model_round < cfg.rounds:
+            after = epsilon_after(job.model_round + 1, dp.noise_multiplier, 1.0, dp.delta)
+            if after > dp.target_epsilon:
+                job.budget_stop = (f"privacy budget reached: round {job.model_round + 1} would bring ε to "
+                                   f"{after:.3f} > target {dp.target_epsilon} (δ={dp.delta}); stopped after "
+                                   f"round {job.model_round}")
+                self.store.event(job.row.id, "privacy_budget_reached", job.model_round, "", job.budget_stop)
+        evaluating = job.model_round >= cfg.rounds or bool(job.budget_stop)
         online = self._eligible_online(job)
         participants = online if evaluating else job.strategy.configure(job.model_round + 1, online)
         if len(participants) < cfg.sites.min:
@@ -448,13 +465,16 @@ class Engine:
         if rs.kind == "evaluate":
             evaluated = sorted(s for s, o in rs.outcomes.items() if o == "evaluated")
             message = f"final model evaluated by {len(evaluated)} site(s)"
+            status = "budget_reached" if job.budget_stop else "completed"
+            if job.budget_stop:
+                message = f"{job.budget_stop}; {message}"
             self.store.close_round(job.row.id, rs.round, status="closed", contributors=evaluated, total_samples=0,
-                                   message=message, job_update={"status": "completed", "message": message},
+                                   message=message, job_update={"status": status, "message": message},
                                    event=("job_completed", message))
             self._active = None
         elif len(rs.contributors) >= job.cfg.sites.min:
             try:
-                self._close_training_round(job, rs, rs.total.mean())
+                self._close_training_round(job, rs, self._central_noise(job, rs, rs.total.mean()))
             except IntegrityError as exc:
                 self._fail_round(job, rs, str(exc))
         else:
@@ -499,6 +519,19 @@ class Engine:
         self.store.event(job.row.id, f"secagg_{sec.phase}", rs.round, "", f"{len(following)} site(s): "
                          + ", ".join(following))
 
+    def _central_noise(self, job: ActiveJob, rs: RoundState, mean: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Central DP-FedAvg: N(0, (zS)²) on the sum of clipped updates, i.e. std zS/m on their mean.
+
+        Keyed from the job seed and name, so a seeded run is reproducible; the coordinator is
+        the party trusted with this noise in central mode.
+        """
+        dp = job.cfg.privacy.dp
+        if dp is None or dp.mode != "central":
+            return mean
+        std = dp.noise_multiplier * dp.clip_norm / len(rs.contributors)
+        noisy = add_noise(mean, std, noise_key(job.cfg.seed, job.cfg.name, rs.round, "coordinator"))
+        return {k: noisy[k].astype(mean[k].dtype) for k in mean}
+
     def _close_training_round(self, job: ActiveJob, rs: RoundState, mean: dict[str, np.ndarray]) -> None:
         state = job.strategy.aggregate(rs.round, job.state, mean)
         self.store.save_checkpoint(job.row.id, rs.round, state)
@@ -506,6 +539,11 @@ class Engine:
         self.store.close_round(job.row.id, rs.round, status="closed", contributors=sorted(rs.contributors),
                                total_samples=rs.samples, message=message, job_update={"current_round": rs.round})
         job.row = self.store.job(job.row.id)
+        dp = job.cfg.privacy.dp
+        if dp is not None:  # q = 1: every online site takes part, the conservative accounting
+            epsilon = epsilon_after(rs.round, dp.noise_multiplier, 1.0, dp.delta)
+            self.store.record_metrics(job.row.id, {(rs.round, "", "privacy", "epsilon"): epsilon,
+                                                   (rs.round, "", "privacy", "delta"): dp.delta})
         job.state = state
         job.layout, job.blob = encode(state)
         job.model_round = rs.round
@@ -530,6 +568,19 @@ def _metrics(values, field_name: str) -> dict[str, float]:
             raise IntegrityError(f"{field_name}[{name[:64]!r}] must have a 1-64 character name and a finite value")
         out[prefix + name] = float(value)
     return out
+
+
+def _check_clipped(spool: Path, layout: Layout, current: dict[str, np.ndarray], clip_norm: float) -> None:
+    """DP needs every update within clip_norm of the global model; sites clip, the coordinator checks."""
+    blob = spool.read_bytes()
+    squared = 0.0
+    for t in layout.tensors:
+        x = np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset).astype(np.float64)
+        squared += float(np.sum((x - current[t.name].reshape(-1)) ** 2))
+    norm = squared ** 0.5
+    if norm > clip_norm * (1 + 1e-6):
+        raise IntegrityError(f"update is {norm:.6g} from the global model, beyond dp.clip_norm {clip_norm}; "
+                             "differential privacy needs every site to clip its update")
 
 
 def _receive_to(spool: Path, layout: Layout, chunks: Iterable) -> float:

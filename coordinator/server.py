@@ -13,11 +13,13 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from coordinator.audit import CoordinatorAudit
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import AdminService, FederationService
 from coordinator.store import Store
 from plexus import transport
+from plexus.audit import AuditLog
 from plexus.config import CoordinatorConfig
 from plexus.pki import RevocationList, federation_of, load_kit
 from plexus.proto.plexus.v1 import admin_pb2_grpc, federation_pb2_grpc
@@ -32,17 +34,23 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig):
         kit = load_kit(config.kit)
         # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used.
-        crl = RevocationList(config.crl or Path(config.kit) / "crl.pem", kit.ca_pem)
         self.store = Store(config.state_dir)
+        # The audit trail: append-only, hash-chained, beside plexus.db (`plexus audit --verify`).
+        self.audit_log = AuditLog(Path(config.state_dir) / "audit.db")
+        self.audit = CoordinatorAudit(self.audit_log, self.store)
+        crl = RevocationList(config.crl or Path(config.kit) / "crl.pem", kit.ca_pem, on_revoked=lambda serials: [
+            self.audit.certificate_revoked(f"serial {n}", serial=n, by="crl") for n in serials])
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s)
         auth = Authenticator(crl)
         self.server, self.port = transport.server(kit, config.listen, max_workers=config.max_workers)
         self.metrics = CoordinatorMetrics(store=self.store, online_sites=self.engine.online_sites)
         self.store.subscribe(self.metrics.on_event)
         federation_pb2_grpc.add_FederationServicer_to_server(
-            _Metered(FederationService(self.engine, auth, chunk_bytes=config.chunk_bytes), self.metrics), self.server)
+            _Metered(FederationService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit),
+                     self.metrics), self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(
-            _Metered(AdminService(self.engine, auth, chunk_bytes=config.chunk_bytes), self.metrics), self.server)
+            _Metered(AdminService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit_log),
+                     self.metrics), self.server)
         # Health: NOT_SERVING until the engine runs. On the mTLS port for peers with a kit, and
         # optionally on a plaintext port that serves nothing else, for probes without a certificate.
         self.health = health.HealthServicer()
@@ -87,6 +95,7 @@ class Coordinator:
         self.server.stop(grace).wait()
         self.engine.stop()
         self.store.close()
+        self.audit_log.close()
 
 
 _HEALTH_SERVICES = ("", "plexus.v1.Federation", "plexus.v1.Admin")

@@ -28,13 +28,16 @@ def model_stream(job_id: str, round_: int, layout, blob: bytes, chunk_bytes: int
 
 
 class FederationService(federation_pb2_grpc.FederationServicer):
-    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int):
-        self.engine, self.auth, self.chunk_bytes = engine, auth, chunk_bytes
+    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, audit=None):
+        self.engine, self.auth, self.chunk_bytes, self.audit = engine, auth, chunk_bytes, audit
 
     @guarded(kind="site")
     def Join(self, request, context, *, who):
         self.engine.join(who.name, agent_version=request.agent_version[:64], models=list(request.models)[:256],
                          datasets=list(request.datasets)[:256], policy_digest=request.policy_digest[:128])
+        if self.audit is not None:
+            self.audit.site_joined(who.name, policy_digest=request.policy_digest[:128],
+                                   agent_version=request.agent_version[:64])
         return fpb.JoinReply(federation=self.engine.federation, site=who.name,
                              poll_timeout_s=self.engine.poll_timeout_s)
 

@@ -47,7 +47,7 @@ CREATE TABLE IF NOT EXISTS events (
     round INTEGER NOT NULL DEFAULT 0, site TEXT NOT NULL DEFAULT '', message TEXT NOT NULL DEFAULT '');
 """
 
-TERMINAL = ("completed", "failed", "aborted")
+TERMINAL = ("completed", "budget_reached", "failed", "aborted")
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,12 @@ class Store:
                                (job_id, round_key, site, kind, name, float(value))))
         statements.append(self._event_sql(job_id, f"site_{status}", round_, site, reason))
         self._tx(statements)
+
+    def record_metrics(self, job_id: str, metrics: Mapping[tuple[int, str, str, str], float]) -> None:
+        """Job-level metrics (site "" for the federation as a whole), e.g. the privacy ledger's ε."""
+        self._tx([("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?, ?, ?)",
+                   (job_id, round_, site, kind, name, float(value)))
+                  for (round_, site, kind, name), value in metrics.items()])
 
     def site_events(self, job_id: str) -> list[tuple]:
         return self._all("SELECT site, status, round, reason FROM tasks WHERE job_id = ?"

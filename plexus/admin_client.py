@@ -69,6 +69,11 @@ class AdminClient:
         return got
 
 
+def epsilon_by_round(detail: admin_pb2.JobDetail) -> dict[int, float]:
+    """The privacy ledger's ε after each closed round (empty without differential privacy)."""
+    return {m.round: m.value for m in detail.metrics if m.kind == "privacy" and m.name == "epsilon"}
+
+
 def mean_eval(detail: admin_pb2.JobDetail) -> dict[int, dict[str, float]]:
     """Per model version: each eval metric averaged over sites, weighted by their held-out row counts."""
     per = defaultdict(lambda: defaultdict(dict))

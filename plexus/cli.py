@@ -231,7 +231,7 @@ def _job_list(args) -> int:
 
 
 def _job_show(args) -> int:
-    from plexus.admin_client import mean_eval
+    from plexus.admin_client import epsilon_by_round, mean_eval
 
     with _client(args) as client:
         detail = client.job(args.job_id)
@@ -245,8 +245,10 @@ def _job_show(args) -> int:
     print(f"job {s.job_id}  ({s.name}, {s.strategy})  status: {s.status}  round {s.current_round}/{s.rounds}")
     if s.message:
         print(f"  {s.message}")
+    eps = epsilon_by_round(detail)
     rows = [{"round": r.round, "status": r.status, "sites": len(r.contributors), "samples": r.total_samples,
              "secs": f"{r.closed_unix_s - r.opened_unix_s:.2f}" if r.closed_unix_s else "",
+             **({"epsilon": f"{eps[r.round]:.3f}"} if r.round in eps else {}),
              **{f"eval_{k}": f"{v:.4f}" for k, v in evals.get(r.round - 1, {}).items()}} for r in detail.rounds]
     if rows:
         print("\nrounds (eval_* = the incoming global model on the sites' held-out rows):")
@@ -265,15 +267,18 @@ def _job_watch(args) -> int:
 
 
 def _follow(client, job_id: str, as_json: bool) -> int:
-    from plexus.admin_client import mean_eval
+    from plexus.admin_client import epsilon_by_round, mean_eval
 
     status = "unknown"
     for event in client.watch(job_id):
         status = event.summary.status
         extra = ""
         if event.kind == "round_closed":
-            latest = mean_eval(client.job(job_id)).get(event.round - 1, {})
+            detail = client.job(job_id)
+            latest = mean_eval(detail).get(event.round - 1, {})
             extra = "  " + " ".join(f"{k}={v:.4f}" for k, v in latest.items() if k in ("accuracy", "auc", "loss"))
+            if event.round in (eps := epsilon_by_round(detail)):
+                extra += f" epsilon={eps[event.round]:.3f}"
         if as_json:
             print(json.dumps({"at": event.unix_s, "kind": event.kind, "round": event.round, "site": event.site,
                               "message": event.message, "status": status}), flush=True)
@@ -282,7 +287,7 @@ def _follow(client, job_id: str, as_json: bool) -> int:
             where = f" round {event.round}" if event.round else ""
             who = f" {event.site}" if event.site else ""
             print(f"[{when}]{where} {event.kind}{who}: {event.message}{extra}", flush=True)
-    return 0 if status == "completed" else 1
+    return 0 if status in ("completed", "budget_reached") else 1
 
 
 def _job_abort(args) -> int:

@@ -286,7 +286,7 @@ class RevocationList:
     older (a lower CRL number), `check` raises instead of trusting a stale list silently.
     """
 
-    def __init__(self, crl_path: Path, ca_pem: bytes):
+    def __init__(self, crl_path: Path, ca_pem: bytes, *, on_revoked=None):
         self._path = Path(crl_path)
         try:
             self._ca = x509.load_pem_x509_certificate(ca_pem)
@@ -299,6 +299,7 @@ class RevocationList:
                 f"CRL {self._path} does not exist; copy crl.pem from the federation's PKI directory "
                 "(made by `plexus pki init`)"
             )
+        self._on_revoked = on_revoked  # called with the serials a reload newly finds revoked
         self._state = self._load()
 
     def check(self, cert_pem: bytes) -> None:
@@ -309,7 +310,10 @@ class RevocationList:
         if self._stat() != key:
             with self._lock:
                 if self._stat() != self._state[0]:
+                    before = self._state[1]
                     self._state = self._load()
+                    if self._on_revoked is not None and self._state[1] - before:
+                        self._on_revoked(sorted(self._state[1] - before))
             key, revoked = self._state
         if cert.serial_number in revoked:
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 import threading
 import time
@@ -19,6 +20,8 @@ import numpy as np
 
 from plexus import __version__, transport
 from plexus.config import RoundConfig, SiteConfig, parse_round_config
+from plexus.accounting import PrivacyLedger
+from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition
 from plexus.secagg import SiteSession
 from plexus.secagg_proto import advert_from_proto, advert_to_proto
@@ -28,7 +31,8 @@ from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, decode, encode, iter_chunks
 from site_agent.policy import policy_digest, refusal
-from site_agent.training import TrainResult, evaluate, train_local
+from site_agent.audit import SiteAudit
+from site_agent.training import TrainResult, evaluate, train_local, train_local_dp_sgd
 
 log = logging.getLogger("plexus.site")
 
@@ -49,6 +53,7 @@ class SiteAgent:
         self.chunk_bytes = chunk_bytes
         self._data: dict[str, Split] = {}
         self._secure: dict[tuple[str, int], _Pending] = {}
+        self.audit = SiteAudit(config.state_dir, actor=f"site:{config.site}")
         self._rng = random.Random()
 
     def run(self) -> None:
@@ -85,12 +90,15 @@ class SiteAgent:
             job = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
         except ValueError as exc:
             return self._report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
-        reason = refusal(self.config.policy, job, set(available_models()))
-        if reason is None and job.data.dataset not in self.config.datasets:
+        reason = None
+        if job.data.dataset not in self.config.datasets:
             reason = (f"dataset {job.data.dataset!r} is not configured at this site "
                       f"(configured: {sorted(self.config.datasets)})")
+        reason = reason or refusal(self.config.policy, job, set(available_models()), round_=task.round,
+                                   train_size=lambda: len(self._dataset(job.data.dataset).y_train))
         if reason:
             log.warning("declining job %s: %s", task.job_id, reason)
+            self.audit.declined(task.job_id, reason)
             return self._report(stub, task, fpb.RESULT_DECLINED, reason)
         try:
             if task.kind in SECAGG_LATER_PHASES:
@@ -99,10 +107,17 @@ class SiteAgent:
             model = build_model(job.model.name, job.model.args, seed=job.seed)
             incoming = self._fetch(stub, task, Layout.of(state_to_numpy(model)))
             load_numpy_state(model, incoming)
+            kind = "evaluate" if task.kind == fpb.TASK_EVALUATE else "train"
+            self.audit.ran(task.job_id, task.round, job.data.dataset, job.model.name, kind)
             eval_metrics = self.evaluate(model, data)
             if task.kind == fpb.TASK_EVALUATE:
                 return self._report(stub, task, fpb.RESULT_EVALUATED, "", eval_metrics)
-            result = self.train(model, data, job, seed=task.seed)
+            if job.privacy.dp_sgd is not None:
+                result = self._train_dp_sgd(model, data, job, task)
+            else:
+                result = self.train(model, data, job, seed=task.seed)
+            if job.privacy.dp is not None:
+                self._clip_and_noise(model, incoming, job, task)
             if task.kind == fpb.TASK_SECAGG_ADVERTISE:
                 return self._advertise(stub, task, incoming, model, result, eval_metrics)
         except grpc.RpcError:
@@ -120,7 +135,9 @@ class SiteAgent:
         layout = Layout.of(trained)
         delta = [(trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1) for t in layout.tensors]
         session = SiteSession(task.job_id, task.round, self.config.site)
-        advert = session.advertise(result.num_samples, self.kit.key_pem, self.kit.cert_pem)
+        job = parse_round_config(task.config_yaml)
+        weight = 1 if job.privacy.dp is not None else result.num_samples  # DP-FedAvg weighs sites equally
+        advert = session.advertise(weight, self.kit.key_pem, self.kit.cert_pem)
         for key in [k for k in self._secure if k[0] == task.job_id]:
             del self._secure[key]  # an older round of this job can never resume
         self._secure[(task.job_id, task.round)] = _Pending(session, layout, delta)
@@ -160,17 +177,21 @@ class SiteAgent:
         header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                                   manifest=manifest)
 
+        digest = hashlib.sha256()
+
         def messages():
             yield fpb.UpdateMessage(header=header)
             offset = 0
             for piece in masked:
                 data = piece.astype("<u4", copy=False).tobytes()
+                digest.update(data)
                 for start in range(0, len(data), self.chunk_bytes):
                     part = data[start:start + self.chunk_bytes]
                     yield fpb.UpdateMessage(chunk={"offset": offset, "data": part})
                     offset += len(part)
 
         stub.SubmitUpdate(messages(), timeout=_remaining(task))
+        self.audit.sent(task.job_id, task.round, "masked:" + digest.hexdigest(), 0)
         log.info("job %s round %d: sent the masked update", task.job_id, task.round)
 
     def train(self, model, data: Split, job: RoundConfig, *, seed: int) -> TrainResult:
@@ -179,6 +200,29 @@ class SiteAgent:
 
     def evaluate(self, model, data: Split) -> dict[str, float]:
         return evaluate(model, data.x_test, data.y_test)
+
+    def _train_dp_sgd(self, model, data: Split, job: RoundConfig, task) -> TrainResult:
+        """DP-SGD via Opacus; this site's privacy ledger for the job persists across rounds and restarts."""
+        path = self.config.state_dir / "dp_sgd" / f"{task.job_id}.json"
+        ledger = PrivacyLedger.from_json(path.read_text()) if path.exists() else PrivacyLedger()
+        result = train_local_dp_sgd(model, data.x_train, data.y_train, job.train, job.privacy.dp_sgd,
+                                    seed=task.seed, ledger=ledger)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(ledger.to_json())
+        os.replace(tmp, path)
+        return result
+
+    @staticmethod
+    def _clip_and_noise(model, incoming: dict, job: RoundConfig, task) -> None:
+        """DP-FedAvg at the site: clip Δ to clip_norm; in distributed mode also add this site's share of noise."""
+        dp = job.privacy.dp
+        trained = state_to_numpy(model)
+        delta, _ = clip_update({k: trained[k].astype(np.float64) - incoming[k] for k in trained}, dp.clip_norm)
+        if dp.mode == "distributed":  # unpredictable to the coordinator, by design: not seeded from the job
+            std = distributed_std(dp.noise_multiplier, dp.clip_norm, job.sites.min)
+            delta = add_noise(delta, std, noise_key(None, task.job_id, task.round, "site"))
+        load_numpy_state(model, {k: (incoming[k] + delta[k]).astype(trained[k].dtype) for k in trained})
 
     def _dataset(self, name: str) -> Split:
         if name not in self._data:
@@ -212,8 +256,10 @@ class SiteAgent:
                 raise
             log.warning("job %s round %d: update refused: %s", task.job_id, task.round, exc.details())
             return
+        digest = hashlib.sha256(blob).hexdigest()
+        self.audit.sent(task.job_id, task.round, digest, result.num_samples)
         log.info("job %s round %d: sent update sha256=%s (%d samples, train_loss %.4f): %s", task.job_id,
-                 task.round, hashlib.sha256(blob).hexdigest()[:16], result.num_samples,
+                 task.round, digest[:16], result.num_samples,
                  result.metrics.get("train_loss", float("nan")), reply.message)
 
     def _report(self, stub, task, status, reason: str, eval_metrics: dict | None = None) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from coordinator.server import Coordinator
+from coordinator.store import TERMINAL
 from plexus import pki, transport
 from plexus.admin_client import AdminClient
 from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig
@@ -84,7 +85,7 @@ class Federation:
         wait_until(lambda: set(names) <= self.coordinator.engine.online_sites(), what=f"sites {names} online")
 
     def wait_job(self, job_id: str, timeout: float = 60.0) -> str:
-        return wait_until(lambda: (s := self.store.job(job_id).status) in ("completed", "failed", "aborted") and s,
+        return wait_until(lambda: (s := self.store.job(job_id).status) in TERMINAL and s,
                           timeout, f"job {job_id} to end")
 
     def close(self) -> None:
