@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--sites", type=int, default=4, help="number of hospitals, 1-4 (default 4)")
     demo.add_argument("--rounds", type=int, default=20, help="federated rounds (default 20)")
     demo.add_argument("--workdir", type=Path, help="keep PKI, state and logs here (default: a temp dir)")
+    demo.add_argument("--plot", type=Path, metavar="FILE.png", help="also plot the job's metrics to this PNG")
     demo.add_argument("--secure-aggregation", action="store_true",
                       help="run the job with secure aggregation: the coordinator sees only the sum")
     demo.set_defaults(run=_demo)
@@ -432,7 +433,8 @@ def _site_pin_model(args) -> int:
 def _demo(args) -> int:
     from plexus.demo import run_demo
 
-    return run_demo(sites=args.sites, rounds=args.rounds, workdir=args.workdir, secure=args.secure_aggregation)
+    return run_demo(sites=args.sites, rounds=args.rounds, workdir=args.workdir, secure=args.secure_aggregation,
+                    plot=args.plot)
 
 
 def _table(columns: list[str], rows: list[dict]) -> None:

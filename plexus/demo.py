@@ -100,7 +100,7 @@ def _wait_for(path: Path, fed: Federation, timeout_s: float = 120) -> str:
 
 
 def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, secure: bool = False,
-             out=sys.stdout) -> int:
+             plot: Path | None = None, out=sys.stdout) -> int:
     if not 1 <= sites <= len(HOSPITALS):
         raise ValueError(f"--sites must be between 1 and {len(HOSPITALS)} (one per hospital in the data)")
     if rounds < 1:
@@ -111,7 +111,7 @@ def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, s
     workdir.mkdir(parents=True, exist_ok=True)
     fed = Federation(workdir)
     try:
-        code = _run(fed, workdir, sites, rounds, started, out, secure)
+        code = _run(fed, workdir, sites, rounds, started, out, secure, plot)
     finally:
         fed.stop()
         if temporary:
@@ -119,7 +119,8 @@ def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, s
     return code
 
 
-def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float, out, secure: bool) -> int:
+def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float, out, secure: bool,
+         plot: Path | None) -> int:
     from plexus import pki
     from plexus.admin_client import AdminClient, mean_eval
 
@@ -167,6 +168,13 @@ def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float
             say(f"\njob ended {status}: {client.job(job_id).summary.message}")
             return 1
         final_round, state = client.download(job_id)
+        if plot is not None:
+            from plexus.plot import plot_metrics
+
+            detail = client.job(job_id)
+            panels = plot_metrics([(m.round, m.site, m.kind, m.name, m.value) for m in detail.metrics], plot,
+                                  title=f"{detail.summary.name} ({job_id})")
+            say(f"wrote {', '.join(panels)} to {plot}")
     coordinator_rss = fed.peak_rss_mb("coordinator")
     say(f"\njob {job_id} completed; downloaded the round-{final_round} global model")
     _compare(state, hospitals, rounds, say)

@@ -42,8 +42,8 @@ def _adam(params: Any, opt: Any) -> torch.optim.Optimizer:
 OPTIMIZERS: dict[str, Callable[[Any, Any], torch.optim.Optimizer]] = {"sgd": _sgd, "adam": _adam}
 
 
-def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, seed: int) -> TrainResult:
-    """Train ``model`` in place with cross-entropy; the same seed and inputs give the same bits."""
+def _prepare(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any):
+    """Validate the train spec and data; (optimizer factory, x tensor, y tensor, row count)."""
     _check_train(train)
     try:
         make_optimizer = OPTIMIZERS[train.optimizer.name]
@@ -51,11 +51,16 @@ def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, s
         raise ConfigError(
             f"unknown optimizer {train.optimizer.name!r}; expected one of {sorted(OPTIMIZERS)}"
         ) from None
-    device = _device(model)
-    xt, yt = _tensors(x, y, device)
-    n = len(yt)
-    if n == 0:
+    xt, yt = _tensors(x, y, _device(model))
+    if len(yt) == 0:
         raise ValueError("no training samples: x and y are empty, so there is nothing to train on")
+    return make_optimizer, xt, yt, len(yt)
+
+
+def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, seed: int) -> TrainResult:
+    """Train ``model`` in place with cross-entropy; the same seed and inputs give the same bits."""
+    make_optimizer, xt, yt, n = _prepare(model, x, y, train)
+    device = xt.device
     optimizer = make_optimizer(model.parameters(), train.optimizer)
 
     was_training = model.training
@@ -104,18 +109,8 @@ def train_local_dp_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, train: An
     from opacus import PrivacyEngine  # heavy import, only on sites that run DP-SGD
     from opacus.validators.errors import UnsupportedError
 
-    _check_train(train)
-    try:
-        make_optimizer = OPTIMIZERS[train.optimizer.name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown optimizer {train.optimizer.name!r}; expected one of {sorted(OPTIMIZERS)}"
-        ) from None
-    device = _device(model)
-    xt, yt = _tensors(x, y, device)
-    n = len(yt)
-    if n == 0:
-        raise ValueError("no training samples: x and y are empty, so there is nothing to train on")
+    make_optimizer, xt, yt, n = _prepare(model, x, y, train)
+    device = xt.device
     ledger = PrivacyLedger() if ledger is None else ledger
     dp_seed = secrets.randbits(63) if dp_seed is None else dp_seed
     if isinstance(dp_seed, bool) or not isinstance(dp_seed, int) or not 0 <= dp_seed < 1 << 63:
@@ -148,7 +143,10 @@ def train_local_dp_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, train: An
     steps, loss_sum, seen = 0, 0.0, 0
     forked = [device.index or 0] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=forked):
+        with torch.random.fork_rng(devices=forked), warnings.catch_warnings():
+            # Opacus's per-sample hooks make torch warn on every backward pass when the inputs
+            # need no gradient (they never do here); it is not actionable, so keep site logs clean.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
             torch.manual_seed(seed)
             for _ in range(train.epochs):
                 loss_sum, seen = 0.0, 0

@@ -28,7 +28,9 @@ def _pids(workdir: Path) -> list[int]:
 
 def test_demo_federated_model_is_within_three_points_of_pooled(tmp_path):
     workdir = tmp_path / "demo"
-    result = subprocess.run([sys.executable, "-m", "plexus", "demo", "--rounds", "20", "--workdir", str(workdir)],
+    plot = tmp_path / "demo.png"
+    result = subprocess.run([sys.executable, "-m", "plexus", "demo", "--rounds", "20", "--workdir", str(workdir),
+                             "--plot", str(plot)],
                             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -41,6 +43,7 @@ def test_demo_federated_model_is_within_three_points_of_pooled(tmp_path):
         pooled_col[label] = values[4]               # accuracy on all sites' held-out rows pooled
     assert pooled_col["federated (FedAvg)"] >= pooled_col["pooled (ceiling)"] - 0.03, out
     assert not [pid for pid in _pids(workdir) if _alive(pid)]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 20_000
 
 
 def test_demo_ctrl_c_leaves_no_process_behind(tmp_path):
