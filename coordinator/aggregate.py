@@ -14,13 +14,13 @@ from collections.abc import Iterable
 import numpy as np
 
 from plexus.errors import IntegrityError
-from plexus.wire import DTYPES, Layout
+from plexus.wire import DTYPES, Layout, decode
 
 FRAC_BITS = 32                  # resolution 2**-32 ≈ 2.3e-10, finer than float32 for |x| > 2**-9
 _SCALE = float(2 ** FRAC_BITS)
 _LIMIT = float(2 ** 62)         # headroom below int64's 2**63 so no partial sum can overflow
 MAX_WEIGHT = 2 ** 31
-FOLD_ELEMENTS = 1 << 18         # elements converted per step: bounds temporaries to a few MiB
+FOLD_ELEMENTS = 1 << 15         # elements per step: the float64/int64 scratch stays in L2 cache
 
 
 class WeightedSum:
@@ -33,6 +33,8 @@ class WeightedSum:
         self.count = 0
         self._bound = 0.0
         self._poisoned = ""
+        self._f64 = np.empty(FOLD_ELEMENTS, np.float64)   # scratch, reused by every fold
+        self._i64 = np.empty(FOLD_ELEMENTS, np.int64)
         self._elem_offsets = np.cumsum([0] + [t.numel for t in layout.tensors]).tolist()
 
     def check_fits(self, weight: int, max_abs: float) -> None:
@@ -57,13 +59,18 @@ class WeightedSum:
             raise IntegrityError(f"update blob has {nbytes} bytes; the layout needs {total}; it was not folded")
         self.check_fits(weight, max_abs)
         self._require_clean()
-        pending = bytearray()
+        pending = bytearray()   # only an element split across two pieces is ever copied here
         position = 0  # byte position in the blob
         try:
             for piece in pieces:
-                pending += piece
-                used = self._fold_bytes(self.acc, position, memoryview(pending), weight)
-                del pending[:used]
+                if pending:   # an element straddled the last edge: fold through the small buffer
+                    pending += piece
+                    used = self._fold_bytes(self.acc, position, memoryview(pending), weight)
+                    del pending[:used]
+                else:         # the common case: straight from the piece, no copy
+                    data = memoryview(piece)
+                    used = self._fold_bytes(self.acc, position, data, weight)
+                    pending += data[used:]
                 position += used
                 if position + len(pending) > total:
                     break
@@ -97,24 +104,34 @@ class WeightedSum:
             for k in range(0, n, FOLD_ELEMENTS):
                 m = min(FOLD_ELEMENTS, n - k)
                 values = np.frombuffer(data, dtype=dtype, count=m, offset=used + k * dtype.itemsize)
-                fixed = np.rint(values.astype(np.float64) * _SCALE).astype(np.int64)
-                into[elem + k:elem + k + m] += fixed * weight
+                scaled, fixed = self._f64[:m], self._i64[:m]
+                np.multiply(values, _SCALE, out=scaled, dtype=np.float64)   # in float64: exact for float32 input
+                np.rint(scaled, out=scaled)
+                np.copyto(fixed, scaled, casting="unsafe")                  # integral values below 2**62: exact
+                if weight != 1:
+                    np.multiply(fixed, weight, out=fixed)
+                target = into[elem + k:elem + k + m]
+                np.add(target, fixed, out=target)
             used += n * dtype.itemsize
         return used
 
-    def mean(self) -> dict[str, np.ndarray]:
-        """The weighted mean, cast back to each tensor's dtype."""
+    def mean_blob(self) -> bytearray:
+        """The weighted mean as a wire blob, written tensor by tensor (temporaries: one tensor)."""
         self._require_clean()
         if self.total_weight == 0:
             raise IntegrityError("no update was aggregated; there is no mean to take")
-        flat = self.acc.astype(np.float64) / (_SCALE * self.total_weight)
-        out = {}
+        blob = bytearray(self.layout.total_bytes)
         for t, first in zip(self.layout.tensors, self._elem_offsets):
-            values = flat[first:first + t.numel].reshape(t.shape)
+            values = self.acc[first:first + t.numel].astype(np.float64)
+            values /= _SCALE * self.total_weight
             if DTYPES[t.dtype].kind != "f":
-                values = np.rint(values)
-            out[t.name] = values.astype(DTYPES[t.dtype])
-        return out
+                np.rint(values, out=values)
+            np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset)[...] = values
+        return blob
+
+    def mean(self) -> dict[str, np.ndarray]:
+        """The weighted mean, cast back to each tensor's dtype (views over mean_blob())."""
+        return decode(self.layout, self.mean_blob())
 
 
 class MaskedSum:

@@ -30,10 +30,9 @@ from plexus.config import RoundConfig, dump_round_config, parse_round_config
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
                            PlexusError, RoundClosed)
 from plexus.secagg import Advert
-from plexus.models import available_models, build_model, state_to_numpy
-from plexus.accounting import epsilon_after
+from coordinator.model_worker import shared_worker
 from plexus.dp import add_noise, noise_key
-from plexus.wire import DTYPES, Layout, Receiver, encode
+from plexus.wire import DTYPES, Layout, Receiver, decode, encode
 
 log = logging.getLogger("plexus.coordinator")
 
@@ -93,25 +92,30 @@ def site_seed(job_seed: int, round_: int, site: str) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def validate_job(cfg: RoundConfig) -> None:
-    """Everything the coordinator can check at submit time, with a message that says how to fix it."""
+def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
+    """Everything the coordinator can check at submit time, with a message that says how to fix it.
+
+    Builds the initial model (in the model worker process; the coordinator never imports
+    torch) into the safetensors file `build` and returns its weights.
+    """
     make_strategy(cfg.strategy)
-    if cfg.model.name not in available_models():
-        raise ConfigError(f"model.name: unknown model {cfg.model.name!r}; models installed at the coordinator: "
-                          f"{sorted(available_models())}")
-    model = build_model(cfg.model.name, cfg.model.args, seed=cfg.seed)
+    try:
+        state = shared_worker().build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build)
+    except ConfigError as exc:
+        raise ConfigError(f"model: {exc}") from None
+    float_only = all(t.dtype in ("F16", "F32", "F64") for t in Layout.of(state).tensors)
     if cfg.privacy.secure_aggregation:
         if not getattr(make_strategy(cfg.strategy), "secure_aggregation", False):
             raise ConfigError(f"privacy.secure_aggregation: strategy {cfg.strategy.name!r} needs every site's update "
                               "in the clear, which secure aggregation exists to prevent; use a sum-based strategy "
                               "(fedavg) or turn secure aggregation off")
-        if any(t.dtype not in ("F16", "F32", "F64") for t in Layout.of(state_to_numpy(model)).tensors):
+        if not float_only:
             raise ConfigError("privacy.secure_aggregation: the model has integer tensors; secure aggregation "
                               "sums floating-point updates only")
-    if cfg.privacy.dp is not None and any(t.dtype not in ("F16", "F32", "F64")
-                                          for t in Layout.of(state_to_numpy(model)).tensors):
+    if cfg.privacy.dp is not None and not float_only:
         raise ConfigError("privacy.dp: the model has integer tensors; DP-FedAvg clips and noises floating-point "
                           "updates only")
+    return state
 
 
 class Engine:
@@ -156,8 +160,13 @@ class Engine:
     # admin side --------------------------------------------------------------------------
     def submit(self, config_yaml: str, who: str) -> str:
         cfg = parse_round_config(config_yaml, source="submitted round config")
-        validate_job(cfg)
         job_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+        build = self.store.spool / f"{job_id}.initial.safetensors"
+        try:
+            initial = validate_job(cfg, build=build)
+            self.store.save_checkpoint(job_id, 0, initial)   # the job's round 0, before it is visible
+        finally:
+            build.unlink(missing_ok=True)
         with self._cv:
             self.store.add_job(job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, who)
             self._cv.notify_all()
@@ -395,20 +404,19 @@ class Engine:
         try:
             strategy = make_strategy(cfg.strategy)
             if row.status == "queued":
-                state = state_to_numpy(build_model(cfg.model.name, cfg.model.args, seed=cfg.seed))
-                self.store.save_checkpoint(row.id, 0, state)
+                layout, blob = self.store.checkpoint_blob(row.id, 0)   # built and saved at submit
                 self.store.set_job(row.id, status="running", current_round=0,
                                    event=("job_started", 0, "", f"{cfg.rounds} rounds of {cfg.strategy.name}"))
                 row = self.store.job(row.id)
             else:
-                state = self.store.load_checkpoint(row.id, row.current_round)
+                layout, blob = self.store.checkpoint_blob(row.id, row.current_round)
                 self.store.event(row.id, "job_resumed", row.current_round, "",
                                  f"resuming after round {row.current_round}")
         except (ConfigError, NotFound) as exc:
             self.store.set_job(row.id, status="failed", message=str(exc), event=("job_failed", 0, "", str(exc)))
             return False
-        layout, blob = encode(state)
-        self._active = ActiveJob(row, cfg, strategy, layout, state, blob, row.current_round)
+        # The global model exists once: the wire blob; the state dict is views over it.
+        self._active = ActiveJob(row, cfg, strategy, layout, decode(layout, blob), blob, row.current_round)
         log.info("job %s active at round %d", row.id, row.current_round)
         return True
 
@@ -420,7 +428,7 @@ class Engine:
         cfg = job.cfg
         dp = cfg.privacy.dp
         if dp is not None and dp.target_epsilon is not None and not job.budget_stop and job.model_round < cfg.rounds:
-            after = epsilon_after(job.model_round + 1, dp.noise_multiplier, 1.0, dp.delta)
+            after = shared_worker().epsilon_after(job.model_round + 1, dp.noise_multiplier, 1.0, dp.delta)
             if after > dp.target_epsilon:
                 job.budget_stop = (f"privacy budget reached: round {job.model_round + 1} would bring ε to "
                                    f"{after:.3f} > target {dp.target_epsilon} (δ={dp.delta}); stopped after "
@@ -474,7 +482,11 @@ class Engine:
             self._active = None
         elif len(rs.contributors) >= job.cfg.sites.min:
             try:
-                self._close_training_round(job, rs, self._central_noise(job, rs, rs.total.mean()))
+                if not getattr(job.strategy, "uses_current", True):
+                    job.state = job.blob = None   # let the old model go before the new one exists
+                blob = rs.total.mean_blob()
+                mean = self._central_noise(job, rs, decode(job.layout, blob))
+                self._close_training_round(job, rs, mean, blob if job.cfg.privacy.dp is None else None)
             except IntegrityError as exc:
                 self._fail_round(job, rs, str(exc))
         else:
@@ -532,20 +544,26 @@ class Engine:
         noisy = add_noise(mean, std, noise_key(job.cfg.seed, job.cfg.name, rs.round, "coordinator"))
         return {k: noisy[k].astype(mean[k].dtype) for k in mean}
 
-    def _close_training_round(self, job: ActiveJob, rs: RoundState, mean: dict[str, np.ndarray]) -> None:
+    def _close_training_round(self, job: ActiveJob, rs: RoundState, mean: dict[str, np.ndarray],
+                              mean_blob: bytearray | None = None) -> None:
+        """mean_blob, when given, is the blob `mean` views; a strategy returning `mean` itself reuses it."""
         state = job.strategy.aggregate(rs.round, job.state, mean)
-        self.store.save_checkpoint(job.row.id, rs.round, state)
+        if state is mean and mean_blob is not None:
+            layout, blob = job.layout, mean_blob
+        else:
+            layout, blob = encode(state)
+        self.store.save_checkpoint_blob(job.row.id, rs.round, layout, blob)
         message = f"{len(rs.contributors)} update(s), {rs.samples} samples"
         self.store.close_round(job.row.id, rs.round, status="closed", contributors=sorted(rs.contributors),
                                total_samples=rs.samples, message=message, job_update={"current_round": rs.round})
         job.row = self.store.job(job.row.id)
         dp = job.cfg.privacy.dp
         if dp is not None:  # q = 1: every online site takes part, the conservative accounting
-            epsilon = epsilon_after(rs.round, dp.noise_multiplier, 1.0, dp.delta)
+            epsilon = shared_worker().epsilon_after(rs.round, dp.noise_multiplier, 1.0, dp.delta)
             self.store.record_metrics(job.row.id, {(rs.round, "", "privacy", "epsilon"): epsilon,
                                                    (rs.round, "", "privacy", "delta"): dp.delta})
-        job.state = state
-        job.layout, job.blob = encode(state)
+        job.layout, job.blob = layout, blob
+        job.state = decode(layout, blob)
         job.model_round = rs.round
         job.round = None
         log.info("job %s round %d closed: %s", job.row.id, rs.round, message)

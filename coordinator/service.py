@@ -11,7 +11,7 @@ from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, guarded
 from plexus.secagg_proto import advert_to_proto, advert_from_proto
-from plexus.wire import encode, iter_chunks
+from plexus.wire import iter_chunks
 
 _KINDS = {"train": fpb.TASK_TRAIN, "evaluate": fpb.TASK_EVALUATE, "secagg_advertise": fpb.TASK_SECAGG_ADVERTISE,
           "secagg_share": fpb.TASK_SECAGG_SHARE, "secagg_mask": fpb.TASK_SECAGG_MASKED_INPUT,
@@ -159,7 +159,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         round_ = row.current_round if request.round < 0 else request.round
         if round_ > row.current_round:
             raise IntegrityError(f"job {row.id} has closed rounds 0..{row.current_round}; round {round_} has no model yet")
-        layout, blob = encode(self.store.load_checkpoint(row.id, round_))
+        layout, blob = self.store.checkpoint_blob(row.id, round_)
         self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}")
         yield from model_stream(row.id, round_, layout, blob, self.chunk_bytes)
 

@@ -16,6 +16,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from plexus.errors import NotFound
+from plexus.wire import Layout, assemble, encode
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -255,13 +256,24 @@ class Store:
 
     def save_checkpoint(self, job_id: str, round_: int, state: Mapping[str, np.ndarray]) -> Path:
         """Write atomically: a crash leaves either the old file or the complete new one."""
+        layout, blob = encode({k: np.asarray(v) for k, v in state.items()})
+        return self.save_checkpoint_blob(job_id, round_, layout, blob)
+
+    def save_checkpoint_blob(self, job_id: str, round_: int, layout: Layout, blob) -> Path:
+        """A safetensors file whose data section is exactly the wire blob: no serialising copy of the model."""
         path = self.checkpoint_path(job_id, round_)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        header = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
+                  for t in layout.tensors}
+        header["__metadata__"] = {"job": job_id, "round": str(round_)}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)   # safetensors pads the header to 8-byte alignment
         tmp = path.with_suffix(".tmp")
-        # np.asarray, not np.ascontiguousarray: the latter turns a 0-d tensor into shape (1,)
-        save_file({k: np.asarray(v, order="C") for k, v in state.items()}, str(tmp),
-                  metadata={"job": job_id, "round": str(round_)})
-        with open(tmp, "rb") as fh:
+        with open(tmp, "wb") as fh:
+            fh.write(len(text).to_bytes(8, "little"))
+            fh.write(text)
+            fh.write(memoryview(blob))
+            fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -271,8 +283,29 @@ class Store:
             os.close(dir_fd)
         return path
 
+    def checkpoint_blob(self, job_id: str, round_: int) -> tuple[Layout, bytearray]:
+        """(layout, blob) of a checkpoint, reading the file once; validated like any wire input."""
+        path = self.checkpoint_path(job_id, round_)
+        if not path.exists():
+            raise NotFound(f"job {job_id} has no checkpoint for round {round_}")
+        with open(path, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            header.pop("__metadata__", None)
+            layout = Layout.build([(name, t["dtype"], tuple(t["shape"])) for name, t in header.items()])
+            if any(header[t.name]["data_offsets"] != [t.offset, t.offset + t.nbytes] for t in layout.tensors):
+                return encode(self.load_checkpoint(job_id, round_))   # laid out by another writer
+            blob = bytearray(fh.read())
+        assemble(layout, [_Piece(0, blob)])   # size and finiteness, as for any model on the wire
+        return layout, blob
+
     def load_checkpoint(self, job_id: str, round_: int) -> dict[str, np.ndarray]:
         path = self.checkpoint_path(job_id, round_)
         if not path.exists():
             raise NotFound(f"job {job_id} has no checkpoint for round {round_}")
         return load_file(str(path))
+
+
+
+class _Piece:
+    def __init__(self, offset: int, data):
+        self.offset, self.data = offset, data

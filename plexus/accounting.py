@@ -12,21 +12,26 @@ import json
 import math
 import numbers
 
-from opacus.accountants import RDPAccountant
-
 from plexus.errors import IntegrityError
+
+
+def _rdp_accountant():
+    # Imported on use: opacus imports torch, which a coordinator process must not carry.
+    from opacus.accountants import RDPAccountant
+
+    return RDPAccountant()
 
 
 class PrivacyLedger:
     """The privacy spent so far, as Opacus's RDP history of (noise_multiplier, sample_rate, steps)."""
 
     def __init__(self, history: list[tuple[float, float, int]] | tuple = ()) -> None:
-        self._accountant = RDPAccountant()
+        self._accountant = _rdp_accountant()
         for z, q, n in history:
             self.step(z, q, steps=n)
 
     @property
-    def accountant(self) -> RDPAccountant:
+    def accountant(self):
         """The wrapped Opacus accountant (Opacus's optimizer hooks may step it directly)."""
         return self._accountant
 

@@ -131,15 +131,15 @@ class Layout:
                     f"{what} tensor {name!r} is {o.dtype}{list(o.shape)}; the job's model has {t.dtype}{list(t.shape)}")
 
 
-def encode(state: Mapping[str, np.ndarray]) -> tuple[Layout, bytes]:
-    """Lay a state dict out as (layout, blob); key order never changes the bytes."""
+def encode(state: Mapping[str, np.ndarray]) -> tuple[Layout, bytearray]:
+    """Lay a state dict out as (layout, blob); key order never changes the bytes. One copy of the model."""
     layout = Layout.of(state)
     blob = bytearray(layout.total_bytes)
     view = memoryview(blob)
     for t in layout.tensors:
         arr = np.ascontiguousarray(state[t.name], dtype=DTYPES[t.dtype])
         view[t.offset:t.offset + t.nbytes] = arr.reshape(-1).view(np.uint8)
-    return layout, bytes(blob)
+    return layout, blob
 
 
 def decode(layout: Layout, blob: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
@@ -222,10 +222,11 @@ class Receiver:
     def _check(self, t: TensorMeta, values: np.ndarray) -> None:
         if values.size == 0:
             return
-        if values.dtype.kind == "f" and not np.isfinite(values).all():
+        # max and min propagate NaN and show ±Inf: two passes, no temporary arrays.
+        high, low = float(values.max()), float(values.min())
+        if values.dtype.kind == "f" and not (math.isfinite(high) and math.isfinite(low)):
             raise IntegrityError(f"tensor {t.name!r} contains NaN or Inf; refusing the update")
-        peak = float(np.max(np.abs(values.astype(np.float64, copy=False))))
-        self.max_abs = max(self.max_abs, peak)
+        self.max_abs = max(self.max_abs, high, -low)
 
 
 def assemble(layout: Layout, chunks: Iterable) -> bytearray:

@@ -21,6 +21,7 @@ class FedAvg:
     """McMahan et al. 2017: the next model is Σ n_k x_k / Σ n_k over the round's sites."""
 
     secure_aggregation = True  # a weighted sum: secure aggregation can compute it without seeing any update
+    uses_current = False       # the next model is the mean alone: the engine may free the old one first
 
     def configure(self, round_: int, available: list[str]) -> list[str]:
         return sorted(available)

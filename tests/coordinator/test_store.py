@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from coordinator.store import Store
-from plexus.errors import NotFound
+from plexus.errors import IntegrityError, NotFound
 
 
 class Clock:
@@ -82,14 +82,13 @@ def test_a_crash_while_overwriting_keeps_the_previous_checkpoint(store, monkeypa
     store.save_checkpoint("job-1", 2, state)
     path = store.checkpoint_path("job-1", 2)
 
-    def crash_halfway(tensors, filename, metadata=None):
-        with open(filename, "wb") as fh:
-            fh.write(b"\x08\x00\x00\x00half a hea")
-        raise OSError("disk full")
+    def crash_before_rename(fd):
+        raise OSError("disk full")   # the new file is half-durable; it must never replace the old one
 
-    monkeypatch.setattr("coordinator.store.save_file", crash_halfway)
+    monkeypatch.setattr("coordinator.store.os.fsync", crash_before_rename)
     with pytest.raises(OSError, match="disk full"):
         store.save_checkpoint("job-1", 2, {"w": np.zeros(3, np.float32)})
+    monkeypatch.undo()
 
     assert path.is_file()
     _assert_bit_exact(store.load_checkpoint("job-1", 2), state)
@@ -258,3 +257,22 @@ def test_the_database_runs_in_wal_mode(store):
     finally:
         db.close()
     assert store.state_dir.joinpath("plexus.db-wal").exists()
+
+
+def test_checkpoint_blob_is_the_wire_blob_and_loads_with_safetensors(store):
+    from safetensors.numpy import load_file
+
+    from plexus.wire import encode
+
+    state = {k: v for k, v in _state().items() if k != "odd"}   # the engine never checkpoints NaN/Inf
+    store.save_checkpoint("job-1", 3, state)
+    layout, blob = store.checkpoint_blob("job-1", 3)
+    want_layout, want_blob = encode(state)
+    assert layout == want_layout and bytes(blob) == bytes(want_blob)
+    _assert_bit_exact(load_file(str(store.checkpoint_path("job-1", 3))), state)
+
+
+def test_checkpoint_blob_refuses_a_checkpoint_holding_nan(store):
+    store.save_checkpoint("job-1", 4, _state())
+    with pytest.raises(IntegrityError, match="NaN or Inf"):
+        store.checkpoint_blob("job-1", 4)
