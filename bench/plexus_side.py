@@ -104,7 +104,13 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
         result["bytes_per_round"] = statistics.median(per_round) if per_round else None
         result["loopback_job_total"] = payload(lo1[0] - lo0[0], lo1[1] - lo0[1])
         fleet.sample()
-        result["coordinator_peak_rss_mb"] = fleet.peak_mb({"coordinator"})
+        # The coordinator process itself, and apart from it its model-worker child (torch lives
+        # there, used at submit time only): the goal is about the process that holds the rounds.
+        coordinator_pid = fleet.roots["coordinator"].pid
+        result["coordinator_peak_rss_mb"] = fleet.peak_hwm.get(coordinator_pid, 0) / 1024
+        result["coordinator_with_worker_peak_rss_mb"] = fleet.peak_mb({"coordinator"})
+        result["model_worker_peak_rss_mb"] = result["coordinator_with_worker_peak_rss_mb"] - \
+            result["coordinator_peak_rss_mb"]
         result["sites_peak_rss_mb"] = fleet.peak_mb({"site"})
         result["federation_peak_total_rss_mb"] = fleet.peak_total_rss_kb / 1024
         result["federation_sum_peak_rss_mb"] = fleet.peak_mb()

@@ -302,7 +302,9 @@ def print_tables(report: dict, tls_rate, say) -> None:
             say(f"{label(size) + '×' + str(sites):<9}{name:<8}{fmt_s(r['median_round_s']):>10}"
                 f"{fmt_mb(r['coordinator_peak_rss_mb']):>12}{fmt_mb(r['federation_peak_total_rss_mb']):>11}"
                 f"{fmt_bytes(r['bytes_per_round']):>14}{ratio(r['bytes_per_round'], must):>14}"
-                f"{fmt_s(g.get('floor_s')) if name == 'plexus' else '':>10}")
+                f"{fmt_s(g.get('floor_s')) if name == 'plexus' else '':>10}"
+                + (f"   (+ model worker {fmt_mb(r['model_worker_peak_rss_mb'])})"
+                   if r.get("model_worker_peak_rss_mb") else ""))
         if p and f and "error" not in p and "error" not in f:
             say(f"{'':<9}{'P/F':<8}{ratio(p['median_round_s'], f['median_round_s']):>10}"
                 f"{ratio(p['coordinator_peak_rss_mb'], f['coordinator_peak_rss_mb']):>12}"
