@@ -122,11 +122,15 @@ class WeightedSum:
             raise IntegrityError("no update was aggregated; there is no mean to take")
         blob = bytearray(self.layout.total_bytes)
         for t, first in zip(self.layout.tensors, self._elem_offsets):
-            values = self.acc[first:first + t.numel].astype(np.float64)
-            values /= _SCALE * self.total_weight
-            if DTYPES[t.dtype].kind != "f":
-                np.rint(values, out=values)
-            np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset)[...] = values
+            out = np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset)
+            for k in range(0, t.numel, FOLD_ELEMENTS):   # block by block: the scratch stays small
+                m = min(FOLD_ELEMENTS, t.numel - k)
+                values = self._f64[:m]
+                np.copyto(values, self.acc[first + k:first + k + m], casting="unsafe")
+                values /= _SCALE * self.total_weight
+                if DTYPES[t.dtype].kind != "f":
+                    np.rint(values, out=values)
+                out[k:k + m] = values
         return blob
 
     def mean(self) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from plexus.errors import NotFound
-from plexus.wire import Layout, assemble, encode
+from plexus.wire import Layout, Receiver, encode
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -295,7 +295,9 @@ class Store:
             if any(header[t.name]["data_offsets"] != [t.offset, t.offset + t.nbytes] for t in layout.tensors):
                 return encode(self.load_checkpoint(job_id, round_))   # laid out by another writer
             blob = bytearray(fh.read())
-        assemble(layout, [_Piece(0, blob)])   # size and finiteness, as for any model on the wire
+        receiver = Receiver(layout)   # size and finiteness, as for any model on the wire; no copy
+        receiver.feed(0, blob)
+        receiver.finish()
         return layout, blob
 
     def load_checkpoint(self, job_id: str, round_: int) -> dict[str, np.ndarray]:
@@ -305,7 +307,3 @@ class Store:
         return load_file(str(path))
 
 
-
-class _Piece:
-    def __init__(self, offset: int, data):
-        self.offset, self.data = offset, data

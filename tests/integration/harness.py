@@ -124,7 +124,8 @@ class RawSite:
         return layout, {k: v.copy() for k, v in decode(layout, blob).items()}
 
     def submit(self, task: fpb.Task, state: dict, *, num_samples: int = 10, extra: bytes = b"",
-               manifest=None, task_id: str | None = None, nonce: bytes | None = None) -> fpb.SubmitReply:
+               manifest=None, task_id: str | None = None, nonce: bytes | None = None, chunk: int = 1000,
+               timeout: float = 10) -> fpb.SubmitReply:
         layout, blob = encode(state)
         header = fpb.UpdateHeader(task_id=task_id or task.task_id, job_id=task.job_id, round=task.round,
                                   nonce=task.nonce if nonce is None else nonce, num_samples=num_samples,
@@ -133,10 +134,10 @@ class RawSite:
         def messages():
             yield fpb.UpdateMessage(header=header)
             data = blob + extra
-            for offset, piece in iter_chunks(data, 1000):
+            for offset, piece in iter_chunks(data, chunk):
                 yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(piece)})
 
-        return self.stub.SubmitUpdate(messages(), timeout=10)
+        return self.stub.SubmitUpdate(messages(), timeout=timeout)
 
     def report(self, task: fpb.Task, status, reason: str = "") -> fpb.ResultReply:
         return self.stub.ReportResult(fpb.TaskResult(task_id=task.task_id, job_id=task.job_id, round=task.round,

@@ -1,0 +1,106 @@
+"""Invariants that keep the coordinator's memory O(model): one update at a time, many sites at once."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from coordinator import aggregate, engine
+from coordinator.server import Coordinator
+from plexus import pki
+from plexus.config import CoordinatorConfig
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
+
+from integration.harness import RawSite, wait_until
+
+
+def _echo_sites(address: str, kits: list, stop: threading.Event) -> list[threading.Thread]:
+    """Sites with trivial training: fetch the model, send it back unchanged, until stopped."""
+    def loop(kit):
+        site = RawSite(kit, address)
+        try:
+            site.join()
+            while not stop.is_set():
+                task = site.stub.NextTask(fpb.NextTaskRequest(wait_s=0.5), timeout=10)
+                if task.kind == fpb.TASK_TRAIN:
+                    _, state = site.fetch(task)
+                    site.submit(task, state, num_samples=10, chunk=1 << 20, timeout=120)
+                elif task.kind == fpb.TASK_EVALUATE:
+                    site.report(task, fpb.RESULT_EVALUATED)
+        finally:
+            site.close()
+    threads = [threading.Thread(target=loop, args=(kit,), daemon=True) for kit in kits]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    root = tmp_path / "pki"
+    pki.init_federation(root, "scale", hosts=["127.0.0.1"])
+    admin = pki.add_admin(root, "ops", role="operator")
+    kits = [pki.add_site(root, f"s{i:02d}") for i in range(32)]
+    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", kit=root / "coordinator",
+                                                state_dir=tmp_path / "state", poll_timeout_s=1.0, max_workers=256))
+    coordinator.start()
+    stop = threading.Event()
+    yield coordinator, admin, kits, stop
+    stop.set()
+    coordinator.stop(grace=0.5)
+
+
+def _run(coordinator, admin, kits, stop, *, sites: int, rounds: int, size: int) -> str:
+    from plexus.admin_client import AdminClient
+
+    address = f"127.0.0.1:{coordinator.port}"
+    _echo_sites(address, kits[:sites], stop)
+    wait_until(lambda: len(coordinator.engine.online_sites()) == sites, 60, f"{sites} sites online")
+    with AdminClient(address, admin) as client:
+        job_id = client.submit(f"name: scale\nmodel: {{name: vector, args: {{size: {size}, chunks: 3}}}}\n"
+                               f"data: {{dataset: none}}\nrounds: {rounds}\nsites: {{min: {sites}, deadline_s: 120}}\n"
+                               ).job_id
+        wait_until(lambda: client.job(job_id).summary.status in ("completed", "failed"), 120, "the job to end")
+        return job_id
+
+
+def test_a_32_site_job_completes(fleet):
+    coordinator, admin, kits, stop = fleet
+    job_id = _run(coordinator, admin, kits, stop, sites=32, rounds=3, size=1000)
+    rounds = coordinator.store.rounds(job_id)
+    assert coordinator.store.job(job_id).status == "completed"
+    assert [(r[0], r[2], len(json.loads(r[5]))) for r in rounds[:3]] == [(1, "closed", 32), (2, "closed", 32),
+                                                                    (3, "closed", 32)]
+
+
+def test_updates_are_folded_one_at_a_time_in_bounded_blocks(fleet, monkeypatch):
+    coordinator, admin, kits, stop = fleet
+    active, seen = [0], {"max_active": 0, "folds": 0, "largest_piece": 0}
+    lock = threading.Lock()
+    original = aggregate.WeightedSum.fold
+
+    def instrumented(self, pieces, weight, max_abs, *, nbytes):
+        with lock:
+            active[0] += 1
+            seen["max_active"] = max(seen["max_active"], active[0])
+            seen["folds"] += 1
+
+        def measured():
+            for piece in pieces:
+                seen["largest_piece"] = max(seen["largest_piece"], len(piece))
+                yield piece
+        try:
+            return original(self, measured(), weight, max_abs, nbytes=nbytes)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(aggregate.WeightedSum, "fold", instrumented)
+    size = 3_000_000  # 12 MB per update: several spool blocks each
+    job_id = _run(coordinator, admin, kits, stop, sites=8, rounds=1, size=size)
+    assert coordinator.store.job(job_id).status == "completed"
+    assert seen["folds"] == 8
+    assert seen["max_active"] == 1                       # never two updates in the aggregation path at once
+    assert seen["largest_piece"] <= engine.SPOOL_READ_BYTES < size * 4   # each held in blocks, never whole
