@@ -28,14 +28,14 @@ class WeightedSum:
 
     def __init__(self, layout: Layout):
         self.layout = layout
-        self.acc = np.zeros(layout.total_elements, dtype=np.int64)
+        # One int64 array per tensor, so the mean can hand each one back as soon as it is written.
+        self._parts: list[np.ndarray | None] = [np.zeros(t.numel, dtype=np.int64) for t in layout.tensors]
         self.total_weight = 0
         self.count = 0
         self._bound = 0.0
         self._poisoned = ""
         self._f64 = np.empty(FOLD_ELEMENTS, np.float64)   # scratch, reused by every fold
         self._i64 = np.empty(FOLD_ELEMENTS, np.int64)
-        self._elem_offsets = np.cumsum([0] + [t.numel for t in layout.tensors]).tolist()
 
     def check_fits(self, weight: int, max_abs: float) -> None:
         """Refuse an update that could overflow the exact range; call before fold()."""
@@ -65,11 +65,11 @@ class WeightedSum:
             for piece in pieces:
                 if pending:   # an element straddled the last edge: fold through the small buffer
                     pending += piece
-                    used = self._fold_bytes(self.acc, position, memoryview(pending), weight)
+                    used = self._fold_bytes(position, memoryview(pending), weight)
                     del pending[:used]
                 else:         # the common case: straight from the piece, no copy
                     data = memoryview(piece)
-                    used = self._fold_bytes(self.acc, position, data, weight)
+                    used = self._fold_bytes(position, data, weight)
                     pending += data[used:]
                 position += used
                 if position + len(pending) > total:
@@ -84,14 +84,20 @@ class WeightedSum:
         self.total_weight += weight
         self.count += 1
 
+    @property
+    def acc(self) -> np.ndarray:
+        """The whole fixed-point sum as one array (a copy, for inspection)."""
+        self._require_clean()
+        return np.concatenate(self._parts) if self._parts else np.zeros(0, np.int64)
+
     def _require_clean(self) -> None:
         if self._poisoned:
             raise IntegrityError(f"this round's sum is unusable: {self._poisoned}; the round must fail")
 
-    def _fold_bytes(self, into: np.ndarray, position: int, data: memoryview, weight: int) -> int:
+    def _fold_bytes(self, position: int, data: memoryview, weight: int) -> int:
         """Fold as many whole elements of data (starting at blob byte position) as possible."""
         used = 0
-        for t, first_elem in zip(self.layout.tensors, self._elem_offsets):
+        for t, into in zip(self.layout.tensors, self._parts):
             end = t.offset + t.nbytes
             start = position + used
             if start >= end or start < t.offset:
@@ -100,7 +106,7 @@ class WeightedSum:
             n = min(end - start, len(data) - used) // dtype.itemsize
             if n == 0:
                 break
-            elem = first_elem + (start - t.offset) // dtype.itemsize
+            elem = (start - t.offset) // dtype.itemsize
             for k in range(0, n, FOLD_ELEMENTS):
                 m = min(FOLD_ELEMENTS, n - k)
                 values = np.frombuffer(data, dtype=dtype, count=m, offset=used + k * dtype.itemsize)
@@ -115,22 +121,30 @@ class WeightedSum:
             used += n * dtype.itemsize
         return used
 
-    def mean_blob(self) -> bytearray:
-        """The weighted mean as a wire blob, written tensor by tensor (temporaries: one tensor)."""
+    def mean_blob(self, *, release: bool = False) -> bytearray:
+        """The weighted mean as a wire blob, written block by block.
+
+        With release=True each tensor's part of the sum is freed once written, so the peak is
+        the sum plus one tensor rather than the sum plus the whole new model; the sum is spent.
+        """
         self._require_clean()
         if self.total_weight == 0:
             raise IntegrityError("no update was aggregated; there is no mean to take")
         blob = bytearray(self.layout.total_bytes)
-        for t, first in zip(self.layout.tensors, self._elem_offsets):
-            out = np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset)
+        for i, t in enumerate(self.layout.tensors):
+            out, part = np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset), self._parts[i]
             for k in range(0, t.numel, FOLD_ELEMENTS):   # block by block: the scratch stays small
                 m = min(FOLD_ELEMENTS, t.numel - k)
                 values = self._f64[:m]
-                np.copyto(values, self.acc[first + k:first + k + m], casting="unsafe")
+                np.copyto(values, part[k:k + m], casting="unsafe")
                 values /= _SCALE * self.total_weight
                 if DTYPES[t.dtype].kind != "f":
                     np.rint(values, out=values)
                 out[k:k + m] = values
+            if release:
+                self._parts[i] = None
+        if release:
+            self._poisoned = "its mean was taken and its memory released"
         return blob
 
     def mean(self) -> dict[str, np.ndarray]:

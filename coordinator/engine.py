@@ -484,7 +484,7 @@ class Engine:
             try:
                 if not getattr(job.strategy, "uses_current", True):
                     job.state = job.blob = None   # let the old model go before the new one exists
-                blob = rs.total.mean_blob()
+                blob = rs.total.mean_blob(release=True)
                 mean = self._central_noise(job, rs, decode(job.layout, blob))
                 self._close_training_round(job, rs, mean, blob if job.cfg.privacy.dp is None else None)
             except IntegrityError as exc:

@@ -260,3 +260,16 @@ def test_fedavg_aggregate_returns_the_weighted_mean():
     assert nxt["w"].tolist() == [2.5, 2.0, 1.5]
     assert _bits(nxt) == _bits(mean)
     assert not current["w"].any()
+
+
+def test_mean_with_release_frees_the_sum_and_refuses_reuse():
+    layout, blob = encode({"a": np.array([1.0, 2.0], np.float32), "b": np.array([4.0], np.float32)})
+    total = WeightedSum(layout)
+    total.fold([blob], 2, 4.0, nbytes=len(blob))
+    kept = bytes(total.mean_blob())
+    assert bytes(total.mean_blob(release=True)) == kept
+    assert total._parts == [None, None]
+    with pytest.raises(IntegrityError, match="memory released"):
+        total.mean_blob()
+    with pytest.raises(IntegrityError, match="memory released"):
+        total.fold([blob], 1, 4.0, nbytes=len(blob))
