@@ -121,7 +121,7 @@ class WeightedSum:
             used += n * dtype.itemsize
         return used
 
-    def mean_blob(self, *, release: bool = False) -> bytearray:
+    def mean_blob(self, *, release: bool = False) -> np.ndarray:
         """The weighted mean as a wire blob, written block by block.
 
         With release=True each tensor's part of the sum is freed once written, so the peak is
@@ -130,7 +130,8 @@ class WeightedSum:
         self._require_clean()
         if self.total_weight == 0:
             raise IntegrityError("no update was aggregated; there is no mean to take")
-        blob = bytearray(self.layout.total_bytes)
+        # calloc'd: pages become resident only as tensors are written, while released parts shrink.
+        blob = np.zeros(self.layout.total_bytes, dtype=np.uint8)
         for i, t in enumerate(self.layout.tensors):
             out, part = np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset), self._parts[i]
             for k in range(0, t.numel, FOLD_ELEMENTS):   # block by block: the scratch stays small

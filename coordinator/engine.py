@@ -85,6 +85,12 @@ class ActiveJob:
     round: RoundState | None = None
     budget_stop: str = ""                    # set when the next round would exceed dp.target_epsilon
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether the engine itself reads the global model (else sites stream it from the checkpoint file)."""
+        return bool(getattr(self.strategy, "uses_current", True) or self.cfg.privacy.dp is not None
+                    or self.cfg.privacy.secure_aggregation)
+
 
 def site_seed(job_seed: int, round_: int, site: str) -> int:
     """A per-site, per-round training seed: reproducible, different for every site and round."""
@@ -218,10 +224,14 @@ class Engine:
                     return grant
                 self._cv.wait(remaining)
 
-    def model_for(self, site: str, task_id: str) -> tuple[Layout, bytes, str, int]:
+    def model_for(self, site: str, task_id: str) -> tuple[Layout, object, str, int]:
+        """The global model a task needs: its blob in memory, or (path, offset) of its checkpoint file."""
         with self._cv:
             job, rs, grant = self._current_grant(site, task_id)
-            return job.layout, job.blob, job.row.id, rs.model_round
+            if job.blob is not None:
+                return job.layout, job.blob, job.row.id, rs.model_round
+            layout, path, start = self.store.checkpoint_source(job.row.id, rs.model_round)
+            return layout, (path, start), job.row.id, rs.model_round
 
     def submit_update(self, site: str, header, chunks: Iterable) -> str:
         """Receive one site's update: validate while streaming to a spool file, then fold it."""
@@ -415,8 +425,12 @@ class Engine:
         except (ConfigError, NotFound) as exc:
             self.store.set_job(row.id, status="failed", message=str(exc), event=("job_failed", 0, "", str(exc)))
             return False
-        # The global model exists once: the wire blob; the state dict is views over it.
-        self._active = ActiveJob(row, cfg, strategy, layout, decode(layout, blob), blob, row.current_round)
+        # The global model exists once: the wire blob; the state dict is views over it. A job
+        # whose engine never reads the model (plain FedAvg) serves it from the checkpoint file.
+        job = ActiveJob(row, cfg, strategy, layout, decode(layout, blob), blob, row.current_round)
+        if not job.in_memory:
+            job.state = job.blob = None
+        self._active = job
         log.info("job %s active at round %d", row.id, row.current_round)
         return True
 
@@ -564,6 +578,8 @@ class Engine:
                                                    (rs.round, "", "privacy", "delta"): dp.delta})
         job.layout, job.blob = layout, blob
         job.state = decode(layout, blob)
+        if not job.in_memory:
+            job.state = job.blob = None   # sites stream it from the checkpoint just written
         job.model_round = rs.round
         job.round = None
         log.info("job %s round %d closed: %s", job.row.id, rs.round, message)

@@ -20,10 +20,21 @@ MAX_SHARE_VALUE_BYTES = 80   # a share value mod 2**521 - 1 fits in 66 bytes
 _RESULTS = {fpb.RESULT_EVALUATED: "evaluated", fpb.RESULT_DECLINED: "declined", fpb.RESULT_FAILED: "failed"}
 
 
-def model_stream(job_id: str, round_: int, layout, blob: bytes, chunk_bytes: int):
-    """Header, then chunks that are slices of the one shared blob (no per-stream copy of the model)."""
+def model_stream(job_id: str, round_: int, layout, source, chunk_bytes: int):
+    """Header, then chunks of the one shared model: slices of its blob, or reads of its checkpoint file
+    (then every stream shares the page cache and the coordinator holds no copy of the model)."""
     yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=job_id, round=round_, manifest=layout.to_proto()))
-    for offset, piece in iter_chunks(blob, chunk_bytes):
+    if isinstance(source, tuple):
+        path, start = source
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            for offset in range(0, layout.total_bytes, chunk_bytes):
+                data = fh.read(min(chunk_bytes, layout.total_bytes - offset))
+                if len(data) != min(chunk_bytes, layout.total_bytes - offset):
+                    raise IntegrityError(f"checkpoint {path} is shorter than its header says")
+                yield fpb.ModelMessage(chunk={"offset": offset, "data": data})
+        return
+    for offset, piece in iter_chunks(source, chunk_bytes):
         yield fpb.ModelMessage(chunk={"offset": offset, "data": bytes(piece)})
 
 

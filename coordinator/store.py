@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from plexus.errors import NotFound
+from plexus.errors import IntegrityError, NotFound
 from plexus.wire import Layout, Receiver, encode
 
 SCHEMA = """
@@ -283,6 +283,21 @@ class Store:
             os.close(dir_fd)
         return path
 
+    def checkpoint_source(self, job_id: str, round_: int) -> tuple[Layout, Path, int]:
+        """(layout, file, data offset) of a checkpoint this store wrote: its data section is the wire blob,
+        so it can be streamed from the file (and the page cache) without holding the model in memory."""
+        path = self.checkpoint_path(job_id, round_)
+        if not path.exists():
+            raise NotFound(f"job {job_id} has no checkpoint for round {round_}")
+        with open(path, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(header_len))
+        header.pop("__metadata__", None)
+        layout = Layout.build([(name, t["dtype"], tuple(t["shape"])) for name, t in header.items()])
+        if any(header[t.name]["data_offsets"] != [t.offset, t.offset + t.nbytes] for t in layout.tensors):
+            raise NotFound(f"checkpoint {path} is not laid out in wire order")
+        return layout, path, 8 + header_len
+
     def checkpoint_blob(self, job_id: str, round_: int) -> tuple[Layout, bytearray]:
         """(layout, blob) of a checkpoint, reading the file once; validated like any wire input."""
         path = self.checkpoint_path(job_id, round_)
@@ -294,7 +309,9 @@ class Store:
             layout = Layout.build([(name, t["dtype"], tuple(t["shape"])) for name, t in header.items()])
             if any(header[t.name]["data_offsets"] != [t.offset, t.offset + t.nbytes] for t in layout.tensors):
                 return encode(self.load_checkpoint(job_id, round_))   # laid out by another writer
-            blob = bytearray(fh.read())
+            blob = bytearray(layout.total_bytes)
+            if fh.readinto(blob) != layout.total_bytes or fh.read(1):
+                raise IntegrityError(f"checkpoint {path} does not hold exactly the bytes its header describes")
         receiver = Receiver(layout)   # size and finiteness, as for any model on the wire; no copy
         receiver.feed(0, blob)
         receiver.finish()
