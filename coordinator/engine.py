@@ -84,6 +84,7 @@ class ActiveJob:
     model_round: int
     round: RoundState | None = None
     budget_stop: str = ""                    # set when the next round would exceed dp.target_epsilon
+    source: tuple | None = None              # (path, data offset) of the checkpoint served when blob is None
 
     @property
     def in_memory(self) -> bool:
@@ -104,14 +105,14 @@ def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
     Builds the initial model (in the model worker process; the coordinator never imports
     torch) into the safetensors file `build` and returns its weights.
     """
-    make_strategy(cfg.strategy)
+    strategy = make_strategy(cfg.strategy)
     try:
         state = shared_worker().build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build)
     except ConfigError as exc:
         raise ConfigError(f"model: {exc}") from None
     float_only = all(t.dtype in ("F16", "F32", "F64") for t in Layout.of(state).tensors)
     if cfg.privacy.secure_aggregation:
-        if not getattr(make_strategy(cfg.strategy), "secure_aggregation", False):
+        if not getattr(strategy, "secure_aggregation", False):
             raise ConfigError(f"privacy.secure_aggregation: strategy {cfg.strategy.name!r} needs every site's update "
                               "in the clear, which secure aggregation exists to prevent; use a sum-based strategy "
                               "(fedavg) or turn secure aggregation off")
@@ -228,10 +229,7 @@ class Engine:
         """The global model a task needs: its blob in memory, or (path, offset) of its checkpoint file."""
         with self._cv:
             job, rs, grant = self._current_grant(site, task_id)
-            if job.blob is not None:
-                return job.layout, job.blob, job.row.id, rs.model_round
-            layout, path, start = self.store.checkpoint_source(job.row.id, rs.model_round)
-            return layout, (path, start), job.row.id, rs.model_round
+            return job.layout, job.blob if job.blob is not None else job.source, job.row.id, rs.model_round
 
     def submit_update(self, site: str, header, chunks: Iterable) -> str:
         """Receive one site's update: validate while streaming to a spool file, then fold it."""
@@ -246,7 +244,7 @@ class Engine:
             try:
                 if not masked and not 1 <= header.num_samples <= 2 ** 31:
                     raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}")
-                metrics = _metrics(header.eval_metrics, "eval_metrics") | _metrics(header.metrics, "metrics")
+                metrics = _site_metrics(rs, header.eval_metrics, header.metrics, header.num_samples)
                 layout.require_same(Layout.from_proto(header.manifest),
                                     what="masked input" if masked else "update")
             except IntegrityError as exc:
@@ -286,10 +284,7 @@ class Engine:
                     raise
                 rs.contributors.append(site)
                 rs.samples += header.num_samples
-                recorded = {(rs.model_round, "eval", k[5:]): v for k, v in metrics.items() if k.startswith("eval:")}
-                recorded |= {(rs.round, "train", k[6:]): v for k, v in metrics.items() if k.startswith("train:")}
-                recorded[(rs.round, "train", "num_samples")] = float(header.num_samples)
-                self._record(rs, grant, site, "submitted", "", recorded)
+                self._record(rs, grant, site, "submitted", "", metrics)
                 return f"update for round {grant.round} accepted ({header.num_samples} samples)"
         finally:
             spool.unlink(missing_ok=True)
@@ -303,7 +298,7 @@ class Engine:
             try:
                 if body == "advert":
                     rs.secure.on_advert(site, value)
-                    metrics = _metrics(message.eval_metrics, "eval_metrics") | _metrics(message.metrics, "metrics")
+                    metrics = _site_metrics(rs, message.eval_metrics, message.metrics, value.num_samples)
                 elif body == "shares":
                     rs.secure.on_shares(site, value)
                 else:
@@ -311,12 +306,7 @@ class Engine:
             except IntegrityError as exc:
                 self._record(rs, grant, site, "rejected", str(exc))
                 raise
-            recorded = None
-            if body == "advert":
-                recorded = {(rs.model_round, "eval", k[5:]): v for k, v in metrics.items() if k.startswith("eval:")}
-                recorded |= {(rs.round, "train", k[6:]): v for k, v in metrics.items() if k.startswith("train:")}
-                recorded[(rs.round, "train", "num_samples")] = float(value.num_samples)
-            self._record(rs, grant, site, "submitted", "", recorded)
+            self._record(rs, grant, site, "submitted", "", metrics if body == "advert" else None)
             return f"{body} for round {grant.round} accepted"
 
     def report(self, site: str, result, status: str) -> str:
@@ -333,9 +323,7 @@ class Engine:
                 return "failure recorded"
             if grant.kind != "evaluate":
                 raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
-            metrics = _metrics(result.eval_metrics, "eval_metrics")
-            self._record(rs, grant, site, "evaluated", "",
-                         {(rs.model_round, "eval", k[5:]): v for k, v in metrics.items()})
+            self._record(rs, grant, site, "evaluated", "", _site_metrics(rs, result.eval_metrics))
             return "evaluation recorded"
 
     # internals ---------------------------------------------------------------------------
@@ -429,7 +417,7 @@ class Engine:
         # whose engine never reads the model (plain FedAvg) serves it from the checkpoint file.
         job = ActiveJob(row, cfg, strategy, layout, decode(layout, blob), blob, row.current_round)
         if not job.in_memory:
-            job.state = job.blob = None
+            self._serve_from_checkpoint(job, row.current_round)
         self._active = job
         log.info("job %s active at round %d", row.id, row.current_round)
         return True
@@ -579,10 +567,15 @@ class Engine:
         job.layout, job.blob = layout, blob
         job.state = decode(layout, blob)
         if not job.in_memory:
-            job.state = job.blob = None   # sites stream it from the checkpoint just written
+            self._serve_from_checkpoint(job, rs.round)   # sites stream it from the checkpoint just written
         job.model_round = rs.round
         job.round = None
         log.info("job %s round %d closed: %s", job.row.id, rs.round, message)
+
+    def _serve_from_checkpoint(self, job: ActiveJob, round_: int) -> None:
+        """Drop the in-memory model; FetchModel then streams the checkpoint file (shared page cache)."""
+        layout, path, start = self.store.checkpoint_source(job.row.id, round_)
+        job.layout, job.source, job.state, job.blob = layout, (path, start), None, None
 
     def _fail_active(self, message: str) -> None:
         job = self._active
@@ -592,15 +585,22 @@ class Engine:
             self.store.interrupt_open_rounds()
 
 
-def _metrics(values, field_name: str) -> dict[str, float]:
-    prefix = "eval:" if field_name == "eval_metrics" else "train:"
-    if len(values) > MAX_METRICS:
-        raise IntegrityError(f"{field_name} has {len(values)} entries; at most {MAX_METRICS} are allowed")
+def _site_metrics(rs: RoundState, eval_metrics, train_metrics=None, num_samples: int | None = None) -> dict:
+    """A site's reported metrics, validated, keyed for the store: (round, kind, name) -> value.
+
+    Eval metrics describe the incoming global model (model_round); train metrics this round.
+    """
     out = {}
-    for name, value in values.items():
-        if not name or len(name) > 64 or not np.isfinite(value):
-            raise IntegrityError(f"{field_name}[{name[:64]!r}] must have a 1-64 character name and a finite value")
-        out[prefix + name] = float(value)
+    for field_name, values, key in (("eval_metrics", eval_metrics, (rs.model_round, "eval")),
+                                    ("metrics", train_metrics or {}, (rs.round, "train"))):
+        if len(values) > MAX_METRICS:
+            raise IntegrityError(f"{field_name} has {len(values)} entries; at most {MAX_METRICS} are allowed")
+        for name, value in values.items():
+            if not name or len(name) > 64 or not np.isfinite(value):
+                raise IntegrityError(f"{field_name}[{name[:64]!r}] must have a 1-64 character name and a finite value")
+            out[(*key, name)] = float(value)
+    if num_samples is not None:
+        out[(rs.round, "train", "num_samples")] = float(num_samples)
     return out
 
 

@@ -61,7 +61,11 @@ class Coordinator:
         if config.health_listen:
             self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="plexus-health"))
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            # Plaintext by explicit config only (off by default): Kubernetes' gRPC probes cannot present a
+            # client certificate. This server carries grpc.health.v1 and nothing else.
             self.health_port = self.health_server.add_insecure_port(config.health_listen)
+            log.warning("health_listen %s: plaintext gRPC port serving only grpc.health.v1 (no job data)",
+                        config.health_listen)
             if self.health_port == 0:
                 raise OSError(f"could not bind health_listen {config.health_listen}; is another process listening there?")
         self._metrics_listen = config.metrics_listen

@@ -283,9 +283,8 @@ class Store:
             os.close(dir_fd)
         return path
 
-    def checkpoint_source(self, job_id: str, round_: int) -> tuple[Layout, Path, int]:
-        """(layout, file, data offset) of a checkpoint this store wrote: its data section is the wire blob,
-        so it can be streamed from the file (and the page cache) without holding the model in memory."""
+    def _checkpoint_header(self, job_id: str, round_: int) -> tuple[Layout, Path, int, bool]:
+        """(layout, file, data offset, whether the data section is in wire order) of a checkpoint."""
         path = self.checkpoint_path(job_id, round_)
         if not path.exists():
             raise NotFound(f"job {job_id} has no checkpoint for round {round_}")
@@ -294,22 +293,25 @@ class Store:
             header = json.loads(fh.read(header_len))
         header.pop("__metadata__", None)
         layout = Layout.build([(name, t["dtype"], tuple(t["shape"])) for name, t in header.items()])
-        if any(header[t.name]["data_offsets"] != [t.offset, t.offset + t.nbytes] for t in layout.tensors):
+        ours = all(header[t.name]["data_offsets"] == [t.offset, t.offset + t.nbytes] for t in layout.tensors)
+        return layout, path, 8 + header_len, ours
+
+    def checkpoint_source(self, job_id: str, round_: int) -> tuple[Layout, Path, int]:
+        """(layout, file, data offset) of a checkpoint this store wrote: its data section is the wire blob,
+        so it can be streamed from the file (and the page cache) without holding the model in memory."""
+        layout, path, start, ours = self._checkpoint_header(job_id, round_)
+        if not ours:
             raise NotFound(f"checkpoint {path} is not laid out in wire order")
-        return layout, path, 8 + header_len
+        return layout, path, start
 
     def checkpoint_blob(self, job_id: str, round_: int) -> tuple[Layout, bytearray]:
         """(layout, blob) of a checkpoint, reading the file once; validated like any wire input."""
-        path = self.checkpoint_path(job_id, round_)
-        if not path.exists():
-            raise NotFound(f"job {job_id} has no checkpoint for round {round_}")
+        layout, path, start, ours = self._checkpoint_header(job_id, round_)
+        if not ours:
+            return encode(self.load_checkpoint(job_id, round_))   # laid out by another writer
+        blob = bytearray(layout.total_bytes)
         with open(path, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-            header.pop("__metadata__", None)
-            layout = Layout.build([(name, t["dtype"], tuple(t["shape"])) for name, t in header.items()])
-            if any(header[t.name]["data_offsets"] != [t.offset, t.offset + t.nbytes] for t in layout.tensors):
-                return encode(self.load_checkpoint(job_id, round_))   # laid out by another writer
-            blob = bytearray(layout.total_bytes)
+            fh.seek(start)
             if fh.readinto(blob) != layout.total_bytes or fh.read(1):
                 raise IntegrityError(f"checkpoint {path} does not hold exactly the bytes its header describes")
         receiver = Receiver(layout)   # size and finiteness, as for any model on the wire; no copy

@@ -122,7 +122,9 @@ def _parser() -> argparse.ArgumentParser:
 
     health = sub.add_parser("health", help="ask a coordinator's gRPC health service (exit 0 when SERVING)")
     health.add_argument("address", nargs="?", help="host:port (default: the coordinator in --site-config)")
-    health.add_argument("--kit", type=Path, help="present this kit over mTLS (omit for a plaintext health_listen port)")
+    health.add_argument("--kit", type=Path, help="present this kit over mTLS")
+    health.add_argument("--plaintext", action="store_true",
+                        help="probe a plaintext health-only port (health_listen) without a kit; warns")
     health.add_argument("--site-config", type=Path, help="use this site config's coordinator address and kit")
     health.add_argument("--service", default="", help="service name to check (default: the whole server)")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
@@ -348,7 +350,9 @@ def _health(args) -> int:
         address, kit = address or site.coordinator, kit or site.kit
     if address is None:
         raise PlexusError("no address: pass HOST:PORT or --site-config FILE")
-    status = check(address, kit=kit, service=args.service, timeout=args.timeout)
+    if kit is None and not args.plaintext:
+        raise PlexusError("no kit: pass --kit DIR (mTLS) or --site-config FILE, or --plaintext for a health_listen port")
+    status = check(address, kit=kit, plaintext=args.plaintext, service=args.service, timeout=args.timeout)
     print(status)
     return 0 if status == "SERVING" else 1
 

@@ -119,7 +119,7 @@ class SiteAgent:
             if job.privacy.dp is not None:
                 self._clip_and_noise(model, incoming, job, task)
             if task.kind == fpb.TASK_SECAGG_ADVERTISE:
-                return self._advertise(stub, task, incoming, model, result, eval_metrics)
+                return self._advertise(stub, task, job, incoming, model, result, eval_metrics)
         except grpc.RpcError:
             raise
         except (ValueError, RuntimeError, LookupError, FailedPrecondition) as exc:  # IntegrityError is a ValueError
@@ -129,13 +129,12 @@ class SiteAgent:
         self._submit(stub, task, job, model, result, eval_metrics)
 
     # secure aggregation ---------------------------------------------------------------------
-    def _advertise(self, stub, task, incoming: dict, model, result, eval_metrics: dict) -> None:
+    def _advertise(self, stub, task, job: RoundConfig, incoming: dict, model, result, eval_metrics: dict) -> None:
         """Keep Δ = trained − incoming at the site; send only two signed public keys and the sample count."""
         trained = state_to_numpy(model)
         layout = Layout.of(trained)
         delta = [(trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1) for t in layout.tensors]
         session = SiteSession(task.job_id, task.round, self.config.site)
-        job = parse_round_config(task.config_yaml)
         weight = 1 if job.privacy.dp is not None else result.num_samples  # DP-FedAvg weighs sites equally
         advert = session.advertise(weight, self.kit.key_pem, self.kit.cert_pem)
         for key in [k for k in self._secure if k[0] == task.job_id]:

@@ -143,8 +143,10 @@ def test_config_turns_on_metrics_and_a_health_only_port(pki_root, tmp_path):
     coordinator.start()
     try:
         health = f"127.0.0.1:{coordinator.health_port}"
-        assert check(health) == "SERVING"
-        assert check(health, service="plexus.v1.Federation") == "SERVING"
+        assert check(health, plaintext=True) == "SERVING"
+        assert check(health, plaintext=True, service="plexus.v1.Federation") == "SERVING"
+        with pytest.raises(ValueError, match="plaintext explicitly"):
+            check(health)
         # The main port answers health too, but only over mTLS.
         assert check(f"127.0.0.1:{coordinator.port}", kit=pki_root / "sites" / "a") == "SERVING"
         # The plaintext port serves health and nothing else.
