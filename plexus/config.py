@@ -142,6 +142,13 @@ class SitesSpec:
 
     min: int = field(default=1, metadata=_range(1))
     deadline_s: float = field(default=300.0, metadata=_range(0, lo_open=True))
+    # Client sampling (seeded by the job seed and round): train on ceil(fraction × online) sites,
+    # at most `count`, never fewer than `min`. Neither set: every online site trains.
+    fraction: float | None = field(default=None, metadata=_range(0, 1, lo_open=True))
+    count: int | None = field(default=None, metadata=_range(1))
+    # Who evaluates the incoming global model each round: every online site ("all"), or only
+    # the sites that train this round ("participants").
+    evaluate: str = field(default="all", metadata=_one_of("all", "participants"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +166,7 @@ class TrainSpec:
     """Local training per round."""
 
     epochs: int = field(default=1, metadata=_range(1))
+    steps: int | None = field(default=None, metadata=_range(1))   # set: exactly this many minibatch steps, not epochs
     batch_size: int = field(default=32, metadata=_range(1))
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
 
@@ -305,9 +313,24 @@ def _privacy_problem(spec: PrivacySpec) -> tuple[str, str] | None:
     return None
 
 
+def _sites_problem(spec: SitesSpec) -> tuple[str, str] | None:
+    if spec.count is not None and spec.count < spec.min:
+        return "count", (f"samples {spec.count} site(s) per round but min is {spec.min}, so no round could "
+                         "reach its quorum; raise count or lower min")
+    return None
+
+
+def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
+    if cfg.train.steps is not None and cfg.privacy.dp_sgd is not None:
+        return "train", ("steps cannot be combined with privacy.dp_sgd, whose privacy accounting counts whole "
+                         "epochs of Poisson-sampled batches; use train.epochs")
+    return None
+
+
 # Cross-field checks: fn(obj) -> (key, "<problem>; <fix>") or None.
 _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
-    DatasetSpec: _dataset_problem, PrivacySpec: _privacy_problem}
+    DatasetSpec: _dataset_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
+    RoundConfig: _round_problem}
 
 _TAG = "tag:yaml.org,2002:"
 _TAG_NAMES = {"bool": "a boolean", "int": "an integer", "float": "a number", "null": "null",
