@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from coordinator.aggregate import FRAC_BITS, MAX_WEIGHT, WeightedSum
-from coordinator.strategies import REGISTRY, FedAvg, make_strategy
-from plexus.config import StrategySpec
+from coordinator.strategies import FedAvg
 from plexus.errors import ConfigError, IntegrityError
 from plexus.wire import encode
 
@@ -231,23 +230,9 @@ def test_pieces_that_break_their_declared_length_poison_the_sum(delivered):
 
 # strategies --------------------------------------------------------------------------------
 
-def test_make_strategy_refuses_an_unknown_name_and_lists_the_known():
-    with pytest.raises(ConfigError, match=r"unknown strategy 'fedprox'; known strategies: \['fedavg'\]"):
-        make_strategy(StrategySpec(name="fedprox"))
-    assert sorted(REGISTRY) == ["fedavg"]
-
-
-def test_make_strategy_builds_fedavg_and_refuses_arguments_it_does_not_take():
-    assert isinstance(make_strategy(StrategySpec()), FedAvg)
-    assert isinstance(make_strategy(StrategySpec(name="fedavg")), FedAvg)
-
-    with pytest.raises(ConfigError, match="strategy.args: fedavg does not accept"):
-        make_strategy(StrategySpec(name="fedavg", args={"mu": 0.1}))
-
-
 def test_fedavg_trains_every_available_site_in_sorted_order():
-    assert FedAvg().configure(3, ["site-c", "site-a", "site-b"]) == ["site-a", "site-b", "site-c"]
-    assert FedAvg().configure(1, []) == []
+    assert FedAvg().configure(3, ["site-c", "site-a", "site-b"], []) == ["site-a", "site-b", "site-c"]
+    assert FedAvg().configure(1, [], []) == []
 
 
 def test_fedavg_aggregate_returns_the_weighted_mean():
@@ -255,7 +240,7 @@ def test_fedavg_aggregate_returns_the_weighted_mean():
     sites = [({"w": np.array([1.0, 2.0, 3.0], np.float32)}, 1), ({"w": np.array([3.0, 2.0, 1.0], np.float32)}, 3)]
     mean = _mean(sites)
 
-    nxt = FedAvg().aggregate(1, current, mean)
+    nxt = FedAvg().aggregate(1, current, mean, ["a", "b"])
 
     assert nxt["w"].tolist() == [2.5, 2.0, 1.5]
     assert _bits(nxt) == _bits(mean)
