@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import inspect
+import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
@@ -111,6 +112,38 @@ class Vector(nn.Module):
         raise RuntimeError("the 'vector' model is a parameter container for benchmarks; it has no forward pass")
 
 
+class Ensemble(nn.Module):
+    """K member models whose softmaxes are mixed with the normalised buffer `weights` (uniform while it sums to 0).
+
+    The forward pass returns log(Σ_i w_i softmax(member_i(x))), so code that takes logits
+    (cross-entropy, argmax, AUC on the margin) works on it unchanged. It is computed in the
+    log domain and clamped at log(smallest normal float), so it is never -inf. State names
+    are `members.<i>.<name>` and `weights` (float32, shape [K], zeros when built).
+    """
+
+    def __init__(self, members: Sequence[nn.Module]) -> None:
+        super().__init__()
+        if len(members) < 2:
+            raise ConfigError(f"an ensemble needs at least 2 members, got {len(members)}")
+        self.members = nn.ModuleList(members)
+        self.register_buffer("weights", torch.zeros(len(members), dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        log_probs = torch.stack([torch.log_softmax(member(x), dim=-1) for member in self.members])  # [K, N, C]
+        w = self.weights.to(log_probs.dtype)
+        total = w.sum()
+        w = torch.where(total != 0, w / total, torch.full_like(w, 1.0 / len(w)))
+        mixed = torch.logsumexp(log_probs + torch.log(w).view(-1, *([1] * (log_probs.dim() - 1))), dim=0)
+        return mixed.clamp_min(math.log(torch.finfo(mixed.dtype).tiny))
+
+
+def member_seed(seed: int, index: int) -> int:
+    """The init seed of ensemble member ``index``: SHA-256("plexus/v1/ensemble-member" ‖ seed ‖ index), 63 bits."""
+    digest = hashlib.sha256(b"plexus/v1/ensemble-member" + int(seed).to_bytes(8, "big", signed=True)
+                            + int(index).to_bytes(8, "big")).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
 REGISTRY: dict[str, Callable[..., nn.Module]] = {"logistic": Logistic, "mlp": MLP, "cnn": CNN, "vector": Vector}
 
 
@@ -120,8 +153,18 @@ def available_models() -> dict[str, Callable[..., nn.Module]]:
     return {**{name: _load_plugin(ep) for name, ep in models.items()}, **REGISTRY}
 
 
-def build_model(name: str, args: Mapping[str, Any], *, seed: int) -> nn.Module:
-    """Construct model ``name`` with ``args``, its weights initialised from ``seed`` alone."""
+def build_model(name: str, args: Mapping[str, Any], *, seed: int, members: int = 0) -> nn.Module:
+    """Construct model ``name`` with ``args``, its weights initialised from ``seed`` alone.
+
+    ``members`` >= 2 builds an Ensemble of that many copies, member i initialised from
+    ``member_seed(seed, i)``; 0 builds the plain model.
+    """
+    if isinstance(members, bool) or not isinstance(members, numbers.Integral):
+        raise TypeError(f"members must be an integer, got {members!r}")
+    if members:
+        if members < 2:
+            raise ConfigError(f"an ensemble needs at least 2 members, got {members}; use members=0 for one model")
+        return Ensemble([build_model(name, args, seed=member_seed(seed, i)) for i in range(members)])
     factory = _lookup(name)
     if not isinstance(args, Mapping):
         raise ConfigError(f"model {name!r}: args must be a mapping of argument names to values, got {args!r}")
@@ -136,6 +179,17 @@ def build_model(name: str, args: Mapping[str, Any], *, seed: int) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model {name!r} factory returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def build_job_model(job: Any) -> nn.Module:
+    """The model a job (RoundConfig) trains: an Ensemble of one member per listed site for strategy `ensemble`."""
+    members = 0
+    if job.strategy.name == "ensemble":
+        sites = job.strategy.args.get("members")
+        if not isinstance(sites, (list, tuple)):
+            raise ConfigError(f"strategy.args.members must be a list of site names, got {sites!r}")
+        members = len(sites)
+    return build_model(job.model.name, job.model.args, seed=job.seed, members=members)
 
 
 def state_to_numpy(model: nn.Module) -> dict[str, np.ndarray]:

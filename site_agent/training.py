@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import secrets
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +28,7 @@ class TrainResult:
 
     num_samples: int
     steps: int
-    metrics: dict[str, float]  # "train_loss": sample-weighted mean over the last epoch
+    metrics: dict[str, float]  # "train_loss": sample-weighted mean over the last epoch (every step in steps mode)
 
 
 def _sgd(params: Any, opt: Any) -> torch.optim.Optimizer:
@@ -57,41 +59,108 @@ def _prepare(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any):
     return make_optimizer, xt, yt, len(yt)
 
 
-def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, seed: int) -> TrainResult:
-    """Train ``model`` in place with cross-entropy; the same seed and inputs give the same bits."""
+def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, seed: int,
+                steps: int | None = None, prox_mu: float = 0.0,
+                anchor: Mapping[str, torch.Tensor | np.ndarray] | None = None,
+                correction: Mapping[str, torch.Tensor | np.ndarray] | None = None) -> TrainResult:
+    """Train ``model`` in place with cross-entropy; the same seed and inputs give the same bits.
+
+    Length: exactly `steps` minibatch steps if given (else ``train.steps`` if set), drawing a
+    fresh seeded permutation each time a pass over the data runs out; otherwise
+    ``train.epochs`` passes. metrics["train_loss"] is the sample-weighted mean cross-entropy
+    (without the proximal term) over the last pass, or over every step taken in steps mode.
+
+    FedProx: with ``prox_mu`` > 0 the loss gets (prox_mu/2)·Σ‖w − anchor[name]‖² over the
+    trainable parameters, added before backward so it is exact for any optimizer.
+    SCAFFOLD: ``correction[name]`` is added to each trainable parameter's gradient after
+    backward and before the optimizer step (pass c − c_k to step along g − c_k + c).
+    """
     make_optimizer, xt, yt, n = _prepare(model, x, y, train)
+    steps = _step_budget(train, steps)
     device = xt.device
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if isinstance(prox_mu, bool) or not isinstance(prox_mu, (int, float)) or not math.isfinite(prox_mu) \
+            or prox_mu < 0:
+        raise ValueError(f"prox_mu must be a finite number >= 0, got {prox_mu!r}")
+    if prox_mu and anchor is None:
+        raise ValueError("prox_mu > 0 needs an anchor: pass the global model's parameters as anchor=")
+    anchor_t = _per_parameter(anchor, params, "anchor", device) if prox_mu else {}
+    correction_t = _per_parameter(correction, params, "correction", device) if correction is not None else {}
     optimizer = make_optimizer(model.parameters(), train.optimizer)
 
+    per_pass = math.ceil(n / train.batch_size)
+    total = steps if steps is not None else train.epochs * per_pass
     was_training = model.training
     model.train()
-    steps = 0
+    taken, loss_sum, seen = 0, 0.0, 0
     # Dropout draws from the global RNG: seed a fork of it so the caller's stream is untouched.
     forked = [device.index or 0] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=forked):
             torch.manual_seed(seed)
             order_rng = torch.Generator().manual_seed(seed)
-            for _ in range(train.epochs):
-                order = torch.randperm(n, generator=order_rng).to(device)
-                loss_sum = 0.0
-                for start in range(0, n, train.batch_size):
-                    batch = order[start:start + train.batch_size]
-                    logits = model(xt[batch])
-                    if steps == 0:
-                        _check_labels(yt, logits)
-                    loss = F.cross_entropy(logits, yt[batch])
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                    steps += 1
-                    loss_sum += loss.item() * len(batch)
+            for batch in itertools.islice(_batches(n, train.batch_size, order_rng, device), total):
+                if steps is None and taken % per_pass == 0:  # epochs mode reports the last pass only
+                    loss_sum, seen = 0.0, 0
+                logits = model(xt[batch])
+                if taken == 0:
+                    _check_labels(yt, logits)
+                loss = F.cross_entropy(logits, yt[batch])
+                objective = loss
+                if anchor_t:
+                    objective = loss + prox_mu / 2 * sum(((p - anchor_t[name]) ** 2).sum()
+                                                         for name, p in params.items())
+                optimizer.zero_grad(set_to_none=True)
+                objective.backward()
+                for name, c in correction_t.items():
+                    p = params[name]
+                    if p.grad is None:  # unused in this forward pass: its gradient is zero
+                        p.grad = c.clone()
+                    else:
+                        p.grad.add_(c)
+                optimizer.step()
+                taken += 1
+                loss_sum += loss.item() * len(batch)
+                seen += len(batch)
     finally:
         model.train(was_training)
-    train_loss = loss_sum / n
+    train_loss = loss_sum / seen
     if not math.isfinite(train_loss):
         raise ValueError(f"training diverged (train_loss={train_loss}); lower the learning rate")
-    return TrainResult(num_samples=n, steps=steps, metrics={"train_loss": train_loss})
+    return TrainResult(num_samples=n, steps=taken, metrics={"train_loss": train_loss})
+
+
+def _batches(n: int, batch_size: int, rng: torch.Generator, device: torch.device) -> Iterator[torch.Tensor]:
+    """Endless minibatch indices: one seeded permutation per pass, the last batch of a pass may be short."""
+    while True:
+        order = torch.randperm(n, generator=rng).to(device)
+        for start in range(0, n, batch_size):
+            yield order[start:start + batch_size]
+
+
+def _step_budget(train: Any, steps: int | None) -> int | None:
+    """The exact number of steps to take, or None for ``train.epochs`` passes."""
+    if steps is None:
+        return getattr(train, "steps", None)  # already checked by _check_train
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"steps must be an integer or None, got {steps!r}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 (or None to use train.steps/epochs), got {steps}")
+    return steps
+
+
+def _per_parameter(values: Mapping[str, Any], params: dict[str, nn.Parameter], what: str,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """One tensor per trainable parameter, on the model's device and in its dtype."""
+    if missing := sorted(set(params) - set(values)):
+        raise ValueError(f"{what} lacks parameter(s) {missing[:5]}; give one tensor per trainable parameter")
+    out = {}
+    for name, p in params.items():
+        value = torch.as_tensor(values[name]).detach().to(device=device, dtype=p.dtype)
+        if value.shape != p.shape:
+            raise ValueError(f"{what}[{name!r}] has shape {tuple(value.shape)}, the parameter has {tuple(p.shape)}")
+        out[name] = value
+    return out
 
 
 def train_local_dp_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, dp_sgd: Any, *, seed: int,
@@ -233,6 +302,9 @@ def _check_train(train: Any) -> None:
         value = getattr(train, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+    steps = getattr(train, "steps", None)
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ConfigError(f"train.steps must be a positive integer or null, got {steps!r}")
     opt = train.optimizer
     if not (isinstance(opt.lr, (int, float)) and math.isfinite(opt.lr) and opt.lr > 0):
         raise ConfigError(f"train.optimizer.lr must be a positive number, got {opt.lr!r}")
