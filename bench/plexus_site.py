@@ -24,6 +24,7 @@ from plexus.models import available_models, build_model, state_to_numpy  # noqa:
 from plexus.proto.plexus.v1 import federation_pb2 as fpb  # noqa: E402
 from plexus.wire import Layout, assemble, iter_chunks  # noqa: E402
 from site_agent.agent import SiteAgent, _remaining, log  # noqa: E402
+from site_agent.local import LocalResult  # noqa: E402
 from site_agent.training import TrainResult  # noqa: E402
 from site_agent.policy import refusal  # noqa: E402
 
@@ -87,16 +88,19 @@ class BenchSiteAgent(SiteAgent):
     def _dataset(self, name: str):
         return None
 
+    def _dataset_rows(self) -> dict:
+        return {}
+
     def evaluate(self, model, data) -> dict:
         return {}
 
-    def train(self, model, data, job, *, seed: int) -> TrainResult:
+    def local_update(self, job, model, served, data, task) -> LocalResult:
         import torch
 
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(self.delta)
-        return TrainResult(num_samples=NUM_SAMPLES, steps=1, metrics={})
+        return LocalResult(TrainResult(num_samples=NUM_SAMPLES, steps=1, metrics={}), {}, lambda: None)
 
 
 def main() -> int:

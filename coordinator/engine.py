@@ -25,8 +25,8 @@ import numpy as np
 from coordinator.aggregate import WeightedSum
 from coordinator.secure_round import SecureRound
 from coordinator.store import TERMINAL, JobRow, Store
-from coordinator.strategies import make_strategy
-from plexus.config import RoundConfig, dump_round_config, parse_round_config
+from coordinator.strategies import Update, make_strategy
+from plexus.config import RoundConfig, dump_round_config, ensemble_members, parse_round_config
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
                            PlexusError, RoundClosed)
 from plexus.secagg import Advert
@@ -55,6 +55,7 @@ class TaskGrant:
     deadline_unix_s: float
     seed: int
     payload: dict | None = None   # secure aggregation phases: what the phase hands this site
+    local_steps: int = 0          # 0: as the round config's train section says
 
 
 @dataclass
@@ -71,6 +72,19 @@ class RoundState:
     contributors: list[str] = field(default_factory=list)
     samples: int = 0
     secure: SecureRound | None = None        # set for secure-aggregation training rounds
+    held: list[tuple[str, int, Path]] = field(default_factory=list)   # (site, samples, spool) for holds_updates
+    # Sites that only evaluate the incoming model this round (sites.evaluate: all).
+    evaluators: list[str] = field(default_factory=list)
+    eval_grants: dict[str, TaskGrant] = field(default_factory=dict)
+    eval_outcomes: dict[str, str] = field(default_factory=dict)
+
+    def grant_of(self, site: str) -> TaskGrant | None:
+        return self.grants.get(site) or self.eval_grants.get(site)
+
+    def drop_held(self) -> None:
+        for _, _, path in self.held:
+            path.unlink(missing_ok=True)
+        self.held.clear()
 
 
 @dataclass
@@ -85,12 +99,28 @@ class ActiveJob:
     round: RoundState | None = None
     budget_stop: str = ""                    # set when the next round would exceed dp.target_epsilon
     source: tuple | None = None              # (path, data offset) of the checkpoint served when blob is None
+    served_layout: Layout | None = None      # model + the strategy's served tensors (SCAFFOLD's c)
+    served_blob: bytes | None = None
+    update_layout: Layout | None = None      # model + the tensors every update adds (SCAFFOLD's Δc)
 
     @property
     def in_memory(self) -> bool:
         """Whether the engine itself reads the global model (else sites stream it from the checkpoint file)."""
-        return bool(getattr(self.strategy, "uses_current", True) or self.cfg.privacy.dp is not None
-                    or self.cfg.privacy.secure_aggregation)
+        s = self.strategy
+        return bool(s.uses_current or s.holds_updates or self.cfg.privacy.dp is not None
+                    or self.cfg.privacy.secure_aggregation or self.update_layout != self.layout)
+
+    def set_model(self, layout: Layout, blob) -> None:
+        """The new global model; what sites fetch is it plus whatever the strategy serves with it."""
+        self.layout, self.blob, self.source = layout, blob, None
+        self.state = decode(layout, blob)
+        extra = self.strategy.served(self.state)
+        if extra:
+            self.served_layout, self.served_blob = encode({**self.state, **extra})
+        else:
+            self.served_layout, self.served_blob = layout, blob
+        self.update_layout = Layout.build(
+            [(t.name, t.dtype, t.shape) for t in layout.tensors] + list(self.strategy.update_extras(layout)))
 
 
 def site_seed(job_seed: int, round_: int, site: str) -> int:
@@ -105,17 +135,14 @@ def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
     Builds the initial model (in the model worker process; the coordinator never imports
     torch) into the safetensors file `build` and returns its weights.
     """
-    strategy = make_strategy(cfg.strategy)
+    make_strategy(cfg)   # refuses unknown strategies, bad args and combinations that cannot work
     try:
-        state = shared_worker().build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build)
+        state = shared_worker().build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build,
+                                      members=ensemble_members(cfg))
     except ConfigError as exc:
         raise ConfigError(f"model: {exc}") from None
     float_only = all(t.dtype in ("F16", "F32", "F64") for t in Layout.of(state).tensors)
-    if cfg.privacy.secure_aggregation:
-        if not getattr(strategy, "secure_aggregation", False):
-            raise ConfigError(f"privacy.secure_aggregation: strategy {cfg.strategy.name!r} needs every site's update "
-                              "in the clear, which secure aggregation exists to prevent; use a sum-based strategy "
-                              "(fedavg) or turn secure aggregation off")
+    if cfg.privacy.secure_aggregation:   # make_strategy has refused strategies it cannot compute
         if not float_only:
             raise ConfigError("privacy.secure_aggregation: the model has integer tensors; secure aggregation "
                               "sums floating-point updates only")
@@ -135,6 +162,7 @@ class Engine:
         self._clock, self._mono = clock, monotonic
         self._cv = threading.Condition()
         self._seen: dict[str, float] = {}
+        self._rows: dict[str, dict[str, int]] = {}   # site -> dataset -> training rows, as reported at Join
         self._active: ActiveJob | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="plexus-engine", daemon=True)
@@ -187,6 +215,8 @@ class Engine:
             self.store.set_job(job_id, status="aborted", message=f"aborted by {who}",
                                event=("job_aborted", row.current_round, "", f"aborted by {who}"))
             if self._active and self._active.row.id == job_id:
+                if self._active.round:
+                    self._active.round.drop_held()
                 self._active = None
                 self.store.interrupt_open_rounds()
             self._cv.notify_all()
@@ -205,9 +235,11 @@ class Engine:
             return {s for s, t in self._seen.items() if now - t <= self.online_window_s}
 
     # site side ---------------------------------------------------------------------------
-    def join(self, site: str, *, agent_version: str, models: list[str], datasets: list[str], policy_digest: str) -> None:
+    def join(self, site: str, *, agent_version: str, models: list[str], datasets: list[str], policy_digest: str,
+             dataset_rows: dict[str, int] | None = None) -> None:
         with self._cv:
             self._seen[site] = self._mono()
+            self._rows[site] = dict(dataset_rows or {})
             self.store.site_seen(site, agent_version=agent_version, models=models, datasets=datasets,
                                  policy_digest=policy_digest)
             self._cv.notify_all()
@@ -229,7 +261,9 @@ class Engine:
         """The global model a task needs: its blob in memory, or (path, offset) of its checkpoint file."""
         with self._cv:
             job, rs, grant = self._current_grant(site, task_id)
-            return job.layout, job.blob if job.blob is not None else job.source, job.row.id, rs.model_round
+            if job.served_blob is not None:
+                return job.served_layout, job.served_blob, job.row.id, rs.model_round
+            return job.layout, job.source, job.row.id, rs.model_round
 
     def submit_update(self, site: str, header, chunks: Iterable) -> str:
         """Receive one site's update: validate while streaming to a spool file, then fold it."""
@@ -240,7 +274,7 @@ class Engine:
                                 "secagg_mask" if masked else "train")
             if site in rs.receiving:
                 raise FailedPrecondition(f"an update for task {grant.task_id} is already being received")
-            layout = rs.secure.masked_layout if masked else job.layout
+            layout = rs.secure.masked_layout if masked else job.update_layout
             try:
                 if not masked and not 1 <= header.num_samples <= 2 ** 31:
                     raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}")
@@ -277,8 +311,15 @@ class Engine:
                 try:
                     if dp is not None:
                         _check_clipped(spool, layout, job.state, dp.clip_norm)
-                    weight = 1 if dp is not None else header.num_samples  # DP-FedAvg: each site weighs the same
-                    rs.total.fold(_read_blocks(spool), weight, max_abs, nbytes=spool.stat().st_size)
+                    if job.strategy.holds_updates:   # robust rules and ensembles need every update at once
+                        held = spool.with_suffix(".held")
+                        spool.rename(held)
+                        rs.held.append((site, header.num_samples, held))
+                    else:
+                        # DP-FedAvg and some strategies (SCAFFOLD) weigh each site the same
+                        uniform = dp is not None or job.strategy.uniform_weights
+                        rs.total.fold(_read_blocks(spool), 1 if uniform else header.num_samples, max_abs,
+                                      nbytes=spool.stat().st_size)
                 except IntegrityError as exc:
                     self._record(rs, grant, site, "rejected", str(exc))
                     raise
@@ -314,6 +355,8 @@ class Engine:
             job, rs, grant = self._current_grant(site, result.task_id)
             self._check_binding(grant, result.job_id, result.round, result.nonce, None)
             reason = result.reason[:MAX_REASON]
+            if rs.eval_grants.get(site) is grant:
+                return self._evaluator_result(job, rs, grant, site, status, reason, result.eval_metrics)
             if status == "declined":
                 self.store.decline(job.row.id, site, reason or "declined by site policy")
                 self._record(rs, grant, site, "declined", reason or "declined by site policy")
@@ -325,6 +368,20 @@ class Engine:
                 raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
             self._record(rs, grant, site, "evaluated", "", _site_metrics(rs, result.eval_metrics))
             return "evaluation recorded"
+
+    def _evaluator_result(self, job: ActiveJob, rs: RoundState, grant: TaskGrant, site: str, status: str,
+                          reason: str, eval_metrics) -> str:
+        """A site that only evaluated this round's incoming model (sites.evaluate: all)."""
+        metrics = None
+        if status == "declined":
+            self.store.decline(job.row.id, site, reason or "declined by site policy")
+        elif status == "evaluated":
+            metrics = _site_metrics(rs, eval_metrics)
+        rs.eval_outcomes[site] = status
+        self.store.finish_task(grant.task_id, status, reason, job_id=grant.job_id, round_=grant.round,
+                               site=site, metrics=metrics)
+        self._cv.notify_all()
+        return f"{status} recorded"
 
     # internals ---------------------------------------------------------------------------
     def _record(self, rs: RoundState, grant: TaskGrant, site: str, status: str, reason: str,
@@ -353,12 +410,14 @@ class Engine:
             raise PermissionDenied(f"task {task_id} was issued to another site; a site may only answer its own tasks")
         job = self._active
         rs = job.round if job and job.row.id == job_id else None
-        if rs is None or rs.round != round_ or site not in rs.grants or rs.grants[site].task_id != task_id:
+        grant = rs.grant_of(site) if rs is not None and rs.round == round_ else None
+        if grant is None or grant.task_id != task_id:
             raise RoundClosed(f"task {task_id} is no longer current: round {round_} of job {job_id} has closed or "
                               "moved to its next phase")
-        if status != "issued" or site in rs.outcomes:
+        answered = rs.eval_outcomes if rs.eval_grants.get(site) is grant else rs.outcomes
+        if status != "issued" or site in answered:
             raise FailedPrecondition(f"task {task_id} was already answered ({status}); replays are refused")
-        return job, rs, rs.grants[site]
+        return job, rs, grant
 
     @staticmethod
     def _check_binding(grant: TaskGrant, job_id: str, round_: int, nonce: bytes, kind: str | None) -> None:
@@ -369,20 +428,37 @@ class Engine:
 
     def _grant(self, site: str) -> TaskGrant | None:
         job = self._active
-        if job is None or job.round is None or site not in job.round.participants or site in job.round.outcomes:
+        rs = job.round if job is not None else None
+        if rs is None:
             return None
-        rs = job.round
-        if site not in rs.grants:
+        if site in rs.participants and site not in rs.outcomes:
+            grants, kind = rs.grants, rs.secure.task_kind if rs.secure else rs.kind
+        elif site in rs.evaluators and site not in rs.eval_outcomes:
+            grants, kind = rs.eval_grants, "evaluate"
+        else:
+            return None
+        if site not in grants:
             remaining = rs.deadline - self._mono()
-            kind = rs.secure.task_kind if rs.secure else rs.kind
+            steps = job.strategy.local_steps(site, self._sizes(job)) if kind in ("train", "secagg_advertise") else 0
             grant = TaskGrant(kind=kind, task_id=uuid.uuid4().hex, job_id=job.row.id, round=rs.round,
                               model_round=rs.model_round, config_yaml=job.row.config_yaml,
                               nonce=secrets.token_bytes(16), deadline_unix_s=self._clock() + remaining,
                               seed=site_seed(job.cfg.seed, rs.round, site),
-                              payload=rs.secure.payload(site) if rs.secure else None)
+                              payload=rs.secure.payload(site) if rs.secure and grants is rs.grants else None,
+                              local_steps=steps)
             self.store.add_task(grant.task_id, job.row.id, rs.round, site, kind, grant.nonce)
-            rs.grants[site] = grant
-        return rs.grants[site]   # a site that restarted mid-task gets the same task back
+            grants[site] = grant
+        return grants[site]   # a site that restarted mid-task gets the same task back
+
+    def _sizes(self, job: ActiveJob) -> dict[str, int]:
+        """Training rows per site for this job's dataset, as the sites reported them when they joined."""
+        name = job.cfg.data.dataset
+        return {site: rows[name] for site, rows in self._rows.items() if name in rows}
+
+    def _known(self, job: ActiveJob) -> list[str]:
+        """Every site registered with the federation that has not declined this job, online or not."""
+        declined = self.store.declines(job.row.id)
+        return sorted({row[0] for row in self.store.sites()} - set(declined))
 
     def _tick(self) -> float:
         if self._active is None and not self._activate_next():
@@ -400,7 +476,9 @@ class Engine:
         row = next((j for j in pending if j.status == "running"), pending[0])
         cfg = parse_round_config(row.config_yaml, source=f"job {row.id}")
         try:
-            strategy = make_strategy(cfg.strategy)
+            strategy = make_strategy(cfg)
+            if row.current_round > 0:
+                strategy.load_state(*self.store.load_strategy_state(row.id, row.current_round))
             if row.status == "queued":
                 layout, blob = self.store.checkpoint_blob(row.id, 0)   # built and saved at submit
                 self.store.set_job(row.id, status="running", current_round=0,
@@ -415,7 +493,8 @@ class Engine:
             return False
         # The global model exists once: the wire blob; the state dict is views over it. A job
         # whose engine never reads the model (plain FedAvg) serves it from the checkpoint file.
-        job = ActiveJob(row, cfg, strategy, layout, decode(layout, blob), blob, row.current_round)
+        job = ActiveJob(row, cfg, strategy, layout, {}, blob, row.current_round)
+        job.set_model(layout, blob)
         if not job.in_memory:
             self._serve_from_checkpoint(job, row.current_round)
         self._active = job
@@ -436,10 +515,11 @@ class Engine:
                                    f"{after:.3f} > target {dp.target_epsilon} (δ={dp.delta}); stopped after "
                                    f"round {job.model_round}")
                 self.store.event(job.row.id, "privacy_budget_reached", job.model_round, "", job.budget_stop)
-        evaluating = job.model_round >= cfg.rounds or bool(job.budget_stop)
+        evaluating = job.model_round >= cfg.rounds or bool(job.budget_stop) or job.strategy.done(job.model_round)
         online = self._eligible_online(job)
-        participants = online if evaluating else job.strategy.configure(job.model_round + 1, online)
-        if len(participants) < cfg.sites.min:
+        known = self._known(job)
+        participants = online if evaluating else job.strategy.configure(job.model_round + 1, online, known)
+        if len(participants) < (1 if evaluating else cfg.sites.min):
             message = f"waiting for sites: {len(participants)} of {cfg.sites.min} needed are online"
             if job.row.message != message:
                 self.store.set_job(job.row.id, message=message)
@@ -453,16 +533,25 @@ class Engine:
         secure = None
         if cfg.privacy.secure_aggregation and not evaluating:
             secure = SecureRound(job.row.id, round_, job.layout, cfg.privacy.secagg, cfg.sites.min)
+        summing = not (evaluating or secure or job.strategy.holds_updates)
+        evaluators = [] if evaluating or cfg.sites.evaluate != "all" else sorted(set(online) - set(participants))
         job.round = RoundState(round=round_, kind=kind, model_round=job.model_round, participants=participants,
                                deadline=self._mono() + cfg.sites.deadline_s,
-                               total=None if evaluating or secure else WeightedSum(job.layout), secure=secure)
-        log.info("job %s round %d (%s) opened for %s", job.row.id, round_, kind, ", ".join(participants))
+                               total=WeightedSum(job.update_layout) if summing else None, secure=secure,
+                               evaluators=evaluators)
+        if not evaluating:
+            for note in job.strategy.opened(round_, participants, known):
+                self.store.event(job.row.id, "strategy", round_, "", note)
+        log.info("job %s round %d (%s) opened for %s%s", job.row.id, round_, kind, ", ".join(participants),
+                 f"; evaluating: {', '.join(evaluators)}" if evaluators else "")
         self._cv.notify_all()
 
     def _maybe_close_round(self, job: ActiveJob) -> float:
         rs = job.round
         remaining = rs.deadline - self._mono()
         done = all(s in rs.outcomes for s in rs.participants) and not rs.receiving
+        if not rs.secure:   # a secure round's phases do not wait for sites that only evaluate
+            done = done and all(s in rs.eval_outcomes for s in rs.evaluators)
         if not done and remaining > 0:
             return min(remaining, 1.0)
         if rs.secure:
@@ -482,23 +571,35 @@ class Engine:
                                    message=message, job_update={"status": status, "message": message},
                                    event=("job_completed", message))
             self._active = None
-        elif len(rs.contributors) >= job.cfg.sites.min:
+        elif len(rs.contributors) >= (needed := max(job.cfg.sites.min, job.strategy.min_contributors)):
             try:
-                if not getattr(job.strategy, "uses_current", True):
-                    job.state = job.blob = None   # let the old model go before the new one exists
-                blob = rs.total.mean_blob(release=True)
-                mean = self._central_noise(job, rs, decode(job.layout, blob))
-                self._close_training_round(job, rs, mean, blob if job.cfg.privacy.dp is None else None)
+                if job.strategy.holds_updates:
+                    updates = [Update(site, samples, decode(job.update_layout, np.memmap(path, mode="r")))
+                               for site, samples, path in sorted(rs.held)]
+                    state = job.strategy.aggregate_updates(rs.round, job.state, updates)
+                    del updates
+                    rs.drop_held()
+                    self._close_training_round(job, rs, state)
+                else:
+                    if not job.strategy.uses_current:
+                        job.state = job.blob = job.served_blob = None   # the old model goes before the new one
+                    blob = rs.total.mean_blob(release=True)
+                    mean = self._central_noise(job, rs, decode(job.update_layout, blob))
+                    state = job.strategy.aggregate(rs.round, job.state, mean, sorted(rs.contributors))
+                    reuse = state is mean and job.cfg.privacy.dp is None
+                    self._close_training_round(job, rs, state, blob if reuse else None)
             except IntegrityError as exc:
                 self._fail_round(job, rs, str(exc))
         else:
             problems = ", ".join(f"{s}: {o}" for s, o in sorted(rs.outcomes.items()) if o != "submitted") or "none"
-            self._fail_round(job, rs, f"{len(rs.contributors)} update(s), below sites.min={job.cfg.sites.min} "
-                                      f"(other sites — {problems})")
+            floor = (f"sites.min={needed}" if needed == job.cfg.sites.min else
+                     f"the {needed} updates {job.cfg.strategy.name} needs per round")
+            self._fail_round(job, rs, f"{len(rs.contributors)} update(s), below {floor} (other sites — {problems})")
         self._cv.notify_all()
         return 0.0
 
     def _fail_round(self, job: ActiveJob, rs: RoundState, why: str) -> None:
+        rs.drop_held()
         message = f"round {rs.round} failed: {why}; the global model is unchanged at round {job.model_round}"
         self.store.close_round(job.row.id, rs.round, status="failed", contributors=sorted(rs.contributors),
                                total_samples=rs.samples, message=message,
@@ -523,7 +624,8 @@ class Engine:
                 for name, current in job.state.items():
                     mean[name] = (current.astype(np.float64) + delta[name]).astype(current.dtype)
                 rs.contributors, rs.samples = list(sec.u3), weight
-                self._close_training_round(job, rs, mean)
+                self._close_training_round(job, rs, job.strategy.aggregate(rs.round, job.state, mean,
+                                                                           sorted(rs.contributors)))
                 return
         except PlexusError as exc:
             self._fail_round(job, rs, str(exc))
@@ -546,15 +648,15 @@ class Engine:
         noisy = add_noise(mean, std, noise_key(job.cfg.seed, job.cfg.name, rs.round, "coordinator"))
         return {k: noisy[k].astype(mean[k].dtype) for k in mean}
 
-    def _close_training_round(self, job: ActiveJob, rs: RoundState, mean: dict[str, np.ndarray],
-                              mean_blob: bytearray | None = None) -> None:
-        """mean_blob, when given, is the blob `mean` views; a strategy returning `mean` itself reuses it."""
-        state = job.strategy.aggregate(rs.round, job.state, mean)
-        if state is mean and mean_blob is not None:
-            layout, blob = job.layout, mean_blob
+    def _close_training_round(self, job: ActiveJob, rs: RoundState, state: dict[str, np.ndarray],
+                              state_blob: bytearray | None = None) -> None:
+        """state_blob, when given, is the blob `state` views (it is then written without re-encoding)."""
+        if state_blob is not None:
+            layout, blob = job.layout, state_blob
         else:
             layout, blob = encode(state)
         self.store.save_checkpoint_blob(job.row.id, rs.round, layout, blob)
+        self.store.save_strategy_state(job.row.id, rs.round, job.strategy.state_arrays(), job.strategy.state_meta())
         message = f"{len(rs.contributors)} update(s), {rs.samples} samples"
         self.store.close_round(job.row.id, rs.round, status="closed", contributors=sorted(rs.contributors),
                                total_samples=rs.samples, message=message, job_update={"current_round": rs.round})
@@ -564,8 +666,7 @@ class Engine:
             epsilon = shared_worker().epsilon_after(rs.round, dp.noise_multiplier, 1.0, dp.delta)
             self.store.record_metrics(job.row.id, {(rs.round, "", "privacy", "epsilon"): epsilon,
                                                    (rs.round, "", "privacy", "delta"): dp.delta})
-        job.layout, job.blob = layout, blob
-        job.state = decode(layout, blob)
+        job.set_model(layout, blob)
         if not job.in_memory:
             self._serve_from_checkpoint(job, rs.round)   # sites stream it from the checkpoint just written
         job.model_round = rs.round
@@ -576,11 +677,14 @@ class Engine:
         """Drop the in-memory model; FetchModel then streams the checkpoint file (shared page cache)."""
         layout, path, start = self.store.checkpoint_source(job.row.id, round_)
         job.layout, job.source, job.state, job.blob = layout, (path, start), None, None
+        job.served_layout, job.served_blob = layout, None
 
     def _fail_active(self, message: str) -> None:
         job = self._active
         self._active = None
         if job is not None:
+            if job.round:
+                job.round.drop_held()
             self.store.set_job(job.row.id, status="failed", message=message, event=("job_failed", 0, "", message))
             self.store.interrupt_open_rounds()
 

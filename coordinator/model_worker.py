@@ -33,9 +33,10 @@ class ModelWorker:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
-    def build(self, name: str, args: dict, *, seed: int, out: Path) -> dict[str, np.ndarray]:
-        """Initial weights of model `name` written to `out` (safetensors) and returned; ConfigError if invalid."""
-        self._call({"op": "build", "name": name, "args": args, "seed": seed, "out": str(out)})
+    def build(self, name: str, args: dict, *, seed: int, out: Path, members: int = 0) -> dict[str, np.ndarray]:
+        """Initial weights of model `name` (an ensemble of `members` copies when ≥ 2) written to `out`
+        (safetensors) and returned; ConfigError if invalid."""
+        self._call({"op": "build", "name": name, "args": args, "seed": seed, "out": str(out), "members": members})
         return load_file(str(out))
 
     def epsilon_after(self, rounds: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
@@ -109,7 +110,8 @@ def _serve() -> int:
                 reply = {"epsilon": epsilon_after(request["rounds"], request["noise_multiplier"],
                                                   request["sample_rate"], request["delta"])}
             else:
-                state = state_to_numpy(build_model(request["name"], request["args"], seed=request["seed"]))
+                state = state_to_numpy(build_model(request["name"], request["args"], seed=request["seed"],
+                                                   members=request.get("members", 0)))
                 out = Path(request["out"])
                 tmp = out.with_suffix(".building")
                 save_file(state, str(tmp))

@@ -45,7 +45,8 @@ class FederationService(federation_pb2_grpc.FederationServicer):
     @guarded(kind="site")
     def Join(self, request, context, *, who):
         self.engine.join(who.name, agent_version=request.agent_version[:64], models=list(request.models)[:256],
-                         datasets=list(request.datasets)[:256], policy_digest=request.policy_digest[:128])
+                         datasets=list(request.datasets)[:256], policy_digest=request.policy_digest[:128],
+                         dataset_rows={k[:128]: int(v) for k, v in list(request.dataset_rows.items())[:256]})
         if self.audit is not None:
             self.audit.site_joined(who.name, policy_digest=request.policy_digest[:128],
                                    agent_version=request.agent_version[:64])
@@ -60,7 +61,8 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         return fpb.Task(kind=_KINDS[grant.kind], task_id=grant.task_id, job_id=grant.job_id, round=grant.round,
                         model_round=grant.model_round, config_yaml=grant.config_yaml, nonce=grant.nonce,
                         deadline_unix_s=grant.deadline_unix_s, seed=grant.seed,
-                        secagg=_payload_proto(grant.payload) if grant.payload is not None else None)
+                        secagg=_payload_proto(grant.payload) if grant.payload is not None else None,
+                        local_steps=grant.local_steps)
 
     @guarded(kind="site")
     def FetchModel(self, request, context, *, who):

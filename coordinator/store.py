@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from plexus.errors import IntegrityError, NotFound
@@ -75,7 +76,7 @@ class Store:
         self.spool = self.state_dir / "spool"
         for d in (self.state_dir, self.checkpoints, self.spool):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for leftover in self.spool.glob("*.part"):  # half-received updates of a crashed run are void
+        for leftover in [*self.spool.glob("*.part"), *self.spool.glob("*.held")]:  # half-received updates of a crashed run are void
             leftover.unlink()
         self.clock = clock
         self._listeners: list = []
@@ -261,11 +262,34 @@ class Store:
 
     def save_checkpoint_blob(self, job_id: str, round_: int, layout: Layout, blob) -> Path:
         """A safetensors file whose data section is exactly the wire blob: no serialising copy of the model."""
-        path = self.checkpoint_path(job_id, round_)
+        return self._write_safetensors(self.checkpoint_path(job_id, round_), layout, blob,
+                                       {"job": job_id, "round": str(round_)})
+
+    def strategy_state_path(self, job_id: str, round_: int) -> Path:
+        return self.checkpoints / job_id / f"{round_}.strategy.safetensors"
+
+    def save_strategy_state(self, job_id: str, round_: int, arrays: Mapping[str, np.ndarray], meta: dict) -> Path:
+        """The strategy's state after a round (server optimizer moments, control variates, schedule),
+        written before the round is marked closed so a restart resumes the strategy exactly."""
+        layout, blob = encode({k: np.asarray(v) for k, v in arrays.items()})
+        return self._write_safetensors(self.strategy_state_path(job_id, round_), layout, blob,
+                                       {"job": job_id, "round": str(round_), "strategy": json.dumps(meta)})
+
+    def load_strategy_state(self, job_id: str, round_: int) -> tuple[dict[str, np.ndarray], dict]:
+        path = self.strategy_state_path(job_id, round_)
+        if not path.exists():
+            raise NotFound(f"job {job_id} has no strategy state for round {round_} ({path} is missing); "
+                           "the job cannot resume its strategy exactly")
+        with safe_open(str(path), framework="numpy") as fh:
+            meta = json.loads((fh.metadata() or {}).get("strategy", "{}"))
+            arrays = {name: fh.get_tensor(name) for name in fh.keys()}
+        return arrays, meta
+
+    def _write_safetensors(self, path: Path, layout: Layout, blob, metadata: dict[str, str]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         header = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
                   for t in layout.tensors}
-        header["__metadata__"] = {"job": job_id, "round": str(round_)}
+        header["__metadata__"] = metadata
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)   # safetensors pads the header to 8-byte alignment
         tmp = path.with_suffix(".tmp")

@@ -231,13 +231,18 @@ class RoundConfig:
 class DatasetSpec:
     """Where a site finds one named dataset; which keys it needs depends on `kind`."""
 
-    kind: str = field(metadata=_one_of("csv", "npz", "heart-disease"))
+    kind: str = field(metadata=_one_of("csv", "npz", "heart-disease", "fashion-mnist"))
     path: Path | None = None
     label: str | None = None
     hospital: str | None = field(default=None, metadata=_one_of(*HOSPITALS))
     features: tuple[str, ...] | None = field(default=None, metadata=_non_empty())
     test_fraction: float = field(default=0.34, metadata=_range(0, 1, lo_open=True, hi_open=True))
     split_seed: int = 43
+    # fashion-mnist: this site is share `index` of a Dirichlet(alpha) label-skew split over `sites` sites.
+    sites: int | None = field(default=None, metadata=_range(1, 10_000))
+    index: int | None = field(default=None, metadata=_range(0, 9_999))
+    alpha: float | None = field(default=None, metadata=_range(0, lo_open=True))
+    limit: int | None = field(default=None, metadata=_range(1))  # first N training rows, before splitting
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,15 +298,28 @@ class AdminConfig:
     kit: Path
 
 
-_DATASET_NEEDS = {"csv": ("path", "label"), "npz": ("path",), "heart-disease": ("hospital",)}
+_DATASET_NEEDS = {"csv": ("path", "label"), "npz": ("path",), "heart-disease": ("hospital",),
+                  "fashion-mnist": ("sites", "index", "alpha")}
+# Optional keys (default None) that mean something for each kind; the others are rejected.
+_DATASET_APPLIES = {"csv": ("path", "label", "features"), "npz": ("path",), "heart-disease": ("path", "hospital"),
+                    "fashion-mnist": ("path", "sites", "index", "alpha", "limit")}
 _DATASET_EXAMPLE = {"path": "<file path>", "label": "<label column>",
-                    "hospital": f"<one of {', '.join(HOSPITALS)}>"}
+                    "hospital": f"<one of {', '.join(HOSPITALS)}>", "sites": "<number of sites, e.g. 8>",
+                    "index": "<this site's share, 0..sites-1>", "alpha": "<Dirichlet concentration, e.g. 0.3>"}
 
 
 def _dataset_problem(spec: DatasetSpec) -> tuple[str, str] | None:
+    applies = _DATASET_APPLIES[spec.kind]
+    for key in sorted({key for keys in _DATASET_APPLIES.values() for key in keys} - set(applies)):
+        if getattr(spec, key) is not None:
+            return key, f"does not apply to kind {spec.kind!r}; remove it (that kind uses: {', '.join(applies)})"
     for key in _DATASET_NEEDS[spec.kind]:
         if getattr(spec, key) is None:
             return key, f"required for kind {spec.kind!r} but not set; add '{key}: {_DATASET_EXAMPLE[key]}'"
+    if spec.index is not None and spec.sites is not None and spec.index >= spec.sites:
+        return "index", f"{spec.index} is not a share of a {spec.sites}-site split; use 0..{spec.sites - 1}"
+    if spec.limit is not None and spec.sites is not None and spec.limit < spec.sites:
+        return "limit", f"{spec.limit} rows cannot give each of {spec.sites} sites a row; use at least {spec.sites}"
     return None
 
 
@@ -583,3 +601,11 @@ def load_coordinator_config(path: Path) -> CoordinatorConfig:
 def load_admin_config(path: Path) -> AdminConfig:
     """Read and validate an admin CLI config; relative paths resolve against its folder."""
     return _load(path, AdminConfig)
+
+
+def ensemble_members(cfg: RoundConfig) -> int:
+    """How many member models a job's model has: len(strategy.args.members) for ensembling, else 0."""
+    if cfg.strategy.name != "ensemble":
+        return 0
+    members = cfg.strategy.args.get("members")
+    return len(members) if isinstance(members, list) else 0

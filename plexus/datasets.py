@@ -1,8 +1,10 @@
-"""Datasets a site trains on: the bundled Fed-Heart-Disease split and local CSV / NPZ files."""
+"""Datasets a site trains on: Fed-Heart-Disease, a Fashion-MNIST label-skew split, local CSV / NPZ files."""
 
 from __future__ import annotations
 
 import csv
+import functools
+import gzip
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,15 @@ from plexus.errors import ConfigError, IntegrityError
 HOSPITALS = ("cleveland", "hungary", "switzerland", "va")
 
 HEART_DISEASE_CSV = Path(__file__).parent / "data" / "heart_disease_uci.csv"
+
+# Debian's dataset-fashion-mnist package installs the four original IDX files here.
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_CLASSES = 10
+_IDX_IMAGES_MAGIC = 0x00000803  # unsigned bytes, 3 dimensions
+_IDX_LABELS_MAGIC = 0x00000801  # unsigned bytes, 1 dimension
+_FASHION_SIDE = 28
+# Fields only a Dirichlet-split image dataset uses; every other kind rejects them.
+_SPLIT_FIELDS = ("sites", "index", "alpha", "limit")
 
 # Hospital name in a config -> value of the CSV's `dataset` column.
 _HOSPITAL_COLUMN = {
@@ -126,12 +137,153 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np
 
 
 def _load_heart_disease(spec: Any) -> Split:
-    _reject_fields(spec, "heart-disease", ("label", "features"))
+    _reject_fields(spec, "heart-disease", ("label", "features", *_SPLIT_FIELDS))
     if spec.hospital is None:
         raise ConfigError(f"heart-disease dataset needs `hospital`, one of {list(HOSPITALS)}")
     return heart_disease(
         spec.hospital, path=spec.path, test_fraction=spec.test_fraction, seed=spec.split_seed
     )
+
+
+def fashion_mnist(
+    *, sites: int, index: int, alpha: float, split_seed: int = 0,
+    path: Path | None = None, limit: int | None = None,
+) -> Split:
+    """Site ``index`` of a Dirichlet(alpha) label-skew split of Fashion-MNIST's training set.
+
+    Every site computes the same partition from (sites, alpha, split_seed,
+    limit), so the shares are disjoint and cover the training rows without
+    any coordination. ``limit`` keeps only the first N training images (before
+    splitting), for fast runs. The test rows are the whole balanced 10k t10k
+    set at every site: the question a label-skew benchmark asks is how well the
+    federated model does on the population, not on one site's skewed slice.
+    Images are float32 (n, 1, 28, 28) in [0, 1]; the arrays are read-only
+    (the test set is shared between sites of one process).
+    """
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < sites:
+        raise ConfigError(f"fashion-mnist: index {index!r} is not a site of the split; use 0..{sites - 1}")
+    directory = FASHION_MNIST_DIR if path is None else Path(path)
+    images, labels = _fashion_part(directory, "train")
+    if limit is not None:
+        if limit < sites:
+            raise ConfigError(f"fashion-mnist: limit {limit} leaves fewer rows than the {sites} sites; "
+                              f"raise limit to at least {sites}")
+        images, labels = images[:limit], labels[:limit]
+    try:
+        rows = dirichlet_partition(labels, sites, alpha, split_seed)[index]
+    except ValueError as e:
+        raise ConfigError(f"fashion-mnist: {e}") from None
+    x_test, y_test = _fashion_test(directory)
+    x_train = _read_only(_scale(images[rows]))
+    y_train = _read_only(labels[rows].astype(np.int64))
+    return Split(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
+                 num_classes=FASHION_MNIST_CLASSES, feature_names=())
+
+
+def dirichlet_partition(labels: np.ndarray, sites: int, alpha: float, seed: int) -> list[np.ndarray]:
+    """Split row indices across ``sites`` with a Dirichlet(alpha) label skew; sorted int64 index arrays.
+
+    For each class (in sorted order), proportions p ~ Dir(alpha * 1_sites) are
+    drawn from ``np.random.default_rng(seed)`` and the class's shuffled rows are
+    cut at round(cumsum(p) * n_class). (Rounding, not the usual floor: floor
+    hands every class's remainder to the last site, which matters for small
+    classes.) The result is disjoint and covers every row. If a site ends up
+    empty the whole draw is repeated with the same generator, so the result
+    still depends on the arguments alone.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
+    if isinstance(sites, bool) or not isinstance(sites, (int, np.integer)) or sites < 1:
+        raise ValueError(f"sites must be a positive integer, got {sites!r}")
+    if not (isinstance(alpha, (int, float, np.floating)) and math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
+    if len(labels) < sites:
+        raise ValueError(f"cannot give each of {sites} sites a row: there are only {len(labels)} rows")
+    rng = np.random.default_rng(seed)
+    classes = np.unique(labels)
+    for _ in range(1000):
+        shares: list[list[np.ndarray]] = [[] for _ in range(sites)]
+        for label in classes:
+            members = rng.permutation(np.flatnonzero(labels == label))
+            cuts = np.rint(np.cumsum(rng.dirichlet(np.full(sites, float(alpha))))[:-1] * len(members))
+            cuts = cuts.astype(np.int64)
+            for share, chunk in zip(shares, np.split(members, cuts)):
+                share.append(chunk)
+        parts = [np.sort(np.concatenate(share)).astype(np.int64) for share in shares]
+        if min(len(part) for part in parts) > 0:
+            return parts
+    raise ValueError(
+        f"1000 Dirichlet draws with alpha={alpha} each left a site without rows; "
+        f"raise alpha, use fewer sites than {sites} or more rows than {len(labels)}"
+    )
+
+
+def _load_fashion_mnist(spec: Any) -> Split:
+    _reject_fields(spec, "fashion-mnist", ("label", "features", "hospital"))
+    for name in ("sites", "index", "alpha"):
+        if getattr(spec, name, None) is None:
+            raise ConfigError(f"fashion-mnist dataset needs `{name}`")
+    return fashion_mnist(sites=spec.sites, index=spec.index, alpha=spec.alpha, split_seed=spec.split_seed,
+                         path=spec.path, limit=getattr(spec, "limit", None))
+
+
+@functools.lru_cache(maxsize=2)
+def _fashion_part(directory: Path, part: str) -> tuple[np.ndarray, np.ndarray]:
+    # Decoding 60k images takes a while; the bench loads many sites in one process.
+    images = _read_idx(directory / f"{part}-images-idx3-ubyte.gz", _IDX_IMAGES_MAGIC, 3)
+    labels = _read_idx(directory / f"{part}-labels-idx1-ubyte.gz", _IDX_LABELS_MAGIC, 1)
+    if images.shape[1:] != (_FASHION_SIDE, _FASHION_SIDE):
+        raise IntegrityError(f"{directory}: {part} images are {images.shape[1:]}, Fashion-MNIST's are 28x28")
+    if len(images) != len(labels):
+        raise IntegrityError(f"{directory}: {part} has {len(images)} images but {len(labels)} labels")
+    if len(labels) == 0:
+        raise IntegrityError(f"{directory}: {part} holds no images")
+    if labels.max() >= FASHION_MNIST_CLASSES:
+        raise IntegrityError(f"{directory}: {part} has label {labels.max()}; Fashion-MNIST's are 0..9")
+    return _read_only(images), _read_only(labels)
+
+
+@functools.lru_cache(maxsize=1)
+def _fashion_test(directory: Path) -> tuple[np.ndarray, np.ndarray]:
+    images, labels = _fashion_part(directory, "t10k")
+    return _read_only(_scale(images)), _read_only(labels.astype(np.int64))
+
+
+def _read_idx(path: Path, magic: int, ndim: int) -> np.ndarray:
+    """An IDX file (LeCun's MNIST format, gzip-compressed) as a uint8 array, its header checked."""
+    try:
+        with gzip.open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"dataset file {path} does not exist; install Debian's dataset-fashion-mnist package "
+            "or set `path` to a folder with the four *-ubyte.gz files"
+        ) from None
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise IntegrityError(f"{path} is not a readable gzip file: {e}") from None
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise IntegrityError(f"{path} is {len(data)} bytes, too short for an IDX header of {header} bytes")
+    found = int.from_bytes(data[:4], "big")
+    if found != magic:
+        raise IntegrityError(f"{path}: IDX magic number is {found:#010x}, expected {magic:#010x} "
+                             f"(unsigned bytes, {ndim} dimension{'s' if ndim > 1 else ''})")
+    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    if len(data) - header != math.prod(shape):
+        raise IntegrityError(f"{path}: header says shape {shape} ({math.prod(shape)} bytes of data), "
+                             f"the file holds {len(data) - header}; the file is truncated or corrupt")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def _scale(images: np.ndarray) -> np.ndarray:
+    return (images.astype(np.float32) / np.float32(255.0)).reshape(-1, 1, _FASHION_SIDE, _FASHION_SIDE)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array = np.ascontiguousarray(array)
+    array.flags.writeable = False
+    return array
 
 
 def _heart_rows(path: Path, hospital_column: str) -> tuple[np.ndarray, np.ndarray]:
@@ -194,7 +346,7 @@ def _heart_features(row: dict[str, str], path: Path) -> list[float]:
 
 
 def _load_csv(spec: Any) -> Split:
-    _reject_fields(spec, "csv", ("hospital",))
+    _reject_fields(spec, "csv", ("hospital", *_SPLIT_FIELDS))
     path = _required_path(spec, "csv")
     if spec.label is None:
         raise ConfigError("csv dataset needs `label`: the name of the label column")
@@ -261,7 +413,7 @@ def _encode_labels(raw: list[str]) -> np.ndarray:
 
 
 def _load_npz(spec: Any) -> Split:
-    _reject_fields(spec, "npz", ("label", "features", "hospital"))
+    _reject_fields(spec, "npz", ("label", "features", "hospital", *_SPLIT_FIELDS))
     path = _required_path(spec, "npz")
     try:
         # NEVER allow_pickle: unpickling a crafted file runs arbitrary code.
@@ -389,4 +541,5 @@ KINDS: dict[str, Callable[[Any], Split]] = {
     "csv": _load_csv,
     "npz": _load_npz,
     "heart-disease": _load_heart_disease,
+    "fashion-mnist": _load_fashion_mnist,
 }

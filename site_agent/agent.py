@@ -26,13 +26,14 @@ from plexus.errors import FailedPrecondition
 from plexus.secagg import SiteSession
 from plexus.secagg_proto import advert_from_proto, advert_to_proto
 from plexus.datasets import Split, load_dataset
-from plexus.models import available_models, build_model, load_numpy_state, state_to_numpy
+from plexus.models import available_models, build_job_model, load_numpy_state, state_to_numpy
 from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, decode, encode, iter_chunks
 from site_agent.policy import policy_digest, refusal
 from site_agent.audit import SiteAudit
-from site_agent.training import TrainResult, evaluate, train_local, train_local_dp_sgd
+from site_agent.local import LocalResult, local_update, served_layout
+from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
 
 log = logging.getLogger("plexus.site")
 
@@ -65,8 +66,8 @@ class SiteAgent:
                     stub = federation_pb2_grpc.FederationStub(channel)
                     reply = stub.Join(fpb.JoinRequest(
                         agent_version=__version__, models=sorted(available_models()),
-                        datasets=sorted(self.config.datasets), policy_digest=policy_digest(self.config.policy)),
-                        timeout=10)
+                        datasets=sorted(self.config.datasets), policy_digest=policy_digest(self.config.policy),
+                        dataset_rows=self._dataset_rows()), timeout=10)
                     log.info("joined federation %r as site %r", reply.federation, reply.site)
                     delay = BACKOFF_START_S
                     self._serve(stub, reply.poll_timeout_s or 20.0)
@@ -104,8 +105,10 @@ class SiteAgent:
             if task.kind in SECAGG_LATER_PHASES:
                 return self._secagg_phase(stub, task)
             data = self._dataset(job.data.dataset)
-            model = build_model(job.model.name, job.model.args, seed=job.seed)
-            incoming = self._fetch(stub, task, Layout.of(state_to_numpy(model)))
+            model = build_job_model(job)
+            served = self._fetch(stub, task, served_layout(job, model))
+            names = set(state_to_numpy(model))
+            incoming = {k: v for k, v in served.items() if k in names}
             load_numpy_state(model, incoming)
             kind = "evaluate" if task.kind == fpb.TASK_EVALUATE else "train"
             self.audit.ran(task.job_id, task.round, job.data.dataset, job.model.name, kind)
@@ -113,20 +116,22 @@ class SiteAgent:
             if task.kind == fpb.TASK_EVALUATE:
                 return self._report(stub, task, fpb.RESULT_EVALUATED, "", eval_metrics)
             if job.privacy.dp_sgd is not None:
-                result = self._train_dp_sgd(model, data, job, task)
+                local = LocalResult(self._train_dp_sgd(model, data, job, task), {}, lambda: None)
             else:
-                result = self.train(model, data, job, seed=task.seed)
+                local = self.local_update(job, model, served, data, task)
             if job.privacy.dp is not None:
                 self._clip_and_noise(model, incoming, job, task)
             if task.kind == fpb.TASK_SECAGG_ADVERTISE:
-                return self._advertise(stub, task, job, incoming, model, result, eval_metrics)
+                return self._advertise(stub, task, job, incoming, model, local.result, eval_metrics)
         except grpc.RpcError:
             raise
         except (ValueError, RuntimeError, LookupError, FailedPrecondition) as exc:  # IntegrityError is a ValueError
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
             return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
-        self._submit(stub, task, job, model, result, eval_metrics)
+        update = {**state_to_numpy(model), **{k: v for k, v in local.update.items() if k not in names}}
+        if self._submit(stub, task, update, local.result, eval_metrics):
+            local.commit()   # e.g. SCAFFOLD's control variate: kept only once the coordinator took the update
 
     # secure aggregation ---------------------------------------------------------------------
     def _advertise(self, stub, task, job: RoundConfig, incoming: dict, model, result, eval_metrics: dict) -> None:
@@ -193,9 +198,10 @@ class SiteAgent:
         self.audit.sent(task.job_id, task.round, "masked:" + digest.hexdigest(), 0)
         log.info("job %s round %d: sent the masked update", task.job_id, task.round)
 
-    def train(self, model, data: Split, job: RoundConfig, *, seed: int) -> TrainResult:
-        """Local training; benchmarks override this with a trivial step."""
-        return train_local(model, data.x_train, data.y_train, job.train, seed=seed)
+    def local_update(self, job: RoundConfig, model, served: dict, data: Split, task) -> LocalResult:
+        """This round's local work for the job's strategy; benchmarks override it with a trivial step."""
+        return local_update(job, model, served, data, site=self.config.site, job_id=task.job_id, seed=task.seed,
+                            local_steps=task.local_steps, state_dir=self.config.state_dir)
 
     def evaluate(self, model, data: Split) -> dict[str, float]:
         return evaluate(model, data.x_test, data.y_test)
@@ -223,6 +229,16 @@ class SiteAgent:
             delta = add_noise(delta, std, noise_key(None, task.job_id, task.round, "site"))
         load_numpy_state(model, {k: (incoming[k] + delta[k]).astype(trained[k].dtype) for k in trained})
 
+    def _dataset_rows(self) -> dict[str, int]:
+        """Training rows per configured dataset (sent at Join, for steps proportional to site size)."""
+        rows = {}
+        for name in sorted(self.config.datasets):
+            try:
+                rows[name] = len(self._dataset(name).y_train)
+            except (ValueError, OSError) as exc:   # reported again, with the job, when a task needs it
+                log.warning("dataset %r cannot be loaded: %s", name, exc)
+        return rows
+
     def _dataset(self, name: str) -> Split:
         if name not in self._data:
             self._data[name] = load_dataset(self.config.datasets[name])
@@ -237,8 +253,9 @@ class SiteAgent:
         expected.require_same(layout, what="the coordinator's model")
         return decode(layout, assemble(layout, (message.chunk for message in stream)))
 
-    def _submit(self, stub, task, job: RoundConfig, model, result, eval_metrics: dict) -> None:
-        layout, blob = encode(state_to_numpy(model))
+    def _submit(self, stub, task, update: dict, result, eval_metrics: dict) -> bool:
+        """Stream the update; True once the coordinator accepted it."""
+        layout, blob = encode(update)
         header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                                   num_samples=result.num_samples, metrics=result.metrics,
                                   eval_metrics=eval_metrics, manifest=layout.to_proto())
@@ -254,12 +271,13 @@ class SiteAgent:
             if exc.code() in _RETRY:
                 raise
             log.warning("job %s round %d: update refused: %s", task.job_id, task.round, exc.details())
-            return
+            return False
         digest = hashlib.sha256(blob).hexdigest()
         self.audit.sent(task.job_id, task.round, digest, result.num_samples)
         log.info("job %s round %d: sent update sha256=%s (%d samples, train_loss %.4f): %s", task.job_id,
                  task.round, digest[:16], result.num_samples,
                  result.metrics.get("train_loss", float("nan")), reply.message)
+        return True
 
     def _report(self, stub, task, status, reason: str, eval_metrics: dict | None = None) -> None:
         try:

@@ -184,19 +184,18 @@ def test_malformed_masked_input_is_excluded_with_a_reason(federation):
     assert rejected and rejected[0].reason == err.value.details()
 
 
-def test_secure_aggregation_with_a_non_sum_strategy_is_refused_at_submit(federation, monkeypatch):
-    from coordinator import strategies
-
-    class Median:
-        def configure(self, round_, available):
-            return sorted(available)
-
-    monkeypatch.setitem(strategies.REGISTRY, "median", Median)
-    job = secure_job(rounds=1).replace("rounds: 1", "rounds: 1\nstrategy: {name: median}")
+@pytest.mark.parametrize("strategy", ["median", "trimmed_mean", "krum", "multi_krum", "cwt", "swt",
+                                      "ensemble", "scaffold"])
+def test_secure_aggregation_with_a_strategy_it_cannot_compute_is_refused_at_submit(federation, strategy):
+    args = {"ensemble": "{members: [a, b]}", "krum": "{f: 0}", "multi_krum": "{f: 0}"}.get(strategy, "{}")
+    job = secure_job(rounds=1).replace("rounds: 1", f"rounds: 1\nstrategy: {{name: {strategy}, args: {args}}}")
+    if strategy in ("cwt", "swt"):
+        job = job.replace("min: 3", "min: 1")
     with pytest.raises(grpc.RpcError) as err:
         federation.admin().submit(job)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "needs every site's update in the clear" in err.value.details()
+    assert "secure aggregation" in err.value.details() or "secure_aggregation" in err.value.details()
+    assert federation.store.jobs() == []
 
 
 def test_site_requiring_secure_aggregation_declines_a_plain_job(federation):

@@ -435,7 +435,7 @@ def test_site_paths_resolve_when_loaded_by_relative_path(tmp_path, monkeypatch):
         (SITE + "datasets:\n  heart:\n    kind: heart-disease\n    hospital: mars\n",
          "7: datasets.heart.hospital: 'mars' is not allowed", "use one of: cleveland, hungary, switzerland, va"),
         (SITE + "datasets:\n  heart: {kind: parquet, path: x}\n", "5: datasets.heart.kind: 'parquet' is not allowed",
-         "csv, heart-disease, npz"),
+         "csv, fashion-mnist, heart-disease, npz"),
         (SITE + "datasets:\n  h: {kind: csv, path: x, label: y, test_fraction: 1}\n",
          "5: datasets.h.test_fraction: 1.0 is out of range", "in (0, 1)"),
         (SITE + "datasets:\n  h: {kind: csv, path: x, label: y, features: []}\n",

@@ -37,16 +37,25 @@ RESULT_DECLINED: ResultStatus
 RESULT_FAILED: ResultStatus
 
 class JoinRequest(_message.Message):
-    __slots__ = ("agent_version", "models", "datasets", "policy_digest")
+    __slots__ = ("agent_version", "models", "datasets", "policy_digest", "dataset_rows")
+    class DatasetRowsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     DATASETS_FIELD_NUMBER: _ClassVar[int]
     POLICY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ROWS_FIELD_NUMBER: _ClassVar[int]
     agent_version: str
     models: _containers.RepeatedScalarFieldContainer[str]
     datasets: _containers.RepeatedScalarFieldContainer[str]
     policy_digest: str
-    def __init__(self, agent_version: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[str]] = ..., policy_digest: _Optional[str] = ...) -> None: ...
+    dataset_rows: _containers.ScalarMap[str, int]
+    def __init__(self, agent_version: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[str]] = ..., policy_digest: _Optional[str] = ..., dataset_rows: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("federation", "site", "poll_timeout_s")
@@ -65,7 +74,7 @@ class NextTaskRequest(_message.Message):
     def __init__(self, wait_s: _Optional[float] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("kind", "task_id", "job_id", "round", "model_round", "config_yaml", "nonce", "deadline_unix_s", "seed", "secagg")
+    __slots__ = ("kind", "task_id", "job_id", "round", "model_round", "config_yaml", "nonce", "deadline_unix_s", "seed", "secagg", "local_steps")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +85,7 @@ class Task(_message.Message):
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SECAGG_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     kind: TaskKind
     task_id: str
     job_id: str
@@ -86,7 +96,8 @@ class Task(_message.Message):
     deadline_unix_s: float
     seed: int
     secagg: SecAggPayload
-    def __init__(self, kind: _Optional[_Union[TaskKind, str]] = ..., task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_round: _Optional[int] = ..., config_yaml: _Optional[str] = ..., nonce: _Optional[bytes] = ..., deadline_unix_s: _Optional[float] = ..., seed: _Optional[int] = ..., secagg: _Optional[_Union[SecAggPayload, _Mapping]] = ...) -> None: ...
+    local_steps: int
+    def __init__(self, kind: _Optional[_Union[TaskKind, str]] = ..., task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., model_round: _Optional[int] = ..., config_yaml: _Optional[str] = ..., nonce: _Optional[bytes] = ..., deadline_unix_s: _Optional[float] = ..., seed: _Optional[int] = ..., secagg: _Optional[_Union[SecAggPayload, _Mapping]] = ..., local_steps: _Optional[int] = ...) -> None: ...
 
 class SecAggAdvert(_message.Message):
     __slots__ = ("site", "c_pk", "s_pk", "num_samples", "b_commitment", "signature", "cert_pem")
