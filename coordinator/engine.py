@@ -102,6 +102,8 @@ class ActiveJob:
     served_layout: Layout | None = None      # model + the strategy's served tensors (SCAFFOLD's c)
     served_blob: bytes | None = None
     update_layout: Layout | None = None      # model + the tensors every update adds (SCAFFOLD's Δc)
+    activated: float = 0.0                   # monotonic time the engine took the job up
+    opened_any: bool = False                 # a round has opened since then
 
     @property
     def in_memory(self) -> bool:
@@ -154,11 +156,12 @@ def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
 
 class Engine:
     def __init__(self, store: Store, *, federation: str = "", poll_timeout_s: float = 20.0,
-                 clock=time.time, monotonic=time.monotonic):
+                 rejoin_grace_s: float = 0.0, clock=time.time, monotonic=time.monotonic):
         self.store = store
         self.federation = federation
         self.poll_timeout_s = poll_timeout_s
         self.online_window_s = 2 * poll_timeout_s + 10
+        self.rejoin_grace_s = rejoin_grace_s
         self._clock, self._mono = clock, monotonic
         self._cv = threading.Condition()
         self._seen: dict[str, float] = {}
@@ -493,7 +496,7 @@ class Engine:
             return False
         # The global model exists once: the wire blob; the state dict is views over it. A job
         # whose engine never reads the model (plain FedAvg) serves it from the checkpoint file.
-        job = ActiveJob(row, cfg, strategy, layout, {}, blob, row.current_round)
+        job = ActiveJob(row, cfg, strategy, layout, {}, blob, row.current_round, activated=self._mono())
         job.set_model(layout, blob)
         if not job.in_memory:
             self._serve_from_checkpoint(job, row.current_round)
@@ -518,13 +521,16 @@ class Engine:
         evaluating = job.model_round >= cfg.rounds or bool(job.budget_stop) or job.strategy.done(job.model_round)
         online = self._eligible_online(job)
         known = self._known(job)
+        missing = sorted(set(known) - set(online))
+        if missing and not job.opened_any and self._mono() - job.activated < self.rejoin_grace_s:
+            self._waiting(job, f"waiting up to {self.rejoin_grace_s:g}s for registered sites to connect: "
+                               + ", ".join(missing))
+            return
         participants = online if evaluating else job.strategy.configure(job.model_round + 1, online, known)
         if len(participants) < (1 if evaluating else cfg.sites.min):
-            message = f"waiting for sites: {len(participants)} of {cfg.sites.min} needed are online"
-            if job.row.message != message:
-                self.store.set_job(job.row.id, message=message)
-                job.row = self.store.job(job.row.id)
+            self._waiting(job, f"waiting for sites: {len(participants)} of {cfg.sites.min} needed are online")
             return
+        job.opened_any = True
         round_ = job.model_round + 1
         kind = "evaluate" if evaluating else "train"
         self.store.open_round(job.row.id, round_, kind)
@@ -545,6 +551,11 @@ class Engine:
         log.info("job %s round %d (%s) opened for %s%s", job.row.id, round_, kind, ", ".join(participants),
                  f"; evaluating: {', '.join(evaluators)}" if evaluators else "")
         self._cv.notify_all()
+
+    def _waiting(self, job: ActiveJob, message: str) -> None:
+        if job.row.message != message:
+            self.store.set_job(job.row.id, message=message)
+            job.row = self.store.job(job.row.id)
 
     def _maybe_close_round(self, job: ActiveJob) -> float:
         rs = job.round

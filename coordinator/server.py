@@ -40,7 +40,8 @@ class Coordinator:
         self.audit = CoordinatorAudit(self.audit_log, self.store)
         crl = RevocationList(config.crl or Path(config.kit) / "crl.pem", kit.ca_pem, on_revoked=lambda serials: [
             self.audit.certificate_revoked(f"serial {n}", serial=n, by="crl") for n in serials])
-        self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s)
+        self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
+                             rejoin_grace_s=config.rejoin_grace_s)
         auth = Authenticator(crl)
         self.server, self.port = transport.server(kit, config.listen, max_workers=config.max_workers)
         self.metrics = CoordinatorMetrics(store=self.store, online_sites=self.engine.online_sites)

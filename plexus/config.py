@@ -282,6 +282,9 @@ class CoordinatorConfig:
     state_dir: Path = Path("state")
     crl: Path | None = None
     poll_timeout_s: float = field(default=20.0, metadata=_range(0, 300, lo_open=True))
+    # When a job starts or resumes, wait this long for every registered site to (re)connect before its
+    # first round, so a coordinator restart does not leave out (or, for cwt, skip) sites still reconnecting.
+    rejoin_grace_s: float = field(default=15.0, metadata=_range(0, 3600))
     chunk_bytes: int = field(default=1 << 20, metadata=_range(1 << 16, 1 << 22))
     max_workers: int = field(default=128, metadata=_range(8, 4096))
     # Prometheus metrics over plain HTTP (off unless set; keep it on 127.0.0.1 or a private network).

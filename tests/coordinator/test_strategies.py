@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -502,3 +503,12 @@ def test_registry_names():
     assert sorted(REGISTRY) == sorted(["fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "scaffold",
                                        "median", "trimmed_mean", "krum", "multi_krum", "cwt", "swt", "ensemble"])
     assert all(REGISTRY[name].name == name for name in REGISTRY)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("heart-*.yaml")),
+                         ids=lambda p: p.name)
+def test_example_round_configs_are_valid(path):
+    from plexus.config import load_round_config
+
+    cfg = load_round_config(path)
+    assert make_strategy(cfg).name == cfg.strategy.name

@@ -50,7 +50,8 @@ class Federation:
         self.root = root
         self.coordinator = Coordinator(CoordinatorConfig(
             listen="127.0.0.1:0", kit=root / "coordinator", state_dir=state_dir,
-            crl=root / "coordinator" / "crl.pem", poll_timeout_s=1.0, chunk_bytes=65536, max_workers=64))
+            crl=root / "coordinator" / "crl.pem", poll_timeout_s=1.0, chunk_bytes=65536, max_workers=64,
+            rejoin_grace_s=2.0))
         self.coordinator.start()
         self.address = f"127.0.0.1:{self.coordinator.port}"
         self.agents: list[tuple[SiteAgent, threading.Thread]] = []
@@ -108,8 +109,9 @@ class RawSite:
     def close(self) -> None:
         self.channel.close()
 
-    def join(self) -> fpb.JoinReply:
-        return self.stub.Join(fpb.JoinRequest(agent_version="raw", models=["logistic"]), timeout=5)
+    def join(self, dataset_rows: dict[str, int] | None = None) -> fpb.JoinReply:
+        return self.stub.Join(fpb.JoinRequest(agent_version="raw", models=["logistic"],
+                                              dataset_rows=dataset_rows or {}), timeout=5)
 
     def next_task(self, timeout: float = 30.0) -> fpb.Task:
         def poll():
@@ -142,6 +144,23 @@ class RawSite:
     def report(self, task: fpb.Task, status, reason: str = "") -> fpb.ResultReply:
         return self.stub.ReportResult(fpb.TaskResult(task_id=task.task_id, job_id=task.job_id, round=task.round,
                                                      nonce=task.nonce, status=status, reason=reason), timeout=5)
+
+    def poison_every_round(self, stop: threading.Event, scale: float) -> threading.Thread:
+        """A Byzantine site: answer every training task with the global model times `scale`."""
+        def loop():
+            while not stop.is_set():
+                try:
+                    task = self.stub.NextTask(fpb.NextTaskRequest(wait_s=0.5), timeout=5)
+                    if task.kind == fpb.TASK_TRAIN:
+                        _, state = self.fetch(task)
+                        self.submit(task, {k: v * scale for k, v in state.items()}, num_samples=200)
+                    elif task.kind != fpb.TASK_NONE:
+                        self.report(task, fpb.RESULT_FAILED, "raw test site does not evaluate")
+                except grpc.RpcError:
+                    return
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        return thread
 
     def answer_everything_with_failure(self, stop: threading.Event) -> threading.Thread:
         """Keep polling and fail every further task, so rounds need not wait for this site's deadline."""

@@ -56,7 +56,14 @@ def procs(tmp_path):
     p.stop_all()
 
 
-def test_sigkill_mid_job_resumes_from_last_closed_round(tmp_path, procs):
+# The strategy's own state (FedAdam's moments, CWT's shuffled schedule) must survive the kill too.
+STRATEGIES = {"fedavg": ("", 2), "fedadam": ("strategy: {name: fedadam, args: {eta: 0.05}}\n", 2),
+              "cwt": ("strategy: {name: cwt, args: {shuffle: true}}\n", 1)}
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_sigkill_mid_job_resumes_from_last_closed_round(tmp_path, procs, strategy):
+    extra, min_sites = STRATEGIES[strategy]
     root = tmp_path / "pki"
     port = _free_port()
     pki.init_federation(root, "resume-test", hosts=["127.0.0.1"], port=port)
@@ -80,7 +87,8 @@ def test_sigkill_mid_job_resumes_from_last_closed_round(tmp_path, procs):
     address = f"127.0.0.1:{port}"
     rounds = 12
     with AdminClient(address, admin_kit) as client:
-        job_id = client.submit(heart_job(name="resume", rounds=rounds, min=2, seed=3)).job_id
+        wait_until(lambda: {s.site for s in client.sites() if s.online} == {"a", "b"}, 60, "both sites online")
+        job_id = client.submit(heart_job(name="resume", rounds=rounds, min=min_sites, seed=3) + extra).job_id
         wait_until(lambda: client.job(job_id).summary.current_round >= 3, 60, "round 3 to close")
 
     coordinator.send_signal(signal.SIGKILL)
@@ -101,7 +109,7 @@ def test_sigkill_mid_job_resumes_from_last_closed_round(tmp_path, procs):
         assert "job_resumed" in kinds
 
         # The same job run without interruption gives the same model, bit for bit.
-        again = client.submit(heart_job(name="resume", rounds=rounds, min=2, seed=3)).job_id
+        again = client.submit(heart_job(name="resume", rounds=rounds, min=min_sites, seed=3) + extra).job_id
         wait_until(lambda: client.job(again).summary.status == "completed", 120, "the reference job")
         resumed_model, reference_model = tmp_path / "resumed.safetensors", tmp_path / "reference.safetensors"
         for job, path in ((job_id, resumed_model), (again, reference_model)):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from plexus.admin_client import mean_eval
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
 
 from integration.harness import wait_until
 
@@ -43,9 +46,9 @@ CASES = {
 }
 
 
-def job(strategy: str, **overrides) -> str:
-    args, rounds, sites, lr = CASES[strategy]
-    fields = dict(name=f"heart-{strategy}".replace("_", "-"), strategy=strategy, args=args, rounds=rounds,
+def job(case: str, **overrides) -> str:
+    args, rounds, sites, lr = CASES[case]
+    fields = dict(name=f"heart-{case}".replace("_", "-"), strategy=case, args=args, rounds=rounds,
                   sites=sites, lr=lr)
     fields.update(overrides)
     return JOB.format(**fields)
@@ -173,3 +176,54 @@ def test_bad_strategy_configs_are_refused_at_submit_with_the_reason(federation, 
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in err.value.details()
     assert federation.store.jobs() == []
+
+
+@pytest.mark.parametrize("strategy, args, robust", [
+    ("fedavg", "{}", False), ("median", "{}", True), ("trimmed_mean", "{beta: 0.2}", True),
+    ("krum", "{f: 1}", True), ("multi_krum", "{f: 1}", True)])
+def test_a_byzantine_site_wrecks_fedavg_but_not_the_robust_rules(federation, strategy, args, robust):
+    """Four honest hospitals and one site that sends the global model scaled by -50 every round."""
+    _start(federation)
+    attacker = federation.raw_site("e")
+    attacker.join()
+    federation.wait_online(*FOUR, "e")
+    stop = threading.Event()
+    attacker.poison_every_round(stop, -50.0)
+    try:
+        admin = federation.admin()
+        job_id = admin.submit(job("fedavg", strategy=strategy, args=args, rounds=3,
+                                  sites="{min: 5, deadline_s: 60}")).job_id
+        assert federation.wait_job(job_id, timeout=120) == "completed", admin.job(job_id).summary.message
+    finally:
+        stop.set()
+    evals = mean_eval(admin.job(job_id))
+    _, final = admin.download(job_id)
+    size = float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in final.values())))
+    if robust:   # (Krum keeps one hospital's model, which need not lower the others' loss; see SITES)
+        assert evals[3]["loss"] < 1.2 * evals[0]["loss"] and size < 10, (evals, size)
+    else:
+        assert evals[3]["loss"] > 2 * evals[0]["loss"] and size > 100, (evals, size)
+
+
+def test_cwt_proportional_steps_follow_the_sizes_sites_report_when_they_join(federation):
+    small, large = federation.raw_site("a"), federation.raw_site("b")
+    small.join({"heart-disease": 100})
+    large.join({"heart-disease": 300})
+    federation.wait_online("a", "b")
+    text = job("cwt", rounds=2, args="{proportional: true}").replace("epochs: 1,", "steps: 10,")
+    job_id = federation.admin().submit(text).job_id
+    task = small.next_task()                    # a's turn first: 10 × 100 × 2 / 400
+    assert task.local_steps == 5
+    _, state = small.fetch(task)
+    small.submit(task, state, num_samples=100)
+    task = large.next_task()                    # b evaluates round 1's incoming model meanwhile
+    assert (task.kind, task.round, task.local_steps) == (fpb.TASK_EVALUATE, 1, 0)
+    large.report(task, fpb.RESULT_EVALUATED)
+    task = large.next_task()                    # then b trains: 10 × 300 × 2 / 400
+    assert (task.kind, task.round, task.local_steps) == (fpb.TASK_TRAIN, 2, 15)
+    _, state = large.fetch(task)
+    large.submit(task, state, num_samples=300)
+    task = small.next_task()
+    assert (task.kind, task.round) == (fpb.TASK_EVALUATE, 2)
+    small.report(task, fpb.RESULT_EVALUATED)
+    wait_until(lambda: federation.store.job(job_id).current_round == 2, 30, "both visits to close")
