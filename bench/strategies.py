@@ -189,7 +189,7 @@ def simulate(task: Task, job: RoundConfig, job_id: str, state_root: Path) -> dic
         round_ = closed + 1
         participants = strategy.configure(round_, names, names)
         if not participants:
-            raise RuntimeError(f"{strategy_name}: round {round_} chose no sites out of {names}")
+            raise RuntimeError(f"{job.strategy.name}: round {round_} chose no sites out of {names}")
         strategy.opened(round_, participants, names)
         served = {**current, **strategy.served(current)}
         updates = []

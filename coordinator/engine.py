@@ -29,7 +29,6 @@ from coordinator.strategies import Update, make_strategy
 from plexus.config import RoundConfig, dump_round_config, ensemble_members, parse_round_config
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
                            PlexusError, RoundClosed)
-from plexus.secagg import Advert
 from coordinator.model_worker import shared_worker
 from plexus.dp import add_noise, noise_key
 from plexus.wire import DTYPES, Layout, Receiver, decode, encode

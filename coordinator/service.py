@@ -6,7 +6,6 @@ import json
 
 from coordinator.engine import Engine
 from coordinator.store import TERMINAL, JobRow
-from plexus import __version__
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, guarded

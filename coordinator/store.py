@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -14,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from plexus.errors import IntegrityError, NotFound
+from plexus.files import write_atomically
 from plexus.wire import Layout, Receiver, encode
 
 SCHEMA = """
@@ -292,20 +292,7 @@ class Store:
         header["__metadata__"] = metadata
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)   # safetensors pads the header to 8-byte alignment
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(len(text).to_bytes(8, "little"))
-            fh.write(text)
-            fh.write(memoryview(blob))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        return path
+        return write_atomically(path, len(text).to_bytes(8, "little"), text, memoryview(blob), mode=0o600)
 
     def _checkpoint_header(self, job_id: str, round_: int) -> tuple[Layout, Path, int, bool]:
         """(layout, file, data offset, whether the data section is in wire order) of a checkpoint."""

@@ -6,7 +6,6 @@ import argparse
 import csv
 import io
 import json
-import logging
 import os
 import sys
 import time
@@ -155,7 +154,7 @@ def _client(args):
     address = args.coordinator
     if address is None:
         if not (args.kit / "admin.yaml").exists():
-            raise PlexusError(f"no coordinator address: pass --coordinator HOST:PORT or set PLEXUS_COORDINATOR")
+            raise PlexusError("no coordinator address: pass --coordinator HOST:PORT or set PLEXUS_COORDINATOR")
         address = load_admin_config(args.kit / "admin.yaml").coordinator
     return AdminClient(address, args.kit)
 

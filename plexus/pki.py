@@ -12,7 +12,6 @@ import ipaddress
 import json
 import os
 import re
-import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from plexus import errors
+from plexus.files import write_atomically
 
 KINDS = ("coordinator", "site", "admin")
 ROLES = ("admin", "operator", "viewer")
@@ -132,8 +132,8 @@ def init_federation(
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    _write_atomic(root / "ca" / "ca.key", _key_pem(ca_key), mode=0o600)
-    _write_atomic(root / "ca" / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
+    write_atomically(root / "ca" / "ca.key", _key_pem(ca_key), mode=0o600)
+    write_atomically(root / "ca" / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
 
     registry = {"federation": federation, "hosts": hosts, "port": port, "issued": []}
     san: list[x509.GeneralName] = [_parse_host(h) for h in hosts]
@@ -146,8 +146,8 @@ def init_federation(
         root, registry, ca_cert, ca_key, COORDINATOR_NAME, "coordinator", None, san, kit_dir, now,
         config=("coordinator.yaml", _coordinator_yaml(port)),
     )
-    _write_atomic(root / "crl.pem", crl_pem)
-    _write_atomic(kit_dir / "crl.pem", crl_pem)
+    write_atomically(root / "crl.pem", crl_pem)
+    write_atomically(kit_dir / "crl.pem", crl_pem)
     return root
 
 
@@ -208,9 +208,9 @@ def revoke(root: Path, name: str, *, now: dt.datetime | None = None) -> int:
     crl_pem = _build_crl(ca_cert, ca_key, registry, number=number, now=now)
     # CRLs first: if writing the registry then fails, a rerun revokes again instead of
     # reporting "already revoked" for a serial that no CRL lists.
-    _write_atomic(root / "crl.pem", crl_pem)
+    write_atomically(root / "crl.pem", crl_pem)
     if (root / COORDINATOR_NAME).is_dir():
-        _write_atomic(root / COORDINATOR_NAME / "crl.pem", crl_pem)
+        write_atomically(root / COORDINATOR_NAME / "crl.pem", crl_pem)
     _save_registry(root, registry)
     return entry["serial"]
 
@@ -421,22 +421,6 @@ def _make_dir(path: Path) -> None:
     os.chmod(path, 0o700)
 
 
-def _write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    # The mode is set at creation so a private key is never readable by others, even briefly.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -460,7 +444,7 @@ def _load_registry(root: Path) -> dict:
 
 def _save_registry(root: Path, registry: dict) -> None:
     text = json.dumps(registry, indent=2, sort_keys=False) + "\n"
-    _write_atomic(root / "federation.json", text.encode("utf-8"))
+    write_atomically(root / "federation.json", text.encode("utf-8"))
 
 
 def _load_ca(root: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
@@ -542,10 +526,10 @@ def _issue(
     _save_registry(root, registry)
     _make_dir(kit_dir.parent)
     _make_dir(kit_dir)
-    _write_atomic(kit_dir / "key.pem", _key_pem(key), mode=0o600)
-    _write_atomic(kit_dir / "cert.pem", cert.public_bytes(serialization.Encoding.PEM))
-    _write_atomic(kit_dir / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
-    _write_atomic(kit_dir / config[0], config[1].encode("utf-8"))
+    write_atomically(kit_dir / "key.pem", _key_pem(key), mode=0o600)
+    write_atomically(kit_dir / "cert.pem", cert.public_bytes(serialization.Encoding.PEM))
+    write_atomically(kit_dir / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
+    write_atomically(kit_dir / config[0], config[1].encode("utf-8"))
 
 
 def _build_crl(

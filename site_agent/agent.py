@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import random
 import threading
 import time
@@ -23,6 +22,7 @@ from plexus.config import RoundConfig, SiteConfig, parse_round_config
 from plexus.accounting import PrivacyLedger
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition
+from plexus.files import write_atomically
 from plexus.secagg import SiteSession
 from plexus.secagg_proto import advert_from_proto, advert_to_proto
 from plexus.datasets import Split, load_dataset
@@ -213,9 +213,7 @@ class SiteAgent:
         result = train_local_dp_sgd(model, data.x_train, data.y_train, job.train, job.privacy.dp_sgd,
                                     seed=task.seed, ledger=ledger)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(ledger.to_json())
-        os.replace(tmp, path)
+        write_atomically(path, ledger.to_json().encode(), mode=0o600)
         return result
 
     @staticmethod

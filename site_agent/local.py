@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 from safetensors.numpy import load_file, save
 from torch import nn
 
+from plexus.files import write_atomically
 from plexus.models import Ensemble, state_to_numpy
 from plexus.wire import Layout, dtype_name
 from site_agent.training import TrainResult, train_local
@@ -93,7 +93,7 @@ def _scaffold(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], data
             value = c_k[n]
         c_new[n] = value.astype(np.float32)
         update[DC_PREFIX + n] = (c_new[n].astype(np.float64) - c_k[n]).astype(np.float32)
-    return LocalResult(result=result, update=update, commit=lambda: _write_atomically(path, save(c_new)))
+    return LocalResult(result=result, update=update, commit=lambda: _keep(path, save(c_new)))
 
 
 def _load_control_variate(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
@@ -113,20 +113,9 @@ def _load_control_variate(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> 
     return {n: a.astype(np.float64) for n, a in stored.items()}
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that a crash leaves either the old or the new file, never a torn one."""
+def _keep(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomically(path, data, mode=0o600)
 
 
 def _ensemble_member(job: Any, model: nn.Module, site: str) -> nn.Module:

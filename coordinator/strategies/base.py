@@ -62,6 +62,14 @@ def sample_sites(available: list[str], *, fraction: float | None, count: int | N
     return sorted(pool[i] for i in picked)
 
 
+def refuse_sampling(cfg, name: str, chooses: str) -> None:
+    """ConfigError for sites.fraction / sites.count with a strategy that picks its own trainers."""
+    for key in ("fraction", "count"):
+        if getattr(cfg.sites, key) is not None:
+            raise ConfigError(f"sites.{key}: {name} trains {chooses} and does not sample sites; "
+                              f"remove sites.{key}")
+
+
 def is_float(dtype: np.dtype) -> bool:
     return np.dtype(dtype).kind == "f"
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from coordinator.strategies.base import Param, State, Strategy, Update, cast
+from coordinator.strategies.base import Param, State, Strategy, Update, cast, refuse_sampling
 from plexus.config import RoundConfig
 from plexus.errors import ConfigError, IntegrityError
 
@@ -43,10 +43,7 @@ class Ensemble(Strategy):
         if cfg.sites.min > k:
             raise ConfigError(f"sites.min: is {cfg.sites.min} but only the {k} member sites train; "
                               f"set sites.min to at most {k}")
-        for key in ("fraction", "count"):
-            if getattr(cfg.sites, key) is not None:
-                raise ConfigError(f"sites.{key}: ensemble trains every online member site and does not sample; "
-                                  f"remove sites.{key}")
+        refuse_sampling(cfg, cls.name, "every online member site")
         return cls(**args)
 
     def configure(self, round_: int, available: list[str], known: list[str]) -> list[str]:

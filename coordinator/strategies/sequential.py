@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from coordinator.strategies.base import Param, State, Strategy, seeded_rng
+from coordinator.strategies.base import Param, State, Strategy, refuse_sampling, seeded_rng
 from plexus.config import RoundConfig
 from plexus.errors import ConfigError
 
@@ -15,10 +15,7 @@ def _check_one_site(name: str, cfg: RoundConfig) -> None:
     if cfg.sites.min != 1:
         raise ConfigError(f"sites.min: {name} trains exactly one site per round, so a round can never reach "
                           f"{cfg.sites.min} trainers; set sites.min: 1")
-    for key in ("fraction", "count"):
-        if getattr(cfg.sites, key) is not None:
-            raise ConfigError(f"sites.{key}: {name} trains the one site whose turn it is and does not sample "
-                              f"sites; remove sites.{key}")
+    refuse_sampling(cfg, name, "the one site whose turn it is")
 
 
 def _skipped(name: str, site: str) -> str:

@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from coordinator.aggregate import FRAC_BITS, MAX_WEIGHT, WeightedSum
 from coordinator.strategies import FedAvg
-from plexus.errors import ConfigError, IntegrityError
+from plexus.errors import IntegrityError
 from plexus.wire import encode
 
 

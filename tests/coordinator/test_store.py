@@ -85,13 +85,14 @@ def test_a_crash_while_overwriting_keeps_the_previous_checkpoint(store, monkeypa
     def crash_before_rename(fd):
         raise OSError("disk full")   # the new file is half-durable; it must never replace the old one
 
-    monkeypatch.setattr("coordinator.store.os.fsync", crash_before_rename)
+    monkeypatch.setattr("plexus.files.os.fsync", crash_before_rename)
     with pytest.raises(OSError, match="disk full"):
         store.save_checkpoint("job-1", 2, {"w": np.zeros(3, np.float32)})
     monkeypatch.undo()
 
     assert path.is_file()
     _assert_bit_exact(store.load_checkpoint("job-1", 2), state)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["2.safetensors"]   # no half-written file left
 
 
 def test_checkpoints_of_different_rounds_and_jobs_are_kept_apart(store):

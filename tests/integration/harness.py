@@ -147,29 +147,24 @@ class RawSite:
 
     def poison_every_round(self, stop: threading.Event, scale: float) -> threading.Thread:
         """A Byzantine site: answer every training task with the global model times `scale`."""
-        def loop():
-            while not stop.is_set():
-                try:
-                    task = self.stub.NextTask(fpb.NextTaskRequest(wait_s=0.5), timeout=5)
-                    if task.kind == fpb.TASK_TRAIN:
-                        _, state = self.fetch(task)
-                        self.submit(task, {k: v * scale for k, v in state.items()}, num_samples=200)
-                    elif task.kind != fpb.TASK_NONE:
-                        self.report(task, fpb.RESULT_FAILED, "raw test site does not evaluate")
-                except grpc.RpcError:
-                    return
-        thread = threading.Thread(target=loop, daemon=True)
-        thread.start()
-        return thread
+        def answer(task):
+            if task.kind != fpb.TASK_TRAIN:
+                return self.report(task, fpb.RESULT_FAILED, "raw test site does not evaluate")
+            _, state = self.fetch(task)
+            self.submit(task, {k: v * scale for k, v in state.items()}, num_samples=200)
+        return self._serve(stop, answer)
 
     def answer_everything_with_failure(self, stop: threading.Event) -> threading.Thread:
         """Keep polling and fail every further task, so rounds need not wait for this site's deadline."""
+        return self._serve(stop, lambda task: self.report(task, fpb.RESULT_FAILED, "raw test site does not work"))
+
+    def _serve(self, stop: threading.Event, answer) -> threading.Thread:
         def loop():
             while not stop.is_set():
                 try:
                     task = self.stub.NextTask(fpb.NextTaskRequest(wait_s=0.5), timeout=5)
                     if task.kind != fpb.TASK_NONE:
-                        self.report(task, fpb.RESULT_FAILED, "raw test site does not work")
+                        answer(task)
                 except grpc.RpcError:
                     return
         thread = threading.Thread(target=loop, daemon=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from plexus.cli import main as cli
-from plexus.proto.plexus.v1 import federation_pb2 as fpb, tensor_pb2
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
 
 from integration.harness import heart_job, wait_until
 

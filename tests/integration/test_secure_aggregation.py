@@ -18,7 +18,7 @@ from plexus.secagg import frac_bits
 from site_agent.agent import SiteAgent
 from site_agent.training import train_local
 
-from integration.harness import HOSPITAL_OF, heart_job, wait_until
+from integration.harness import HOSPITAL_OF, heart_job
 
 CLIP = 4.0
 
