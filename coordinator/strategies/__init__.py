@@ -45,6 +45,10 @@ def make_strategy(cfg: RoundConfig) -> Strategy:
         raise ConfigError(f"privacy.dp: strategy {name!r} cannot combine with DP-FedAvg because {cls.dp_reason}; "
                           "remove privacy.dp (privacy.dp_sgd protects each site's training instead) or use one "
                           f"of: {', '.join(sorted(n for n, c in REGISTRY.items() if c.dp_compatible))}")
+    if cfg.privacy.dp_sgd is not None and cls.local_training:
+        raise ConfigError(f"privacy.dp_sgd: strategy {name!r} {cls.local_training}, which Opacus's DP-SGD training "
+                          "loop does not do; remove privacy.dp_sgd or use one of: "
+                          f"{', '.join(sorted(n for n, c in REGISTRY.items() if not c.local_training))}")
     strategy = cls.from_config(args, cfg)
     strategy.sampling = Sampling(cfg.sites.fraction, cfg.sites.count, cfg.sites.min, cfg.seed)
     return strategy

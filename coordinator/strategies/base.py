@@ -183,6 +183,9 @@ class Strategy:
     # Why the rule needs updates in the clear / why DP-FedAvg would lose its meaning (for config errors).
     clear_reason: ClassVar[str] = ""
     dp_reason: ClassVar[str] = ""
+    # How the site's training differs from plain minibatch training, if it does (Opacus DP-SGD runs
+    # plain training only, so such strategies refuse privacy.dp_sgd).
+    local_training: ClassVar[str] = ""
 
     sampling: Sampling = Sampling()   # make_strategy sets the job's
 
@@ -253,6 +256,7 @@ class FedProx(FedAvg):
 
     name = "fedprox"
     params = {"mu": Param("number", 0.01, in_range(0, lo_open=True))}
+    local_training = "adds a proximal term to each site's loss"
 
     def __init__(self, *, mu: float = 0.01) -> None:
         self.mu = mu

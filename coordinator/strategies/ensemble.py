@@ -24,6 +24,7 @@ class Ensemble(Strategy):
     """Member i (site members[i]) trains `members.<i>.*`; `weights` ∝ its latest sample count (or uniform)."""
 
     name = "ensemble"
+    local_training = "trains only the site's own member of the ensemble"
     params = {"members": Param("sites", check=_members), "weighted": Param("boolean", True)}
     holds_updates = True
     uses_current = True

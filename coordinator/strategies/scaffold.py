@@ -18,6 +18,7 @@ class Scaffold(Strategy):
     """x ← x + eta_g (mean y − x); c ← c + (|S|/N) mean Δc; sites get c with the model and return Δc."""
 
     name = "scaffold"
+    local_training = "corrects every gradient step with the control variates"
     params = {"eta_g": Param("number", 1.0, in_range(0, lo_open=True))}
     uses_current = True
     uniform_weights = True   # the paper's mean(Δy) and mean(Δc) are unweighted

@@ -512,3 +512,11 @@ def test_example_round_configs_are_valid(path):
 
     cfg = load_round_config(path)
     assert make_strategy(cfg).name == cfg.strategy.name
+
+
+@pytest.mark.parametrize("strategy", ["fedprox", "scaffold", "{name: ensemble, args: {members: [h1, h2]}}"])
+def test_dp_sgd_is_refused_where_the_site_trains_differently(strategy):
+    dp_sgd = "privacy: {dp_sgd: {noise_multiplier: 1.0, max_grad_norm: 1.0}}\n"
+    with pytest.raises(ConfigError, match=r"privacy.dp_sgd: strategy '\w+' .* which Opacus's DP-SGD training loop"):
+        build(strategy, dp_sgd)
+    assert build("fedadam", dp_sgd).name == "fedadam"
