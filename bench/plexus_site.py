@@ -109,6 +109,8 @@ def main() -> int:
     args = p.parse_args()
     logging.basicConfig(level=os.environ.get("PLEXUS_LOG", "INFO").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from plexus.memory import limit_malloc_arenas
+    limit_malloc_arenas()   # as `plexus site run` does
     import torch
     torch.set_num_threads(1)
     agent = BenchSiteAgent(load_site_config(args.config))

@@ -43,7 +43,8 @@ class Coordinator:
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
                              rejoin_grace_s=config.rejoin_grace_s)
         auth = Authenticator(crl)
-        self.server, self.port = transport.server(kit, config.listen, max_workers=config.max_workers)
+        self.server, self.port = transport.server(kit, config.listen, max_workers=config.max_workers,
+                                                  stream_window_bytes=config.stream_window_bytes)
         self.metrics = CoordinatorMetrics(store=self.store, online_sites=self.engine.online_sites)
         self.store.subscribe(self.metrics.on_event)
         federation_pb2_grpc.add_FederationServicer_to_server(

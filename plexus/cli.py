@@ -179,7 +179,9 @@ def _pki(action: str, args) -> int:
 def _coordinator_run(args) -> int:
     from coordinator.server import run
     from plexus.config import load_coordinator_config
+    from plexus.memory import limit_malloc_arenas
 
+    limit_malloc_arenas()   # before gRPC starts its threads
     return run(load_coordinator_config(args.config))
 
 
@@ -187,6 +189,9 @@ def _site_run(args) -> int:
     import signal
     import threading
 
+    from plexus.memory import limit_malloc_arenas
+
+    limit_malloc_arenas()   # before torch and gRPC start their threads
     import torch
 
     from plexus.config import load_site_config

@@ -287,6 +287,10 @@ class CoordinatorConfig:
     rejoin_grace_s: float = field(default=15.0, metadata=_range(0, 3600))
     chunk_bytes: int = field(default=1 << 20, metadata=_range(1 << 16, 1 << 22))
     max_workers: int = field(default=128, metadata=_range(8, 4096))
+    # Per-stream HTTP/2 flow-control window. Unset: gRPC sizes windows to the measured bandwidth-delay
+    # product, best for WAN links but, on fast local links, up to megabytes buffered per site stream.
+    # Set (e.g. 65536): a fixed window, bounding that memory at the cost of throughput on long links.
+    stream_window_bytes: int | None = field(default=None, metadata=_range(1024, 1 << 30))
     # Prometheus metrics over plain HTTP (off unless set; keep it on 127.0.0.1 or a private network).
     metrics_listen: str | None = field(default=None, metadata=_address(0))
     # grpc.health.v1 only, plaintext, for probes that cannot present a client certificate (off unless set).

@@ -198,3 +198,25 @@ def test_coordinator_refuses_to_start_without_a_crl(pki_root, tmp_path):
     with pytest.raises(ConfigError, match="crl"):
         Coordinator(CoordinatorConfig(listen="127.0.0.1:0", kit=pki_root / "coordinator", state_dir=tmp_path,
                                       crl=tmp_path / "missing-crl.pem"))
+
+
+def test_a_fixed_flow_control_window_gives_the_same_model(federation, pki_root, tmp_path):
+    """stream_window_bytes trades throughput for memory; the result must not depend on it."""
+    from integration.harness import Federation
+
+    job = heart_job(model="mlp", rounds=2, min=2).replace("num_classes: 2", "hidden: [512, 256], num_classes: 2")
+    models = []
+    fixed = Federation(pki_root, tmp_path / "fixed-window", stream_window_bytes=65536)
+    try:
+        for fed in (federation, fixed):
+            fed.start_site("a")
+            fed.start_site("b")
+            fed.wait_online("a", "b")
+            job_id = fed.admin().submit(job).job_id
+            assert fed.wait_job(job_id) == "completed"
+            _, state = fed.admin().download(job_id)
+            assert sum(v.nbytes for v in state.values()) > 8 * 65536   # the model spans many windows
+            models.append({k: v.tobytes() for k, v in state.items()})
+    finally:
+        fixed.close()
+    assert models[0] == models[1]

@@ -1,0 +1,34 @@
+"""Process-level memory settings for the long-running Plexus processes."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger("plexus")
+
+_M_ARENA_MAX = -8   # glibc's mallopt parameter number (malloc.h)
+
+
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """Cap glibc's malloc arenas; True if the C library took the setting.
+
+    glibc gives busy threads their own arenas (up to 8 per core), and a freed megabyte-sized
+    buffer (a gRPC message, a chunk) stays in the arena of the thread that freed it. In a gRPC
+    server whose many handler threads each pass model chunks through, that retained memory grows
+    with the number of sites. Measured with bench/run.py (10M parameters, 8 sites), the coordinator's
+    peak RSS fell from 581 to 362–395 MB with 2 arenas, for a round time within ~10%. Call it
+    before the process starts threads. A no-op (False) where the C library is not glibc.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    taken = bool(mallopt(_M_ARENA_MAX, arenas))
+    if not taken:
+        log.debug("mallopt(M_ARENA_MAX, %d) was refused", arenas)
+    return taken
