@@ -24,13 +24,14 @@ seed: 0
 """
 
 
-def make_pki(root: Path, sites: int):
+def make_pki(root: Path, sites: int, *, stream_window: int | None = None):
     from plexus import pki
 
     pki.init_federation(root, "plexus-bench", hosts=["127.0.0.1"])
     coord_yaml = root / "coordinator" / "coordinator.yaml"
     coord_yaml.write_text(coord_yaml.read_text().replace('listen: "127.0.0.1:8443"', 'listen: "127.0.0.1:0"')
-                          + "poll_timeout_s: 10\n")
+                          + "poll_timeout_s: 10\n"
+                          + (f"stream_window_bytes: {stream_window}\n" if stream_window else ""))
     admin = pki.add_admin(root, "bench-operator", role="operator")
     kits = [pki.add_site(root, f"site-{i:02d}") for i in range(sites)]
     return coord_yaml, admin, kits
@@ -40,11 +41,11 @@ SECURE = "privacy: {secure_aggregation: true, secagg: {phase_timeout_s: 600}}\n"
 
 
 def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int = 4, timeout_s: float = 900,
-             deadline_s: float = 600, secure: bool = False) -> dict:
+             deadline_s: float = 600, secure: bool = False, stream_window: int | None = None) -> dict:
     from plexus.admin_client import AdminClient
 
     root = workdir / "pki"
-    coord_yaml, admin_kit, kits = make_pki(root, sites)
+    coord_yaml, admin_kit, kits = make_pki(root, sites, stream_window=stream_window)
     fleet = Fleet(workdir / "logs")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PLEXUS_LOG=os.environ.get("PLEXUS_LOG", "WARNING"),
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

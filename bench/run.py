@@ -59,7 +59,7 @@ def child(spec: dict) -> dict:
         import plexus_side
 
         return plexus_side.run_case(spec["size"], spec["sites"], spec["rounds"], workdir, chunks=spec["chunks"],
-                                    secure=spec.get("secure", False))
+                                    secure=spec.get("secure", False), stream_window=spec.get("stream_window"))
     if kind == "flower":
         import flower_side
 
@@ -134,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--large", action="store_true",
                     help="also: Plexus with a 2.56 GB model (640M float32), 2 sites, 2 rounds")
     ap.add_argument("--case-timeout", type=float, default=1500)
+    ap.add_argument("--stream-window", type=int, metavar="BYTES",
+                    help="Plexus coordinator's stream_window_bytes (default: unset, gRPC's adaptive windows)")
     ap.add_argument("--at-commit", metavar="REV",
                     help="benchmark the product as committed at REV (git archive into a temp folder, plus this "
                          "bench/), not the working tree: stable numbers while others edit the tree")
@@ -172,7 +174,8 @@ def main(argv=None) -> int:
 
     def case(spec, timeout=args.case_timeout):
         n[0] += 1
-        spec = dict(spec, workdir=str(workroot / f"{n[0]:02d}-{spec['kind']}"), chunks=args.chunks)
+        spec = dict(spec, workdir=str(workroot / f"{n[0]:02d}-{spec['kind']}"), chunks=args.chunks,
+                    stream_window=args.stream_window)
         Path(spec["workdir"]).mkdir(parents=True)
         t0 = time.monotonic()
         res = run_child(spec, netns=netns, timeout_s=timeout)
