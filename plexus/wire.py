@@ -142,6 +142,36 @@ def encode(state: Mapping[str, np.ndarray]) -> tuple[Layout, bytearray]:
     return layout, blob
 
 
+def encode_chunks(state: Mapping[str, np.ndarray], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                  ) -> tuple[Layout, Iterator[tuple[int, bytes]]]:
+    """What iter_chunks(encode(state)[1]) yields, without the model-sized blob: each chunk is
+    copied straight from the tensors, so a sender holds its tensors and one chunk."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    layout = Layout.of(state)
+
+    def chunks() -> Iterator[tuple[int, bytes]]:
+        chunk, start = bytearray(), 0
+        for t in layout.tensors:
+            data = memoryview(np.ascontiguousarray(state[t.name], dtype=DTYPES[t.dtype]).reshape(-1).view(np.uint8))
+            while data:
+                if not chunk and len(data) >= chunk_bytes:   # a whole chunk inside one tensor: one copy
+                    yield start, bytes(data[:chunk_bytes])
+                    start, data = start + chunk_bytes, data[chunk_bytes:]
+                    continue
+                take = min(chunk_bytes - len(chunk), len(data))   # a chunk spanning tensor edges
+                chunk += data[:take]
+                data = data[take:]
+                if len(chunk) == chunk_bytes:
+                    yield start, bytes(chunk)
+                    start += len(chunk)
+                    chunk.clear()
+        if chunk:
+            yield start, bytes(chunk)
+
+    return layout, chunks()
+
+
 def decode(layout: Layout, blob: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
     """Views of a complete, already validated blob as named arrays (no copy)."""
     if len(blob) != layout.total_bytes:

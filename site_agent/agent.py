@@ -29,10 +29,10 @@ from plexus.datasets import Split, load_dataset
 from plexus.models import available_models, build_job_model, load_numpy_state, state_to_numpy
 from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
-from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, decode, encode, iter_chunks
+from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, decode, encode_chunks
 from site_agent.policy import policy_digest, refusal
 from site_agent.audit import SiteAudit
-from site_agent.local import LocalResult, local_update, served_layout
+from site_agent.local import LocalResult, local_update, needs_served, served_layout
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
 
 log = logging.getLogger("plexus.site")
@@ -115,6 +115,8 @@ class SiteAgent:
             eval_metrics = self.evaluate(model, data)
             if task.kind == fpb.TASK_EVALUATE:
                 return self._report(stub, task, fpb.RESULT_EVALUATED, "", eval_metrics)
+            if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or needs_served(job)):
+                served = incoming = {}   # the model holds the weights now: let the fetched copy go
             if job.privacy.dp_sgd is not None:
                 local = LocalResult(self._train_dp_sgd(model, data, job, task), {}, lambda: None)
             else:
@@ -252,16 +254,18 @@ class SiteAgent:
         return decode(layout, assemble(layout, (message.chunk for message in stream)))
 
     def _submit(self, stub, task, update: dict, result, eval_metrics: dict) -> bool:
-        """Stream the update; True once the coordinator accepted it."""
-        layout, blob = encode(update)
+        """Stream the update straight from its tensors (no model-sized buffer); True once accepted."""
+        layout, chunks = encode_chunks(update, self.chunk_bytes)
         header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                                   num_samples=result.num_samples, metrics=result.metrics,
                                   eval_metrics=eval_metrics, manifest=layout.to_proto())
+        sha = hashlib.sha256()
 
         def messages():
             yield fpb.UpdateMessage(header=header)
-            for offset, piece in iter_chunks(blob, self.chunk_bytes):
-                yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(piece)})
+            for offset, data in chunks:
+                sha.update(data)
+                yield fpb.UpdateMessage(chunk={"offset": offset, "data": data})
 
         try:
             reply = stub.SubmitUpdate(messages(), timeout=_remaining(task))
@@ -270,7 +274,7 @@ class SiteAgent:
                 raise
             log.warning("job %s round %d: update refused: %s", task.job_id, task.round, exc.details())
             return False
-        digest = hashlib.sha256(blob).hexdigest()
+        digest = sha.hexdigest()
         self.audit.sent(task.job_id, task.round, digest, result.num_samples)
         log.info("job %s round %d: sent update sha256=%s (%d samples, train_loss %.4f): %s", task.job_id,
                  task.round, digest[:16], result.num_samples,

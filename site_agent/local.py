@@ -30,6 +30,11 @@ class LocalResult:
     commit: Callable[[], None]       # call once the coordinator accepted the update
 
 
+def needs_served(job: Any) -> bool:
+    """Whether local_update reads the served tensors (else the site may free them once loaded)."""
+    return job.strategy.name in ("fedprox", "scaffold")
+
+
 def served_layout(job: Any, model: nn.Module) -> Layout:
     """What FetchModel must deliver for this job: the model's tensors plus the strategy's served extras."""
     state = state_to_numpy(model)  # the shapes exactly as the wire carries them (0-d tensors travel as [1])
