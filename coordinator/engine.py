@@ -31,7 +31,7 @@ from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotF
                            PlexusError, RoundClosed)
 from coordinator.model_worker import shared_worker
 from plexus.dp import add_noise, noise_key
-from plexus.wire import DTYPES, Layout, Receiver, decode, encode
+from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, Receiver, decode, encode
 
 log = logging.getLogger("plexus.coordinator")
 
@@ -79,6 +79,10 @@ class RoundState:
 
     def grant_of(self, site: str) -> TaskGrant | None:
         return self.grants.get(site) or self.eval_grants.get(site)
+
+    def outcomes_for(self, site: str) -> dict[str, str]:
+        """Where a site's answer is recorded: evaluate-only sites apart from the round's trainers."""
+        return self.eval_outcomes if site in self.eval_grants else self.outcomes
 
     def drop_held(self) -> None:
         for _, _, path in self.held:
@@ -142,7 +146,7 @@ def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
                                       members=ensemble_members(cfg))
     except ConfigError as exc:
         raise ConfigError(f"model: {exc}") from None
-    float_only = all(t.dtype in ("F16", "F32", "F64") for t in Layout.of(state).tensors)
+    float_only = all(t.dtype in FLOAT_DTYPES for t in Layout.of(state).tensors)
     if cfg.privacy.secure_aggregation:   # make_strategy has refused strategies it cannot compute
         if not float_only:
             raise ConfigError("privacy.secure_aggregation: the model has integer tensors; secure aggregation "
@@ -357,8 +361,6 @@ class Engine:
             job, rs, grant = self._current_grant(site, result.task_id)
             self._check_binding(grant, result.job_id, result.round, result.nonce, None)
             reason = result.reason[:MAX_REASON]
-            if rs.eval_grants.get(site) is grant:
-                return self._evaluator_result(job, rs, grant, site, status, reason, result.eval_metrics)
             if status == "declined":
                 self.store.decline(job.row.id, site, reason or "declined by site policy")
                 self._record(rs, grant, site, "declined", reason or "declined by site policy")
@@ -371,24 +373,10 @@ class Engine:
             self._record(rs, grant, site, "evaluated", "", _site_metrics(rs, result.eval_metrics))
             return "evaluation recorded"
 
-    def _evaluator_result(self, job: ActiveJob, rs: RoundState, grant: TaskGrant, site: str, status: str,
-                          reason: str, eval_metrics) -> str:
-        """A site that only evaluated this round's incoming model (sites.evaluate: all)."""
-        metrics = None
-        if status == "declined":
-            self.store.decline(job.row.id, site, reason or "declined by site policy")
-        elif status == "evaluated":
-            metrics = _site_metrics(rs, eval_metrics)
-        rs.eval_outcomes[site] = status
-        self.store.finish_task(grant.task_id, status, reason, job_id=grant.job_id, round_=grant.round,
-                               site=site, metrics=metrics)
-        self._cv.notify_all()
-        return f"{status} recorded"
-
     # internals ---------------------------------------------------------------------------
     def _record(self, rs: RoundState, grant: TaskGrant, site: str, status: str, reason: str,
                 metrics: dict | None = None) -> None:
-        rs.outcomes[site] = status
+        rs.outcomes_for(site)[site] = status
         self.store.finish_task(grant.task_id, status, reason, job_id=grant.job_id, round_=grant.round,
                                site=site, metrics=metrics)
         if reason:
@@ -416,8 +404,7 @@ class Engine:
         if grant is None or grant.task_id != task_id:
             raise RoundClosed(f"task {task_id} is no longer current: round {round_} of job {job_id} has closed or "
                               "moved to its next phase")
-        answered = rs.eval_outcomes if rs.eval_grants.get(site) is grant else rs.outcomes
-        if status != "issued" or site in answered:
+        if status != "issued" or site in rs.outcomes_for(site):
             raise FailedPrecondition(f"task {task_id} was already answered ({status}); replays are refused")
         return job, rs, grant
 
@@ -457,10 +444,6 @@ class Engine:
         name = job.cfg.data.dataset
         return {site: rows[name] for site, rows in self._rows.items() if name in rows}
 
-    def _known(self, job: ActiveJob) -> list[str]:
-        """Every site registered with the federation that has not declined this job, online or not."""
-        declined = self.store.declines(job.row.id)
-        return sorted({row[0] for row in self.store.sites()} - set(declined))
 
     def _tick(self) -> float:
         if self._active is None and not self._activate_next():
@@ -503,8 +486,8 @@ class Engine:
         log.info("job %s active at round %d", row.id, row.current_round)
         return True
 
-    def _eligible_online(self, job: ActiveJob) -> list[str]:
-        now, declined = self._mono(), self.store.declines(job.row.id)
+    def _eligible_online(self, declined: dict[str, str]) -> list[str]:
+        now = self._mono()
         return sorted(s for s, t in self._seen.items() if now - t <= self.online_window_s and s not in declined)
 
     def _maybe_open_round(self, job: ActiveJob) -> None:
@@ -518,8 +501,9 @@ class Engine:
                                    f"round {job.model_round}")
                 self.store.event(job.row.id, "privacy_budget_reached", job.model_round, "", job.budget_stop)
         evaluating = job.model_round >= cfg.rounds or bool(job.budget_stop) or job.strategy.done(job.model_round)
-        online = self._eligible_online(job)
-        known = self._known(job)
+        declined = self.store.declines(job.row.id)
+        online = self._eligible_online(declined)
+        known = sorted({row[0] for row in self.store.sites()} - set(declined))   # registered, online or not
         missing = sorted(set(known) - set(online))
         if missing and not job.opened_any and self._mono() - job.activated < self.rejoin_grace_s:
             self._waiting(job, f"waiting up to {self.rejoin_grace_s:g}s for registered sites to connect: "

@@ -259,13 +259,15 @@ class PolicySpec:
     plugin_sha256: dict[str, str] = field(default_factory=dict, metadata=_sha256_values())
 
 
+SITE_NAME = r"[a-z0-9][a-z0-9_-]{0,62}"
+SITE_NAME_RULE = "1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit"
+
+
 @dataclass(frozen=True, slots=True)
 class SiteConfig:
     """A hospital's site agent; relative paths are relative to the config file."""
 
-    site: str = field(metadata=_matching(
-        r"[a-z0-9][a-z0-9_-]{0,62}",
-        "1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit"))
+    site: str = field(metadata=_matching(SITE_NAME, SITE_NAME_RULE))
     coordinator: str = field(metadata=_address(1))
     kit: Path
     state_dir: Path = Path("state")
@@ -368,7 +370,7 @@ _SCALARS = {  # type -> (accepted YAML tags, name, fix)
     Path: ({"str"}, "a path", "write a file path"),
 }
 # PyYAML (YAML 1.1) reads an unquoted 1e-5 as a string; a float field accepts it anyway.
-_PLAIN_EXP_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+PLAIN_EXP_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _CONSTRUCTOR = yaml.constructor.SafeConstructor()
 
 
@@ -509,7 +511,7 @@ class _Reader:
                 value = _CONSTRUCTOR.yaml_constructors[node.tag](_CONSTRUCTOR, node)
             except ValueError:
                 self.fail(node, path, f"{node.value!r} is not {name}; {fix}")
-        elif tp is float and tag == "str" and node.style is None and _PLAIN_EXP_FLOAT.fullmatch(node.value):
+        elif tp is float and tag == "str" and node.style is None and PLAIN_EXP_FLOAT.fullmatch(node.value):
             value = node.value
         else:
             self.fail(node, path, f"expected {name}, got {_describe(node)}; {fix}")
@@ -615,4 +617,6 @@ def ensemble_members(cfg: RoundConfig) -> int:
     if cfg.strategy.name != "ensemble":
         return 0
     members = cfg.strategy.args.get("members")
-    return len(members) if isinstance(members, list) else 0
+    if not isinstance(members, (list, tuple)):
+        raise ConfigError(f"strategy.args.members must be a list of site names, got {members!r}")
+    return len(members)

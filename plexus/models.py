@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from plexus.config import ensemble_members
 from plexus.errors import ConfigError, IntegrityError
 
 ENTRY_POINT_GROUP = "plexus.models"
@@ -183,19 +184,19 @@ def build_model(name: str, args: Mapping[str, Any], *, seed: int, members: int =
 
 def build_job_model(job: Any) -> nn.Module:
     """The model a job (RoundConfig) trains: an Ensemble of one member per listed site for strategy `ensemble`."""
-    members = 0
-    if job.strategy.name == "ensemble":
-        sites = job.strategy.args.get("members")
-        if not isinstance(sites, (list, tuple)):
-            raise ConfigError(f"strategy.args.members must be a list of site names, got {sites!r}")
-        members = len(sites)
-    return build_model(job.model.name, job.model.args, seed=job.seed, members=members)
+    return build_model(job.model.name, job.model.args, seed=job.seed, members=ensemble_members(job))
 
 
 def state_to_numpy(model: nn.Module) -> dict[str, np.ndarray]:
     """The model's state as detached, contiguous CPU numpy copies, sorted by name."""
+    return {name: array.copy() for name, array in state_views(model).items()}
+
+
+def state_views(model: nn.Module) -> dict[str, np.ndarray]:
+    """The model's state as contiguous numpy arrays that share a CPU model's memory, sorted by name:
+    no copy of the model, and they change as the model does (load_numpy_state copies in place)."""
     return {
-        name: np.ascontiguousarray(tensor.detach().cpu().numpy()).copy()
+        name: np.ascontiguousarray(tensor.detach().cpu().numpy())
         for name, tensor in sorted(model.state_dict().items())
     }
 

@@ -29,6 +29,11 @@ DTYPES: dict[str, np.dtype] = {
     "U32": np.dtype("<u4"),   # secure aggregation's masked vectors (integers mod 2**32)
 }
 _NAMES = {dt: name for name, dt in DTYPES.items()}
+FLOAT_DTYPES = ("F16", "F32", "F64")
+
+# Strategy tensors that travel beside the model (SCAFFOLD): the server control variate c, served
+# with the model, and each site's change Δc, sent with its update; both float32, per float tensor.
+SCAFFOLD_C, SCAFFOLD_DC = "scaffold/c/", "scaffold/dc/"
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_TENSORS = 100_000
@@ -137,9 +142,13 @@ def encode(state: Mapping[str, np.ndarray]) -> tuple[Layout, bytearray]:
     blob = bytearray(layout.total_bytes)
     view = memoryview(blob)
     for t in layout.tensors:
-        arr = np.ascontiguousarray(state[t.name], dtype=DTYPES[t.dtype])
-        view[t.offset:t.offset + t.nbytes] = arr.reshape(-1).view(np.uint8)
+        view[t.offset:t.offset + t.nbytes] = _tensor_bytes(state, t)
     return layout, blob
+
+
+def _tensor_bytes(state: Mapping[str, np.ndarray], t: TensorMeta) -> np.ndarray:
+    """Tensor t of state as little-endian bytes in its wire dtype (a view when it already is)."""
+    return np.ascontiguousarray(state[t.name], dtype=DTYPES[t.dtype]).reshape(-1).view(np.uint8)
 
 
 def encode_chunks(state: Mapping[str, np.ndarray], chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -153,7 +162,7 @@ def encode_chunks(state: Mapping[str, np.ndarray], chunk_bytes: int = DEFAULT_CH
     def chunks() -> Iterator[tuple[int, bytes]]:
         chunk, start = bytearray(), 0
         for t in layout.tensors:
-            data = memoryview(np.ascontiguousarray(state[t.name], dtype=DTYPES[t.dtype]).reshape(-1).view(np.uint8))
+            data = memoryview(_tensor_bytes(state, t))
             while data:
                 if not chunk and len(data) >= chunk_bytes:   # a whole chunk inside one tensor: one copy
                     yield start, bytes(data[:chunk_bytes])

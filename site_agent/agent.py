@@ -26,7 +26,7 @@ from plexus.files import write_atomically
 from plexus.secagg import SiteSession
 from plexus.secagg_proto import advert_from_proto, advert_to_proto
 from plexus.datasets import Split, load_dataset
-from plexus.models import available_models, build_job_model, load_numpy_state, state_to_numpy
+from plexus.models import available_models, build_job_model, load_numpy_state, state_to_numpy, state_views
 from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, decode, encode_chunks
@@ -107,7 +107,7 @@ class SiteAgent:
             data = self._dataset(job.data.dataset)
             model = build_job_model(job)
             served = self._fetch(stub, task, served_layout(job, model))
-            names = set(state_to_numpy(model))
+            names = set(model.state_dict())
             incoming = {k: v for k, v in served.items() if k in names}
             load_numpy_state(model, incoming)
             kind = "evaluate" if task.kind == fpb.TASK_EVALUATE else "train"
@@ -131,7 +131,7 @@ class SiteAgent:
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
             return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
-        update = {**state_to_numpy(model), **{k: v for k, v in local.update.items() if k not in names}}
+        update = {**local.update, **state_views(model)}   # the model as it stands (after any DP clipping) + extras
         if self._submit(stub, task, update, local.result, eval_metrics):
             local.commit()   # e.g. SCAFFOLD's control variate: kept only once the coordinator took the update
 

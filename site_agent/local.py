@@ -13,12 +13,10 @@ from safetensors.numpy import load_file, save
 from torch import nn
 
 from plexus.files import write_atomically
-from plexus.models import Ensemble, state_to_numpy
-from plexus.wire import Layout, dtype_name
+from plexus.models import Ensemble, state_views
+from plexus.wire import SCAFFOLD_C as C_PREFIX, SCAFFOLD_DC as DC_PREFIX, Layout, dtype_name
 from site_agent.training import TrainResult, train_local
 
-C_PREFIX = "scaffold/c/"    # served: the server control variate c, float32, per float model tensor
-DC_PREFIX = "scaffold/dc/"  # sent: c_k⁺ − c_k, float32, per float model tensor
 
 
 @dataclass
@@ -37,7 +35,7 @@ def needs_served(job: Any) -> bool:
 
 def served_layout(job: Any, model: nn.Module) -> Layout:
     """What FetchModel must deliver for this job: the model's tensors plus the strategy's served extras."""
-    state = state_to_numpy(model)  # the shapes exactly as the wire carries them (0-d tensors travel as [1])
+    state = state_views(model)  # the shapes exactly as the wire carries them (0-d tensors travel as [1])
     specs = [(name, dtype_name(a.dtype), a.shape) for name, a in state.items()]
     if job.strategy.name == "scaffold":
         specs += [(C_PREFIX + name, "F32", shape) for name, shape in _float_shapes(state).items()]
@@ -65,7 +63,7 @@ def local_update(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], d
         result = train_local(member, data.x_train, data.y_train, job.train, seed=seed, steps=steps)
     else:
         result = train_local(model, data.x_train, data.y_train, job.train, seed=seed, steps=steps)
-    return LocalResult(result=result, update=state_to_numpy(model), commit=lambda: None)
+    return LocalResult(result=result, update=state_views(model), commit=lambda: None)
 
 
 def scaffold_path(state_dir: Path, job_id: str) -> Path:
@@ -79,7 +77,7 @@ def _scaffold(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], data
               steps: int | None, state_dir: Path) -> LocalResult:
     """SCAFFOLD option II: step along g − c_k + c, then c_k⁺ = c_k − c + (x − y)/(Kη)."""
     path = scaffold_path(state_dir, job_id)
-    shapes = _float_shapes(state_to_numpy(model))
+    shapes = _float_shapes(state_views(model))
     params = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
     c = {n: np.asarray(_served(served, C_PREFIX + n), dtype=np.float64) for n in shapes}
     c_k = _load_control_variate(path, shapes)
@@ -87,7 +85,7 @@ def _scaffold(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], data
 
     correction = {n: torch.from_numpy(c[n] - c_k[n]).reshape(shape) for n, shape in params.items()}
     result = train_local(model, data.x_train, data.y_train, job.train, seed=seed, steps=steps, correction=correction)
-    trained = state_to_numpy(model)
+    trained = state_views(model)
 
     scale = 1.0 / (result.steps * job.train.optimizer.lr)
     c_new, update = {}, dict(trained)

@@ -11,13 +11,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from plexus.config import RoundConfig
+from plexus.config import PLAIN_EXP_FLOAT, SITE_NAME, SITE_NAME_RULE, RoundConfig
 from plexus.errors import ConfigError
 from plexus.wire import Layout
 
 State = dict[str, np.ndarray]
 
-FLOAT_DTYPES = ("F16", "F32", "F64")   # wire names of the tensors strategies optimise
 
 
 @dataclass(frozen=True)
@@ -85,10 +84,9 @@ def cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
 # Strategy arguments -----------------------------------------------------------------------
 
 REQUIRED = object()
-_EXP_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")   # YAML 1.1 reads plain 1e-3 as a string
 _KINDS = {"number": "write a number, e.g. 0.5", "integer": "write a whole number, e.g. 1",
           "boolean": "write true or false", "sites": "write a list of site names, e.g. [site-a, site-b]"}
-_SITE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+_SITE_NAME = re.compile(SITE_NAME)
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,7 @@ def _typed(kind: str, value: Any) -> tuple[Any, str | None]:
     if kind == "integer":
         return value, None if isinstance(value, int) and not isinstance(value, bool) else "expected a whole number"
     if kind == "number":
-        if isinstance(value, str) and _EXP_FLOAT.fullmatch(value):
+        if isinstance(value, str) and PLAIN_EXP_FLOAT.fullmatch(value):   # YAML 1.1 reads plain 1e-3 as a string
             value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return value, "expected a number"
@@ -132,8 +130,7 @@ def _typed(kind: str, value: Any) -> tuple[Any, str | None]:
         return value, "expected a list of site names"
     bad = next((s for s in value if not _SITE_NAME.fullmatch(s)), None)
     if bad is not None:
-        return value, (f"{bad!r} is not a site name (1-63 lowercase letters, digits, '_' or '-', "
-                       "starting with a letter or digit)")
+        return value, f"{bad!r} is not a site name ({SITE_NAME_RULE})"
     return value, None
 
 

@@ -6,12 +6,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from coordinator.strategies.base import FLOAT_DTYPES, Param, State, Strategy, cast, in_range, is_float
+from coordinator.strategies.base import Param, State, Strategy, cast, in_range, is_float
 from plexus.config import RoundConfig
 from plexus.errors import ConfigError, IntegrityError
-from plexus.wire import Layout
-
-C, DC = "scaffold/c/", "scaffold/dc/"
+from plexus.wire import FLOAT_DTYPES, SCAFFOLD_C as C, SCAFFOLD_DC as DC, Layout
 
 
 class Scaffold(Strategy):
