@@ -36,6 +36,7 @@ class BenchSiteAgent(SiteAgent):
     """SiteAgent whose 'training' adds DELTA in place to the fetched model and sends it back."""
 
     _layouts: dict = {}
+    _buffers: dict = {}   # layout -> the blob this site fetches into, round after round (its "model")
 
     @property
     def delta(self) -> float:
@@ -68,7 +69,9 @@ class BenchSiteAgent(SiteAgent):
         first = next(stream)
         got = Layout.from_proto(first.header.manifest)
         layout.require_same(got, what="the coordinator's model")
-        blob = assemble(layout, (message.chunk for message in stream))   # validated, writable bytearray
+        if layout not in self._buffers:
+            self._buffers[layout] = bytearray(layout.total_bytes)
+        blob = assemble(layout, (message.chunk for message in stream), into=self._buffers[layout])  # validated
         for t in layout.tensors:                                           # "training": in place
             view = memoryview(blob)[t.offset:t.offset + t.nbytes].cast("B")
             np.frombuffer(view, dtype=np.float32)[...] += self.delta

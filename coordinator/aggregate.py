@@ -9,33 +9,62 @@ number of sites.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+
+import threading
 
 import numpy as np
 
-from plexus.errors import IntegrityError
+from plexus.errors import IntegrityError, RoundClosed
 from plexus.wire import DTYPES, Layout, decode
 
 FRAC_BITS = 32                  # resolution 2**-32 ≈ 2.3e-10, finer than float32 for |x| > 2**-9
 _SCALE = float(2 ** FRAC_BITS)
 _LIMIT = float(2 ** 62)         # headroom below int64's 2**63 so no partial sum can overflow
 MAX_WEIGHT = 2 ** 31
-FOLD_ELEMENTS = 1 << 15         # elements per step: the float64/int64 scratch stays in L2 cache
+FOLD_ELEMENTS = 1 << 16         # elements per step: the float64 scratch (512 KiB) stays in L2 cache
+# Quantising by addition: for |v| < 2**19, the float64 v + 1.5·2**20 lies in [2**20, 2**21), whose spacing
+# is 2**-32, so the addition itself rounds v to the fixed-point grid (half to even, as rint), and the
+# result's bit pattern is _MAGIC_BITS + rint(v·2**32). Adding those bit patterns as int64 is the exact
+# fixed-point sum plus _MAGIC_BITS per update, which the mean takes off again (mod 2**64, so wrapping on
+# the way does no harm). One float add replaces multiply, rint and a slow float→int64 conversion.
+_MAGIC = 1.5 * 2.0 ** 20
+_MAGIC_BITS = int(np.array(_MAGIC).view(np.int64))
+_MAGIC_INT64 = np.int64(_MAGIC_BITS)
+_FAST_LIMIT = 2.0 ** 18         # weight · max|x| below this takes the addition path, with margin
 
 
 class WeightedSum:
-    """Σ w_k · x_k over updates that share one layout, folded one chunk at a time."""
+    """Σ w_k · x_k over updates that share one layout, folded piece by piece as they arrive.
+
+    Several updates may stream in at once (begin() each); their pieces are folded one at a time
+    under a lock, so the sum is never touched by two folds together. Integer arithmetic is
+    exactly invertible, so an update that fails part-way is taken out again (Fold.undo) and the
+    sum is as if it had never arrived.
+    """
 
     def __init__(self, layout: Layout):
         self.layout = layout
         # One int64 array per tensor, so the mean can hand each one back as soon as it is written.
-        self._parts: list[np.ndarray | None] = [np.zeros(t.numel, dtype=np.int64) for t in layout.tensors]
+        self._parts: list[np.ndarray | None] = [None] * len(layout.tensors)
+        self._f64 = np.empty(FOLD_ELEMENTS, np.float64)   # scratch, reused by every fold
+        self._bits = self._f64.view(np.int64)
+        self._i64 = np.empty(FOLD_ELEMENTS, np.int64)
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the sum for a new round, reusing its memory: zeroing resident pages costs a fraction of
+        faulting in fresh ones, which at 50M parameters took longer than folding an update."""
+        for i, t in enumerate(self.layout.tensors):
+            if self._parts[i] is None:
+                self._parts[i] = np.zeros(t.numel, dtype=np.int64)
+            else:
+                self._parts[i].fill(0)
         self.total_weight = 0
-        self.count = 0
+        self.count = 0   # complete updates in the sum; each element carries count × _MAGIC_BITS extra
         self._bound = 0.0
         self._poisoned = ""
-        self._f64 = np.empty(FOLD_ELEMENTS, np.float64)   # scratch, reused by every fold
-        self._i64 = np.empty(FOLD_ELEMENTS, np.int64)
 
     def check_fits(self, weight: int, max_abs: float) -> None:
         """Refuse an update that could overflow the exact range; call before fold()."""
@@ -47,55 +76,57 @@ class WeightedSum:
                 f"exceeds the fixed-point range (Σ n·|x| < {_LIMIT / _SCALE:.3g}); the site's training "
                 "has probably diverged")
 
-    def fold(self, pieces: Iterable[bytes | memoryview], weight: int, max_abs: float, *, nbytes: int) -> None:
-        """Add weight × (an update blob of nbytes, arriving as consecutive pieces).
+    def begin(self, weight: int) -> Fold:
+        """Start adding one update of this weight, piece by piece (Fold.add), as it arrives."""
+        self.check_fits(weight, 0.0)
+        self._require_clean()
+        return Fold(self, weight)
 
-        Everything that can be checked up front is, so a refused update leaves the sum
-        untouched without a second model-sized buffer. Should the pieces then disagree
-        with nbytes (a source changing under us), the sum is poisoned and mean() refuses.
+    def fold(self, pieces: Iterable[bytes | memoryview], weight: int, max_abs: float, *, nbytes: int) -> None:
+        """Add weight × (an update blob of nbytes, arriving as consecutive pieces) in one call.
+
+        Everything that can be checked up front is, so a refused update leaves the sum untouched.
+        The pieces cannot be read twice, so should they then disagree with nbytes (a source
+        changing under us), the sum is poisoned and mean() refuses.
         """
         total = self.layout.total_bytes
         if nbytes != total:
             raise IntegrityError(f"update blob has {nbytes} bytes; the layout needs {total}; it was not folded")
         self.check_fits(weight, max_abs)
-        self._require_clean()
-        pending = bytearray()   # only an element split across two pieces is ever copied here
-        position = 0  # byte position in the blob
+        fold = self.begin(weight)
         try:
             for piece in pieces:
-                if pending:   # an element straddled the last edge: fold through the small buffer
-                    pending += piece
-                    used = self._fold_bytes(position, memoryview(pending), weight)
-                    del pending[:used]
-                else:         # the common case: straight from the piece, no copy
-                    data = memoryview(piece)
-                    used = self._fold_bytes(position, data, weight)
-                    pending += data[used:]
-                position += used
-                if position + len(pending) > total:
-                    break
+                fold.add(piece, max_abs)
+            fold.finish()
         except BaseException as exc:
-            self._poisoned = f"folding an update failed part-way ({type(exc).__name__})"
-            raise
-        if pending or position != total:
-            self._poisoned = f"an update declared {total} bytes but delivered {position + len(pending)}"
+            if not self._poisoned:
+                self._poisoned = (f"an update declared {total} bytes but delivered {fold.received}"
+                                  if isinstance(exc, IntegrityError) else
+                                  f"folding an update failed part-way ({type(exc).__name__})")
             self._require_clean()
-        self._bound += weight * max_abs
-        self.total_weight += weight
-        self.count += 1
+            raise
 
     @property
     def acc(self) -> np.ndarray:
         """The whole fixed-point sum as one array (a copy, for inspection)."""
         self._require_clean()
-        return np.concatenate(self._parts) if self._parts else np.zeros(0, np.int64)
+        parts = [part - _as_int64(self.count * _MAGIC_BITS) for part in self._parts]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def _require_clean(self) -> None:
         if self._poisoned:
             raise IntegrityError(f"this round's sum is unusable: {self._poisoned}; the round must fail")
 
-    def _fold_bytes(self, position: int, data: memoryview, weight: int) -> int:
-        """Fold as many whole elements of data (starting at blob byte position) as possible."""
+    def _fold_bytes(self, position: int, data: memoryview, weight: int, max_abs: float, sign: int) -> int:
+        """Add (sign 1) or take back (sign -1) as many whole elements of data, starting at blob byte
+        position, as there are; returns the bytes used. Call with the lock held.
+
+        Every element adds _MAGIC_BITS + rint(fl(x·w)·2**32) (fl: float64 rounding, exact unless x·w
+        needs more than 53 bits). Small values get there by one float addition; the rest multiply,
+        round and convert. Both give the same integers, so the path never changes the sum.
+        """
+        fast = weight * max_abs < _FAST_LIMIT
+        combine = np.add if sign > 0 else np.subtract
         used = 0
         for t, into in zip(self.layout.tensors, self._parts):
             end = t.offset + t.nbytes
@@ -110,14 +141,20 @@ class WeightedSum:
             for k in range(0, n, FOLD_ELEMENTS):
                 m = min(FOLD_ELEMENTS, n - k)
                 values = np.frombuffer(data, dtype=dtype, count=m, offset=used + k * dtype.itemsize)
-                scaled, fixed = self._f64[:m], self._i64[:m]
-                np.multiply(values, _SCALE, out=scaled, dtype=np.float64)   # in float64: exact for float32 input
-                np.rint(scaled, out=scaled)
-                np.copyto(fixed, scaled, casting="unsafe")                  # integral values below 2**62: exact
-                if weight != 1:
-                    np.multiply(fixed, weight, out=fixed)
-                target = into[elem + k:elem + k + m]
-                np.add(target, fixed, out=target)
+                scaled, target = self._f64[:m], into[elem + k:elem + k + m]
+                np.copyto(scaled, values, casting="unsafe")    # exact for every float and int below 2**53
+                if fast:
+                    if weight != 1:
+                        np.multiply(scaled, float(weight), out=scaled)
+                    np.add(scaled, _MAGIC, out=scaled)
+                    combine(target, self._bits[:m], out=target)
+                else:
+                    fixed = self._i64[:m]
+                    np.multiply(scaled, weight * _SCALE, out=scaled)   # = fl(x·w)·2**32: a power of two is exact
+                    np.rint(scaled, out=scaled)
+                    np.copyto(fixed, scaled, casting="unsafe")        # integral values below 2**62: exact
+                    np.add(fixed, _MAGIC_INT64, out=fixed)
+                    combine(target, fixed, out=target)
             used += n * dtype.itemsize
         return used
 
@@ -125,32 +162,148 @@ class WeightedSum:
         """The weighted mean as a wire blob, written block by block.
 
         With release=True each tensor's part of the sum is freed once written, so the peak is
-        the sum plus one tensor rather than the sum plus the whole new model; the sum is spent.
+        the sum plus one tensor rather than the sum plus the whole new model; the sum is spent
+        until reset().
         """
-        self._require_clean()
-        if self.total_weight == 0:
-            raise IntegrityError("no update was aggregated; there is no mean to take")
+        self._require_mean()
         # calloc'd: pages become resident only as tensors are written, while released parts shrink.
         blob = np.zeros(self.layout.total_bytes, dtype=np.uint8)
         for i, t in enumerate(self.layout.tensors):
-            out, part = np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset), self._parts[i]
-            for k in range(0, t.numel, FOLD_ELEMENTS):   # block by block: the scratch stays small
-                m = min(FOLD_ELEMENTS, t.numel - k)
-                values = self._f64[:m]
-                np.copyto(values, part[k:k + m], casting="unsafe")
-                values /= _SCALE * self.total_weight
-                if DTYPES[t.dtype].kind != "f":
-                    np.rint(values, out=values)
-                out[k:k + m] = values
+            out = np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset)
+            for k in range(0, t.numel, FOLD_ELEMENTS):
+                self._mean_into(i, k, out[k:k + FOLD_ELEMENTS])
             if release:
                 self._parts[i] = None
         if release:
             self._poisoned = "its mean was taken and its memory released"
         return blob
 
+    def mean_blocks(self) -> Iterator[memoryview]:
+        """The mean's wire blob as consecutive blocks of at most FOLD_ELEMENTS elements, computed as they
+        are taken: written straight into a file, the mean never exists whole in memory. Each block is
+        only valid until the next one is asked for; the sum is kept (reset() empties it)."""
+        self._require_mean()
+        scratch = {}
+        for i, t in enumerate(self.layout.tensors):
+            dtype = DTYPES[t.dtype]
+            if dtype not in scratch:
+                scratch[dtype] = np.empty(FOLD_ELEMENTS, dtype)
+            for k in range(0, t.numel, FOLD_ELEMENTS):
+                out = scratch[dtype][:min(FOLD_ELEMENTS, t.numel - k)]
+                self._mean_into(i, k, out)
+                yield memoryview(out).cast("B")
+
+    def _require_mean(self) -> None:
+        self._require_clean()
+        if self.total_weight == 0:
+            raise IntegrityError("no update was aggregated; there is no mean to take")
+
+    def _mean_into(self, i: int, k: int, out: np.ndarray) -> None:
+        """Elements k.. of tensor i's mean, len(out) of them, cast to its dtype into out."""
+        m = len(out)
+        fixed, values = self._i64[:m], self._f64[:m]
+        np.subtract(self._parts[i][k:k + m], _as_int64(self.count * _MAGIC_BITS), out=fixed)   # wraps back
+        np.copyto(values, fixed, casting="unsafe")
+        values /= _SCALE * self.total_weight
+        if out.dtype.kind != "f":
+            np.rint(values, out=values)
+        np.copyto(out, values, casting="unsafe")
+
     def mean(self) -> dict[str, np.ndarray]:
         """The weighted mean, cast back to each tensor's dtype (views over mean_blob())."""
         return decode(self.layout, self.mean_blob())
+
+
+class Fold:
+    """One update entering a WeightedSum piece by piece (WeightedSum.begin).
+
+    add() folds each piece as it arrives; finish() counts the update once it is complete; undo()
+    takes out what was added, reading the same bytes again from the caller's journal (the engine's
+    spool file), whether the update is part-way or complete. After undo() the update is out for
+    good and add()/finish() refuse.
+    """
+
+    def __init__(self, total: WeightedSum, weight: int):
+        self.total, self.weight = total, weight
+        self.position = 0        # bytes folded so far: always whole elements
+        self.received = 0        # bytes handed to add()
+        self._pending = bytearray()   # only an element split across two pieces is ever copied here
+        self._peak = 0.0         # max |value| seen, reserved in the sum's range
+        self.state = "open"      # open | done | undone
+
+    def add(self, piece: bytes | memoryview, max_abs: float) -> None:
+        """Fold the next piece; max_abs bounds |value| over the update so far (the Receiver's running max)."""
+        total = self.total
+        with total._lock:
+            self._require_open()
+            if max_abs > self._peak:   # reserve the range before anything is added
+                total.check_fits(self.weight, max_abs - self._peak)
+                total._bound += self.weight * (max_abs - self._peak)
+                self._peak = max_abs
+            data = memoryview(piece).cast("B")
+            self.received += len(data)
+            if self.received > total.layout.total_bytes:
+                raise IntegrityError(f"update has more than the {total.layout.total_bytes} bytes its layout needs")
+            self.position += _fold_pieces(total, self.position, self._pending, data, self.weight, self._peak, 1)
+
+    def finish(self) -> None:
+        """The update is complete: it now counts in the mean."""
+        total = self.total
+        with total._lock:
+            self._require_open()
+            if self._pending or self.position != total.layout.total_bytes:
+                raise IntegrityError(f"update ended after {self.received} of {total.layout.total_bytes} bytes")
+            self.state = "done"
+            total.count += 1
+            total.total_weight += self.weight
+
+    def undo(self, journal) -> None:
+        """Take this update back out of the sum. `journal()` returns the bytes passed to add(), from the
+        first, as an iterable of pieces (split anywhere); only the folded prefix is read. Safe to call
+        from any thread, any number of times."""
+        total = self.total
+        with total._lock:
+            if self.state == "undone":
+                return
+            pending, position = bytearray(), 0
+            for piece in journal():
+                data = memoryview(piece).cast("B")[:self.position - position - len(pending)]
+                position += _fold_pieces(total, position, pending, data, self.weight, self._peak, -1)
+                if position + len(pending) >= self.position:
+                    break
+            if position != self.position:
+                total._poisoned = (f"an update could not be taken out again: its journal held {position} of the "
+                                   f"{self.position} bytes folded")
+            total._bound -= self.weight * self._peak
+            if self.state == "done":
+                total.count -= 1
+                total.total_weight -= self.weight
+            self.state = "undone"
+
+    def _require_open(self) -> None:
+        if self.state != "open":
+            raise RoundClosed("this update was taken out of the round's sum: the round closed while it was "
+                              "arriving, or it was refused")
+
+
+def _fold_pieces(total: WeightedSum, position: int, pending: bytearray, data: memoryview, weight: int,
+                 max_abs: float, sign: int) -> int:
+    """Fold data after `pending` (the bytes of an element split by the last piece edge); returns the bytes
+    folded, leaving any new split element in `pending`."""
+    if pending:   # an element straddled the last edge: fold through the small buffer
+        pending += data
+        used = total._fold_bytes(position, memoryview(pending), weight, max_abs, sign)
+        del pending[:used]
+    else:         # the common case: straight from the piece, no copy
+        used = total._fold_bytes(position, data, weight, max_abs, sign)
+        pending += data[used:]
+    return used
+
+
+def _as_int64(value: int) -> np.int64:
+    """An integer mod 2**64, as the int64 with the same bits."""
+    value %= 2 ** 64
+    return np.int64(value - 2 ** 64 if value >= 2 ** 63 else value)
 
 
 class MaskedSum:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.aggregate import WeightedSum
+from coordinator.aggregate import Fold, WeightedSum
 from coordinator.secure_round import SecureRound
 from coordinator.store import TERMINAL, JobRow, Store
 from coordinator.strategies import Update, make_strategy
@@ -72,6 +72,7 @@ class RoundState:
     samples: int = 0
     secure: SecureRound | None = None        # set for secure-aggregation training rounds
     held: list[tuple[str, int, Path]] = field(default_factory=list)   # (site, samples, spool) for holds_updates
+    folding: dict[str, tuple[Fold, Path]] = field(default_factory=dict)   # updates entering `total`, with journals
     # Sites that only evaluate the incoming model this round (sites.evaluate: all).
     evaluators: list[str] = field(default_factory=list)
     eval_grants: dict[str, TaskGrant] = field(default_factory=dict)
@@ -107,6 +108,7 @@ class ActiveJob:
     update_layout: Layout | None = None      # model + the tensors every update adds (SCAFFOLD's Δc)
     activated: float = 0.0                   # monotonic time the engine took the job up
     opened_any: bool = False                 # a round has opened since then
+    total: WeightedSum | None = None         # the running sum, kept from round to round (round_sum)
 
     @property
     def in_memory(self) -> bool:
@@ -114,6 +116,15 @@ class ActiveJob:
         s = self.strategy
         return bool(s.uses_current or s.holds_updates or self.cfg.privacy.dp is not None
                     or self.cfg.privacy.secure_aggregation or self.update_layout != self.layout)
+
+    def round_sum(self) -> WeightedSum:
+        """An empty running sum for the next round: the job's one sum, zeroed in place. Faulting in a fresh
+        model-sized array every round cost more than folding an update into it (50M parameters: ~0.8 s)."""
+        if self.total is None or self.total.layout != self.update_layout:
+            self.total = WeightedSum(self.update_layout)
+        else:
+            self.total.reset()
+        return self.total
 
     def set_model(self, layout: Layout, blob) -> None:
         """The new global model; what sites fetch is it plus whatever the strategy serves with it."""
@@ -272,7 +283,13 @@ class Engine:
             return job.layout, job.source, job.row.id, rs.model_round
 
     def submit_update(self, site: str, header, chunks: Iterable) -> str:
-        """Receive one site's update: validate while streaming to a spool file, then fold it."""
+        """Receive one site's update, validating it chunk by chunk.
+
+        A summed update (FedAvg and the other mean-based rules) is folded into the round's sum as its
+        chunks arrive; its spool file is only the journal that takes it out again should it fail, be
+        refused, or still be arriving when the round closes. Masked inputs and the updates of rules
+        that hold them are spooled first and used once complete.
+        """
         with self._cv:
             job, rs, grant = self._current_grant(site, header.task_id)
             masked = grant.kind == "secagg_mask"
@@ -281,29 +298,34 @@ class Engine:
             if site in rs.receiving:
                 raise FailedPrecondition(f"an update for task {grant.task_id} is already being received")
             layout = rs.secure.masked_layout if masked else job.update_layout
+            dp = job.cfg.privacy.dp
             try:
                 if not masked and not 1 <= header.num_samples <= 2 ** 31:
                     raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}")
                 metrics = _site_metrics(rs, header.eval_metrics, header.metrics, header.num_samples)
                 layout.require_same(Layout.from_proto(header.manifest),
                                     what="masked input" if masked else "update")
+                spool = self.store.spool / f"{grant.task_id}.part"
+                fold = None
+                if not masked and rs.total is not None:
+                    # DP-FedAvg and some strategies (SCAFFOLD) weigh each site the same
+                    uniform = dp is not None or job.strategy.uniform_weights
+                    fold = rs.total.begin(1 if uniform else header.num_samples)
+                    rs.folding[site] = (fold, spool)
             except IntegrityError as exc:
                 self._record(rs, grant, site, "rejected", str(exc))
                 raise
             rs.receiving.add(site)
-            spool = self.store.spool / f"{grant.task_id}.part"
         try:
-            max_abs = _receive_to(spool, layout, chunks)
-        except IntegrityError as exc:
-            self._reject(site, grant, str(exc))
-            spool.unlink(missing_ok=True)
-            raise
-        except BaseException:
-            with self._cv:
-                rs.receiving.discard(site)   # a broken stream may be retried while the round is open
-            spool.unlink(missing_ok=True)
-            raise
-        try:
+            try:
+                _receive_to(spool, layout, chunks, fold)
+            except IntegrityError as exc:
+                self._reject(site, grant, str(exc))
+                raise
+            except BaseException:
+                with self._cv:
+                    rs.receiving.discard(site)   # a broken stream may be retried while the round is open
+                raise
             with self._cv:
                 rs.receiving.discard(site)
                 if self._active is not job or job.round is not rs or rs.grants.get(site) is not grant \
@@ -313,7 +335,6 @@ class Engine:
                     rs.secure.masked.fold(_read_blocks(spool), nbytes=spool.stat().st_size)
                     self._record(rs, grant, site, "submitted", "")
                     return f"masked input for round {grant.round} accepted"
-                dp = job.cfg.privacy.dp
                 try:
                     if dp is not None:
                         _check_clipped(spool, layout, job.state, dp.clip_norm)
@@ -322,10 +343,8 @@ class Engine:
                         spool.rename(held)
                         rs.held.append((site, header.num_samples, held))
                     else:
-                        # DP-FedAvg and some strategies (SCAFFOLD) weigh each site the same
-                        uniform = dp is not None or job.strategy.uniform_weights
-                        rs.total.fold(_read_blocks(spool), 1 if uniform else header.num_samples, max_abs,
-                                      nbytes=spool.stat().st_size)
+                        fold.finish()
+                        del rs.folding[site]   # in for good
                 except IntegrityError as exc:
                     self._record(rs, grant, site, "rejected", str(exc))
                     raise
@@ -334,7 +353,16 @@ class Engine:
                 self._record(rs, grant, site, "submitted", "", metrics)
                 return f"update for round {grant.round} accepted ({header.num_samples} samples)"
         finally:
+            self._withdraw(rs, site)
             spool.unlink(missing_ok=True)
+
+    @staticmethod
+    def _withdraw(rs: RoundState, site: str) -> None:
+        """Take a site's update back out of the round's sum if it is (partly) in and was not accepted."""
+        entry = rs.folding.pop(site, None)
+        if entry is not None:
+            fold, journal = entry
+            fold.undo(lambda: _read_blocks(journal))
 
     def secagg(self, site: str, message, body: str, value) -> str:
         """One secure-aggregation answer: an advert, the encrypted shares, or the unmasking reveals."""
@@ -526,7 +554,7 @@ class Engine:
         evaluators = [] if evaluating or cfg.sites.evaluate != "all" else sorted(set(online) - set(participants))
         job.round = RoundState(round=round_, kind=kind, model_round=job.model_round, participants=participants,
                                deadline=self._mono() + cfg.sites.deadline_s,
-                               total=WeightedSum(job.update_layout) if summing else None, secure=secure,
+                               total=job.round_sum() if summing else None, secure=secure,
                                evaluators=evaluators)
         if not evaluating:
             for note in job.strategy.opened(round_, participants, known):
@@ -555,6 +583,8 @@ class Engine:
         for site in rs.participants:
             if site not in rs.outcomes:
                 rs.outcomes[site] = "late"
+        for site in list(rs.folding):   # still arriving at the deadline: out of the sum before the mean
+            self._withdraw(rs, site)
         if rs.kind == "evaluate":
             evaluated = sorted(s for s, o in rs.outcomes.items() if o == "evaluated")
             message = f"final model evaluated by {len(evaluated)} site(s)"
@@ -574,6 +604,9 @@ class Engine:
                     del updates
                     rs.drop_held()
                     self._close_training_round(job, rs, state)
+                elif not job.in_memory and job.strategy.mean_is_model:
+                    # Plain FedAvg: the mean goes block by block into the checkpoint sites then stream.
+                    self._close_training_round(job, rs, None, rs.total.mean_blocks())
                 else:
                     if not job.strategy.uses_current:
                         job.state = job.blob = job.served_blob = None   # the old model goes before the new one
@@ -642,11 +675,12 @@ class Engine:
         noisy = add_noise(mean, std, noise_key(job.cfg.seed, job.cfg.name, rs.round, "coordinator"))
         return {k: noisy[k].astype(mean[k].dtype) for k in mean}
 
-    def _close_training_round(self, job: ActiveJob, rs: RoundState, state: dict[str, np.ndarray],
-                              state_blob: bytearray | None = None) -> None:
-        """state_blob, when given, is the blob `state` views (it is then written without re-encoding)."""
+    def _close_training_round(self, job: ActiveJob, rs: RoundState, state: dict[str, np.ndarray] | None,
+                              state_blob=None) -> None:
+        """state_blob, when given, is the new model's wire blob (`state` views it, or is None): a bytes-like
+        blob, or an iterator of its blocks when the model is only ever served from the checkpoint."""
         if state_blob is not None:
-            layout, blob = job.layout, state_blob
+            layout, blob = job.update_layout, state_blob
         else:
             layout, blob = encode(state)
         self.store.save_checkpoint_blob(job.row.id, rs.round, layout, blob)
@@ -660,7 +694,8 @@ class Engine:
             epsilon = shared_worker().epsilon_after(rs.round, dp.noise_multiplier, 1.0, dp.delta)
             self.store.record_metrics(job.row.id, {(rs.round, "", "privacy", "epsilon"): epsilon,
                                                    (rs.round, "", "privacy", "delta"): dp.delta})
-        job.set_model(layout, blob)
+        if state is not None:
+            job.set_model(layout, blob)
         if not job.in_memory:
             self._serve_from_checkpoint(job, rs.round)   # sites stream it from the checkpoint just written
         job.model_round = rs.round
@@ -715,14 +750,19 @@ def _check_clipped(spool: Path, layout: Layout, current: dict[str, np.ndarray], 
                              "differential privacy needs every site to clip its update")
 
 
-def _receive_to(spool: Path, layout: Layout, chunks: Iterable) -> float:
-    """Stream chunks through a Receiver into the spool file; returns the update's max |value|."""
+def _receive_to(spool: Path, layout: Layout, chunks: Iterable, fold: Fold | None = None) -> None:
+    """Stream chunks through a Receiver into the spool file. With a fold, each validated chunk is added
+    to the sum once it is in the file, so the file always holds what the fold may have to take out."""
     with open(spool, "wb") as fh:
-        receiver = Receiver(layout, sink=fh.write)
+        def sink(data) -> None:
+            fh.write(data)
+            if fold is not None:
+                fh.flush()
+                fold.add(data, receiver.max_abs)   # the running max, this chunk included
+        receiver = Receiver(layout, sink=sink)
         for chunk in chunks:
             receiver.feed(chunk.offset, chunk.data)
         receiver.finish()
-    return receiver.max_abs
 
 
 def _read_blocks(path: Path) -> Iterator[bytes]:

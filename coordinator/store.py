@@ -7,7 +7,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from plexus.errors import IntegrityError, NotFound
-from plexus.files import write_atomically
+from plexus.files import write_atomically, write_blocks
 from plexus.wire import Layout, Receiver, encode
 
 SCHEMA = """
@@ -261,7 +261,8 @@ class Store:
         return self.save_checkpoint_blob(job_id, round_, layout, blob)
 
     def save_checkpoint_blob(self, job_id: str, round_: int, layout: Layout, blob) -> Path:
-        """A safetensors file whose data section is exactly the wire blob: no serialising copy of the model."""
+        """A safetensors file whose data section is exactly the wire blob (bytes-like, or an iterator of its
+        consecutive blocks): no serialising copy of the model."""
         return self._write_safetensors(self.checkpoint_path(job_id, round_), layout, blob,
                                        {"job": job_id, "round": str(round_)})
 
@@ -292,7 +293,8 @@ class Store:
         header["__metadata__"] = metadata
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)   # safetensors pads the header to 8-byte alignment
-        return write_atomically(path, len(text).to_bytes(8, "little"), text, memoryview(blob), mode=0o600)
+        return write_atomically(path, len(text).to_bytes(8, "little"), text, _exactly(blob, layout.total_bytes, path),
+                                mode=0o600)
 
     def _checkpoint_header(self, job_id: str, round_: int) -> tuple[Layout, Path, int, bool]:
         """(layout, file, data offset, whether the data section is in wire order) of a checkpoint."""
@@ -337,3 +339,15 @@ class Store:
         return load_file(str(path))
 
 
+def _exactly(data, size: int, path: Path) -> Iterator[memoryview]:
+    """The data section's blocks (a bytes-like blob or an iterator of blocks), refused before the file
+    replaces anything unless they come to `size` bytes."""
+    written = 0
+    for block in write_blocks(data):
+        written += len(block := memoryview(block).cast("B"))
+        if written > size:
+            break
+        yield block
+    if written != size:
+        raise IntegrityError(f"{path.name}: the model data came to {'more than ' if written > size else ''}"
+                             f"{written} bytes, not the {size} its header declares; nothing was saved")

@@ -268,9 +268,12 @@ class Receiver:
         self.max_abs = max(self.max_abs, high, -low)
 
 
-def assemble(layout: Layout, chunks: Iterable) -> bytearray:
-    """Validate chunks (objects with .offset and .data) into one complete blob for the layout."""
-    blob = bytearray(layout.total_bytes)
+def assemble(layout: Layout, chunks: Iterable, into: bytearray | None = None) -> bytearray:
+    """Validate chunks (objects with .offset and .data) into one complete blob for the layout: a new one,
+    or `into` (exactly layout.total_bytes long) reused, which saves faulting in fresh pages every round."""
+    if into is not None and len(into) != layout.total_bytes:
+        raise ValueError(f"assemble: the buffer has {len(into)} bytes; the layout needs {layout.total_bytes}")
+    blob = bytearray(layout.total_bytes) if into is None else into
     view = memoryview(blob)
     receiver = Receiver(layout)
     for chunk in chunks:

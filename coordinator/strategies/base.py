@@ -176,6 +176,7 @@ class Strategy:
     uses_current: ClassVar[bool] = False        # aggregate reads the current global model
     holds_updates: ClassVar[bool] = False       # needs every update at once: engine calls aggregate_updates
     uniform_weights: ClassVar[bool] = False     # fold every update with weight 1 instead of num_samples
+    mean_is_model: ClassVar[bool] = False       # aggregate returns the mean itself (the engine may skip the call)
     min_contributors: int = 1                   # the rule is undefined below this many updates in a round
     # Why the rule needs updates in the clear / why DP-FedAvg would lose its meaning (for config errors).
     clear_reason: ClassVar[str] = ""
@@ -243,6 +244,7 @@ class FedAvg(Strategy):
     name = "fedavg"
     secure_aggregation = True  # a weighted sum: secure aggregation can compute it without seeing any update
     uses_current = False       # the next model is the mean alone: the engine may free the old one first
+    mean_is_model = True
 
     def aggregate(self, round_: int, current: State, mean: State, contributors: list[str]) -> State:
         return mean

@@ -35,6 +35,7 @@ class SequentialStrategy(Strategy):
     secure_aggregation = False
     clear_reason = _CLEAR
     params = {"shuffle": Param("boolean", False)}
+    mean_is_model = True
 
     def aggregate(self, round_: int, current: State, mean: State, contributors: list[str]) -> State:
         return mean

@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from coordinator.aggregate import FRAC_BITS, MAX_WEIGHT, WeightedSum
 from coordinator.strategies import FedAvg
-from plexus.errors import IntegrityError
+from plexus.errors import IntegrityError, RoundClosed
 from plexus.wire import encode
 
 
@@ -258,3 +258,176 @@ def test_mean_with_release_frees_the_sum_and_refuses_reuse():
         total.mean_blob()
     with pytest.raises(IntegrityError, match="memory released"):
         total.fold([blob], 1, 4.0, nbytes=len(blob))
+
+
+def test_reset_empties_the_sum_in_place_and_brings_released_parts_back():
+    layout, blob = encode({"a": np.array([1.0, 2.0], np.float32), "b": np.array([4.0], np.float32)})
+    total = WeightedSum(layout)
+    total.fold([blob], 3, 4.0, nbytes=len(blob))
+    part = total._parts[0]
+
+    total.reset()
+
+    assert total._parts[0] is part and not total.acc.any()   # the same memory, zeroed
+    assert total.count == 0 and total.total_weight == 0
+    with pytest.raises(IntegrityError, match="no update was aggregated"):
+        total.mean_blob()
+    total.fold([blob], 1, 4.0, nbytes=len(blob))
+    assert total.mean()["a"].tolist() == [1.0, 2.0]   # nothing of the earlier fold is left
+
+
+def test_reset_after_a_release_allocates_again():
+    layout, blob = encode({"a": np.array([1.0, 2.0], np.float32)})
+    total = WeightedSum(layout)
+    total.fold([blob], 1, 2.0, nbytes=len(blob))
+    total.mean_blob(release=True)
+
+    total.reset()
+    total.fold([blob], 1, 2.0, nbytes=len(blob))
+
+    assert total.mean()["a"].tolist() == [1.0, 2.0]
+
+
+def test_mean_blocks_are_the_mean_blob_block_by_block():
+    rng = np.random.default_rng(3)
+    state = {"a": rng.standard_normal(70_000).astype(np.float32), "b": rng.standard_normal(5).astype(np.float64),
+             "n": np.arange(9, dtype=np.int64)}
+    layout, blob = encode(state)
+    total = WeightedSum(layout)
+    total.fold([blob], 7, 10.0, nbytes=len(blob))
+    total.fold([blob], 2, 10.0, nbytes=len(blob))
+
+    blocks = [bytes(block) for block in total.mean_blocks()]   # copied: a block lives until the next
+
+    assert b"".join(blocks) == bytes(total.mean_blob())
+    assert len(blocks) > len(layout.tensors)                   # "a" spans two blocks
+
+
+@pytest.mark.parametrize("weight", [1, 3, 2 ** 20, 2 ** 31])
+def test_the_addition_path_and_the_rint_path_add_the_same_integers(weight):
+    """Updates with weight·max|x| below 2**18 take the float-addition path, the rest multiply and round:
+    both must add exactly rint(fl(x·w)·2**32), including values below the grid and ties."""
+    rng = np.random.default_rng(weight)
+    scale = min(1.0, 2.0 ** 14 / weight)   # keeps weight·max|x| below 2**18, so both paths can run
+    x = np.concatenate([rng.standard_normal(5000) * scale, rng.standard_normal(500) * 1e-9,
+                        [2.0 ** -33, -2.0 ** -33, 3 * 2.0 ** -33, 0.0, -0.0]]).astype(np.float32)
+    layout, blob = encode({"x": x})
+    peak = float(np.abs(x).max())
+    expected = np.rint(x.astype(np.float64) * float(weight) * 2.0 ** 32).astype(np.int64)
+
+    for fast in (True, False):
+        total = WeightedSum(layout)
+        limit = 2.0 ** 18 / weight
+        assert peak < limit
+        # max_abs decides the path; a declared bound above the real values forces the rint path.
+        declared = peak if fast else max(peak, limit)
+        total.fold([blob], weight, declared, nbytes=len(blob))
+        assert np.array_equal(total.acc, expected), f"fast={fast}"
+
+
+def test_many_addition_path_folds_wrap_and_unwrap_exactly():
+    """Each addition-path fold adds 1.5·2**20's bit pattern (~4.8e18) per element, so the int64 sum wraps
+    after two folds; the mean takes it off mod 2**64."""
+    layout, blob = encode({"w": np.array([0.5, -1.25, 3.0, 2.0 ** -20], np.float32)})
+    total = WeightedSum(layout)
+    for _ in range(11):
+        total.fold([blob], 1, 3.0, nbytes=len(blob))
+
+    assert _bits(total.mean()) == _bits({"w": np.array([0.5, -1.25, 3.0, 2.0 ** -20], np.float32)})
+
+
+# folding as chunks arrive, and taking an update back out ------------------------------------
+
+def _journal(blob: bytes, size: int = 7):
+    return lambda: (blob[i:i + size] for i in range(0, len(blob), size))   # split anywhere, even mid-element
+
+
+def _two_updates():
+    rng = np.random.default_rng(11)
+    layout, honest = encode({"a": rng.standard_normal(1000).astype(np.float32),
+                             "b": rng.standard_normal(37).astype(np.float64), "n": np.arange(5, dtype=np.int64)})
+    _, other = encode({"a": rng.standard_normal(1000).astype(np.float32),
+                       "b": rng.standard_normal(37).astype(np.float64), "n": np.arange(5, 10, dtype=np.int64)})
+    return layout, bytes(honest), bytes(other)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 13, 4000, 4296])   # bytes of the second update folded before it fails
+@pytest.mark.parametrize("weight", [1, 500, 2 ** 27])     # the addition path, and (2**27) the rint path
+def test_an_update_taken_out_part_way_leaves_the_sum_as_if_it_never_came(cut, weight):
+    layout, honest, other = _two_updates()
+    expected = WeightedSum(layout)
+    expected.fold([honest], 3, 4.5, nbytes=len(honest))
+    total = WeightedSum(layout)
+    total.fold([honest], 3, 4.5, nbytes=len(honest))
+
+    fold = total.begin(weight)
+    for start in range(0, cut, 5):
+        fold.add(other[start:min(cut, start + 5)], 4.5)
+    fold.undo(_journal(other))
+
+    assert np.array_equal(total.acc, expected.acc)
+    assert (total.count, total.total_weight) == (1, 3)
+    assert bytes(total.mean_blob()) == bytes(expected.mean_blob())
+    with pytest.raises(RoundClosed, match="taken out of the round's sum"):
+        fold.add(other[cut:cut + 8], 4.5)
+    with pytest.raises(RoundClosed):
+        fold.finish()
+    fold.undo(_journal(other))      # twice is harmless
+    assert np.array_equal(total.acc, expected.acc)
+
+
+def test_a_finished_update_can_be_taken_out_and_gives_back_its_range():
+    layout, honest, other = _two_updates()
+    total = WeightedSum(layout)
+    fold = total.begin(2)
+    fold.add(other, 2.0 ** 28)            # reserves 2 × 2**28 of the 2**30 range
+    fold.finish()
+    assert total.count == 1
+    with pytest.raises(IntegrityError, match="exceeds the fixed-point range"):
+        total.check_fits(1, 2.0 ** 29)
+
+    fold.undo(_journal(other))
+
+    assert total.count == 0 and total.total_weight == 0 and not total.acc.any()
+    total.check_fits(1, 2.0 ** 29)        # the reservation went with it
+
+
+def test_updates_streaming_at_once_interleave_into_the_same_sum():
+    layout, honest, other = _two_updates()
+    one_by_one = WeightedSum(layout)
+    one_by_one.fold([honest], 4, 4.5, nbytes=len(honest))
+    one_by_one.fold([other], 9, 4.5, nbytes=len(other))
+
+    total = WeightedSum(layout)
+    first, second = total.begin(4), total.begin(9)
+    for start in range(0, len(honest), 333):   # the two streams' chunks arrive alternately
+        first.add(honest[start:start + 333], 4.5)
+        second.add(other[start:start + 333], 4.5)
+    first.finish()
+    second.finish()
+
+    assert bytes(total.mean_blob()) == bytes(one_by_one.mean_blob())
+
+
+def test_the_range_is_reserved_as_the_running_max_grows():
+    layout, blob = encode({"w": np.array([1.0, 2.0 ** 28, 2.0 ** 29], np.float32)})
+    total = WeightedSum(layout)
+    fold = total.begin(1)
+    fold.add(blob[:4], 1.0)
+    other = total.begin(1)
+    other.add(blob[:8], 2.0 ** 28)
+
+    with pytest.raises(IntegrityError, match="exceeds the fixed-point range"):
+        fold.add(blob[4:], 2.0 ** 29 + 2.0 ** 28)   # with the other stream's reservation it could overflow
+
+
+def test_an_incomplete_update_cannot_finish():
+    layout, honest, _ = _two_updates()
+    total = WeightedSum(layout)
+    fold = total.begin(1)
+    fold.add(honest[:-3], 4.5)
+
+    with pytest.raises(IntegrityError, match=f"update ended after {len(honest) - 3} of {len(honest)} bytes"):
+        fold.finish()
+    with pytest.raises(IntegrityError, match="more than"):
+        fold.add(b"\0" * 8, 4.5)

@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.store import Store
 from plexus.errors import IntegrityError, NotFound
+from plexus.wire import encode
 
 
 class Clock:
@@ -277,3 +278,33 @@ def test_checkpoint_blob_refuses_a_checkpoint_holding_nan(store):
     store.save_checkpoint("job-1", 4, _state())
     with pytest.raises(IntegrityError, match="NaN or Inf"):
         store.checkpoint_blob("job-1", 4)
+
+
+def test_a_checkpoint_can_be_written_from_blocks_as_they_are_produced(store):
+    state = {"a": np.arange(6, dtype=np.float32), "b": np.array([1.5, -2.0], np.float64)}
+    layout, blob = encode(state)
+    produced = []
+
+    def blocks():
+        for start in range(0, len(blob), 5):   # odd-sized blocks that split elements
+            produced.append(start)
+            yield memoryview(blob)[start:start + 5]
+
+    store.save_checkpoint_blob("job-1", 1, layout, blocks())
+
+    assert len(produced) == -(-len(blob) // 5)
+    _assert_bit_exact(store.load_checkpoint("job-1", 1), state)
+
+
+@pytest.mark.parametrize("cut", [-4, 4])
+def test_blocks_that_miss_the_declared_size_save_nothing_and_keep_the_old_checkpoint(store, cut):
+    state = {"a": np.arange(6, dtype=np.float32)}
+    store.save_checkpoint("job-1", 1, state)
+    layout, blob = encode(state)
+    wrong = bytes(blob) + b"\0" * cut if cut > 0 else bytes(blob)[:cut]
+
+    with pytest.raises(IntegrityError, match="not the 24 its header declares; nothing was saved"):
+        store.save_checkpoint_blob("job-1", 1, layout, iter([wrong[:10], wrong[10:]]))
+
+    _assert_bit_exact(store.load_checkpoint("job-1", 1), state)
+    assert sorted(p.name for p in store.checkpoint_path("job-1", 1).parent.iterdir()) == ["1.safetensors"]

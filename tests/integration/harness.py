@@ -127,7 +127,8 @@ class RawSite:
 
     def submit(self, task: fpb.Task, state: dict, *, num_samples: int = 10, extra: bytes = b"",
                manifest=None, task_id: str | None = None, nonce: bytes | None = None, chunk: int = 1000,
-               timeout: float = 10) -> fpb.SubmitReply:
+               timeout: float = 10, pause: tuple[int, threading.Event] | None = None) -> fpb.SubmitReply:
+        """pause=(n, event): stall the stream after n bytes until event is set."""
         layout, blob = encode(state)
         header = fpb.UpdateHeader(task_id=task_id or task.task_id, job_id=task.job_id, round=task.round,
                                   nonce=task.nonce if nonce is None else nonce, num_samples=num_samples,
@@ -137,6 +138,8 @@ class RawSite:
             yield fpb.UpdateMessage(header=header)
             data = blob + extra
             for offset, piece in iter_chunks(data, chunk):
+                if pause and offset >= pause[0]:
+                    pause[1].wait(60)
                 yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(piece)})
 
         return self.stub.SubmitUpdate(messages(), timeout=timeout)

@@ -8,7 +8,9 @@ import grpc
 import numpy as np
 import pytest
 
+from coordinator.aggregate import WeightedSum
 from plexus.cli import main as cli
+from plexus.wire import encode
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 
 from integration.harness import heart_job, wait_until
@@ -220,3 +222,79 @@ def test_a_fixed_flow_control_window_gives_the_same_model(federation, pki_root, 
     finally:
         fixed.close()
     assert models[0] == models[1]
+
+
+def _honest_raw_round(federation, *, deadline: float):
+    """Sites a and b (raw) send known updates; c is left to the test. Returns (sites, tasks, layout, sent)."""
+    sites = {name: federation.raw_site(name) for name in ("a", "b", "c")}
+    for site in sites.values():
+        site.join()
+    federation.wait_online("a", "b", "c")
+    job_id = federation.admin().submit(heart_job(rounds=1, min=2, deadline=deadline)).job_id
+    tasks = {name: site.next_task() for name, site in sites.items()}
+    layout, state = sites["a"].fetch(tasks["a"])
+    sent = {"a": ({k: v + 0.25 for k, v in state.items()}, 10), "b": ({k: v * -0.5 for k, v in state.items()}, 30)}
+    return job_id, sites, tasks, layout, state, sent
+
+
+def _expected_mean(layout, sent) -> dict:
+    total = WeightedSum(layout)
+    for update, samples in sent.values():
+        blob = encode(update)[1]
+        total.fold([blob], samples, max(float(np.abs(v).max()) for v in update.values()), nbytes=len(blob))
+    return total.mean()
+
+
+def _finish(federation, job_id, sites):
+    stop = threading.Event()
+    for site in sites.values():
+        site.answer_everything_with_failure(stop)   # the final evaluation round
+    try:
+        assert federation.wait_job(job_id) == "completed"
+    finally:
+        stop.set()
+
+
+def test_an_update_refused_part_way_is_taken_back_out_of_the_sum_exactly(federation):
+    """c's update is folded chunk by chunk as it arrives, then its last element is NaN: everything of it
+    already in the running sum comes out again, and round 1 is exactly the mean of a and b."""
+    job_id, sites, tasks, layout, state, sent = _honest_raw_round(federation, deadline=30)
+    poisoned = {k: v.copy() for k, v in state.items()}
+    last = layout.tensors[-1]
+    poisoned[last.name].reshape(-1)[-1] = np.nan
+    with pytest.raises(grpc.RpcError) as err:
+        sites["c"].submit(tasks["c"], poisoned, num_samples=1000, chunk=24)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in err.value.details()
+    for name, (update, samples) in sent.items():
+        sites[name].submit(tasks[name], update, num_samples=samples)
+    _finish(federation, job_id, sites)
+
+    got = federation.store.load_checkpoint(job_id, 1)
+    assert list(_contributors(federation, job_id)) == ["a", "b"]
+    assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in _expected_mean(layout, sent).items()}
+
+
+def test_an_update_still_arriving_at_the_deadline_is_taken_out_before_the_mean(federation):
+    job_id, sites, tasks, layout, state, sent = _honest_raw_round(federation, deadline=4)
+    release, outcome = threading.Event(), {}
+
+    def stalled():   # half of c's update is in the sum when its stream stops moving
+        try:
+            sites["c"].submit(tasks["c"], {k: v * 100 for k, v in state.items()}, num_samples=1000, chunk=24,
+                              pause=(layout.total_bytes // 2, release), timeout=30)
+        except grpc.RpcError as exc:
+            outcome["code"] = exc.code()
+    thread = threading.Thread(target=stalled, daemon=True)
+    thread.start()
+    wait_until(lambda: "c" in federation.coordinator.engine._active.round.folding, 10, "c's update to be arriving")
+    for name, (update, samples) in sent.items():
+        sites[name].submit(tasks[name], update, num_samples=samples)
+    wait_until(lambda: federation.store.job(job_id).current_round == 1, 20, "round 1 to close at its deadline")
+    release.set()
+    thread.join(30)
+    _finish(federation, job_id, sites)
+
+    assert outcome["code"] == grpc.StatusCode.FAILED_PRECONDITION   # the round had closed under it
+    assert list(_contributors(federation, job_id)) == ["a", "b"]
+    got = federation.store.load_checkpoint(job_id, 1)
+    assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in _expected_mean(layout, sent).items()}

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from coordinator import aggregate, engine
+from coordinator import aggregate
 from coordinator.server import Coordinator
 from plexus import pki
 from plexus.config import CoordinatorConfig
@@ -75,32 +75,37 @@ def test_a_32_site_job_completes(fleet):
                                                                     (3, "closed", 32)]
 
 
-def test_updates_are_folded_one_at_a_time_in_bounded_blocks(fleet, monkeypatch):
+def test_updates_are_folded_chunk_by_chunk_one_piece_at_a_time(fleet, monkeypatch):
+    """Eight sites upload at once: every chunk goes into the one running sum as it arrives, one piece at
+    a time under the sum's lock, and no piece is ever larger than the sites' 1 MiB chunk."""
     coordinator, admin, kits, stop = fleet
-    active, seen = [0], {"max_active": 0, "folds": 0, "largest_piece": 0}
+    active, seen = [0], {"max_active": 0, "pieces": 0, "largest_piece": 0, "sums": set(), "finished": 0}
     lock = threading.Lock()
-    original = aggregate.WeightedSum.fold
+    fold_bytes, finish = aggregate.WeightedSum._fold_bytes, aggregate.Fold.finish
 
-    def instrumented(self, pieces, weight, max_abs, *, nbytes):
+    def instrumented(self, position, data, weight, max_abs, sign):
         with lock:
             active[0] += 1
             seen["max_active"] = max(seen["max_active"], active[0])
-            seen["folds"] += 1
-
-        def measured():
-            for piece in pieces:
-                seen["largest_piece"] = max(seen["largest_piece"], len(piece))
-                yield piece
+            seen["pieces"] += 1
+            seen["largest_piece"] = max(seen["largest_piece"], len(data))
+            seen["sums"].add(id(self))
         try:
-            return original(self, measured(), weight, max_abs, nbytes=nbytes)
+            return fold_bytes(self, position, data, weight, max_abs, sign)
         finally:
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(aggregate.WeightedSum, "fold", instrumented)
-    size = 3_000_000  # 12 MB per update: several spool blocks each
+    def counted(self):
+        finish(self)
+        seen["finished"] += 1
+
+    monkeypatch.setattr(aggregate.WeightedSum, "_fold_bytes", instrumented)
+    monkeypatch.setattr(aggregate.Fold, "finish", counted)
+    size = 3_000_000  # 12 MB per update: twelve 1 MiB chunks each
     job_id = _run(coordinator, admin, kits, stop, sites=8, rounds=1, size=size)
     assert coordinator.store.job(job_id).status == "completed"
-    assert seen["folds"] == 8
-    assert seen["max_active"] == 1                       # never two updates in the aggregation path at once
-    assert seen["largest_piece"] <= engine.SPOOL_READ_BYTES < size * 4   # each held in blocks, never whole
+    assert seen["finished"] == 8 and len(seen["sums"]) == 1   # eight updates, one running sum
+    assert seen["pieces"] >= 8 * 12                            # folded chunk by chunk, not once per update
+    assert seen["max_active"] == 1                             # never two pieces in the sum at once
+    assert seen["largest_piece"] <= 1 << 20 < size * 4         # each update held a chunk at a time, never whole

@@ -13,7 +13,7 @@ from hypothesis.extra import numpy as hnp
 
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import tensor_pb2
-from plexus.wire import DTYPES, Layout, Receiver, decode, dtype_name, encode, encode_chunks, iter_chunks
+from plexus.wire import DTYPES, Layout, Receiver, assemble, decode, dtype_name, encode, encode_chunks, iter_chunks
 
 
 def _extremes(name: str) -> np.ndarray:
@@ -405,3 +405,16 @@ def test_encode_chunks_never_holds_more_than_a_few_chunks():
         tracemalloc.stop()
     assert total == sum(a.nbytes for a in state.values())
     assert peak < 4 * chunk, peak
+
+
+def test_assemble_into_reuses_the_buffer_and_checks_its_size():
+    state = {"w": np.arange(10, dtype=np.float32)}
+    layout, blob = encode(state)
+    buffer = bytearray(layout.total_bytes)
+    chunks = [type("Chunk", (), {"offset": o, "data": bytes(p)})() for o, p in iter_chunks(blob, 64 * 1024)]
+
+    out = assemble(layout, chunks, into=buffer)
+
+    assert out is buffer and bytes(buffer) == bytes(blob)
+    with pytest.raises(ValueError, match="the buffer has 39 bytes; the layout needs 40"):
+        assemble(layout, chunks, into=bytearray(39))
