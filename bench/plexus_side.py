@@ -24,14 +24,15 @@ seed: 0
 """
 
 
-def make_pki(root: Path, sites: int, *, stream_window: int | None = None):
+def make_pki(root: Path, sites: int, *, settings: dict | None = None):
+    """A federation's PKI; `settings` are extra coordinator config keys (bench/run.py --set)."""
     from plexus import pki
 
     pki.init_federation(root, "plexus-bench", hosts=["127.0.0.1"])
     coord_yaml = root / "coordinator" / "coordinator.yaml"
     coord_yaml.write_text(coord_yaml.read_text().replace('listen: "127.0.0.1:8443"', 'listen: "127.0.0.1:0"')
                           + "poll_timeout_s: 10\n"
-                          + (f"stream_window_bytes: {stream_window}\n" if stream_window else ""))
+                          + "".join(f"{key}: {value}\n" for key, value in (settings or {}).items()))
     admin = pki.add_admin(root, "bench-operator", role="operator")
     kits = [pki.add_site(root, f"site-{i:02d}") for i in range(sites)]
     return coord_yaml, admin, kits
@@ -41,11 +42,12 @@ SECURE = "privacy: {secure_aggregation: true, secagg: {phase_timeout_s: 600}}\n"
 
 
 def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int = 4, timeout_s: float = 900,
-             deadline_s: float = 600, secure: bool = False, stream_window: int | None = None) -> dict:
+             deadline_s: float = 600, secure: bool = False, settings: dict | None = None) -> dict:
     from plexus.admin_client import AdminClient
 
     root = workdir / "pki"
-    coord_yaml, admin_kit, kits = make_pki(root, sites, stream_window=stream_window)
+    coord_yaml, admin_kit, kits = make_pki(root, sites, settings=settings)
+    site_chunk = ["--chunk-bytes", str((settings or {})["chunk_bytes"])] if "chunk_bytes" in (settings or {}) else []
     fleet = Fleet(workdir / "logs")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PLEXUS_LOG=os.environ.get("PLEXUS_LOG", "WARNING"),
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -65,7 +67,7 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
                 f'site: "{kit.name}"\ncoordinator: "{address}"\nkit: "."\nstate_dir: "./state"\n'
                 "datasets: {bench: {kind: npz, path: unused.npz}}\npolicy:\n  allowed_models: [vector]\n  require_secure_aggregation: false\n")
             fleet.spawn(kit.name, "site", [sys.executable, str(HERE / "plexus_site.py"),
-                                           "--config", str(kit / "site.yaml")], env=env, cwd=workdir)
+                                           "--config", str(kit / "site.yaml"), *site_chunk], env=env, cwd=workdir)
         with AdminClient(address, admin_kit, timeout_s=60) as client:
             wait_until(lambda: sum(s.online for s in client.sites()) >= sites, 300,
                        f"{sites} sites to join", fleet, every_s=0.25)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plexus.config import load_site_config, parse_round_config  # noqa: E402
 from plexus.models import available_models, build_model, state_to_numpy  # noqa: E402
 from plexus.proto.plexus.v1 import federation_pb2 as fpb  # noqa: E402
-from plexus.wire import Layout, assemble, iter_chunks  # noqa: E402
+from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, iter_chunks  # noqa: E402
 from site_agent.agent import SiteAgent, _remaining, log  # noqa: E402
 from site_agent.local import LocalResult  # noqa: E402
 from site_agent.training import TrainResult  # noqa: E402
@@ -80,7 +80,7 @@ class BenchSiteAgent(SiteAgent):
 
         def messages():
             yield fpb.UpdateMessage(header=header)
-            for offset, piece in iter_chunks(blob, self.chunk_bytes):
+            for offset, piece in iter_chunks(blob, chunk_size(len(blob), self.chunk_bytes)):
                 yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(piece)})
 
         reply = stub.SubmitUpdate(messages(), timeout=_remaining(task))
@@ -109,6 +109,7 @@ class BenchSiteAgent(SiteAgent):
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--config", type=Path, required=True)
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="update chunk size (as the coordinator's)")
     args = p.parse_args()
     logging.basicConfig(level=os.environ.get("PLEXUS_LOG", "INFO").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -116,7 +117,7 @@ def main() -> int:
     limit_malloc_arenas()   # as `plexus site run` does
     import torch
     torch.set_num_threads(1)
-    agent = BenchSiteAgent(load_site_config(args.config))
+    agent = BenchSiteAgent(load_site_config(args.config), chunk_bytes=args.chunk_bytes)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop.set())
     worker = threading.Thread(target=agent.run, name="plexus-bench-site", daemon=True)

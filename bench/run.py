@@ -59,7 +59,7 @@ def child(spec: dict) -> dict:
         import plexus_side
 
         return plexus_side.run_case(spec["size"], spec["sites"], spec["rounds"], workdir, chunks=spec["chunks"],
-                                    secure=spec.get("secure", False), stream_window=spec.get("stream_window"))
+                                    secure=spec.get("secure", False), settings=spec.get("settings"))
     if kind == "flower":
         import flower_side
 
@@ -131,11 +131,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-flower", action="store_true", help="Plexus only")
     ap.add_argument("--scale", action="store_true",
                     help="also: Plexus round time and coordinator RSS for N in 2,8,16,32 (P=1M, 3 rounds)")
+    ap.add_argument("--secure", action="store_true",
+                    help="also: each case on Plexus with secure aggregation on (rows 'plexus+sa', and SA/plain)")
     ap.add_argument("--large", action="store_true",
                     help="also: Plexus with a 2.56 GB model (640M float32), 2 sites, 2 rounds")
     ap.add_argument("--case-timeout", type=float, default=1500)
-    ap.add_argument("--stream-window", type=int, metavar="BYTES",
-                    help="Plexus coordinator's stream_window_bytes (default: unset, gRPC's adaptive windows)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                    help="a Plexus coordinator config key for every case, e.g. --set stream_window_bytes=262144 "
+                         "--set max_transfers=4; chunk_bytes applies to the sites' uploads too (repeatable)")
     ap.add_argument("--at-commit", metavar="REV",
                     help="benchmark the product as committed at REV (git archive into a temp folder, plus this "
                          "bench/), not the working tree: stable numbers while others edit the tree")
@@ -149,6 +152,12 @@ def main(argv=None) -> int:
         print(MARK + json.dumps(result), flush=True)
         return 0
 
+    settings = {}
+    for item in args.settings:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--set {item!r}: expected KEY=VALUE, e.g. --set stream_window_bytes=262144")
+        settings[key.strip()] = value.strip()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     site_counts = [int(n) for n in args.sites.split(",")]
     if args.quick:
@@ -169,13 +178,13 @@ def main(argv=None) -> int:
     report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
                     "cpus": os.cpu_count(), "python": sys.version.split()[0], "netns": netns,
                     "flower": flower_info if flower_ok else None, "flower_skipped": None if flower_ok else flower_info,
-                    "rounds": args.rounds, "chunks": args.chunks, "cases": [], "extras": {}}
+                    "rounds": args.rounds, "chunks": args.chunks, "settings": settings, "cases": [], "extras": {}}
     n = [0]
 
     def case(spec, timeout=args.case_timeout):
         n[0] += 1
         spec = dict(spec, workdir=str(workroot / f"{n[0]:02d}-{spec['kind']}"), chunks=args.chunks,
-                    stream_window=args.stream_window)
+                    settings=settings)
         Path(spec["workdir"]).mkdir(parents=True)
         t0 = time.monotonic()
         res = run_child(spec, netns=netns, timeout_s=timeout)
@@ -198,12 +207,13 @@ def main(argv=None) -> int:
     for size in sizes:
         for sites in site_counts:
             pair = {}
-            for system in ("plexus", "flower"):
-                if system == "flower" and not flower_ok:
+            for system in ("plexus", "plexus+sa", "flower"):
+                if system == "flower" and not flower_ok or system == "plexus+sa" and not args.secure:
                     continue
                 say(f"case {label(size)} × {sites} sites: {system} ...")
-                res = case({"kind": system, "size": size, "sites": sites, "rounds": args.rounds})
-                res.setdefault("system", system)
+                res = case({"kind": system.split("+")[0], "size": size, "sites": sites, "rounds": args.rounds,
+                            "secure": system == "plexus+sa"})
+                res["system"] = system
                 res.setdefault("size", size)
                 res.setdefault("sites", sites)
                 pair[system] = res
@@ -286,29 +296,34 @@ def print_tables(report: dict, tls_rate, say) -> None:
     say(f"Plexus vs Flower ({'flwr ' + report['flower'] if report['flower'] else 'Flower skipped: ' + str(report['flower_skipped'])}); "
         f"{report['rounds']} rounds, trivial training, {report['chunks']} tensors; median round after the first; "
         f"loopback TLS {tls_rate / 1e9:.2f} GB/s" if tls_rate else "")
-    head = f"{'case':<9}{'system':<8}{'round':>10}{'coord peak':>12}{'fed total':>11}{'bytes/round':>14}" \
+    head = f"{'case':<9}{'system':<10}{'round':>10}{'coord peak':>12}{'fed total':>11}{'bytes/round':>14}" \
            f"{'×(2·N·model)':>14}{'floor':>10}"
     say(head)
     say("-" * len(head))
     rows = []
     for (size, sites), pair in sorted(by.items()):
-        p, f = pair.get("plexus"), pair.get("flower")
+        p, sa, f = pair.get("plexus"), pair.get("plexus+sa"), pair.get("flower")
         g = goals(p, f, tls_rate) if p and "error" not in p else {}
-        for name, r in (("plexus", p), ("flower", f)):
+        for name, r in (("plexus", p), ("plexus+sa", sa), ("flower", f)):
             if r is None:
                 continue
             if "error" in r:
-                say(f"{label(size) + '×' + str(sites):<9}{name:<8}  FAILED: {r['error']}")
+                say(f"{label(size) + '×' + str(sites):<9}{name:<10}  FAILED: {r['error']}")
                 continue
             must = 2 * sites * r["model_bytes"]
-            say(f"{label(size) + '×' + str(sites):<9}{name:<8}{fmt_s(r['median_round_s']):>10}"
+            say(f"{label(size) + '×' + str(sites):<9}{name:<10}{fmt_s(r['median_round_s']):>10}"
                 f"{fmt_mb(r['coordinator_peak_rss_mb']):>12}{fmt_mb(r['federation_peak_total_rss_mb']):>11}"
                 f"{fmt_bytes(r['bytes_per_round']):>14}{ratio(r['bytes_per_round'], must):>14}"
                 f"{fmt_s(g.get('floor_s')) if name == 'plexus' else '':>10}"
                 + (f"   (+ model worker {fmt_mb(r['model_worker_peak_rss_mb'])})"
                    if r.get("model_worker_peak_rss_mb") else ""))
+        if p and sa and "error" not in p and "error" not in sa:
+            say(f"{'':<9}{'SA/plain':<10}{ratio(sa['median_round_s'], p['median_round_s']):>10}"
+                f"{ratio(sa['coordinator_peak_rss_mb'], p['coordinator_peak_rss_mb']):>12}"
+                f"{ratio(sa['federation_peak_total_rss_mb'], p['federation_peak_total_rss_mb']):>11}"
+                f"{ratio(sa['bytes_per_round'], p['bytes_per_round']):>14}")
         if p and f and "error" not in p and "error" not in f:
-            say(f"{'':<9}{'P/F':<8}{ratio(p['median_round_s'], f['median_round_s']):>10}"
+            say(f"{'':<9}{'P/F':<10}{ratio(p['median_round_s'], f['median_round_s']):>10}"
                 f"{ratio(p['coordinator_peak_rss_mb'], f['coordinator_peak_rss_mb']):>12}"
                 f"{ratio(p['federation_peak_total_rss_mb'], f['federation_peak_total_rss_mb']):>11}"
                 f"{ratio(p['bytes_per_round'], f['bytes_per_round']):>14}")

@@ -48,7 +48,8 @@ class Coordinator:
         self.metrics = CoordinatorMetrics(store=self.store, online_sites=self.engine.online_sites)
         self.store.subscribe(self.metrics.on_event)
         federation_pb2_grpc.add_FederationServicer_to_server(
-            _Metered(FederationService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit),
+            _Metered(FederationService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit,
+                                       max_transfers=config.max_transfers),
                      self.metrics), self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             _Metered(AdminService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit_log),

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import threading
+from contextlib import contextmanager
 
 from coordinator.engine import Engine
 from coordinator.store import TERMINAL, JobRow
-from plexus.errors import IntegrityError
+from plexus.errors import FailedPrecondition, IntegrityError
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, guarded
 from plexus.secagg_proto import advert_to_proto, advert_from_proto
-from plexus.wire import iter_chunks
+from plexus.wire import chunk_size, iter_chunks
 
 _KINDS = {"train": fpb.TASK_TRAIN, "evaluate": fpb.TASK_EVALUATE, "secagg_advertise": fpb.TASK_SECAGG_ADVERTISE,
           "secagg_share": fpb.TASK_SECAGG_SHARE, "secagg_mask": fpb.TASK_SECAGG_MASKED_INPUT,
@@ -21,8 +23,10 @@ _RESULTS = {fpb.RESULT_EVALUATED: "evaluated", fpb.RESULT_DECLINED: "declined", 
 
 def model_stream(job_id: str, round_: int, layout, source, chunk_bytes: int):
     """Header, then chunks of the one shared model: slices of its blob, or reads of its checkpoint file
-    (then every stream shares the page cache and the coordinator holds no copy of the model)."""
+    (then every stream shares the page cache and the coordinator holds no copy of the model).
+    chunk_bytes caps the chunk size; smaller models go in smaller chunks (plexus.wire.chunk_size)."""
     yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=job_id, round=round_, manifest=layout.to_proto()))
+    chunk_bytes = chunk_size(layout.total_bytes, chunk_bytes)
     if isinstance(source, tuple):
         path, start = source
         with open(path, "rb") as fh:
@@ -37,9 +41,29 @@ def model_stream(job_id: str, round_: int, layout, source, chunk_bytes: int):
         yield fpb.ModelMessage(chunk={"offset": offset, "data": bytes(piece)})
 
 
+class TransferSlots:
+    """At most `limit` model downloads and update uploads at once, whatever the number of sites: each
+    holds a few chunks of buffers, so this is what keeps the coordinator's memory flat in N. A call
+    waiting for a slot holds no data; it gives up when its caller does."""
+
+    def __init__(self, limit: int):
+        self._free = threading.BoundedSemaphore(limit)
+
+    @contextmanager
+    def slot(self, context):
+        while not self._free.acquire(timeout=0.5):
+            if not context.is_active():
+                raise FailedPrecondition("the call ended while it waited for a transfer slot")
+        try:
+            yield
+        finally:
+            self._free.release()
+
+
 class FederationService(federation_pb2_grpc.FederationServicer):
-    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, audit=None):
+    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, audit=None, max_transfers: int = 8):
         self.engine, self.auth, self.chunk_bytes, self.audit = engine, auth, chunk_bytes, audit
+        self.transfers = TransferSlots(max_transfers)
 
     @guarded(kind="site")
     def Join(self, request, context, *, who):
@@ -66,14 +90,16 @@ class FederationService(federation_pb2_grpc.FederationServicer):
     @guarded(kind="site")
     def FetchModel(self, request, context, *, who):
         layout, blob, job_id, model_round = self.engine.model_for(who.name, request.task_id)
-        yield from model_stream(job_id, model_round, layout, blob, self.chunk_bytes)
+        with self.transfers.slot(context):
+            yield from model_stream(job_id, model_round, layout, blob, self.chunk_bytes)
 
     @guarded(kind="site")
     def SubmitUpdate(self, request_iterator, context, *, who):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("body") != "header":
             raise IntegrityError("an update stream must start with its header")
-        message = self.engine.submit_update(who.name, first.header, _chunks(request_iterator))
+        with self.transfers.slot(context):
+            message = self.engine.submit_update(who.name, first.header, _chunks(request_iterator))
         return fpb.SubmitReply(accepted=True, message=message)
 
     @guarded(kind="site")

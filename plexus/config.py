@@ -67,6 +67,15 @@ def _range(lo: float, hi: float | None = None, *, lo_open: bool = False, hi_open
     return {"check": check}
 
 
+def _window() -> dict:
+    def check(value: int) -> str | None:
+        if value == 0 or 1 << 14 <= value <= 1 << 30:
+            return None
+        return f"{value!r} is out of range; use 0 (gRPC's adaptive windows) or a size in [16384, 1073741824]"
+
+    return {"check": check}
+
+
 def _one_of(*choices: str) -> dict:
     def check(value: str) -> str | None:
         if value in choices:
@@ -289,10 +298,15 @@ class CoordinatorConfig:
     rejoin_grace_s: float = field(default=15.0, metadata=_range(0, 3600))
     chunk_bytes: int = field(default=1 << 20, metadata=_range(1 << 16, 1 << 22))
     max_workers: int = field(default=128, metadata=_range(8, 4096))
-    # Per-stream HTTP/2 flow-control window. Unset: gRPC sizes windows to the measured bandwidth-delay
-    # product, best for WAN links but, on fast local links, up to megabytes buffered per site stream.
-    # Set (e.g. 65536): a fixed window, bounding that memory at the cost of throughput on long links.
-    stream_window_bytes: int | None = field(default=None, metadata=_range(1024, 1 << 30))
+    # Per-stream HTTP/2 flow-control window: what a site may send before the coordinator reads it, so
+    # the most an upload waiting for a transfer slot buffers. One stream then carries at most
+    # window / round-trip time (1 MiB at 20 ms: ~50 MB/s); raise it for long fat links. 0: gRPC's
+    # adaptive windows (bandwidth-delay probing), which on fast links grow to megabytes per stream.
+    stream_window_bytes: int = field(default=1 << 20, metadata=_window())
+    # Model downloads and update uploads in progress at once; more wait their turn, holding no data.
+    # Each costs a few chunks of buffers, so this keeps the coordinator's memory flat in the number
+    # of sites; on a CPU-bound coordinator, fewer concurrent streams also contend less.
+    max_transfers: int = field(default=4, metadata=_range(1, 1024))
     # Prometheus metrics over plain HTTP (off unless set; keep it on 127.0.0.1 or a private network).
     metrics_listen: str | None = field(default=None, metadata=_address(0))
     # grpc.health.v1 only, plaintext, for probes that cannot present a client certificate (off unless set).

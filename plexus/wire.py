@@ -36,6 +36,8 @@ FLOAT_DTYPES = ("F16", "F32", "F64")
 SCAFFOLD_C, SCAFFOLD_DC = "scaffold/c/", "scaffold/dc/"
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 1 << 16
+CHUNKS_PER_MODEL = 16
 MAX_TENSORS = 100_000
 MAX_NAME_LEN = 512
 
@@ -189,6 +191,15 @@ def decode(layout: Layout, blob: bytes | bytearray | memoryview) -> dict[str, np
         t.name: np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset).reshape(t.shape)
         for t in layout.tensors
     }
+
+
+def chunk_size(total_bytes: int, cap: int = DEFAULT_CHUNK_BYTES) -> int:
+    """The chunk size for streaming a blob of total_bytes: at most `cap`, and small enough that a model
+    crosses in at least CHUNKS_PER_MODEL chunks (a multiple of 64 KiB, at least 64 KiB). Each stream
+    in flight holds a few chunks, so small models keep small buffers however many sites stream at once,
+    while large ones still go in chunks big enough that per-message costs vanish."""
+    want = -(-total_bytes // CHUNKS_PER_MODEL)
+    return max(MIN_CHUNK_BYTES, min(cap, -(-want // MIN_CHUNK_BYTES) * MIN_CHUNK_BYTES))
 
 
 def iter_chunks(blob: bytes | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[int, memoryview]]:

@@ -29,7 +29,7 @@ from plexus.datasets import Split, load_dataset
 from plexus.models import available_models, build_job_model, load_numpy_state, state_to_numpy, state_views
 from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
-from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, decode, encode_chunks
+from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, decode, encode_chunks
 from site_agent.policy import policy_digest, refusal
 from site_agent.audit import SiteAudit
 from site_agent.local import LocalResult, local_update, needs_served, served_layout
@@ -184,6 +184,7 @@ class SiteAgent:
                                   manifest=manifest)
 
         digest = hashlib.sha256()
+        chunk = chunk_size(4 * layout.total_elements, self.chunk_bytes)
 
         def messages():
             yield fpb.UpdateMessage(header=header)
@@ -191,8 +192,8 @@ class SiteAgent:
             for piece in masked:
                 data = piece.astype("<u4", copy=False).tobytes()
                 digest.update(data)
-                for start in range(0, len(data), self.chunk_bytes):
-                    part = data[start:start + self.chunk_bytes]
+                for start in range(0, len(data), chunk):
+                    part = data[start:start + chunk]
                     yield fpb.UpdateMessage(chunk={"offset": offset, "data": part})
                     offset += len(part)
 
@@ -255,7 +256,7 @@ class SiteAgent:
 
     def _submit(self, stub, task, update: dict, result, eval_metrics: dict) -> bool:
         """Stream the update straight from its tensors (no model-sized buffer); True once accepted."""
-        layout, chunks = encode_chunks(update, self.chunk_bytes)
+        layout, chunks = encode_chunks(update, chunk_size(Layout.of(update).total_bytes, self.chunk_bytes))
         header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                                   num_samples=result.num_samples, metrics=result.metrics,
                                   eval_metrics=eval_metrics, manifest=layout.to_proto())

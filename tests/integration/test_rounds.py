@@ -202,13 +202,15 @@ def test_coordinator_refuses_to_start_without_a_crl(pki_root, tmp_path):
                                       crl=tmp_path / "missing-crl.pem"))
 
 
-def test_a_fixed_flow_control_window_gives_the_same_model(federation, pki_root, tmp_path):
-    """stream_window_bytes trades throughput for memory; the result must not depend on it."""
+def test_flow_control_windows_and_transfer_slots_do_not_change_the_model(pki_root, tmp_path):
+    """stream_window_bytes and max_transfers trade throughput for memory; the result must not depend on
+    them: gRPC's adaptive windows and unlimited transfers against a 64 KiB window, one transfer at a time."""
     from integration.harness import Federation
 
     job = heart_job(model="mlp", rounds=2, min=2).replace("num_classes: 2", "hidden: [512, 256], num_classes: 2")
     models = []
-    fixed = Federation(pki_root, tmp_path / "fixed-window", stream_window_bytes=65536)
+    federation = Federation(pki_root, tmp_path / "adaptive", stream_window_bytes=0, max_transfers=1024)
+    fixed = Federation(pki_root, tmp_path / "fixed-window", stream_window_bytes=65536, max_transfers=1)
     try:
         for fed in (federation, fixed):
             fed.start_site("a")
@@ -221,6 +223,7 @@ def test_a_fixed_flow_control_window_gives_the_same_model(federation, pki_root, 
             models.append({k: v.tobytes() for k, v in state.items()})
     finally:
         fixed.close()
+        federation.close()
     assert models[0] == models[1]
 
 

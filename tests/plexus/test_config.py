@@ -464,6 +464,12 @@ def test_coordinator_config_defaults_and_paths(tmp_path):
         chunk_bytes=1048576,
         max_workers=128,
     )
+    assert (cfg.stream_window_bytes, cfg.max_transfers) == (1 << 20, 4)
+
+
+def test_a_zero_stream_window_means_grpcs_adaptive_windows(tmp_path):
+    cfg = load_coordinator_config(write(tmp_path, "listen: 'h:1'\nkit: k\nstream_window_bytes: 0\n"))
+    assert cfg.stream_window_bytes == 0
 
 
 @pytest.mark.parametrize(
@@ -475,6 +481,9 @@ def test_coordinator_config_defaults_and_paths(tmp_path):
         ("listen: 'h:1'\nkit: k\nchunk_bytes: 1024\n", "3: chunk_bytes: 1024 is out of range"),
         ("listen: 'h:1'\nkit: k\nmax_workers: 4097\n", "3: max_workers: 4097 is out of range"),
         ("listen: 'h:1'\nkit: k\nworkers: 8\n", "3: workers: unknown key"),
+        ("listen: 'h:1'\nkit: k\nstream_window_bytes: 1000\n",
+         "3: stream_window_bytes: 1000 is out of range; use 0 (gRPC's adaptive windows) or a size in [16384, "),
+        ("listen: 'h:1'\nkit: k\nmax_transfers: 0\n", "3: max_transfers: 0 is out of range"),
         ("listen: 'h:1'\nkit: k\ncrl: ''\n", "3: crl: is empty"),
     ],
 )

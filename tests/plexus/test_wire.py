@@ -418,3 +418,20 @@ def test_assemble_into_reuses_the_buffer_and_checks_its_size():
     assert out is buffer and bytes(buffer) == bytes(blob)
     with pytest.raises(ValueError, match="the buffer has 39 bytes; the layout needs 40"):
         assemble(layout, chunks, into=bytearray(39))
+
+
+@pytest.mark.parametrize("total, cap, expected", [
+    (0, 1 << 20, 1 << 16),                  # never below 64 KiB
+    (4_000_000, 1 << 20, 256 * 1024),       # a 1M-parameter model: 16 chunks of 256 KiB
+    (16 * (1 << 20), 1 << 20, 1 << 20),     # exactly 16 MiB: the cap
+    (200_000_000, 1 << 20, 1 << 20),        # large models: the cap
+    (200_000_000, 1 << 22, 1 << 22),
+    (2_000_001, 1 << 20, 128 * 1024),       # rounded up to a multiple of 64 KiB
+])
+def test_chunk_size_gives_small_models_small_chunks(total, cap, expected):
+    from plexus.wire import chunk_size
+
+    size = chunk_size(total, cap)
+
+    assert size == expected and size % (1 << 16) == 0
+    assert total == 0 or -(-total // size) >= min(16, -(-total // cap))
