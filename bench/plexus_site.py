@@ -20,9 +20,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plexus.config import load_site_config, parse_round_config  # noqa: E402
-from plexus.models import available_models, build_model, state_to_numpy  # noqa: E402
+from plexus.models import available_models, build_model  # noqa: E402
 from plexus.proto.plexus.v1 import federation_pb2 as fpb  # noqa: E402
-from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, iter_chunks  # noqa: E402
+from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, dtype_name, iter_chunks  # noqa: E402
 from site_agent.agent import SiteAgent, _remaining, log  # noqa: E402
 from site_agent.local import LocalResult  # noqa: E402
 from site_agent.training import TrainResult  # noqa: E402
@@ -46,8 +46,13 @@ class BenchSiteAgent(SiteAgent):
 
     def _layout(self, job) -> Layout:
         key = (job.model.name, repr(sorted(job.model.args.items())))
-        if key not in self._layouts:  # the registry builds the model once; the layout is what the wire needs
-            self._layouts[key] = Layout.of(state_to_numpy(build_model(job.model.name, job.model.args, seed=0)))
+        if key not in self._layouts:  # the registry's model on torch's meta device: shapes, no memory
+            import torch
+
+            with torch.device("meta"):
+                state = build_model(job.model.name, job.model.args, seed=0).state_dict()
+            self._layouts[key] = Layout.build([(name, dtype_name(np.dtype(str(t.dtype).removeprefix("torch."))),
+                                                tuple(t.shape)) for name, t in state.items()])
         return self._layouts[key]
 
     def handle(self, stub, task: fpb.Task) -> None:

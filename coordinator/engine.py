@@ -353,12 +353,14 @@ class Engine:
                 self._record(rs, grant, site, "submitted", "", metrics)
                 return f"update for round {grant.round} accepted ({header.num_samples} samples)"
         finally:
-            self._withdraw(rs, site)
+            with self._cv:   # serialised with a closing round's withdrawals, so the journal outlives its reader
+                self._withdraw(rs, site)
             spool.unlink(missing_ok=True)
 
     @staticmethod
     def _withdraw(rs: RoundState, site: str) -> None:
-        """Take a site's update back out of the round's sum if it is (partly) in and was not accepted."""
+        """Take a site's update back out of the round's sum if it is (partly) in and was not accepted.
+        Call with the engine lock held."""
         entry = rs.folding.pop(site, None)
         if entry is not None:
             fold, journal = entry
