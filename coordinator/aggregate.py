@@ -9,9 +9,8 @@ number of sites.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import threading
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -116,6 +115,19 @@ class WeightedSum:
     def _require_clean(self) -> None:
         if self._poisoned:
             raise IntegrityError(f"this round's sum is unusable: {self._poisoned}; the round must fail")
+
+    def _fold_after(self, position: int, pending: bytearray, data: memoryview, weight: int, max_abs: float,
+                    sign: int) -> int:
+        """Fold data that follows `pending` (the bytes of an element split by the last piece edge); returns
+        the bytes folded, leaving any new split element in `pending`. Call with the lock held."""
+        if pending:   # an element straddled the last edge: fold through the small buffer
+            pending += data
+            used = self._fold_bytes(position, memoryview(pending), weight, max_abs, sign)
+            del pending[:used]
+        else:         # the common case: straight from the piece, no copy
+            used = self._fold_bytes(position, data, weight, max_abs, sign)
+            pending += data[used:]
+        return used
 
     def _fold_bytes(self, position: int, data: memoryview, weight: int, max_abs: float, sign: int) -> int:
         """Add (sign 1) or take back (sign -1) as many whole elements of data, starting at blob byte
@@ -244,7 +256,7 @@ class Fold:
             self.received += len(data)
             if self.received > total.layout.total_bytes:
                 raise IntegrityError(f"update has more than the {total.layout.total_bytes} bytes its layout needs")
-            self.position += _fold_pieces(total, self.position, self._pending, data, self.weight, self._peak, 1)
+            self.position += total._fold_after(self.position, self._pending, data, self.weight, self._peak, 1)
 
     def finish(self) -> None:
         """The update is complete: it now counts in the mean."""
@@ -268,7 +280,7 @@ class Fold:
             pending, position = bytearray(), 0
             for piece in journal():
                 data = memoryview(piece).cast("B")[:self.position - position - len(pending)]
-                position += _fold_pieces(total, position, pending, data, self.weight, self._peak, -1)
+                position += total._fold_after(position, pending, data, self.weight, self._peak, -1)
                 if position + len(pending) >= self.position:
                     break
             if position != self.position:
@@ -284,20 +296,6 @@ class Fold:
         if self.state != "open":
             raise RoundClosed("this update was taken out of the round's sum: the round closed while it was "
                               "arriving, or it was refused")
-
-
-def _fold_pieces(total: WeightedSum, position: int, pending: bytearray, data: memoryview, weight: int,
-                 max_abs: float, sign: int) -> int:
-    """Fold data after `pending` (the bytes of an element split by the last piece edge); returns the bytes
-    folded, leaving any new split element in `pending`."""
-    if pending:   # an element straddled the last edge: fold through the small buffer
-        pending += data
-        used = total._fold_bytes(position, memoryview(pending), weight, max_abs, sign)
-        del pending[:used]
-    else:         # the common case: straight from the piece, no copy
-        used = total._fold_bytes(position, data, weight, max_abs, sign)
-        pending += data[used:]
-    return used
 
 
 def _as_int64(value: int) -> np.int64:

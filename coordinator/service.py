@@ -61,7 +61,7 @@ class TransferSlots:
 
 
 class FederationService(federation_pb2_grpc.FederationServicer):
-    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, audit=None, max_transfers: int = 8):
+    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, max_transfers: int, audit=None):
         self.engine, self.auth, self.chunk_bytes, self.audit = engine, auth, chunk_bytes, audit
         self.transfers = TransferSlots(max_transfers)
 
