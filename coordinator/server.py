@@ -43,7 +43,9 @@ class Coordinator:
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
                              rejoin_grace_s=config.rejoin_grace_s)
         auth = Authenticator(crl)
-        self.server, self.port = transport.server(kit, config.listen, max_workers=config.max_workers,
+        # grpc never shuts down a server's executor; stop() does, so no worker thread outlives it.
+        self._executors = [futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="plexus-rpc")]
+        self.server, self.port = transport.server(kit, config.listen, executor=self._executors[0],
                                                   stream_window_bytes=config.stream_window_bytes)
         self.metrics = CoordinatorMetrics(store=self.store, online_sites=self.engine.online_sites)
         self.store.subscribe(self.metrics.on_event)
@@ -62,7 +64,8 @@ class Coordinator:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.health_server, self.health_port = None, None
         if config.health_listen:
-            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="plexus-health"))
+            self._executors.append(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="plexus-health"))
+            self.health_server = grpc.server(self._executors[-1])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             # Plaintext by explicit config only (off by default): Kubernetes' gRPC probes cannot present a
             # client certificate. This server carries grpc.health.v1 and nothing else.
@@ -100,6 +103,8 @@ class Coordinator:
         if self.health_server is not None:
             self.health_server.stop(0).wait()
         self.server.stop(grace).wait()
+        for executor in self._executors:
+            executor.shutdown(wait=True, cancel_futures=True)
         self.engine.stop()
         self.store.close()
         self.audit_log.close()

@@ -20,17 +20,18 @@ _OPTIONS = [
 ]
 
 
-def server(kit: Kit, address: str, *, max_workers: int = 128,
+def server(kit: Kit, address: str, *, executor: futures.ThreadPoolExecutor,
            stream_window_bytes: int = 0) -> tuple[grpc.Server, int]:
     """A gRPC server bound to address with mTLS; client certificates are required.
+
+    The caller owns executor and shuts it down after the server stops (grpc never does).
 
     stream_window_bytes fixes each stream's flow-control window (no BDP probing); 0 keeps gRPC's
     adaptive windows."""
     options = _OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
     if stream_window_bytes:
         options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", stream_window_bytes)]
-    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="plexus-rpc"),
-                      options=options)
+    srv = grpc.server(executor, options=options)
     credentials = grpc.ssl_server_credentials([(kit.key_pem, kit.cert_pem)], root_certificates=kit.ca_pem,
                                               require_client_auth=True)
     port = srv.add_secure_port(address, credentials)

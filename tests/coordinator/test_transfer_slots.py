@@ -9,6 +9,7 @@ import pytest
 
 from coordinator.service import TransferSlots
 from plexus.errors import FailedPrecondition
+from timing import scaled
 
 
 class _Context:
@@ -20,13 +21,18 @@ class _Context:
 
 
 def test_no_more_than_the_limit_transfer_at_once():
-    slots, inside, peak, lock = TransferSlots(3), [0], [0], threading.Lock()
+    slots, inside, peak, lock, full = TransferSlots(3), [0], [0], threading.Lock(), threading.Event()
 
     def transfer():
         with slots.slot(_Context()):
             with lock:
                 inside[0] += 1
                 peak[0] = max(peak[0], inside[0])
+                if inside[0] == 3:
+                    full.set()
+            # The first three hold their slots until all three are in, however slowly threads start;
+            # a fourth let in by a broken limit would then be inside with them.
+            full.wait(scaled(10))
             time.sleep(0.02)
             with lock:
                 inside[0] -= 1
@@ -35,7 +41,7 @@ def test_no_more_than_the_limit_transfer_at_once():
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(scaled(10))
 
     assert peak[0] == 3 and inside[0] == 0
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -16,6 +15,7 @@ from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import Layout, assemble, decode, encode, iter_chunks
 from site_agent.agent import SiteAgent
+from timing import scaled, wait_until  # noqa: F401  (wait_until is the tests' one poller)
 
 HOSPITAL_OF = {"a": "cleveland", "b": "hungary", "c": "va", "d": "switzerland", "e": "cleveland"}
 
@@ -32,17 +32,6 @@ seed: {seed}
 
 def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=30, seed=0) -> str:
     return HEART_JOB.format(name=name, model=model, rounds=rounds, min=min, deadline=deadline, seed=seed)
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition"):
-    """Poll with a deadline (tests never sleep blindly)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Federation:
@@ -96,7 +85,7 @@ class Federation:
             client.close()
         self.coordinator.stop(grace=0.5)
         for _, thread in self.agents:
-            thread.join(timeout=10)
+            thread.join(timeout=scaled(10))
 
 
 class RawSite:
@@ -111,16 +100,16 @@ class RawSite:
 
     def join(self, dataset_rows: dict[str, int] | None = None) -> fpb.JoinReply:
         return self.stub.Join(fpb.JoinRequest(agent_version="raw", models=["logistic"],
-                                              dataset_rows=dataset_rows or {}), timeout=5)
+                                              dataset_rows=dataset_rows or {}), timeout=scaled(5))
 
     def next_task(self, timeout: float = 30.0) -> fpb.Task:
         def poll():
-            task = self.stub.NextTask(fpb.NextTaskRequest(wait_s=1.0), timeout=10)
+            task = self.stub.NextTask(fpb.NextTaskRequest(wait_s=1.0), timeout=scaled(10))
             return task if task.kind != fpb.TASK_NONE else None
         return wait_until(poll, timeout, "a task")
 
     def fetch(self, task: fpb.Task) -> tuple[Layout, dict]:
-        stream = self.stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=10)
+        stream = self.stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=scaled(10))
         layout = Layout.from_proto(next(stream).header.manifest)
         blob = assemble(layout, (message.chunk for message in stream))
         return layout, {k: v.copy() for k, v in decode(layout, blob).items()}
@@ -139,14 +128,14 @@ class RawSite:
             data = blob + extra
             for offset, piece in iter_chunks(data, chunk):
                 if pause and offset >= pause[0]:
-                    pause[1].wait(60)
+                    pause[1].wait(scaled(60))
                 yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(piece)})
 
-        return self.stub.SubmitUpdate(messages(), timeout=timeout)
+        return self.stub.SubmitUpdate(messages(), timeout=scaled(timeout))
 
     def report(self, task: fpb.Task, status, reason: str = "") -> fpb.ResultReply:
         return self.stub.ReportResult(fpb.TaskResult(task_id=task.task_id, job_id=task.job_id, round=task.round,
-                                                     nonce=task.nonce, status=status, reason=reason), timeout=5)
+                                                     nonce=task.nonce, status=status, reason=reason), timeout=scaled(5))
 
     def poison_every_round(self, stop: threading.Event, scale: float) -> threading.Thread:
         """A Byzantine site: answer every training task with the global model times `scale`."""
@@ -165,7 +154,7 @@ class RawSite:
         def loop():
             while not stop.is_set():
                 try:
-                    task = self.stub.NextTask(fpb.NextTaskRequest(wait_s=0.5), timeout=5)
+                    task = self.stub.NextTask(fpb.NextTaskRequest(wait_s=0.5), timeout=scaled(5))
                     if task.kind != fpb.TASK_NONE:
                         answer(task)
                 except grpc.RpcError:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sqlite3
 
+from concurrent import futures
+
 import pytest
 
 from coordinator.audit import CoordinatorAudit
@@ -29,7 +31,8 @@ class AuditServer:
             CoordinatorAudit(self.log, self.store)
         engine = Engine(self.store, federation="test-federation", poll_timeout_s=1.0)
         auth = Authenticator(pki.RevocationList(pki_root / "coordinator" / "crl.pem", kit.ca_pem))
-        self.server, port = transport.server(kit, "127.0.0.1:0", max_workers=8)
+        self.executor = futures.ThreadPoolExecutor(max_workers=8)
+        self.server, port = transport.server(kit, "127.0.0.1:0", executor=self.executor)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminService(engine, auth, chunk_bytes=65536, audit=self.log), self.server)
         self.server.start()
@@ -37,6 +40,7 @@ class AuditServer:
 
     def close(self):
         self.server.stop(0).wait()
+        self.executor.shutdown(wait=True)
         if self.log is not None:
             self.log.close()
         self.store.close()

@@ -13,7 +13,7 @@ from plexus.cli import main as cli
 from plexus.wire import encode
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 
-from integration.harness import heart_job, wait_until
+from integration.harness import heart_job, scaled, wait_until
 
 
 def _contributors(fed, job_id, round_=1):
@@ -278,7 +278,7 @@ def test_an_update_refused_part_way_is_taken_back_out_of_the_sum_exactly(federat
 
 
 def test_an_update_still_arriving_at_the_deadline_is_taken_out_before_the_mean(federation):
-    job_id, sites, tasks, layout, state, sent = _honest_raw_round(federation, deadline=4)
+    job_id, sites, tasks, layout, state, sent = _honest_raw_round(federation, deadline=scaled(4))
     release, outcome = threading.Event(), {}
 
     def stalled():   # half of c's update is in the sum when its stream stops moving

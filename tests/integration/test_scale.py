@@ -13,7 +13,7 @@ from plexus import pki
 from plexus.config import CoordinatorConfig
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 
-from integration.harness import RawSite, wait_until
+from integration.harness import RawSite, scaled, wait_until
 
 
 def _echo_sites(address: str, kits: list, stop: threading.Event) -> list[threading.Thread]:
@@ -31,7 +31,7 @@ def _echo_sites(address: str, kits: list, stop: threading.Event) -> list[threadi
                     site.report(task, fpb.RESULT_EVALUATED)
         finally:
             site.close()
-    threads = [threading.Thread(target=loop, args=(kit,), daemon=True) for kit in kits]
+    threads = [threading.Thread(target=loop, args=(kit,), daemon=True, name=f"echo-site-{kit.name}") for kit in kits]
     for t in threads:
         t.start()
     return threads
@@ -49,6 +49,9 @@ def fleet(tmp_path):
     stop = threading.Event()
     yield coordinator, admin, kits, stop
     stop.set()
+    # The sites end their own polls (a poll waits 0.5 s) before the server goes: no call is cut mid-way.
+    for thread in [t for t in threading.enumerate() if t.name.startswith("echo-site")]:
+        thread.join(scaled(30))
     coordinator.stop(grace=0.5)
 
 

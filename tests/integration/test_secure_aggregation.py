@@ -18,13 +18,13 @@ from plexus.secagg import frac_bits
 from site_agent.agent import SiteAgent
 from site_agent.training import train_local
 
-from integration.harness import HOSPITAL_OF, heart_job
+from integration.harness import HOSPITAL_OF, heart_job, scaled
 
 CLIP = 4.0
 
 
 def secure_job(**kw) -> str:
-    timeout = kw.pop("phase_timeout", 3)
+    timeout = kw.pop("phase_timeout", scaled(3))   # honest sites answer each phase within it, even when loaded
     return heart_job(**kw) + (f"privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, "
                               f"phase_timeout_s: {timeout}}}}}\n")
 
@@ -94,7 +94,7 @@ def test_round_completes_with_the_survivors_sum_when_sites_drop_out(federation, 
     _start(federation, "d", DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)  # shared its keys, never masks
     _start(federation, "e", DropsOut, vanish_at=fpb.TASK_SECAGG_UNMASK)        # masked, then gone
     federation.wait_online(*"abcde")
-    job_yaml = secure_job(rounds=1, min=3, seed=11, deadline=5)  # the final evaluation waits out d and e
+    job_yaml = secure_job(rounds=1, min=3, seed=11, deadline=scaled(5))  # the final evaluation waits out d and e
     job_id = federation.admin().submit(job_yaml).job_id
     assert federation.wait_job(job_id) == "completed", federation.store.job(job_id).message
 
