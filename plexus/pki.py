@@ -274,6 +274,23 @@ def identity_from_cert(cert_pem: bytes) -> Identity:
     return Identity(name=name, kind=kind, role=role, serial=cert.serial_number)
 
 
+def check_leaf(cert_pem: bytes, ca_pem: bytes) -> None:
+    """Raise errors.Unauthenticated unless the certificate is a client leaf the federation CA issued directly.
+
+    TLS accepts any chain that ends at the CA, so a leaf below an intermediate CA (or below a
+    certificate that is itself a CA) would pass it; only the CA's own leaves identify anyone.
+    """
+    try:
+        ca = x509.load_pem_x509_certificate(ca_pem)
+    except ValueError as exc:
+        raise errors.ConfigError(f"the federation CA certificate is not a PEM certificate: {exc}") from None
+    problem = _leaf_problem(_parse_cert(cert_pem), ca)
+    if problem:
+        raise errors.Unauthenticated(
+            f"the client certificate {problem}; only certificates issued directly by this federation's CA "
+            "(`plexus pki add-site` / `plexus pki add-admin`) identify a participant")
+
+
 def federation_of(cert_pem: bytes) -> str:
     """The federation name (subject O) a certificate was issued for."""
     return _single_attr(_parse_cert(cert_pem).subject, NameOID.ORGANIZATION_NAME, "O")
@@ -288,6 +305,7 @@ class RevocationList:
 
     def __init__(self, crl_path: Path, ca_pem: bytes, *, on_revoked=None):
         self._path = Path(crl_path)
+        self.ca_pem = ca_pem   # the federation CA, whose direct leaves alone identify a peer (check_leaf)
         try:
             self._ca = x509.load_pem_x509_certificate(ca_pem)
         except (ValueError, TypeError) as exc:
@@ -555,6 +573,34 @@ def _build_crl(
     return builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
 
 
+def _leaf_problem(cert: x509.Certificate, ca: x509.Certificate) -> str:
+    """What disqualifies `cert` as a client leaf issued directly by `ca`, or "" when nothing does."""
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return "was not issued directly by the federation CA (an intermediate or another issuer signed it)"
+    return _usage_problem(cert)
+
+
+def _usage_problem(cert: x509.Certificate) -> str:
+    """What disqualifies `cert` as a client leaf (CA:FALSE, digitalSignature only, clientAuth), or ""."""
+    extensions = cert.extensions
+    try:
+        if extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+            return "is a CA certificate (basicConstraints CA:TRUE), not a leaf"
+        usage = extensions.get_extension_for_class(x509.KeyUsage).value
+        client = ExtendedKeyUsageOID.CLIENT_AUTH in extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return "lacks basicConstraints, keyUsage or extendedKeyUsage, which every Plexus certificate carries"
+    except ValueError:
+        return "has extensions that cannot be parsed"
+    if not usage.digital_signature or usage.key_cert_sign or usage.crl_sign:
+        return "has a key usage other than digitalSignature alone (it may sign certificates or CRLs)"
+    if not client:
+        return "is not for client authentication (extendedKeyUsage lacks clientAuth)"
+    return ""
+
+
 def _crl_number_of(crl: x509.CertificateRevocationList) -> int:
     try:
         return crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
@@ -648,6 +694,9 @@ def verify_issued(cert_pem: bytes, ca_pem: bytes, *, name: str, kind: str, now: 
         raise errors.IntegrityError(
             f"the certificate presented for {kind} {name!r} was not issued by this federation's CA"
         ) from None
+    problem = _usage_problem(cert)
+    if problem:
+        raise errors.IntegrityError(f"the certificate presented for {kind} {name!r} {problem}")
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise errors.IntegrityError(
             f"the certificate presented for {kind} {name!r} is not valid at {now.isoformat()} "
