@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("dir", type=Path)
     revoke.add_argument("name")
     revoke.set_defaults(run=lambda a: _pki("revoke", a))
+    crl = pki.add_parser("crl", help="re-issue the CRL before it expires (the coordinator refuses an expired one)")
+    crl.add_argument("dir", type=Path)
+    crl.set_defaults(run=lambda a: _pki("crl", a))
 
     coord = sub.add_parser("coordinator", help="the coordinator service").add_subparsers(metavar="ACTION")
     crun = coord.add_parser("run", help="run the coordinator")
@@ -170,6 +173,10 @@ def _pki(action: str, args) -> int:
         print(f"site kit: {pki.add_site(args.dir, args.name)}")
     elif action == "add-admin":
         print(f"admin kit ({args.role}): {pki.add_admin(args.dir, args.name, role=args.role)}")
+    elif action == "crl":
+        number = pki.reissue_crl(args.dir)
+        print(f"CRL number {number} (valid {pki.CRL_VALIDITY.days} days) written to "
+              f"{args.dir / 'coordinator' / 'crl.pem'}; ship it to the coordinator")
     else:
         serial = pki.revoke(args.dir, args.name)
         print(f"revoked {args.name!r} (serial {serial}); the CRL in {args.dir / 'coordinator' / 'crl.pem'} is updated")
