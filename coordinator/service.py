@@ -7,6 +7,7 @@ import threading
 from contextlib import contextmanager
 
 from coordinator.engine import Engine
+from coordinator.events import admin_actor
 from coordinator.store import TERMINAL, JobRow
 from plexus.errors import FailedPrecondition, IntegrityError
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
@@ -198,7 +199,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if round_ > row.current_round:
             raise IntegrityError(f"job {row.id} has closed rounds 0..{row.current_round}; round {round_} has no model yet")
         layout, path, start = self.store.checkpoint_source(row.id, round_)   # streamed from the file
-        self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}")
+        self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}", actor=admin_actor(who.name))
         yield from model_stream(row.id, round_, layout, (path, start), self.chunk_bytes)
 
     @guarded(kind="admin", min_role="viewer")
