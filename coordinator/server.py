@@ -42,7 +42,8 @@ class Coordinator:
             floor_file=Path(config.state_dir) / "crl-number")
         self.store = Store(config.state_dir)
         # The audit trail: append-only, hash-chained, beside plexus.db (`plexus audit --verify`).
-        self.audit_log = AuditLog(Path(config.state_dir) / "audit.db")
+        # Its head is signed with the coordinator's key (`plexus audit --export-head`, `--against`).
+        self.audit_log = AuditLog(Path(config.state_dir) / "audit.db", signer=(kit.key_pem, kit.cert_pem))
         self.audit = CoordinatorAudit(self.audit_log, self.store)
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
                              rejoin_grace_s=config.rejoin_grace_s)
@@ -106,6 +107,7 @@ class Coordinator:
         self.server.stop(grace).wait()
         self.engine.stop()
         self.store.close()
+        self.audit_log.anchor()   # the head at shutdown, signed: a later truncation cannot hide below it
         self.audit_log.close()
 
 

@@ -214,12 +214,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     def GetAudit(self, request, context, *, who):
         if self.audit is None:
             return admin_pb2.AuditReply(problem="audit log not configured")
-        return audit_reply(self.audit, verify=request.verify, limit=request.limit)
+        return audit_reply(self.audit, verify=request.verify, limit=request.limit, sign_head=request.sign_head)
 
 
-def audit_reply(log, *, verify: bool, limit: int) -> admin_pb2.AuditReply:
+def audit_reply(log, *, verify: bool, limit: int, sign_head: bool = False) -> admin_pb2.AuditReply:
     """The reply for `plexus audit`: a failed verification is reported in `problem`, with the entries."""
     problem, verified = "", False
+    signed = log.anchor().to_json() if sign_head else ""
     if verify:
         try:
             log.verify()
@@ -232,4 +233,5 @@ def audit_reply(log, *, verify: bool, limit: int) -> admin_pb2.AuditReply:
                    for e in log.entries(limit=limit or None)]
     except IntegrityError as exc:  # an entry too damaged to read: report it, still answer
         entries, problem = [], problem or str(exc)
-    return admin_pb2.AuditReply(entries=entries, verified=verified, problem=problem, count=log.count())
+    return admin_pb2.AuditReply(entries=entries, verified=verified, problem=problem, count=log.count(),
+                                signed_head_json=signed)

@@ -135,7 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     sites = sub.add_parser("sites", help="the federation's sites").add_subparsers(metavar="ACTION")
     _admin(sites.add_parser("list", help="list sites")).set_defaults(run=_sites_list)
 
-    _audit_flags(_admin(sub.add_parser("audit", help="the coordinator's audit log"))).set_defaults(run=_audit)
+    audit = _audit_flags(_admin(sub.add_parser("audit", help="the coordinator's audit log")))
+    audit.add_argument("--export-head", type=Path, metavar="FILE",
+                       help="write the log's head, signed by the coordinator, to FILE; keep it off the coordinator")
+    audit.add_argument("--against", type=Path, metavar="HEAD_FILE",
+                       help="with --verify: also check the log still holds, unchanged, every entry HEAD_FILE signed")
+    audit.set_defaults(run=_audit)
     return p
 
 
@@ -387,13 +392,65 @@ def _audit_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _audit(args) -> int:
-    with _client(args) as client:
-        reply = client.audit(verify=args.verify, limit=max(args.limit, 0))
+    if args.export_head is not None:
+        return _audit_export_head(args)
+    if args.against is not None and not args.verify:
+        raise PlexusError("--against HEAD_FILE checks the log: use it with --verify")
+    with _client(args) as client:   # --against checks the whole chain, so it reads every entry
+        reply = client.audit(verify=args.verify, limit=0 if args.against else max(args.limit, 0))
     if reply.problem == "audit log not configured":
         raise PlexusError("the coordinator has no audit log configured")
     entries = [{"seq": e.seq, "at": e.at, "actor": e.actor, "action": e.action, "subject": e.subject,
                 "details": json.loads(e.details_json or "{}"), "hash": e.hash} for e in reply.entries]
-    return _print_audit(entries, reply.count, args.verify, reply.problem, args.json)
+    problem = reply.problem
+    if args.against is not None and not problem:
+        problem = _audit_against(entries, args.against, args.kit)
+        if not problem and not args.json:
+            print(f"verified against {args.against}: every entry it signed is in the log, unchanged")
+        entries = entries[-args.limit:] if args.limit > 0 else entries
+    return _print_audit(entries, reply.count, args.verify, problem, args.json)
+
+
+def _audit_against(entries: list[dict], path: Path, kit: Path) -> str:
+    """What checking the log's entries against the signed head in `path` found wrong, or ""."""
+    from plexus.audit import GENESIS, Entry, SignedHead, verify_against
+    from plexus.errors import IntegrityError
+    from plexus.pki import load_kit
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlexusError(f"cannot read the signed head {path}: {exc}") from None
+    head = SignedHead.from_json(text, source=str(path))
+    chain, prev = [], GENESIS
+    for e in entries:   # prev_hash is implied by the entry before; verify_against recomputes every hash
+        chain.append(Entry(e["seq"], e["at"], e["actor"], e["action"], e["subject"], e["details"], prev, e["hash"]))
+        prev = e["hash"]
+    try:
+        verify_against(chain, head, load_kit(kit).ca_pem)
+    except IntegrityError as exc:
+        return str(exc)
+    return ""
+
+
+def _audit_export_head(args) -> int:
+    from plexus.audit import SignedHead
+    from plexus.files import write_atomically
+    from plexus.pki import load_kit
+
+    with _client(args) as client:
+        reply = client.audit(sign_head=True, limit=1)
+    if not reply.signed_head_json:
+        raise PlexusError(f"the coordinator returned no signed head: {reply.problem or 'no audit log'}")
+    head = SignedHead.from_json(reply.signed_head_json, source="the coordinator's signed head")
+    head.verify(load_kit(args.kit).ca_pem)   # never hand the operator a head this federation did not sign
+    write_atomically(args.export_head, head.to_json().encode())
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head.at))
+    print(json.dumps({"seq": head.seq, "hash": head.hash, "at": head.at, "path": str(args.export_head)})
+          if args.json else
+          f"signed head of the audit log (entry {head.seq}, {when}) written to {args.export_head}; keep it "
+          f"where the coordinator's operators cannot write, and check with `plexus audit --verify --against FILE`")
+    return 0
 
 
 def _site_audit(args) -> int:
