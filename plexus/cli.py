@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from plexus.errors import PlexusError
+from plexus.text import csv_cell, printable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except PlexusError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         import grpc
 
         if isinstance(exc, grpc.RpcError):
-            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"error: {exc.code().name}: {printable(exc.details() or '')}", file=sys.stderr)
             return 1
         raise
 
@@ -261,9 +262,10 @@ def _job_show(args) -> int:
         print(json.dumps(MessageToDict(detail, preserving_proto_field_name=True), indent=2))
         return 0
     s = detail.summary
-    print(f"job {s.job_id}  ({s.name}, {s.strategy})  status: {s.status}  round {s.current_round}/{s.rounds}")
+    print(printable(f"job {s.job_id}  ({s.name}, {s.strategy})  status: {s.status}  "
+                    f"round {s.current_round}/{s.rounds}"))
     if s.message:
-        print(f"  {s.message}")
+        print(f"  {printable(s.message)}")
     eps = epsilon_by_round(detail)
     rows = [{"round": r.round, "status": r.status, "sites": len(r.contributors), "samples": r.total_samples,
              "secs": f"{r.closed_unix_s - r.opened_unix_s:.2f}" if r.closed_unix_s else "",
@@ -305,7 +307,7 @@ def _follow(client, job_id: str, as_json: bool) -> int:
             when = time.strftime("%H:%M:%S", time.localtime(event.unix_s))
             where = f" round {event.round}" if event.round else ""
             who = f" {event.site}" if event.site else ""
-            print(f"[{when}]{where} {event.kind}{who}: {event.message}{extra}", flush=True)
+            print(printable(f"[{when}]{where} {event.kind}{who}: {event.message}{extra}"), flush=True)
     return 0 if status in ("completed", "budget_reached") else 1
 
 
@@ -336,7 +338,7 @@ def _job_metrics(args) -> int:
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=["round", "site", "kind", "name", "value"])
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: csv_cell(v) for k, v in r.items()} for r in rows)
         print(out.getvalue(), end="")
     else:
         _table(["round", "site", "kind", "name", "value"], [{**r, "value": f"{r['value']:.6g}"} for r in rows])
@@ -351,7 +353,7 @@ def _job_plot(args) -> int:
     rows = [(m.round, m.site, m.kind, m.name, m.value) for m in detail.metrics]
     panels = plot_metrics(rows, args.output, title=f"{detail.summary.name} ({detail.summary.job_id})")
     print(json.dumps({"job_id": args.job_id, "path": str(args.output), "panels": panels}) if args.json
-          else f"wrote {', '.join(panels)} of job {args.job_id} to {args.output}")
+          else printable(f"wrote {', '.join(panels)} of job {args.job_id} to {args.output}"))
     return 0
 
 
@@ -489,7 +491,7 @@ def _print_audit(entries: list[dict], count: int, verify: bool, problem: str, as
         if verify and not problem:
             print(f"\nverified: {count} entries, hash chain intact")
     if problem:
-        print(f"audit log verification FAILED: {problem}", file=sys.stderr)
+        print(f"audit log verification FAILED: {printable(problem)}", file=sys.stderr)
         return 1
     return 0
 
@@ -510,7 +512,8 @@ def _demo(args) -> int:
 
 
 def _table(columns: list[str], rows: list[dict]) -> None:
-    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    """Rows as aligned columns; every cell is made printable, as most hold text from sites or the coordinator."""
+    cells = [[printable(str(r.get(c, ""))) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
     for row in cells:
