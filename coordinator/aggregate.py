@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from plexus.errors import IntegrityError, RoundClosed
+from plexus.errors import IntegrityError, Reason, RoundClosed
 from plexus.wire import DTYPES, Layout, decode
 
 FRAC_BITS = 32                  # resolution 2**-32 ≈ 2.3e-10, finer than float32 for |x| > 2**-9
@@ -68,12 +68,13 @@ class WeightedSum:
     def check_fits(self, weight: int, max_abs: float) -> None:
         """Refuse an update that could overflow the exact range; call before fold()."""
         if not 1 <= weight <= MAX_WEIGHT:
-            raise IntegrityError(f"num_samples must be between 1 and {MAX_WEIGHT}; got {weight}")
+            raise IntegrityError(f"num_samples must be between 1 and {MAX_WEIGHT}; got {weight}",
+                                 reason=Reason.NUM_SAMPLES)
         if (self._bound + weight * max_abs) * _SCALE >= _LIMIT:
             raise IntegrityError(
                 f"update too large to aggregate exactly: max |value| {max_abs:.3g} × num_samples {weight} "
                 f"exceeds the fixed-point range (Σ n·|x| < {_LIMIT / _SCALE:.3g}); the site's training "
-                "has probably diverged")
+                "has probably diverged", reason=Reason.NORM)
 
     def begin(self, weight: int) -> Fold:
         """Start adding one update of this weight, piece by piece (Fold.add), as it arrives."""
@@ -90,7 +91,8 @@ class WeightedSum:
         """
         total = self.layout.total_bytes
         if nbytes != total:
-            raise IntegrityError(f"update blob has {nbytes} bytes; the layout needs {total}; it was not folded")
+            raise IntegrityError(f"update blob has {nbytes} bytes; the layout needs {total}; it was not folded",
+                                 reason=Reason.SIZE)
         self.check_fits(weight, max_abs)
         fold = self.begin(weight)
         try:
@@ -255,7 +257,8 @@ class Fold:
             data = memoryview(piece).cast("B")
             self.received += len(data)
             if self.received > total.layout.total_bytes:
-                raise IntegrityError(f"update has more than the {total.layout.total_bytes} bytes its layout needs")
+                raise IntegrityError(f"update has more than the {total.layout.total_bytes} bytes its layout needs",
+                                     reason=Reason.SIZE)
             self.position += total._fold_after(self.position, self._pending, data, self.weight, self._peak, 1)
 
     def finish(self) -> None:
@@ -264,7 +267,8 @@ class Fold:
         with total._lock:
             self._require_open()
             if self._pending or self.position != total.layout.total_bytes:
-                raise IntegrityError(f"update ended after {self.received} of {total.layout.total_bytes} bytes")
+                raise IntegrityError(f"update ended after {self.received} of {total.layout.total_bytes} bytes",
+                                     reason=Reason.SIZE)
             self.state = "done"
             total.count += 1
             total.total_weight += self.weight
@@ -322,7 +326,8 @@ class MaskedSum:
     def fold(self, pieces: Iterable[bytes | memoryview], *, nbytes: int) -> None:
         """Add one masked blob; its declared length is checked before anything is added."""
         if nbytes != self.layout.total_bytes:
-            raise IntegrityError(f"masked input has {nbytes} bytes; the layout needs {self.layout.total_bytes}")
+            raise IntegrityError(f"masked input has {nbytes} bytes; the layout needs {self.layout.total_bytes}",
+                                 reason=Reason.SIZE)
         if self._poisoned:
             raise IntegrityError(f"this round's masked sum is unusable: {self._poisoned}")
         pending, element = bytearray(), 0

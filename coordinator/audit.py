@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import re
-
+from coordinator.events import Event
 from plexus.audit import AuditLog
-
-# Store events whose message names the admin who acted: "submitted by ann", "aborted by ann", "by ann".
-_BY = re.compile(r"(?:submitted |aborted )?by (\S+)")
-# Events the site itself caused; every other event is the coordinator's own doing.
-_SITE_ACTS = {"site_submitted", "site_declined", "site_evaluated"}
 
 
 class CoordinatorAudit:
@@ -19,22 +13,16 @@ class CoordinatorAudit:
         self.log = audit_log
         store.subscribe(self.on_event)
 
-    def on_event(self, event: tuple) -> None:
-        """Store listener: event = (job_id, kind, round, site, message)."""
-        job_id, kind, round_, site, message = event
-        by = _BY.fullmatch(message or "")
-        if by:
-            actor = f"admin:{by.group(1)}"
-        elif kind in _SITE_ACTS and site:
-            actor = f"site:{site}"
-        else:
-            actor = "coordinator"
-        details = {"round": round_}
-        if site:
-            details["site"] = site
-        if message:
-            details["message"] = message
-        self.log.append(actor, kind, f"job:{job_id}", details)
+    def on_event(self, event: Event) -> None:
+        """Store listener: the actor is the event's own field, set where the event happened."""
+        details = {"round": event.round}
+        if event.site:
+            details["site"] = event.site
+        if event.message:
+            details["message"] = event.message
+        if event.reason is not None:
+            details["reason"] = event.reason.value
+        self.log.append(event.actor, event.kind, f"job:{event.job_id}", details)
 
     def site_joined(self, site: str, *, policy_digest: str, agent_version: str = "") -> None:
         self.log.append(f"site:{site}", "site_joined", f"site:{site}",

@@ -27,8 +27,9 @@ from coordinator.secure_round import SecureRound
 from coordinator.store import TERMINAL, JobRow, Store
 from coordinator.strategies import Update, make_strategy
 from plexus.config import RoundConfig, dump_round_config, ensemble_members, parse_round_config
+from coordinator.events import admin_actor
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
-                           PlexusError, RoundClosed)
+                           PlexusError, Reason, RoundClosed)
 from coordinator.model_worker import shared_worker
 from plexus.dp import add_noise, noise_key
 from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, Receiver, decode, encode
@@ -230,7 +231,8 @@ class Engine:
             if row.status in TERMINAL:
                 raise FailedPrecondition(f"job {job_id} is already {row.status}; only queued or running jobs can be aborted")
             self.store.set_job(job_id, status="aborted", message=f"aborted by {who}",
-                               event=("job_aborted", row.current_round, "", f"aborted by {who}"))
+                               event=("job_aborted", row.current_round, "", f"aborted by {who}"),
+                               actor=admin_actor(who))
             if self._active and self._active.row.id == job_id:
                 if self._active.round:
                     self._active.round.drop_held()
@@ -301,7 +303,8 @@ class Engine:
             dp = job.cfg.privacy.dp
             try:
                 if not masked and not 1 <= header.num_samples <= 2 ** 31:
-                    raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}")
+                    raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}",
+                                         reason=Reason.NUM_SAMPLES)
                 metrics = _site_metrics(rs, header.eval_metrics, header.metrics, header.num_samples)
                 layout.require_same(Layout.from_proto(header.manifest),
                                     what="masked input" if masked else "update")
@@ -313,14 +316,14 @@ class Engine:
                     fold = rs.total.begin(1 if uniform else header.num_samples)
                     rs.folding[site] = (fold, spool)
             except IntegrityError as exc:
-                self._record(rs, grant, site, "rejected", str(exc))
+                self._record(rs, grant, site, "rejected", str(exc), code=exc.reason)
                 raise
             rs.receiving.add(site)
         try:
             try:
                 _receive_to(spool, layout, chunks, fold)
             except IntegrityError as exc:
-                self._reject(site, grant, str(exc))
+                self._reject(site, grant, exc)
                 raise
             except BaseException:
                 with self._cv:
@@ -346,7 +349,7 @@ class Engine:
                         fold.finish()
                         del rs.folding[site]   # in for good
                 except IntegrityError as exc:
-                    self._record(rs, grant, site, "rejected", str(exc))
+                    self._record(rs, grant, site, "rejected", str(exc), code=exc.reason)
                     raise
                 rs.contributors.append(site)
                 rs.samples += header.num_samples
@@ -381,7 +384,7 @@ class Engine:
                 else:
                     rs.secure.on_reveal(site, value)
             except IntegrityError as exc:
-                self._record(rs, grant, site, "rejected", str(exc))
+                self._record(rs, grant, site, "rejected", str(exc), code=exc.reason)
                 raise
             self._record(rs, grant, site, "submitted", "", metrics if body == "advert" else None)
             return f"{body} for round {grant.round} accepted"
@@ -405,21 +408,22 @@ class Engine:
 
     # internals ---------------------------------------------------------------------------
     def _record(self, rs: RoundState, grant: TaskGrant, site: str, status: str, reason: str,
-                metrics: dict | None = None) -> None:
+                metrics: dict | None = None, *, code: Reason | None = None) -> None:
+        """Record a site's task outcome; `code` says why a rejected update was refused (IntegrityError.reason)."""
         rs.outcomes_for(site)[site] = status
         self.store.finish_task(grant.task_id, status, reason, job_id=grant.job_id, round_=grant.round,
-                               site=site, metrics=metrics)
+                               site=site, metrics=metrics, code=code)
         if reason:
             log.info("job %s round %d site %s: %s (%s)", grant.job_id, grant.round, site, status, reason)
         self._cv.notify_all()
 
-    def _reject(self, site: str, grant: TaskGrant, reason: str) -> None:
+    def _reject(self, site: str, grant: TaskGrant, exc: IntegrityError) -> None:
         with self._cv:
             job = self._active
             if job and job.round and job.round.round == grant.round and job.row.id == grant.job_id:
                 job.round.receiving.discard(site)
                 if site not in job.round.outcomes:
-                    self._record(job.round, grant, site, "rejected", reason)
+                    self._record(job.round, grant, site, "rejected", str(exc), code=exc.reason)
 
     def _current_grant(self, site: str, task_id: str) -> tuple[ActiveJob, RoundState, TaskGrant]:
         row = self.store.task(task_id)
@@ -729,10 +733,12 @@ def _site_metrics(rs: RoundState, eval_metrics, train_metrics=None, num_samples:
     for field_name, values, key in (("eval_metrics", eval_metrics, (rs.model_round, "eval")),
                                     ("metrics", train_metrics or {}, (rs.round, "train"))):
         if len(values) > MAX_METRICS:
-            raise IntegrityError(f"{field_name} has {len(values)} entries; at most {MAX_METRICS} are allowed")
+            raise IntegrityError(f"{field_name} has {len(values)} entries; at most {MAX_METRICS} are allowed",
+                                 reason=Reason.METRICS)
         for name, value in values.items():
             if not name or len(name) > 64 or not np.isfinite(value):
-                raise IntegrityError(f"{field_name}[{name[:64]!r}] must have a 1-64 character name and a finite value")
+                raise IntegrityError(f"{field_name}[{name[:64]!r}] must have a 1-64 character name and a finite value",
+                                     reason=Reason.METRICS)
             out[(*key, name)] = float(value)
     if num_samples is not None:
         out[(rs.round, "train", "num_samples")] = float(num_samples)
@@ -749,7 +755,7 @@ def _check_clipped(spool: Path, layout: Layout, current: dict[str, np.ndarray], 
     norm = squared ** 0.5
     if norm > clip_norm * (1 + 1e-6):
         raise IntegrityError(f"update is {norm:.6g} from the global model, beyond dp.clip_norm {clip_norm}; "
-                             "differential privacy needs every site to clip its update")
+                             "differential privacy needs every site to clip its update", reason=Reason.NORM)
 
 
 def _receive_to(spool: Path, layout: Layout, chunks: Iterable, fold: Fold | None = None) -> None:

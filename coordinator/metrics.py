@@ -2,13 +2,12 @@
 
 Each coordinator owns a private CollectorRegistry, so several coordinators in one
 process (tests, hierarchical setups) never share or clash on counters. Labels are
-bounded: no site names, no free text (rejection reasons are mapped to a fixed set
-of categories), and per-job series only for the few jobs that matter now.
+bounded: no site names, no free text (a rejection is labelled with its Reason code,
+set where it was refused), and per-job series only for the few jobs that matter now.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -16,28 +15,12 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from coordinator.events import Event
 from plexus.config import split_address
+from plexus.errors import Reason
 
 ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 RECENT_JOBS = 10   # finished jobs that keep their per-job series, newest first
-
-# First match wins; the text is the engine's and wire codec's own rejection message.
-REJECT_REASONS: tuple[tuple[str, re.Pattern], ...] = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in (
-    ("non_finite", r"\bnan\b|\binf\b"),
-    ("num_samples", r"num_samples"),
-    ("metrics", r"metrics"),
-    ("size", r"\bbytes?\b|offset|chunk|incomplete"),
-    ("layout", r"manifest|layout|shape|dtype|tensor"),
-    ("norm", r"norm|clip|magnitude"),
-))
-
-
-def reject_reason(message: str) -> str:
-    """The bounded label for a rejection message: one of REJECT_REASONS' names, or 'other'."""
-    for name, pattern in REJECT_REASONS:
-        if pattern.search(message):
-            return name
-    return "other"
 
 
 class CoordinatorMetrics:
@@ -67,14 +50,13 @@ class CoordinatorMetrics:
                 c.labels(kind)
         for direction in ("in", "out"):
             self.model_bytes.labels(direction)
-        for name, _ in REJECT_REASONS:
-            self.rejected.labels(name)
-        self.rejected.labels("other")
+        for reason in Reason:
+            self.rejected.labels(reason.value)
         self.registry.register(_LiveCollector(self))
 
     # fed by Store.subscribe ---------------------------------------------------------------
-    def on_event(self, event: tuple) -> None:
-        job_id, kind, round_, _site, message = event
+    def on_event(self, event: Event) -> None:
+        job_id, kind, round_, message = event.job_id, event.kind, event.round, event.message
         if kind == "round_opened":
             with self._lock:
                 self._open[job_id] = (round_, message or "train", self._mono())
@@ -95,7 +77,7 @@ class CoordinatorMetrics:
         elif kind.startswith("site_"):
             self.site_results.labels(kind[5:]).inc()
             if kind == "site_rejected":
-                self.rejected.labels(reject_reason(message)).inc()
+                self.rejected.labels((event.reason or Reason.OTHER).value).inc()
 
     def _finish(self, job_id: str, outcome: str) -> None:
         with self._lock:

@@ -15,7 +15,7 @@ import numpy as np
 
 from coordinator.aggregate import MaskedSum
 from plexus.config import SecAggSpec
-from plexus.errors import FailedPrecondition, IntegrityError
+from plexus.errors import FailedPrecondition, IntegrityError, Reason
 from plexus.secagg import Advert, ServerSession, default_threshold, dequantize, frac_bits
 from plexus.wire import Layout
 
@@ -60,7 +60,8 @@ class SecureRound:
         if advert.site != site:
             raise IntegrityError(f"advert names site {advert.site!r}, but the caller's certificate is {site!r}")
         if not 1 <= advert.num_samples <= 2 ** 31:
-            raise IntegrityError(f"num_samples must be between 1 and 2**31; got {advert.num_samples}")
+            raise IntegrityError(f"num_samples must be between 1 and 2**31; got {advert.num_samples}",
+                                 reason=Reason.NUM_SAMPLES)
         if len(advert.c_pk) != 32 or len(advert.s_pk) != 32 or len(advert.b_commitment) != 32:
             raise IntegrityError("an advert carries two 32-byte X25519 public keys and a 32-byte commitment")
         self.adverts[site] = advert

@@ -33,13 +33,18 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig):
         kit = load_kit(config.kit)
-        # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used.
+        # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used. It is
+        # checked before anything else opens, so a rolled-back or expired CRL stops the start cleanly;
+        # the highest CRL number seen is kept in the state dir, so a restart cannot roll it back.
+        Path(config.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        crl = RevocationList(config.crl or Path(config.kit) / "crl.pem", kit.ca_pem, on_revoked=lambda serials: [
+            self.audit.certificate_revoked(f"serial {n}", serial=n, by="crl") for n in serials],
+            floor_file=Path(config.state_dir) / "crl-number")
         self.store = Store(config.state_dir)
         # The audit trail: append-only, hash-chained, beside plexus.db (`plexus audit --verify`).
-        self.audit_log = AuditLog(Path(config.state_dir) / "audit.db")
+        # Its head is signed with the coordinator's key (`plexus audit --export-head`, `--against`).
+        self.audit_log = AuditLog(Path(config.state_dir) / "audit.db", signer=(kit.key_pem, kit.cert_pem))
         self.audit = CoordinatorAudit(self.audit_log, self.store)
-        crl = RevocationList(config.crl or Path(config.kit) / "crl.pem", kit.ca_pem, on_revoked=lambda serials: [
-            self.audit.certificate_revoked(f"serial {n}", serial=n, by="crl") for n in serials])
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
                              rejoin_grace_s=config.rejoin_grace_s)
         auth = Authenticator(crl)
@@ -107,6 +112,7 @@ class Coordinator:
             executor.shutdown(wait=True, cancel_futures=True)
         self.engine.stop()
         self.store.close()
+        self.audit_log.anchor()   # the head at shutdown, signed: a later truncation cannot hide below it
         self.audit_log.close()
 
 

@@ -7,6 +7,7 @@ import threading
 from contextlib import contextmanager
 
 from coordinator.engine import Engine
+from coordinator.events import admin_actor
 from coordinator.store import TERMINAL, JobRow
 from plexus.errors import FailedPrecondition, IntegrityError
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
@@ -18,6 +19,8 @@ _KINDS = {"train": fpb.TASK_TRAIN, "evaluate": fpb.TASK_EVALUATE, "secagg_advert
           "secagg_share": fpb.TASK_SECAGG_SHARE, "secagg_mask": fpb.TASK_SECAGG_MASKED_INPUT,
           "secagg_unmask": fpb.TASK_SECAGG_UNMASK}
 MAX_SHARE_VALUE_BYTES = 80   # a share value mod 2**521 - 1 fits in 66 bytes
+MAX_JOIN_NAMES = 256         # models, datasets (and their row counts) one site may advertise
+MAX_JOIN_NAME_CHARS = 64     # a model or dataset name, and the agent version
 _RESULTS = {fpb.RESULT_EVALUATED: "evaluated", fpb.RESULT_DECLINED: "declined", fpb.RESULT_FAILED: "failed"}
 
 
@@ -67,12 +70,13 @@ class FederationService(federation_pb2_grpc.FederationServicer):
 
     @guarded(kind="site")
     def Join(self, request, context, *, who):
-        self.engine.join(who.name, agent_version=request.agent_version[:64], models=list(request.models)[:256],
-                         datasets=list(request.datasets)[:256], policy_digest=request.policy_digest[:128],
-                         dataset_rows={k[:128]: int(v) for k, v in list(request.dataset_rows.items())[:256]})
+        check_join(request)
+        self.engine.join(who.name, agent_version=request.agent_version, models=list(request.models),
+                         datasets=list(request.datasets), policy_digest=request.policy_digest,
+                         dataset_rows={k: int(v) for k, v in request.dataset_rows.items()})
         if self.audit is not None:
-            self.audit.site_joined(who.name, policy_digest=request.policy_digest[:128],
-                                   agent_version=request.agent_version[:64])
+            self.audit.site_joined(who.name, policy_digest=request.policy_digest,
+                                   agent_version=request.agent_version)
         return fpb.JoinReply(federation=self.engine.federation, site=who.name,
                              poll_timeout_s=self.engine.poll_timeout_s)
 
@@ -124,6 +128,32 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         if request.status not in _RESULTS:
             raise IntegrityError("result status must be EVALUATED, DECLINED or FAILED")
         return fpb.ResultReply(message=self.engine.report(who.name, request, _RESULTS[request.status]))
+
+
+def check_join(request: fpb.JoinRequest) -> None:
+    """Refuse a Join whose names could not be shown or stored sanely (`plexus sites list`, the audit log):
+    at most MAX_JOIN_NAMES of them, each 1-64 printable characters, and a hex policy digest."""
+    for field_name, names in (("models", request.models), ("datasets", request.datasets),
+                              ("dataset_rows", list(request.dataset_rows))):
+        if len(names) > MAX_JOIN_NAMES:
+            raise IntegrityError(f"Join refused: {len(names)} {field_name}; a site advertises at most "
+                                 f"{MAX_JOIN_NAMES}: map fewer datasets or install fewer model plug-ins")
+        for name in names:
+            _check_join_text(f"{field_name} name", name, allow_empty=False)
+    _check_join_text("agent_version", request.agent_version, allow_empty=True)
+    digest = request.policy_digest
+    if len(digest) > 128 or digest.strip("0123456789abcdef"):
+        raise IntegrityError(f"Join refused: policy_digest {digest[:40]!r} is not a lowercase hex digest of at "
+                             "most 128 characters; a Plexus site agent sends the SHA-256 of its policy")
+
+
+def _check_join_text(what: str, text: str, *, allow_empty: bool) -> None:
+    if (not text and not allow_empty) or len(text) > MAX_JOIN_NAME_CHARS or not text.isprintable() \
+            or text != text.strip():
+        shown = repr(text[:40]) + ("…" if len(text) > 40 else "")
+        raise IntegrityError(f"Join refused: {what} {shown} ({len(text)} characters) must be 1-{MAX_JOIN_NAME_CHARS} "
+                             "printable characters without control characters or surrounding spaces; rename it "
+                             "in site.yaml (datasets) or in the model plug-in")
 
 
 def _payload_proto(p: dict) -> fpb.SecAggPayload:
@@ -198,7 +228,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if round_ > row.current_round:
             raise IntegrityError(f"job {row.id} has closed rounds 0..{row.current_round}; round {round_} has no model yet")
         layout, path, start = self.store.checkpoint_source(row.id, round_)   # streamed from the file
-        self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}")
+        self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}", actor=admin_actor(who.name))
         yield from model_stream(row.id, round_, layout, (path, start), self.chunk_bytes)
 
     @guarded(kind="admin", min_role="viewer")
@@ -213,12 +243,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     def GetAudit(self, request, context, *, who):
         if self.audit is None:
             return admin_pb2.AuditReply(problem="audit log not configured")
-        return audit_reply(self.audit, verify=request.verify, limit=request.limit)
+        return audit_reply(self.audit, verify=request.verify, limit=request.limit, sign_head=request.sign_head)
 
 
-def audit_reply(log, *, verify: bool, limit: int) -> admin_pb2.AuditReply:
+def audit_reply(log, *, verify: bool, limit: int, sign_head: bool = False) -> admin_pb2.AuditReply:
     """The reply for `plexus audit`: a failed verification is reported in `problem`, with the entries."""
     problem, verified = "", False
+    signed = log.anchor().to_json() if sign_head else ""
     if verify:
         try:
             log.verify()
@@ -231,4 +262,5 @@ def audit_reply(log, *, verify: bool, limit: int) -> admin_pb2.AuditReply:
                    for e in log.entries(limit=limit or None)]
     except IntegrityError as exc:  # an entry too damaged to read: report it, still answer
         entries, problem = [], problem or str(exc)
-    return admin_pb2.AuditReply(entries=entries, verified=verified, problem=problem, count=log.count())
+    return admin_pb2.AuditReply(entries=entries, verified=verified, problem=problem, count=log.count(),
+                                signed_head_json=signed)

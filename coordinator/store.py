@@ -15,7 +15,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from plexus.errors import IntegrityError, NotFound
+from coordinator.events import COORDINATOR, Event, admin_actor, outcome_actor
+from plexus.errors import IntegrityError, NotFound, Reason
 from plexus.files import write_atomically, write_blocks
 from plexus.wire import Layout, Receiver, encode
 
@@ -91,13 +92,16 @@ class Store:
             self._db.close()
 
     def subscribe(self, listener) -> None:
-        """Call listener(event) after each committed event; event = (job_id, kind, round, site, message).
+        """Call listener(event) after each committed event, a coordinator.events.Event.
 
         For observers (metrics, audit): a listener that raises is logged and never breaks the caller.
         """
         self._listeners.append(listener)
 
-    def _tx(self, statements: list[tuple[str, tuple]]) -> None:
+    def _tx(self, statements: list[tuple[str, tuple]], event: Event | None = None) -> None:
+        """Run statements in one transaction, recording `event` with them; listeners hear of it once committed."""
+        if event is not None:
+            statements = [*statements, self._event_sql(event)]
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -107,14 +111,12 @@ class Store:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
-        for sql, args in statements:
-            if sql.startswith("INSERT INTO events"):
-                job_id, _, kind, round_, site, message = args
-                for listener in self._listeners:
-                    try:
-                        listener((job_id, kind, round_, site, message))
-                    except Exception:
-                        logging.getLogger("plexus.store").exception("event listener failed")
+        if event is not None:
+            for listener in self._listeners:
+                try:
+                    listener(event)
+                except Exception:
+                    logging.getLogger("plexus.store").exception("event listener failed")
 
     def _all(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock:
@@ -124,8 +126,9 @@ class Store:
     def add_job(self, job_id: str, name: str, config_yaml: str, strategy: str, rounds: int, who: str) -> None:
         now = self.clock()
         self._tx([("INSERT INTO jobs (id, name, config_yaml, strategy, status, rounds, submitted_by, created, updated)"
-                   " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?)", (job_id, name, config_yaml, strategy, rounds, who, now, now)),
-                  self._event_sql(job_id, "job_submitted", 0, "", f"submitted by {who}")])
+                   " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?)",
+                   (job_id, name, config_yaml, strategy, rounds, who, now, now))],
+                 Event(job_id, "job_submitted", 0, "", f"submitted by {who}", actor=admin_actor(who)))
 
     def job(self, job_id: str) -> JobRow:
         rows = self._all("SELECT * FROM jobs WHERE id = ?", (job_id,))
@@ -137,16 +140,16 @@ class Store:
         return [JobRow(*r) for r in self._all("SELECT * FROM jobs ORDER BY created, id")]
 
     def set_job(self, job_id: str, *, status: str | None = None, current_round: int | None = None,
-                message: str | None = None, event: tuple[str, int, str, str] | None = None) -> None:
+                message: str | None = None, event: tuple[str, int, str, str] | None = None,
+                actor: str = COORDINATOR) -> None:
+        """Update a job; `event` = (kind, round, site, message) is recorded with it, attributed to `actor`."""
         sets, args = ["updated = ?"], [self.clock()]
         for column, value in (("status", status), ("current_round", current_round), ("message", message)):
             if value is not None:
                 sets.append(f"{column} = ?")
                 args.append(value)
-        statements = [(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", (*args, job_id))]
-        if event:
-            statements.append(self._event_sql(job_id, *event))
-        self._tx(statements)
+        self._tx([(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", (*args, job_id))],
+                 Event(job_id, *event, actor=actor) if event else None)
 
     # rounds and tasks --------------------------------------------------------------------
     def open_round(self, job_id: str, round_: int, kind: str) -> None:
@@ -154,8 +157,8 @@ class Store:
                   ("UPDATE tasks SET status = 'stale' WHERE job_id = ? AND round = ? AND status = 'issued'",
                    (job_id, round_)),
                   ("INSERT INTO rounds (job_id, round, kind, status, opened) VALUES (?, ?, ?, 'open', ?)",
-                   (job_id, round_, kind, self.clock())),
-                  self._event_sql(job_id, "round_opened", round_, "", kind)])
+                   (job_id, round_, kind, self.clock()))],
+                 Event(job_id, "round_opened", round_, "", kind))
 
     def close_round(self, job_id: str, round_: int, *, status: str, contributors: list[str], total_samples: int,
                     message: str, job_update: dict | None = None, event: tuple[str, str] | None = None) -> None:
@@ -172,8 +175,7 @@ class Store:
             statements.append((f"UPDATE jobs SET {cols}, updated = ? WHERE id = ?",
                                (*job_update.values(), self.clock(), job_id)))
         kind, text = event or (f"round_{status}", message)
-        statements.append(self._event_sql(job_id, kind, round_, "", text))
-        self._tx(statements)
+        self._tx(statements, Event(job_id, kind, round_, "", text))
 
     def interrupt_open_rounds(self) -> None:
         """After a restart: rounds that were open are void and their tasks can no longer be answered."""
@@ -194,15 +196,17 @@ class Store:
         return rows[0] if rows else None
 
     def finish_task(self, task_id: str, status: str, reason: str = "", *, job_id: str = "", round_: int = 0,
-                    site: str = "", metrics: Mapping[tuple[int, str, str], float] | None = None) -> None:
-        """Record a task's outcome, its metrics and an event, atomically."""
+                    site: str = "", metrics: Mapping[tuple[int, str, str], float] | None = None,
+                    code: Reason | None = None) -> None:
+        """Record a task's outcome, its metrics and an event, atomically. The event is attributed to the site
+        for outcomes it reported, else to the coordinator; `code` says why a rejected update was refused."""
         statements = [("UPDATE tasks SET status = ?, reason = ?, finished = ? WHERE task_id = ?",
                        (status, reason, self.clock(), task_id))]
         for (round_key, kind, name), value in (metrics or {}).items():
             statements.append(("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?, ?, ?)",
                                (job_id, round_key, site, kind, name, float(value))))
-        statements.append(self._event_sql(job_id, f"site_{status}", round_, site, reason))
-        self._tx(statements)
+        self._tx(statements, Event(job_id, f"site_{status}", round_, site, reason,
+                                   actor=outcome_actor(status, site), reason=code))
 
     def record_metrics(self, job_id: str, metrics: Mapping[tuple[int, str, str, str], float]) -> None:
         """Job-level metrics (site "" for the federation as a whole), e.g. the privacy ledger's ε."""
@@ -240,16 +244,17 @@ class Store:
         return self._all("SELECT name, last_seen, agent_version, policy_digest, models, datasets FROM sites"
                          " ORDER BY name")
 
-    def event(self, job_id: str, kind: str, round_: int = 0, site: str = "", message: str = "") -> None:
-        self._tx([self._event_sql(job_id, kind, round_, site, message)])
+    def event(self, job_id: str, kind: str, round_: int = 0, site: str = "", message: str = "", *,
+              actor: str = COORDINATOR) -> None:
+        self._tx([], Event(job_id, kind, round_, site, message, actor=actor))
 
     def events_after(self, job_id: str, after_id: int) -> list[tuple]:
         return self._all("SELECT id, at, kind, round, site, message FROM events WHERE job_id = ? AND id > ?"
                          " ORDER BY id", (job_id, after_id))
 
-    def _event_sql(self, job_id: str, kind: str, round_: int, site: str, message: str) -> tuple[str, tuple]:
+    def _event_sql(self, event: Event) -> tuple[str, tuple]:
         return ("INSERT INTO events (job_id, at, kind, round, site, message) VALUES (?, ?, ?, ?, ?, ?)",
-                (job_id, self.clock(), kind, round_, site, message))
+                (event.job_id, self.clock(), event.kind, event.round, event.site, event.message))
 
     # checkpoints -------------------------------------------------------------------------
     def checkpoint_path(self, job_id: str, round_: int) -> Path:

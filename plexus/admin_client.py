@@ -46,8 +46,9 @@ class AdminClient:
     def abort(self, job_id: str) -> admin_pb2.JobSummary:
         return self.stub.AbortJob(admin_pb2.JobRef(job_id=job_id), timeout=self.timeout_s)
 
-    def audit(self, *, verify: bool = False, limit: int = 0) -> admin_pb2.AuditReply:
-        return self.stub.GetAudit(admin_pb2.AuditRequest(verify=verify, limit=limit), timeout=max(self.timeout_s, 120))
+    def audit(self, *, verify: bool = False, limit: int = 0, sign_head: bool = False) -> admin_pb2.AuditReply:
+        return self.stub.GetAudit(admin_pb2.AuditRequest(verify=verify, limit=limit, sign_head=sign_head),
+                                  timeout=max(self.timeout_s, 120))
 
     def sites(self) -> list[admin_pb2.SiteInfo]:
         return list(self.stub.ListSites(admin_pb2.ListSitesRequest(), timeout=self.timeout_s).sites)

@@ -4,13 +4,18 @@ Each entry's hash is SHA-256 over the canonical JSON of (seq, at, actor, action,
 subject, details, prev_hash), so editing, deleting or reordering an entry breaks
 the chain; a separate head record (last seq and hash), written in the same
 transaction as each entry, catches a removed tail. Anyone who can write the
-file can still rebuild a consistent chain from scratch: compare `head()` with a
-copy kept elsewhere to rule that out.
+file can still rebuild a consistent chain from scratch, so a log given a signer
+(the coordinator's kit) signs its head every `anchor_every` entries and on
+`anchor()`: a SignedHead kept outside the coordinator (`plexus audit
+--export-head`) pins every entry up to its seq, and `verify_against` finds a
+log cut short of it or rewritten below it.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import datetime as dt
 import hashlib
 import json
 import sqlite3
@@ -20,9 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from plexus import crypto, pki
 from plexus.errors import IntegrityError
 
 GENESIS = "0" * 64
+ANCHOR_EVERY = 100                     # entries between signed heads stored in the log itself
+HEAD_FORMAT = "plexus-audit-head/1"
+_HEAD_PURPOSE = "plexus/v1/audit-head"  # signed with the head, so the signature means nothing else
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -30,6 +39,8 @@ CREATE TABLE IF NOT EXISTS entries (
     subject TEXT NOT NULL, details TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS head (
     id INTEGER PRIMARY KEY CHECK (id = 1), seq INTEGER NOT NULL, hash TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS anchors (
+    seq INTEGER PRIMARY KEY, hash TEXT NOT NULL, at REAL NOT NULL, signature BLOB NOT NULL, cert TEXT NOT NULL);
 """
 
 
@@ -57,13 +68,64 @@ class Entry:
                 "details": self.details, "prev_hash": self.prev_hash, "hash": self.hash}
 
 
-class AuditLog:
-    """The hash-chained log at `path` (created if missing); thread-safe, and other processes' writers serialise."""
+@dataclass(frozen=True)
+class SignedHead:
+    """The chain's head (seq, hash) signed at `at` by the certificate's key; kept elsewhere, it pins the log."""
 
-    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+    seq: int
+    hash: str
+    at: float
+    signature: bytes
+    cert_pem: bytes
+
+    @classmethod
+    def sign(cls, seq: int, hash_: str, at: float, signer: tuple[bytes, bytes]) -> SignedHead:
+        key_pem, cert_pem = signer
+        unsigned = cls(seq, hash_, at, b"", cert_pem)
+        return dataclasses.replace(unsigned, signature=crypto.sign(key_pem, unsigned.message()))
+
+    def message(self) -> bytes:
+        return _canonical([_HEAD_PURPOSE, self.seq, self.hash, self.at]).encode()
+
+    def verify(self, ca_pem: bytes) -> None:
+        """Raise IntegrityError unless the federation's coordinator signed exactly this head."""
+        when = dt.datetime.fromtimestamp(self.at, dt.timezone.utc)
+        pki.verify_issued(self.cert_pem, ca_pem, name=pki.COORDINATOR_NAME, kind="coordinator", now=when)
+        crypto.verify(self.cert_pem, self.message(), self.signature)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": HEAD_FORMAT, "seq": self.seq, "hash": self.hash, "at": self.at,
+                           "signature": base64.b64encode(self.signature).decode(),
+                           "signer_cert": self.cert_pem.decode()}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "signed head") -> SignedHead:
+        try:
+            doc = json.loads(text)
+            if doc.get("format") != HEAD_FORMAT:
+                raise ValueError(f"format is {doc.get('format')!r}, not {HEAD_FORMAT!r}")
+            head = cls(int(doc["seq"]), str(doc["hash"]), float(doc["at"]), base64.b64decode(doc["signature"]),
+                       str(doc["signer_cert"]).encode())
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise IntegrityError(f"{source} is not a signed audit head written by `plexus audit --export-head` "
+                                 f"({type(exc).__name__}: {exc})") from None
+        return head
+
+
+class AuditLog:
+    """The hash-chained log at `path` (created if missing); thread-safe, and other processes' writers serialise.
+
+    With `signer` = (key PEM, certificate PEM), the head is signed every `anchor_every` entries and on
+    `anchor()`, and the signed heads are kept in the log (checked by verify)."""
+
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time,
+                 signer: tuple[bytes, bytes] | None = None, anchor_every: int = ANCHOR_EVERY) -> None:
+        if anchor_every < 1:
+            raise ValueError(f"anchor_every must be at least 1, not {anchor_every}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.clock = clock
+        self._signer, self._anchor_every = signer, anchor_every
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -101,11 +163,35 @@ class AuditLog:
                 self._db.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                                  (entry.seq, entry.at, actor, action, subject, _canonical(details), prev, entry.hash))
                 self._db.execute("INSERT OR REPLACE INTO head (id, seq, hash) VALUES (1, ?, ?)", (seq, entry.hash))
+                if self._signer is not None and seq % self._anchor_every == 0:
+                    self._store_anchor(SignedHead.sign(seq, entry.hash, entry.at, self._signer))
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
         return entry
+
+    def anchor(self) -> SignedHead:
+        """Sign the current head now (at shutdown, and for `plexus audit --export-head`), keep it, return it."""
+        if self._signer is None:
+            raise IntegrityError(f"audit log {self.path} has no signing key; only the coordinator's log signs heads")
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT seq, hash FROM head WHERE id = 1").fetchone()
+                seq, hash_ = row if row else (0, GENESIS)
+                head = SignedHead.sign(seq, hash_, float(self.clock()), self._signer)
+                self._store_anchor(head)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        return head
+
+    def _store_anchor(self, head: SignedHead) -> None:
+        """Keep a signed head (the first one signed at its seq); call inside a write transaction."""
+        self._db.execute("INSERT OR IGNORE INTO anchors VALUES (?, ?, ?, ?, ?)",
+                         (head.seq, head.hash, head.at, head.signature, head.cert_pem.decode()))
 
     def entries(self, *, limit: int | None = None) -> list[Entry]:
         """All entries in seq order, or the last `limit` of them."""
@@ -136,12 +222,40 @@ class AuditLog:
                 rows = self._db.execute("SELECT seq, at, actor, action, subject, details, prev_hash, hash"
                                         " FROM entries ORDER BY seq").fetchall()
                 head = self._db.execute("SELECT seq, hash FROM head WHERE id = 1").fetchone()
+                anchors = self._db.execute("SELECT seq, hash, at, signature, cert FROM anchors ORDER BY seq").fetchall()
             finally:
                 self._db.execute("COMMIT")
         entries = [_entry(row) for row in rows]
         _check_chain(entries)
         _check_head(entries, head)
+        for seq, hash_, at, signature, cert in anchors:
+            anchor = SignedHead(seq, hash_, at, bytes(signature), cert.encode())
+            try:
+                crypto.verify(anchor.cert_pem, anchor.message(), anchor.signature)
+            except IntegrityError:
+                raise IntegrityError(f"the signed head kept for audit entry {seq} fails its signature check "
+                                     "(it was edited)") from None
+            _check_anchored(entries, anchor, "a signed head kept in the log")
         return len(entries)
+
+
+def verify_against(entries: list[Entry], head: SignedHead, ca_pem: bytes) -> None:
+    """Check that `entries` (the whole log, as read back) chain intact and hold the head the federation's
+    coordinator signed: not cut short of it, not rewritten up to it. Raises IntegrityError naming what."""
+    head.verify(ca_pem)
+    _check_chain(entries)
+    _check_anchored(entries, head, "the signed head")
+
+
+def _check_anchored(entries: list[Entry], head: SignedHead, what: str) -> None:
+    signed = dt.datetime.fromtimestamp(head.at, dt.timezone.utc).isoformat(timespec="seconds")
+    last = entries[-1].seq if entries else 0
+    if head.seq > last:
+        raise IntegrityError(f"audit log was truncated: {what} of {signed} covers entries 1..{head.seq}, "
+                             f"the log now ends at seq {last}")
+    if head.seq and entries[head.seq - 1].hash != head.hash:
+        raise IntegrityError(f"audit log was rewritten: entry {head.seq} is not the one {what} of {signed} "
+                             f"covers (entries up to {head.seq} were changed and re-chained)")
 
 
 def _check_chain(entries: list[Entry]) -> None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from plexus.errors import PlexusError
+from plexus.text import csv_cell, printable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except PlexusError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         import grpc
 
         if isinstance(exc, grpc.RpcError):
-            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"error: {exc.code().name}: {printable(exc.details() or '')}", file=sys.stderr)
             return 1
         raise
 
@@ -75,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("dir", type=Path)
     revoke.add_argument("name")
     revoke.set_defaults(run=lambda a: _pki("revoke", a))
+    crl = pki.add_parser("crl", help="re-issue the CRL before it expires (the coordinator refuses an expired one)")
+    crl.add_argument("dir", type=Path)
+    crl.set_defaults(run=lambda a: _pki("crl", a))
 
     coord = sub.add_parser("coordinator", help="the coordinator service").add_subparsers(metavar="ACTION")
     crun = coord.add_parser("run", help="run the coordinator")
@@ -132,7 +136,12 @@ def _parser() -> argparse.ArgumentParser:
     sites = sub.add_parser("sites", help="the federation's sites").add_subparsers(metavar="ACTION")
     _admin(sites.add_parser("list", help="list sites")).set_defaults(run=_sites_list)
 
-    _audit_flags(_admin(sub.add_parser("audit", help="the coordinator's audit log"))).set_defaults(run=_audit)
+    audit = _audit_flags(_admin(sub.add_parser("audit", help="the coordinator's audit log")))
+    audit.add_argument("--export-head", type=Path, metavar="FILE",
+                       help="write the log's head, signed by the coordinator, to FILE; keep it off the coordinator")
+    audit.add_argument("--against", type=Path, metavar="HEAD_FILE",
+                       help="with --verify: also check the log still holds, unchanged, every entry HEAD_FILE signed")
+    audit.set_defaults(run=_audit)
     return p
 
 
@@ -170,6 +179,10 @@ def _pki(action: str, args) -> int:
         print(f"site kit: {pki.add_site(args.dir, args.name)}")
     elif action == "add-admin":
         print(f"admin kit ({args.role}): {pki.add_admin(args.dir, args.name, role=args.role)}")
+    elif action == "crl":
+        number = pki.reissue_crl(args.dir)
+        print(f"CRL number {number} (valid {pki.CRL_VALIDITY.days} days) written to "
+              f"{args.dir / 'coordinator' / 'crl.pem'}; ship it to the coordinator")
     else:
         serial = pki.revoke(args.dir, args.name)
         print(f"revoked {args.name!r} (serial {serial}); the CRL in {args.dir / 'coordinator' / 'crl.pem'} is updated")
@@ -249,9 +262,10 @@ def _job_show(args) -> int:
         print(json.dumps(MessageToDict(detail, preserving_proto_field_name=True), indent=2))
         return 0
     s = detail.summary
-    print(f"job {s.job_id}  ({s.name}, {s.strategy})  status: {s.status}  round {s.current_round}/{s.rounds}")
+    print(printable(f"job {s.job_id}  ({s.name}, {s.strategy})  status: {s.status}  "
+                    f"round {s.current_round}/{s.rounds}"))
     if s.message:
-        print(f"  {s.message}")
+        print(f"  {printable(s.message)}")
     eps = epsilon_by_round(detail)
     rows = [{"round": r.round, "status": r.status, "sites": len(r.contributors), "samples": r.total_samples,
              "secs": f"{r.closed_unix_s - r.opened_unix_s:.2f}" if r.closed_unix_s else "",
@@ -293,7 +307,7 @@ def _follow(client, job_id: str, as_json: bool) -> int:
             when = time.strftime("%H:%M:%S", time.localtime(event.unix_s))
             where = f" round {event.round}" if event.round else ""
             who = f" {event.site}" if event.site else ""
-            print(f"[{when}]{where} {event.kind}{who}: {event.message}{extra}", flush=True)
+            print(printable(f"[{when}]{where} {event.kind}{who}: {event.message}{extra}"), flush=True)
     return 0 if status in ("completed", "budget_reached") else 1
 
 
@@ -324,7 +338,7 @@ def _job_metrics(args) -> int:
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=["round", "site", "kind", "name", "value"])
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: csv_cell(v) for k, v in r.items()} for r in rows)
         print(out.getvalue(), end="")
     else:
         _table(["round", "site", "kind", "name", "value"], [{**r, "value": f"{r['value']:.6g}"} for r in rows])
@@ -339,7 +353,7 @@ def _job_plot(args) -> int:
     rows = [(m.round, m.site, m.kind, m.name, m.value) for m in detail.metrics]
     panels = plot_metrics(rows, args.output, title=f"{detail.summary.name} ({detail.summary.job_id})")
     print(json.dumps({"job_id": args.job_id, "path": str(args.output), "panels": panels}) if args.json
-          else f"wrote {', '.join(panels)} of job {args.job_id} to {args.output}")
+          else printable(f"wrote {', '.join(panels)} of job {args.job_id} to {args.output}"))
     return 0
 
 
@@ -380,13 +394,65 @@ def _audit_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _audit(args) -> int:
-    with _client(args) as client:
-        reply = client.audit(verify=args.verify, limit=max(args.limit, 0))
+    if args.export_head is not None:
+        return _audit_export_head(args)
+    if args.against is not None and not args.verify:
+        raise PlexusError("--against HEAD_FILE checks the log: use it with --verify")
+    with _client(args) as client:   # --against checks the whole chain, so it reads every entry
+        reply = client.audit(verify=args.verify, limit=0 if args.against else max(args.limit, 0))
     if reply.problem == "audit log not configured":
         raise PlexusError("the coordinator has no audit log configured")
     entries = [{"seq": e.seq, "at": e.at, "actor": e.actor, "action": e.action, "subject": e.subject,
                 "details": json.loads(e.details_json or "{}"), "hash": e.hash} for e in reply.entries]
-    return _print_audit(entries, reply.count, args.verify, reply.problem, args.json)
+    problem = reply.problem
+    if args.against is not None and not problem:
+        problem = _audit_against(entries, args.against, args.kit)
+        if not problem and not args.json:
+            print(f"verified against {args.against}: every entry it signed is in the log, unchanged")
+        entries = entries[-args.limit:] if args.limit > 0 else entries
+    return _print_audit(entries, reply.count, args.verify, problem, args.json)
+
+
+def _audit_against(entries: list[dict], path: Path, kit: Path) -> str:
+    """What checking the log's entries against the signed head in `path` found wrong, or ""."""
+    from plexus.audit import GENESIS, Entry, SignedHead, verify_against
+    from plexus.errors import IntegrityError
+    from plexus.pki import load_kit
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlexusError(f"cannot read the signed head {path}: {exc}") from None
+    head = SignedHead.from_json(text, source=str(path))
+    chain, prev = [], GENESIS
+    for e in entries:   # prev_hash is implied by the entry before; verify_against recomputes every hash
+        chain.append(Entry(e["seq"], e["at"], e["actor"], e["action"], e["subject"], e["details"], prev, e["hash"]))
+        prev = e["hash"]
+    try:
+        verify_against(chain, head, load_kit(kit).ca_pem)
+    except IntegrityError as exc:
+        return str(exc)
+    return ""
+
+
+def _audit_export_head(args) -> int:
+    from plexus.audit import SignedHead
+    from plexus.files import write_atomically
+    from plexus.pki import load_kit
+
+    with _client(args) as client:
+        reply = client.audit(sign_head=True, limit=1)
+    if not reply.signed_head_json:
+        raise PlexusError(f"the coordinator returned no signed head: {reply.problem or 'no audit log'}")
+    head = SignedHead.from_json(reply.signed_head_json, source="the coordinator's signed head")
+    head.verify(load_kit(args.kit).ca_pem)   # never hand the operator a head this federation did not sign
+    write_atomically(args.export_head, head.to_json().encode())
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head.at))
+    print(json.dumps({"seq": head.seq, "hash": head.hash, "at": head.at, "path": str(args.export_head)})
+          if args.json else
+          f"signed head of the audit log (entry {head.seq}, {when}) written to {args.export_head}; keep it "
+          f"where the coordinator's operators cannot write, and check with `plexus audit --verify --against FILE`")
+    return 0
 
 
 def _site_audit(args) -> int:
@@ -425,7 +491,7 @@ def _print_audit(entries: list[dict], count: int, verify: bool, problem: str, as
         if verify and not problem:
             print(f"\nverified: {count} entries, hash chain intact")
     if problem:
-        print(f"audit log verification FAILED: {problem}", file=sys.stderr)
+        print(f"audit log verification FAILED: {printable(problem)}", file=sys.stderr)
         return 1
     return 0
 
@@ -446,7 +512,8 @@ def _demo(args) -> int:
 
 
 def _table(columns: list[str], rows: list[dict]) -> None:
-    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    """Rows as aligned columns; every cell is made printable, as most hold text from sites or the coordinator."""
+    cells = [[printable(str(r.get(c, ""))) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
     for row in cells:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from plexus.datasets import HOSPITALS, Split, heart_disease
+from plexus.text import printable
 
 DEMO_ROUND_CONFIG = """\
 name: heart-fedavg
@@ -162,10 +163,10 @@ def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float
                     f"  {round_times[-1]:6.3f}s   global model before it: acc {ev.get('accuracy', float('nan')):.3f}"
                     f"  auc {ev.get('auc', float('nan')):.3f}")
             elif event.kind in ("site_declined", "site_failed", "site_rejected", "job_failed", "job_aborted"):
-                say(f"  {event.kind} {event.site} {event.message}")
+                say(printable(f"  {event.kind} {event.site} {event.message}"))
             fed.check_alive()
         if status != "completed":
-            say(f"\njob ended {status}: {client.job(job_id).summary.message}")
+            say(f"\njob ended {status}: {printable(client.job(job_id).summary.message)}")
             return 1
         final_round, state = client.download(job_id)
         if plot is not None:

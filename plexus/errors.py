@@ -1,5 +1,20 @@
 """The Plexus error hierarchy; each maps to one gRPC status code (see plexus.rpc)."""
 
+import enum
+
+
+class Reason(str, enum.Enum):
+    """Why data was refused: a bounded code carried as a field to audit entries and metrics labels, so no
+    one ever parses it back out of a message. A new kind of check that refuses updates adds a member."""
+
+    NON_FINITE = "non_finite"     # NaN or Inf
+    NUM_SAMPLES = "num_samples"   # the declared sample count is out of bounds
+    METRICS = "metrics"           # reported metrics malformed
+    SIZE = "size"                 # bytes missing, extra or out of order
+    LAYOUT = "layout"             # tensors, dtypes or shapes differ from the job's model
+    NORM = "norm"                 # values too large: beyond the clip norm or the exact-sum range
+    OTHER = "other"
+
 
 class PlexusError(Exception):
     """Base class of every error Plexus raises on purpose."""
@@ -10,7 +25,11 @@ class ConfigError(PlexusError, ValueError):
 
 
 class IntegrityError(PlexusError, ValueError):
-    """Data failed validation: wrong shape, dtype, size, NaN, bad signature, replay."""
+    """Data failed validation: wrong shape, dtype, size, NaN, bad signature, replay; `reason` says which kind."""
+
+    def __init__(self, *args, reason: Reason = Reason.OTHER):
+        super().__init__(*args)
+        self.reason = reason
 
 
 class NotFound(PlexusError, LookupError):

@@ -10,9 +10,11 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import json
+import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ COORDINATOR_NAME = "coordinator"
 CA_VALIDITY = dt.timedelta(days=3650)
 LEAF_VALIDITY = dt.timedelta(days=825)
 CRL_VALIDITY = dt.timedelta(days=30)
+CRL_RENEW_BEFORE = dt.timedelta(days=7)   # a loaded CRL this close to its nextUpdate is logged as a warning
 # Backdate not_valid_before so a peer whose clock runs a little behind still accepts a fresh cert.
 CLOCK_SKEW = dt.timedelta(minutes=5)
 
@@ -41,6 +44,8 @@ _FEDERATION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$")
 _DNS_LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 _INIT_HINT = "run `plexus pki init DIR --federation NAME` first"
 _KIT_FILES = ("ca.pem", "cert.pem", "key.pem")
+
+log = logging.getLogger("plexus.pki")
 
 
 @dataclass(frozen=True)
@@ -203,16 +208,20 @@ def revoke(root: Path, name: str, *, now: dt.datetime | None = None) -> int:
     entry = active[0]
     entry["revoked"] = True
     entry["revoked_at"] = now.isoformat()
-    ca_cert, ca_key = _load_ca(root)
-    number = max(_crl_number(root / "crl.pem"), _crl_number(root / COORDINATOR_NAME / "crl.pem")) + 1
-    crl_pem = _build_crl(ca_cert, ca_key, registry, number=number, now=now)
     # CRLs first: if writing the registry then fails, a rerun revokes again instead of
     # reporting "already revoked" for a serial that no CRL lists.
-    write_atomically(root / "crl.pem", crl_pem)
-    if (root / COORDINATOR_NAME).is_dir():
-        write_atomically(root / COORDINATOR_NAME / "crl.pem", crl_pem)
+    _publish_crl(root, registry, now)
     _save_registry(root, registry)
     return entry["serial"]
+
+
+def reissue_crl(root: Path, *, now: dt.datetime | None = None) -> int:
+    """Sign the CRL afresh (same revocations, next number, valid CRL_VALIDITY from now); return its number.
+
+    A coordinator refuses every call once its CRL passes nextUpdate, so run this (e.g. weekly
+    from cron) and ship `root/coordinator/crl.pem`."""
+    root = Path(root)
+    return _publish_crl(root, _load_registry(root), _utc(now))
 
 
 # ---------------------------------------------------------------------------
@@ -274,6 +283,23 @@ def identity_from_cert(cert_pem: bytes) -> Identity:
     return Identity(name=name, kind=kind, role=role, serial=cert.serial_number)
 
 
+def check_leaf(cert_pem: bytes, ca_pem: bytes) -> None:
+    """Raise errors.Unauthenticated unless the certificate is a client leaf the federation CA issued directly.
+
+    TLS accepts any chain that ends at the CA, so a leaf below an intermediate CA (or below a
+    certificate that is itself a CA) would pass it; only the CA's own leaves identify anyone.
+    """
+    try:
+        ca = x509.load_pem_x509_certificate(ca_pem)
+    except ValueError as exc:
+        raise errors.ConfigError(f"the federation CA certificate is not a PEM certificate: {exc}") from None
+    problem = _leaf_problem(_parse_cert(cert_pem), ca)
+    if problem:
+        raise errors.Unauthenticated(
+            f"the client certificate {problem}; only certificates issued directly by this federation's CA "
+            "(`plexus pki add-site` / `plexus pki add-admin`) identify a participant")
+
+
 def federation_of(cert_pem: bytes) -> str:
     """The federation name (subject O) a certificate was issued for."""
     return _single_attr(_parse_cert(cert_pem).subject, NameOID.ORGANIZATION_NAME, "O")
@@ -282,18 +308,24 @@ def federation_of(cert_pem: bytes) -> str:
 class RevocationList:
     """A CA-verified CRL that reloads itself when its file changes; `check` raises on revoked certs.
 
-    Fails closed: if the file is replaced by one that is missing, unsigned, from another CA or
-    older (a lower CRL number), `check` raises instead of trusting a stale list silently.
+    Fails closed: if the file is replaced by one that is missing, unsigned, from another CA,
+    older (a lower CRL number) or expired (past its nextUpdate), `check` raises instead of
+    trusting a stale list silently. With `floor_file`, the highest CRL number ever loaded is
+    kept there, so an old CRL put back while the coordinator was down is refused at restart.
     """
 
-    def __init__(self, crl_path: Path, ca_pem: bytes, *, on_revoked=None):
+    def __init__(self, crl_path: Path, ca_pem: bytes, *, on_revoked=None, floor_file: Path | None = None,
+                 clock=time.time):
         self._path = Path(crl_path)
+        self.ca_pem = ca_pem   # the federation CA, whose direct leaves alone identify a peer (check_leaf)
         try:
             self._ca = x509.load_pem_x509_certificate(ca_pem)
         except (ValueError, TypeError) as exc:
             raise errors.ConfigError(f"the CA certificate given for the CRL is not a PEM certificate: {exc}") from None
         self._lock = threading.Lock()
-        self._number = 0
+        self._floor_file = None if floor_file is None else Path(floor_file)
+        self._clock = clock
+        self._number = self._read_floor()
         if not self._path.exists():
             raise errors.ConfigError(
                 f"CRL {self._path} does not exist; copy crl.pem from the federation's PKI directory "
@@ -306,7 +338,7 @@ class RevocationList:
         """Raise errors.Unauthenticated if the certificate's serial is on the CRL."""
         cert = _parse_cert(cert_pem)
         # One tuple, swapped in one assignment, so a reader never pairs a new stat key with old serials.
-        key, revoked = self._state
+        key, revoked, expires = self._state
         if self._stat() != key:
             with self._lock:
                 if self._stat() != self._state[0]:
@@ -314,7 +346,9 @@ class RevocationList:
                     self._state = self._load()
                     if self._on_revoked is not None and self._state[1] - before:
                         self._on_revoked(sorted(self._state[1] - before))
-            key, revoked = self._state
+            key, revoked, expires = self._state
+        if self._clock() >= expires:
+            raise errors.IntegrityError(self._expired_message(expires))
         if cert.serial_number in revoked:
             try:
                 ident = identity_from_cert(cert_pem)
@@ -333,7 +367,7 @@ class RevocationList:
             raise errors.ConfigError(f"CRL {self._path} has disappeared; restore it from the PKI directory") from None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def _load(self) -> tuple[tuple[int, int, int], frozenset[int]]:
+    def _load(self) -> tuple[tuple[int, int, int], frozenset[int], float]:
         key = self._stat()
         data = self._path.read_bytes()
         try:
@@ -350,12 +384,44 @@ class RevocationList:
             )
         number = _crl_number_of(crl)
         if number < self._number:
+            where = f" (recorded in {self._floor_file})" if self._floor_file is not None else ""
             raise errors.IntegrityError(
-                f"CRL {self._path} has number {number}, older than the {self._number} already loaded; "
-                "an old CRL would un-revoke certificates: restore the latest crl.pem"
+                f"CRL {self._path} has number {number}, older than number {self._number} already loaded{where}; "
+                f"an old CRL would un-revoke certificates: ship the latest DIR/coordinator/crl.pem, or "
+                f"re-issue one with `plexus pki crl DIR`"
             )
+        if crl.next_update_utc is None:
+            raise errors.IntegrityError(
+                f"CRL {self._path} has no nextUpdate, so its age cannot be checked; re-issue it with "
+                "`plexus pki crl DIR`"
+            )
+        expires = crl.next_update_utc.timestamp()
+        if self._clock() >= expires:
+            raise errors.IntegrityError(self._expired_message(expires))
+        if number > self._number and self._floor_file is not None:
+            write_atomically(self._floor_file, f"{number}\n".encode(), mode=0o600)   # before it is trusted
         self._number = number
-        return key, frozenset(r.serial_number for r in crl)
+        if expires - self._clock() < CRL_RENEW_BEFORE.total_seconds():
+            log.warning("CRL %s expires at %s; re-issue it before then with `plexus pki crl DIR` and ship "
+                        "DIR/coordinator/crl.pem, or every call will be refused", self._path,
+                        crl.next_update_utc.isoformat())
+        return key, frozenset(r.serial_number for r in crl), expires
+
+    def _read_floor(self) -> int:
+        if self._floor_file is None or not self._floor_file.exists():
+            return 0
+        text = self._floor_file.read_text(encoding="ascii", errors="replace").strip()
+        if not text.isdigit():
+            raise errors.IntegrityError(
+                f"{self._floor_file} should hold the highest CRL number this coordinator loaded, but holds "
+                f"{text[:40]!r}; restore it from a backup, or delete it once you have checked that the CRL "
+                f"in place is the latest DIR/coordinator/crl.pem")
+        return int(text)
+
+    def _expired_message(self, expires: float) -> str:
+        when = dt.datetime.fromtimestamp(expires, dt.timezone.utc).isoformat()
+        return (f"CRL {self._path} expired at {when} (its nextUpdate); an expired CRL may miss revocations, so "
+                f"every call is refused: re-issue it with `plexus pki crl DIR` and ship DIR/coordinator/crl.pem")
 
 
 # ---------------------------------------------------------------------------
@@ -555,6 +621,45 @@ def _build_crl(
     return builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
 
 
+def _leaf_problem(cert: x509.Certificate, ca: x509.Certificate) -> str:
+    """What disqualifies `cert` as a client leaf issued directly by `ca`, or "" when nothing does."""
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return "was not issued directly by the federation CA (an intermediate or another issuer signed it)"
+    return _usage_problem(cert)
+
+
+def _usage_problem(cert: x509.Certificate) -> str:
+    """What disqualifies `cert` as a client leaf (CA:FALSE, digitalSignature only, clientAuth), or ""."""
+    extensions = cert.extensions
+    try:
+        if extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+            return "is a CA certificate (basicConstraints CA:TRUE), not a leaf"
+        usage = extensions.get_extension_for_class(x509.KeyUsage).value
+        client = ExtendedKeyUsageOID.CLIENT_AUTH in extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return "lacks basicConstraints, keyUsage or extendedKeyUsage, which every Plexus certificate carries"
+    except ValueError:
+        return "has extensions that cannot be parsed"
+    if not usage.digital_signature or usage.key_cert_sign or usage.crl_sign:
+        return "has a key usage other than digitalSignature alone (it may sign certificates or CRLs)"
+    if not client:
+        return "is not for client authentication (extendedKeyUsage lacks clientAuth)"
+    return ""
+
+
+def _publish_crl(root: Path, registry: dict, now: dt.datetime) -> int:
+    """Write a CRL of the registry's revocations, numbered above every CRL written before; return the number."""
+    ca_cert, ca_key = _load_ca(root)
+    number = max(_crl_number(root / "crl.pem"), _crl_number(root / COORDINATOR_NAME / "crl.pem")) + 1
+    crl_pem = _build_crl(ca_cert, ca_key, registry, number=number, now=now)
+    write_atomically(root / "crl.pem", crl_pem)
+    if (root / COORDINATOR_NAME).is_dir():
+        write_atomically(root / COORDINATOR_NAME / "crl.pem", crl_pem)
+    return number
+
+
 def _crl_number_of(crl: x509.CertificateRevocationList) -> int:
     try:
         return crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
@@ -648,6 +753,9 @@ def verify_issued(cert_pem: bytes, ca_pem: bytes, *, name: str, kind: str, now: 
         raise errors.IntegrityError(
             f"the certificate presented for {kind} {name!r} was not issued by this federation's CA"
         ) from None
+    problem = _usage_problem(cert)
+    if problem:
+        raise errors.IntegrityError(f"the certificate presented for {kind} {name!r} {problem}")
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise errors.IntegrityError(
             f"the certificate presented for {kind} {name!r} is not valid at {now.isoformat()} "

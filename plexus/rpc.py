@@ -1,9 +1,10 @@
 """Authentication, authorisation and error mapping for every gRPC method, in one place.
 
-Identity comes from the verified peer certificate only (the TLS layer has
-already checked it chains to the federation CA); this layer adds the CRL check
-and the role check, and turns Plexus errors into status codes with the
-error's own message.
+Identity comes from the verified peer certificate only. The TLS layer has
+checked that it chains to the federation CA, through any intermediates; this
+layer accepts only leaves the CA issued directly, adds the CRL check and the
+role check, and turns Plexus errors into status codes with the error's own
+message.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import grpc
 
 from plexus import errors
-from plexus.pki import Identity, RevocationList, identity_from_cert
+from plexus.pki import Identity, RevocationList, check_leaf, identity_from_cert
 
 log = logging.getLogger("plexus.rpc")
 
@@ -43,7 +44,9 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 class Authenticator:
-    """Turns a call's peer certificate into an Identity, checking the CRL on every call."""
+    """Turns a call's peer certificate into an Identity, checking the CRL on every call.
+
+    A certificate is checked as a leaf of the federation CA once, then its Identity is cached."""
 
     def __init__(self, crl: RevocationList):
         self._crl = crl
@@ -59,6 +62,7 @@ class Authenticator:
         with self._lock:
             ident = self._cache.get(pem)
         if ident is None:
+            check_leaf(pem, self._crl.ca_pem)
             ident = identity_from_cert(pem)
             with self._lock:
                 self._cache[pem] = ident

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plexus.errors import IntegrityError
+from plexus.errors import IntegrityError, Reason
 from plexus.proto.plexus.v1 import tensor_pb2
 
 # safetensors dtype names -> little-endian numpy dtypes. Anything else is refused.
@@ -86,18 +86,22 @@ class Layout:
     def build(cls, specs: list[tuple[str, str, tuple[int, ...]]]) -> Layout:
         """Validate (name, dtype, shape) triples and lay them out in name order."""
         if len(specs) > MAX_TENSORS:
-            raise IntegrityError(f"manifest lists {len(specs)} tensors; at most {MAX_TENSORS} are allowed")
+            raise IntegrityError(f"manifest lists {len(specs)} tensors; at most {MAX_TENSORS} are allowed",
+                                 reason=Reason.LAYOUT)
         names = [s[0] for s in specs]
         if len(set(names)) != len(names):
-            raise IntegrityError("manifest lists a tensor name twice; names must be unique")
+            raise IntegrityError("manifest lists a tensor name twice; names must be unique", reason=Reason.LAYOUT)
         tensors, offset = [], 0
         for name, dtype, shape in sorted(specs):
             if not name or len(name) > MAX_NAME_LEN:
-                raise IntegrityError(f"tensor name {name[:40]!r} must be 1..{MAX_NAME_LEN} characters")
+                raise IntegrityError(f"tensor name {name[:40]!r} must be 1..{MAX_NAME_LEN} characters",
+                                     reason=Reason.LAYOUT)
             if dtype not in DTYPES:
-                raise IntegrityError(f"tensor {name!r} has dtype {dtype!r}; allowed dtypes are {sorted(DTYPES)}")
+                raise IntegrityError(f"tensor {name!r} has dtype {dtype!r}; allowed dtypes are {sorted(DTYPES)}",
+                                     reason=Reason.LAYOUT)
             if any(d < 0 for d in shape):
-                raise IntegrityError(f"tensor {name!r} has a negative dimension in shape {list(shape)}")
+                raise IntegrityError(f"tensor {name!r} has a negative dimension in shape {list(shape)}",
+                                     reason=Reason.LAYOUT)
             meta = TensorMeta(name, dtype, tuple(int(d) for d in shape), offset)
             tensors.append(meta)
             offset += meta.nbytes
@@ -112,7 +116,8 @@ class Layout:
         layout = cls.build([(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors])
         if manifest.total_bytes != layout.total_bytes:
             raise IntegrityError(
-                f"manifest says {manifest.total_bytes} bytes but its tensors need {layout.total_bytes}")
+                f"manifest says {manifest.total_bytes} bytes but its tensors need {layout.total_bytes}",
+                reason=Reason.LAYOUT)
         return layout
 
     def to_proto(self) -> tensor_pb2.Manifest:
@@ -128,14 +133,16 @@ class Layout:
         mine = {t.name: t for t in self.tensors}
         theirs = {t.name: t for t in other.tensors}
         if missing := sorted(mine.keys() - theirs.keys()):
-            raise IntegrityError(f"{what} lacks tensor(s) {missing[:5]} of the job's model")
+            raise IntegrityError(f"{what} lacks tensor(s) {missing[:5]} of the job's model", reason=Reason.LAYOUT)
         if extra := sorted(theirs.keys() - mine.keys()):
-            raise IntegrityError(f"{what} has tensor(s) {extra[:5]} that the job's model does not have")
+            raise IntegrityError(f"{what} has tensor(s) {extra[:5]} that the job's model does not have",
+                                 reason=Reason.LAYOUT)
         for name, t in mine.items():
             o = theirs[name]
             if (t.dtype, t.shape) != (o.dtype, o.shape):
                 raise IntegrityError(
-                    f"{what} tensor {name!r} is {o.dtype}{list(o.shape)}; the job's model has {t.dtype}{list(t.shape)}")
+                    f"{what} tensor {name!r} is {o.dtype}{list(o.shape)}; the job's model has {t.dtype}{list(t.shape)}",
+                    reason=Reason.LAYOUT)
 
 
 def encode(state: Mapping[str, np.ndarray]) -> tuple[Layout, bytearray]:
@@ -186,7 +193,7 @@ def encode_chunks(state: Mapping[str, np.ndarray], chunk_bytes: int = DEFAULT_CH
 def decode(layout: Layout, blob: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
     """Views of a complete, already validated blob as named arrays (no copy)."""
     if len(blob) != layout.total_bytes:
-        raise IntegrityError(f"blob has {len(blob)} bytes; the layout needs {layout.total_bytes}")
+        raise IntegrityError(f"blob has {len(blob)} bytes; the layout needs {layout.total_bytes}", reason=Reason.SIZE)
     return {
         t.name: np.frombuffer(blob, dtype=DTYPES[t.dtype], count=t.numel, offset=t.offset).reshape(t.shape)
         for t in layout.tensors
@@ -230,10 +237,11 @@ class Receiver:
     def feed(self, offset: int, data: bytes | memoryview) -> None:
         total = self.layout.total_bytes
         if offset != self.received:
-            raise IntegrityError(f"chunk at byte {offset} arrived out of order; expected byte {self.received}")
+            raise IntegrityError(f"chunk at byte {offset} arrived out of order; expected byte {self.received}",
+                                 reason=Reason.SIZE)
         if offset + len(data) > total:
             raise IntegrityError(
-                f"received {offset + len(data)} bytes; the job's model needs exactly {total}")
+                f"received {offset + len(data)} bytes; the job's model needs exactly {total}", reason=Reason.SIZE)
         self._validate(offset, memoryview(data))
         self.received += len(data)
         if self._sink is not None:
@@ -242,7 +250,8 @@ class Receiver:
     def finish(self) -> None:
         if self.received != self.layout.total_bytes:
             raise IntegrityError(
-                f"stream ended after {self.received} of {self.layout.total_bytes} bytes; the update is incomplete")
+                f"stream ended after {self.received} of {self.layout.total_bytes} bytes; the update is incomplete",
+                reason=Reason.SIZE)
 
     def _validate(self, offset: int, data: memoryview) -> None:
         pos, end = offset, offset + len(data)
@@ -275,7 +284,8 @@ class Receiver:
         # max and min propagate NaN and show ±Inf: two passes, no temporary arrays.
         high, low = float(values.max()), float(values.min())
         if values.dtype.kind == "f" and not (math.isfinite(high) and math.isfinite(low)):
-            raise IntegrityError(f"tensor {t.name!r} contains NaN or Inf; refusing the update")
+            raise IntegrityError(f"tensor {t.name!r} contains NaN or Inf; refusing the update",
+                                 reason=Reason.NON_FINITE)
         self.max_abs = max(self.max_abs, high, -low)
 
 

@@ -13,10 +13,10 @@ def test_store_events_are_audited_with_their_actor(tmp_path):
     audit = CoordinatorAudit(log, store)
     store.add_job("j1", "heart", "name: heart\n", "fedavg", 2, "ann")
     store.event("j1", "round_opened", 1, "", "train")
-    store.event("j1", "site_declined", 1, "oslo", "model 'cnn' is not allowed")
+    store.event("j1", "site_declined", 1, "oslo", "model 'cnn' is not allowed", actor="site:oslo")
     store.event("j1", "site_failed", 1, "bergen", "training diverged; caused by overflow")
-    store.event("j1", "model_downloaded", 1, "", "by bob")
-    store.event("j1", "job_aborted", 1, "", "aborted by ann")
+    store.event("j1", "model_downloaded", 1, "", "by bob", actor="admin:bob")
+    store.event("j1", "job_aborted", 1, "", "aborted by ann", actor="admin:ann")
     audit.site_joined("oslo", policy_digest="d" * 64, agent_version="0.1.0")
     audit.certificate_revoked("bergen", serial=1234)
     got = [(e.actor, e.action, e.subject) for e in log.entries()]

@@ -11,9 +11,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.metrics import CoordinatorMetrics, latest_global, reject_reason
+from coordinator.events import Event
+from coordinator.metrics import CoordinatorMetrics, latest_global
 from coordinator.server import Coordinator
 from plexus.config import CoordinatorConfig
+from plexus.errors import Reason
 from plexus.health import check
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc
 
@@ -51,7 +53,7 @@ def test_round_counters_and_durations_follow_the_events():
     for event, advance in ((("j", "round_opened", 1, "", "train"), 2.0), (("j", "round_closed", 1, "", "ok"), 0),
                            (("j", "round_opened", 2, "", "train"), 0.5), (("j", "job_failed", 2, "", "quorum"), 0),
                            (("k", "round_opened", 3, "", "evaluate"), 1.0), (("k", "job_completed", 3, "", ""), 0)):
-        m.on_event(event)
+        m.on_event(Event(*event))
         now[0] += advance
     assert _value(m, "plexus_rounds_opened_total", kind="train") == 2
     assert _value(m, "plexus_rounds_closed_total", kind="train") == 1
@@ -63,22 +65,21 @@ def test_round_counters_and_durations_follow_the_events():
     assert _value(m, "plexus_jobs_total", event="failed") == 1
     assert _value(m, "plexus_sites_online") == 2 and _value(m, "plexus_sites_known") == 3
     # A job event with no round open (abort of a queued job) counts no round.
-    m.on_event(("q", "job_aborted", 0, "", "by ops"))
+    m.on_event(Event("q", "job_aborted", 0, "", "by ops"))
     assert _value(m, "plexus_rounds_failed_total", kind="train") == 1
 
 
-@pytest.mark.parametrize(("message", "reason"), [
-    ("tensor 'linear.weight' contains NaN or Inf; refusing the update", "non_finite"),
-    ("stream ended after 10 of 112 bytes; the update is incomplete", "size"),
-    ("update tensor 'linear.weight' is F32[3, 13]; the job's model has F32[2, 13]", "layout"),
-    ("num_samples must be between 1 and 2**31; got 0", "num_samples"),
-    ("eval_metrics['x'] must have a 1-64 character name and a finite value", "metrics"),
-    ("something new", "other"),
+@pytest.mark.parametrize(("message", "code", "reason"), [
+    ("tensor 'linear.weight' contains NaN or Inf; refusing the update", Reason.NON_FINITE, "non_finite"),
+    ("stream ended after 10 of 112 bytes; the update is incomplete", Reason.SIZE, "size"),
+    ("update tensor 'linear.weight' is F32[3, 13]; the job's model has F32[2, 13]", Reason.LAYOUT, "layout"),
+    ("num_samples must be between 1 and 2**31; got 0", Reason.NUM_SAMPLES, "num_samples"),
+    ("eval_metrics['x'] must have a 1-64 character name and a finite value", Reason.METRICS, "metrics"),
+    ("something new", None, "other"),
 ])
-def test_rejection_messages_map_to_a_bounded_reason(message, reason):
-    assert reject_reason(message) == reason
+def test_rejections_are_labelled_by_their_reason_code(message, code, reason):
     m = CoordinatorMetrics(store=_Store(), online_sites=set)
-    m.on_event(("j", "site_rejected", 1, "evil", message))
+    m.on_event(Event("j", "site_rejected", 1, "evil", message, reason=code))
     assert _value(m, "plexus_updates_rejected_total", reason=reason) == 1
     assert _value(m, "plexus_site_results_total", outcome="rejected") == 1
 

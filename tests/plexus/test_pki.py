@@ -232,7 +232,7 @@ def test_revoke_is_seen_by_an_existing_revocation_list(fed):
     bad_pem = (pki.add_site(fed, "mallory", now=NOW) / "cert.pem").read_bytes()
     good_pem = (pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes()
     ca_pem = (fed / "ca" / "ca.pem").read_bytes()
-    crl = pki.RevocationList(fed / "coordinator" / "crl.pem", ca_pem)
+    crl = pki.RevocationList(fed / "coordinator" / "crl.pem", ca_pem, clock=NOW.timestamp)
     crl.check(bad_pem)
     crl.check(good_pem)
 
@@ -242,7 +242,7 @@ def test_revoke_is_seen_by_an_existing_revocation_list(fed):
     with pytest.raises(errors.Unauthenticated, match=rf"site 'mallory' \(serial {serial}\) has been revoked"):
         crl.check(bad_pem)
     crl.check(good_pem)
-    fresh = pki.RevocationList(fed / "crl.pem", ca_pem)
+    fresh = pki.RevocationList(fed / "crl.pem", ca_pem, clock=NOW.timestamp)
     with pytest.raises(errors.Unauthenticated):
         fresh.check(bad_pem)
     fresh.check(good_pem)
@@ -319,7 +319,7 @@ def test_crl_tampered_after_load_fails_closed(fed):
     site_pem = (pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes()
     ca_pem = (fed / "ca" / "ca.pem").read_bytes()
     crl_path = fed / "coordinator" / "crl.pem"
-    crl = pki.RevocationList(crl_path, ca_pem)
+    crl = pki.RevocationList(crl_path, ca_pem, clock=NOW.timestamp)
     der = bytearray(_pem_to_der(crl_path.read_bytes()))
     der[-1] ^= 0x01
     crl_path.write_bytes(_der_to_pem(bytes(der), "X509 CRL"))
@@ -332,7 +332,7 @@ def test_older_crl_cannot_replace_a_newer_one(fed):
     ca_pem = (fed / "ca" / "ca.pem").read_bytes()
     old = (fed / "crl.pem").read_bytes()
     pki.revoke(fed, "mallory", now=NOW)
-    crl = pki.RevocationList(fed / "crl.pem", ca_pem)
+    crl = pki.RevocationList(fed / "crl.pem", ca_pem, clock=NOW.timestamp)
     (fed / "crl.pem").write_bytes(old)
     with pytest.raises(errors.IntegrityError, match="older"):
         crl.check((fed / "sites" / "mallory" / "cert.pem").read_bytes())

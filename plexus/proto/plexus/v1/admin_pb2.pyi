@@ -194,21 +194,25 @@ class AuditEntry(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., at: _Optional[float] = ..., actor: _Optional[str] = ..., action: _Optional[str] = ..., subject: _Optional[str] = ..., details_json: _Optional[str] = ..., hash: _Optional[str] = ...) -> None: ...
 
 class AuditRequest(_message.Message):
-    __slots__ = ("verify", "limit")
+    __slots__ = ("verify", "limit", "sign_head")
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SIGN_HEAD_FIELD_NUMBER: _ClassVar[int]
     verify: bool
     limit: int
-    def __init__(self, verify: _Optional[bool] = ..., limit: _Optional[int] = ...) -> None: ...
+    sign_head: bool
+    def __init__(self, verify: _Optional[bool] = ..., limit: _Optional[int] = ..., sign_head: _Optional[bool] = ...) -> None: ...
 
 class AuditReply(_message.Message):
-    __slots__ = ("entries", "verified", "problem", "count")
+    __slots__ = ("entries", "verified", "problem", "count", "signed_head_json")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_HEAD_JSON_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[AuditEntry]
     verified: bool
     problem: str
     count: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., verified: _Optional[bool] = ..., problem: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+    signed_head_json: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ..., verified: _Optional[bool] = ..., problem: _Optional[str] = ..., count: _Optional[int] = ..., signed_head_json: _Optional[str] = ...) -> None: ...
