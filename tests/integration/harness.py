@@ -30,7 +30,7 @@ seed: {seed}
 """
 
 
-def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=30, seed=0) -> str:
+def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=scaled(30), seed=0) -> str:
     return HEART_JOB.format(name=name, model=model, rounds=rounds, min=min, deadline=deadline, seed=seed)
 
 
