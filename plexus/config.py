@@ -413,6 +413,12 @@ def _feature_problem(spec: FeatureSpec) -> tuple[str, str] | None:
     return None
 
 
+def _label_problem(spec: LabelSpec) -> tuple[str, str] | None:
+    if len(set(spec.classes)) != len(spec.classes):
+        return "classes", "lists a value twice; list each class once"
+    return None
+
+
 def _data_problem(spec: DataSpec) -> tuple[str, str] | None:
     if (spec.label is None) != (spec.features is None):
         missing = "features" if spec.features is None else "label"
@@ -420,8 +426,6 @@ def _data_problem(spec: DataSpec) -> tuple[str, str] | None:
                          f"add '{missing}:' or remove the other")
     if spec.label is None:
         return None
-    if len(set(spec.label.classes)) != len(spec.label.classes):
-        return "label", "classes lists a value twice; list each class once"
     names = [f.name for f in spec.features]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -473,7 +477,7 @@ def _schema_model_problem(cfg: RoundConfig) -> tuple[str, str] | None:
 # Cross-field checks: fn(obj) -> (key, "<problem>; <fix>") or None.
 _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
     DatasetSpec: _dataset_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
-    RoundConfig: _round_problem, FeatureSpec: _feature_problem, DataSpec: _data_problem}
+    RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem}
 
 _TAG = "tag:yaml.org,2002:"
 _TAG_NAMES = {"bool": "a boolean", "int": "an integer", "float": "a number", "null": "null",

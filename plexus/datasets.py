@@ -604,7 +604,8 @@ def _match_columns(table: Table, spec: Any, data: Any) -> None:
     problems, extra = schema_differences(table, spec, data)
     if problems:
         unused = f"; the file's columns the job does not declare (left unused): {extra[:20]}" if extra else ""
-        raise DataError(f"{table.path}: " + "; ".join(problems) + f"; the file's columns: {list(table.header)}",
+        raise DataError(f"{table.path}: " + "; ".join(problems) + f"; the file's columns: {list(table.header)}"
+                        + _delimiter_hint(table.header, table.delimiter),
                         "; ".join(problems) + unused)
 
 
