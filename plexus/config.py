@@ -152,6 +152,9 @@ class ModelSpec:
     args: dict = field(default_factory=dict)
 
 
+_OMIT_NONE = {"omit_none": True}   # dump_round_config leaves the field out while it is None
+
+
 class Cell(str):
     """Marks a field that holds a CSV cell's text: YAML's `0`, `yes` and `1.5` read as "0", "yes", "1.5"."""
 
@@ -181,8 +184,9 @@ class DataSpec:
     """The dataset name each site maps to its own local data; for CSV datasets also its schema."""
 
     dataset: str
-    label: LabelSpec | None = None
-    features: tuple[FeatureSpec, ...] | None = field(default=None, metadata=_non_empty())
+    # Left out of the dumped config when unset, so that agents older than the CSV schema still read it.
+    label: LabelSpec | None = field(default=None, metadata=_OMIT_NONE)
+    features: tuple[FeatureSpec, ...] | None = field(default=None, metadata={**_non_empty(), **_OMIT_NONE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -712,7 +716,8 @@ def dump_round_config(cfg: RoundConfig) -> str:
 
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_none") and getattr(obj, f.name) is None)}
     if isinstance(obj, (list, tuple)):
         return [_to_plain(item) for item in obj]
     if isinstance(obj, dict):

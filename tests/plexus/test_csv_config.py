@@ -36,9 +36,11 @@ def test_classes_and_categories_read_as_the_csv_text_and_round_trip():
     assert parse_round_config(dump_round_config(cfg)) == cfg
 
 
-def test_existing_configs_without_a_schema_still_read():
+def test_existing_configs_without_a_schema_still_read_and_dump_as_before():
     cfg = load_round_config(EXAMPLES / "heart-fedavg.yaml")
     assert cfg.data.label is None and cfg.data.features is None
+    # agents older than the schema reject unknown keys: a config without one dumps without the keys
+    assert "data:\n  dataset: heart-disease\nmodel:" in dump_round_config(cfg)
     assert load_round_config(EXAMPLES / "triage" / "triage-fedavg.yaml").data.label.classes == (
         "home", "readmitted", "icu")
 
