@@ -379,7 +379,8 @@ class AdminConfig:
 _DATASET_NEEDS = {"csv": ("path", "label"), "npz": ("path",), "heart-disease": ("hospital",),
                   "fashion-mnist": ("sites", "index", "alpha")}
 # Optional keys (default None) that mean something for each kind; the others are rejected.
-_DATASET_APPLIES = {"csv": ("path", "label", "features", "encoding", "delimiter"), "npz": ("path",), "heart-disease": ("path", "hospital"),
+_DATASET_APPLIES = {"csv": ("path", "label", "features", "encoding", "delimiter"), "npz": ("path",),
+                    "heart-disease": ("path", "hospital"),
                     "fashion-mnist": ("path", "sites", "index", "alpha", "limit")}
 _DATASET_EXAMPLE = {"path": "<file path>", "label": "<label column>",
                     "hospital": f"<one of {', '.join(HOSPITALS)}>", "sites": "<number of sites, e.g. 8>",
@@ -413,7 +414,8 @@ def _feature_problem(spec: FeatureSpec) -> tuple[str, str] | None:
         key = "center" if spec.center != 0.0 else "scale"
         return key, "applies to numeric columns only; a categorical column (with `categories`) is one-hot encoded"
     if spec.impute is not None and spec.impute not in spec.categories:
-        return "impute", f"{spec.impute!r} is not one of the declared categories {list(spec.categories)}; use one of them"
+        return "impute", (f"{spec.impute!r} is not one of the declared categories {list(spec.categories)}; "
+                          "use one of them")
     return None
 
 

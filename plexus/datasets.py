@@ -454,11 +454,12 @@ def read_table(path: Path, *, encoding: str | None = None, delimiter: str | None
     except FileNotFoundError:
         raise DataError(f"dataset file {path} does not exist", "the dataset file does not exist at this site") from None
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: byte {e.start} is not {encoding} text ({e.reason}); set the dataset's "
+        raise DataError(f"{path} is not {encoding} text ({e.reason}); set the dataset's "
                         "`encoding:` to the file's encoding (e.g. latin-1 or cp1252)",
                         f"the dataset file is not {encoding} text; the site must set its `encoding:`") from None
     except csv.Error as e:
-        raise DataError(f"{path} is not a readable CSV file: {e}", "the dataset file is not a readable CSV file") from None
+        raise DataError(f"{path} is not a readable CSV file: {e}",
+                        "the dataset file is not a readable CSV file") from None
     except OSError as e:
         raise DataError(f"cannot read dataset file {path}: {e.strerror or e}",
                         "the dataset file cannot be read at this site") from None
@@ -516,22 +517,25 @@ class _BadCells:
         if len(self.cells) > BAD_CELLS_SHOWN:
             lines.append(f"  ... and {len(self.cells) - BAD_CELLS_SHOWN} more")
         rows: dict[tuple[str, str], list[int]] = {}
-        for r, c, _, p in self.cells:
+        for r, c, _, p in self.cells:   # grouped by column and problem (without the fix after any ";")
             rows.setdefault((c, p.split(";")[0]), []).append(r)
-        remote = "; ".join(
-            f"column {c!r}: {len(rs)} cell(s) {p} (data rows {', '.join(map(str, rs[:5]))}{', ...' if len(rs) > 5 else ''})"
-            for (c, p), rs in rows.items())
+        remote = "; ".join(f"column {c!r}: {len(rs)} cell(s) {p} (data rows {_first(rs)})"
+                           for (c, p), rs in rows.items())
         raise DataError(f"{self.path}: {len(self.cells)} bad cell(s):\n" + "\n".join(lines) + f"\n{fix}",
                         f"{len(self.cells)} bad cell(s) in the dataset file: {remote}")
+
+
+def _first(numbers: list[int], shown: int = 5) -> str:
+    return ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
 
 
 def load_for_job(spec: Any, data: Any) -> Split:
     """The split a job trains and evaluates on at this site.
 
     ``spec`` is the site's dataset entry, ``data`` the job's data section. A CSV dataset
-    needs the job's declared schema (label classes and features by name); every other
-    kind ignores none of it and takes none. Any problem raises DataError, whose
-    ``remote`` text is the reason the site declines the job with.
+    needs the job's declared schema (label classes and features by name); the other kinds
+    take none. Any problem raises DataError, whose ``remote`` text is the reason the site
+    declines the job with.
     """
     name = data.dataset
     try:

@@ -1,4 +1,4 @@
-"""The round config's CSV schema (data.label, data.features) and the site's csv options, as the YAML reader reads them."""
+"""The round config's CSV schema (data.label, data.features) and the site's csv options, as the reader reads them."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_the_model_must_take_the_inputs_and_classes_the_schema_derives():
     assert str(err.value) == (
         "job.yaml:2: model: args.in_features is 3, but data.features derive 6 model inputs after one-hot encoding "
         "(age, sex=F, sex=M, ward=x, ward=y, ward=z); set in_features: 6")
-    with pytest.raises(ConfigError, match="args.num_classes is 2, but data.label declares 3 classes; set num_classes: 3"):
+    with pytest.raises(ConfigError, match="args.num_classes is 2, but data.label declares 3 classes; set num_classes"):
         parse_round_config(_job(data, inputs=6, classes=2), source="job.yaml")
     assert parse_round_config(_job(data, inputs=6, classes=3)).model.args["in_features"] == 6
 
