@@ -94,6 +94,14 @@ def _parser() -> argparse.ArgumentParser:
     saudit.add_argument("--config", type=Path, required=True)
     saudit.add_argument("--json", action="store_true", help="machine-readable output")
     saudit.set_defaults(run=_site_audit)
+    scheck = siteg.add_parser("check", help="dry run: load this site's datasets (and check a job's declared "
+                              "schema against them) and print what the site would advertise or tell the coordinator")
+    scheck.add_argument("--config", type=Path, required=True)
+    scheck.add_argument("--job", type=Path, metavar="ROUND.yaml", help="check this round config's data section")
+    scheck.add_argument("--dataset", help="check only this dataset (default: every configured one)")
+    scheck.add_argument("--encoding", help="read CSV files in this encoding (overrides the datasets' `encoding:`)")
+    scheck.add_argument("--delimiter", help="split CSV rows on this character (overrides `delimiter:`)")
+    scheck.set_defaults(run=_site_check)
     pin = siteg.add_parser("pin-model", help="print a plug-in model's source SHA-256 for policy.plugin_sha256")
     pin.add_argument("name")
     pin.set_defaults(run=_site_pin_model)
@@ -494,6 +502,17 @@ def _print_audit(entries: list[dict], count: int, verify: bool, problem: str, as
         print(f"audit log verification FAILED: {printable(problem)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _site_check(args) -> int:
+    from plexus.config import load_round_config, load_site_config
+    from site_agent.check import check_site
+
+    config = load_site_config(args.config)
+    job = load_round_config(args.job) if args.job else None
+    report, ok = check_site(config, job=job, dataset=args.dataset, encoding=args.encoding, delimiter=args.delimiter)
+    print(report)
+    return 0 if ok else 1
 
 
 def _site_pin_model(args) -> int:

@@ -7,6 +7,7 @@ range checks live in field metadata, cross-field checks in ``_CROSS_CHECKS``.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import functools
@@ -25,14 +26,15 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from plexus.errors import ConfigError
 
 __all__ = [
-    "AdminConfig", "CoordinatorConfig", "DPSGDSpec", "DPSpec", "DataSpec", "DatasetSpec", "ModelSpec",
+    "AdminConfig", "Cell", "CoordinatorConfig", "DPSGDSpec", "DPSpec", "DataSpec", "DatasetSpec", "FeatureSpec",
+    "LabelSpec", "ModelSpec",
     "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SiteConfig", "SitesSpec",
     "StrategySpec", "TrainSpec", "dump_round_config", "load_admin_config",
     "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
     "split_address",
 ]
 
-from plexus.datasets import HOSPITALS
+from plexus.datasets import HOSPITALS, cell_number, feature_inputs
 
 
 def split_address(addr: str) -> tuple[str, int]:
@@ -72,6 +74,26 @@ def _window() -> dict:
         if value == 0 or 1 << 14 <= value <= 1 << 30:
             return None
         return f"{value!r} is out of range; use 0 (gRPC's adaptive windows) or a size in [16384, 1073741824]"
+
+    return {"check": check}
+
+
+def _encoding() -> dict:
+    def check(value: str) -> str | None:
+        try:
+            codecs.lookup(value)
+        except LookupError:
+            return f"{value!r} is not a text encoding Python knows; use e.g. utf-8, latin-1 or cp1252"
+        return None
+
+    return {"check": check}
+
+
+def _delimiter() -> dict:
+    def check(value: str) -> str | None:
+        if len(value) == 1 and value not in "\"\r\n":
+            return None
+        return f"{value!r} is not a one-character delimiter; use e.g. ',' or ';' or a tab (\"\\t\")"
 
     return {"check": check}
 
@@ -130,11 +152,41 @@ class ModelSpec:
     args: dict = field(default_factory=dict)
 
 
+_OMIT_NONE = {"omit_none": True}   # dump_round_config leaves the field out while it is None
+
+
+class Cell(str):
+    """Marks a field that holds a CSV cell's text: YAML's `0`, `yes` and `1.5` read as "0", "yes", "1.5"."""
+
+
+@dataclass(frozen=True, slots=True)
+class LabelSpec:
+    """A CSV dataset's label column and its classes, in the order that gives class indices 0..K-1."""
+
+    column: str
+    classes: tuple[Cell, ...] = field(metadata=_non_empty())
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureSpec:
+    """One CSV column fed to the model, matched by name at every site, with its declared preprocessing."""
+
+    name: str
+    # Set: a categorical column, one-hot over exactly these values in this order (one model input each).
+    categories: tuple[Cell, ...] | None = field(default=None, metadata=_non_empty())
+    impute: Cell | None = None     # an empty cell reads as this value (a number, or one of the categories)
+    center: float = 0.0            # numeric columns: (value - center) / scale
+    scale: float = field(default=1.0, metadata=_range(0, lo_open=True))
+
+
 @dataclass(frozen=True, slots=True)
 class DataSpec:
-    """The dataset name each site maps to its own local data."""
+    """The dataset name each site maps to its own local data; for CSV datasets also its schema."""
 
     dataset: str
+    # Left out of the dumped config when unset, so that agents older than the CSV schema still read it.
+    label: LabelSpec | None = field(default=None, metadata=_OMIT_NONE)
+    features: tuple[FeatureSpec, ...] | None = field(default=None, metadata={**_non_empty(), **_OMIT_NONE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +304,9 @@ class DatasetSpec:
     index: int | None = field(default=None, metadata=_range(0, 9_999))
     alpha: float | None = field(default=None, metadata=_range(0, lo_open=True))
     limit: int | None = field(default=None, metadata=_range(1))  # first N training rows, before splitting
+    # csv: how the file is written (default UTF-8, with or without a byte-order mark, and commas).
+    encoding: str | None = field(default=None, metadata=_encoding())
+    delimiter: str | None = field(default=None, metadata=_delimiter())
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +379,8 @@ class AdminConfig:
 _DATASET_NEEDS = {"csv": ("path", "label"), "npz": ("path",), "heart-disease": ("hospital",),
                   "fashion-mnist": ("sites", "index", "alpha")}
 # Optional keys (default None) that mean something for each kind; the others are rejected.
-_DATASET_APPLIES = {"csv": ("path", "label", "features"), "npz": ("path",), "heart-disease": ("path", "hospital"),
+_DATASET_APPLIES = {"csv": ("path", "label", "features", "encoding", "delimiter"), "npz": ("path",),
+                    "heart-disease": ("path", "hospital"),
                     "fashion-mnist": ("path", "sites", "index", "alpha", "limit")}
 _DATASET_EXAMPLE = {"path": "<file path>", "label": "<label column>",
                     "hospital": f"<one of {', '.join(HOSPITALS)}>", "sites": "<number of sites, e.g. 8>",
@@ -343,6 +399,45 @@ def _dataset_problem(spec: DatasetSpec) -> tuple[str, str] | None:
         return "index", f"{spec.index} is not a share of a {spec.sites}-site split; use 0..{spec.sites - 1}"
     if spec.limit is not None and spec.sites is not None and spec.limit < spec.sites:
         return "limit", f"{spec.limit} rows cannot give each of {spec.sites} sites a row; use at least {spec.sites}"
+    return None
+
+
+def _feature_problem(spec: FeatureSpec) -> tuple[str, str] | None:
+    if spec.categories is None:
+        if spec.impute is not None and cell_number(spec.impute) is None:
+            return "impute", (f"{spec.impute!r} is not a number, and {spec.name!r} is a numeric column; "
+                              "write a number, or declare `categories` to make the column categorical")
+        return None
+    if len(set(spec.categories)) != len(spec.categories):
+        return "categories", "lists a value twice; list each category once"
+    if spec.center != 0.0 or spec.scale != 1.0:
+        key = "center" if spec.center != 0.0 else "scale"
+        return key, "applies to numeric columns only; a categorical column (with `categories`) is one-hot encoded"
+    if spec.impute is not None and spec.impute not in spec.categories:
+        return "impute", (f"{spec.impute!r} is not one of the declared categories {list(spec.categories)}; "
+                          "use one of them")
+    return None
+
+
+def _label_problem(spec: LabelSpec) -> tuple[str, str] | None:
+    if len(set(spec.classes)) != len(spec.classes):
+        return "classes", "lists a value twice; list each class once"
+    return None
+
+
+def _data_problem(spec: DataSpec) -> tuple[str, str] | None:
+    if (spec.label is None) != (spec.features is None):
+        missing = "features" if spec.features is None else "label"
+        return missing, ("a CSV schema needs both `label` (column and classes) and `features` (columns by name); "
+                         f"add '{missing}:' or remove the other")
+    if spec.label is None:
+        return None
+    names = [f.name for f in spec.features]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return "features", f"lists column(s) {twice} more than once; list each column once"
+    if spec.label.column in names:
+        return "features", f"lists the label column {spec.label.column!r}; the label cannot also be a feature"
     return None
 
 
@@ -365,13 +460,30 @@ def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
     if cfg.train.steps is not None and cfg.privacy.dp_sgd is not None:
         return "train", ("steps cannot be combined with privacy.dp_sgd, whose privacy accounting counts whole "
                          "epochs of Poisson-sampled batches; use train.epochs")
+    return _schema_model_problem(cfg)
+
+
+def _schema_model_problem(cfg: RoundConfig) -> tuple[str, str] | None:
+    """A declared CSV schema must give the model exactly the inputs and classes its args expect."""
+    if cfg.data.features is None:
+        return None
+    args = cfg.model.args
+    inputs = feature_inputs(cfg.data.features)
+    if isinstance(args.get("in_features"), int) and args["in_features"] != len(inputs):
+        shown = ", ".join(inputs[:12]) + (", ..." if len(inputs) > 12 else "")
+        return "model", (f"args.in_features is {args['in_features']}, but data.features derive {len(inputs)} model "
+                         f"inputs after one-hot encoding ({shown}); set in_features: {len(inputs)}")
+    classes = len(cfg.data.label.classes)
+    if isinstance(args.get("num_classes"), int) and args["num_classes"] != classes:
+        return "model", (f"args.num_classes is {args['num_classes']}, but data.label declares {classes} classes; "
+                         f"set num_classes: {classes}")
     return None
 
 
 # Cross-field checks: fn(obj) -> (key, "<problem>; <fix>") or None.
 _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
     DatasetSpec: _dataset_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
-    RoundConfig: _round_problem}
+    RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem}
 
 _TAG = "tag:yaml.org,2002:"
 _TAG_NAMES = {"bool": "a boolean", "int": "an integer", "float": "a number", "null": "null",
@@ -382,6 +494,7 @@ _SCALARS = {  # type -> (accepted YAML tags, name, fix)
     float: ({"int", "float"}, "a number", "write a number, e.g. 0.5"),
     str: ({"str"}, "a string", "write a string (quote it if it looks like a number, date or boolean)"),
     Path: ({"str"}, "a path", "write a file path"),
+    Cell: ({"str", "int", "float", "bool"}, "a value", "write the value as it appears in the CSV file"),
 }
 # PyYAML (YAML 1.1) reads an unquoted 1e-5 as a string; a float field accepts it anyway.
 PLAIN_EXP_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -529,11 +642,13 @@ class _Reader:
             value = node.value
         else:
             self.fail(node, path, f"expected {name}, got {_describe(node)}; {fix}")
+        if tp is Cell:
+            value = node.value   # the text as written: `007` stays "007", `yes` stays "yes"
         if tp is float:
             value = float(value)
             if not math.isfinite(value):
                 self.fail(node, path, f"{value!r} is not a finite number; {fix}")
-        if tp in (str, Path) and not value:
+        if tp in (str, Path, Cell) and not value:
             self.fail(node, path, f"is empty; {fix}")
         return self.path(value) if tp is Path else value
 
@@ -603,7 +718,8 @@ def dump_round_config(cfg: RoundConfig) -> str:
 
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_none") and getattr(obj, f.name) is None)}
     if isinstance(obj, (list, tuple)):
         return [_to_plain(item) for item in obj]
     if isinstance(obj, dict):

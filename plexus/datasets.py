@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import csv
 import functools
 import gzip
@@ -114,8 +115,7 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     n = len(y)
-    # round() first: 0.34 * 50 is 17.000000000000004 in floating point.
-    n_test = math.ceil(round(test_fraction * n, 9))
+    n_test = _test_rows(n, test_fraction)
     if not 1 <= n_test <= n - 1:
         raise ValueError(
             f"cannot split {n} samples with test_fraction={test_fraction}: "
@@ -134,6 +134,11 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np
         test.append(members[:k])
         train.append(members[k:])
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def _test_rows(n: int, test_fraction: float) -> int:
+    # round() first: 0.34 * 50 is 17.000000000000004 in floating point.
+    return math.ceil(round(test_fraction * n, 9))
 
 
 def _load_heart_disease(spec: Any) -> Split:
@@ -345,51 +350,49 @@ def _heart_features(row: dict[str, str], path: Path) -> list[float]:
     ]
 
 
+def feature_inputs(features: Any) -> tuple[str, ...]:
+    """The model's inputs the declared features derive, in order: `name`, or `name=category` per one-hot slot."""
+    return tuple(name for f in features
+                 for name in ([f.name] if f.categories is None else [f"{f.name}={c}" for c in f.categories]))
+
+
 def _load_csv(spec: Any) -> Split:
+    """A CSV file read the way the site's own entry says (no job schema): every cell numeric."""
     _reject_fields(spec, "csv", ("hospital", *_SPLIT_FIELDS))
     path = _required_path(spec, "csv")
     if spec.label is None:
         raise ConfigError("csv dataset needs `label`: the name of the label column")
-    with _open(path) as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            raise IntegrityError(f"{path} is empty; expected a header row and data rows")
-        rows = [row for row in reader if row]  # csv.reader yields [] for blank lines
-    if len(set(header)) != len(header):
-        raise IntegrityError(f"{path}: duplicate column names in header {header}")
+    table = read_table(path, encoding=getattr(spec, "encoding", None), delimiter=getattr(spec, "delimiter", None))
+    header = table.header
     if spec.label not in header:
-        raise ConfigError(f"label column {spec.label!r} is not in {path}; columns: {header}")
+        raise ConfigError(f"label column {spec.label!r} is not in {path}; columns: {list(header)}")
     if spec.features is None:
         features = tuple(c for c in header if c != spec.label)
     else:
         features = tuple(spec.features)
         unknown = [c for c in features if c not in header]
         if unknown:
-            raise ConfigError(f"feature columns {unknown} are not in {path}; columns: {header}")
+            raise ConfigError(f"feature columns {unknown} are not in {path}; columns: {list(header)}")
         if spec.label in features:
             raise ConfigError(f"label column {spec.label!r} is also listed in features")
         if len(set(features)) != len(features):
             raise ConfigError(f"features lists a column twice: {list(features)}")
     if not features:
         raise ConfigError(f"{path} has no feature columns besides the label {spec.label!r}")
-    if not rows:
-        raise IntegrityError(f"{path} has a header but no data rows")
 
     label_at = header.index(spec.label)
     columns = [(c, header.index(c)) for c in features]
-    x = np.empty((len(rows), len(columns)), dtype=np.float64)
+    x = np.empty((len(table.rows), len(columns)), dtype=np.float64)
     raw_labels = []
-    for i, row in enumerate(rows, start=1):
-        if len(row) != len(header):
-            raise IntegrityError(
-                f"{path}: data row {i} has {len(row)} fields, the header has {len(header)}"
-            )
+    bad = _BadCells(path)
+    for i, row in enumerate(table.rows, start=1):
         for j, (name, at) in enumerate(columns):
-            x[i - 1, j] = _parse_number(row[at], path, name, f"data row {i}")
+            x[i - 1, j] = bad.number(row[at], i, name)
         if row[label_at] == "":
-            raise IntegrityError(f"{path}: data row {i}: label column {spec.label!r} is empty")
+            bad.add(i, spec.label, "", "is empty; every row needs a label")
         raw_labels.append(row[label_at])
+    bad.check("every feature must be numeric (encode categories and fill gaps before training, "
+              "or declare the schema in the job's data section: see docs/data.md)")
     y = _encode_labels(raw_labels)
     train, test = stratified_split(y, spec.test_fraction, spec.split_seed)
     return _make_split(x[train], y[train], x[test], y[test], features)
@@ -410,6 +413,240 @@ def _encode_labels(raw: list[str]) -> np.ndarray:
         values = sorted(set(raw))
     index = {v: i for i, v in enumerate(values)}
     return np.asarray([index[v] for v in raw], dtype=np.int64)
+
+
+# CSV with a job's declared schema ---------------------------------------------------------------
+
+BAD_CELLS_SHOWN = 20   # bad cells one error lists in full; the others are counted
+REMOTE_REASON_MAX = 1000   # characters of what a site tells the coordinator about its data
+
+
+class DataError(IntegrityError):
+    """This site's data cannot serve a job.
+
+    ``str(error)`` is the local detail (the file, rows, cell values) for the site's own log
+    and `plexus site check`; ``remote`` is what may leave the site: no paths, no cell values.
+    """
+
+    def __init__(self, local: str, remote: str):
+        super().__init__(local)
+        self.remote = remote if len(remote) <= REMOTE_REASON_MAX else remote[:REMOTE_REASON_MAX - 3] + "..."
+
+
+@dataclass(frozen=True, eq=False)
+class Table:
+    """A CSV file as text: its header and data rows (blank lines dropped), each row one field per column."""
+
+    path: Path
+    header: tuple[str, ...]
+    rows: list[list[str]]
+    delimiter: str
+
+
+def read_table(path: Path, *, encoding: str | None = None, delimiter: str | None = None) -> Table:
+    """Read a CSV file in ``encoding`` (default UTF-8; a byte-order mark is dropped) split on ``delimiter``."""
+    path = Path(path)
+    encoding = encoding or "utf-8"
+    codec = "utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding
+    try:
+        with path.open(newline="", encoding=codec) as f:
+            records = list(csv.reader(f, delimiter=delimiter or ","))
+    except FileNotFoundError:
+        raise DataError(f"dataset file {path} does not exist", "the dataset file does not exist at this site") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not {encoding} text ({e.reason}); set the dataset's "
+                        "`encoding:` to the file's encoding (e.g. latin-1 or cp1252)",
+                        f"the dataset file is not {encoding} text; the site must set its `encoding:`") from None
+    except csv.Error as e:
+        raise DataError(f"{path} is not a readable CSV file: {e}",
+                        "the dataset file is not a readable CSV file") from None
+    except OSError as e:
+        raise DataError(f"cannot read dataset file {path}: {e.strerror or e}",
+                        "the dataset file cannot be read at this site") from None
+    if not records:
+        raise DataError(f"{path} is empty; expected a header row and data rows", "the dataset file is empty")
+    header = tuple(name.strip() for name in records[0])
+    twice = sorted({name for name in header if header.count(name) > 1})
+    if twice:
+        raise DataError(f"{path}: duplicate column names {twice} in header {list(header)}",
+                        f"the dataset file's header names columns {twice} more than once")
+    rows = [row for row in records[1:] if row]  # csv.reader yields [] for blank lines
+    if not rows:
+        raise DataError(f"{path} has a header but no data rows", "the dataset file has a header but no data rows")
+    ragged = [(i, len(row)) for i, row in enumerate(rows, start=1) if len(row) != len(header)]
+    if ragged:
+        shown = ", ".join(f"data row {i} has {n} fields" for i, n in ragged[:BAD_CELLS_SHOWN])
+        more = f" and {len(ragged) - BAD_CELLS_SHOWN} more" if len(ragged) > BAD_CELLS_SHOWN else ""
+        raise DataError(f"{path}: {len(ragged)} data row(s) do not have the header's {len(header)} fields: "
+                        f"{shown}{more}{_delimiter_hint(header, delimiter or ',')}",
+                        f"{len(ragged)} data row(s) of the dataset file do not have its header's {len(header)} fields")
+    return Table(path, header, rows, delimiter or ",")
+
+
+def _delimiter_hint(header: tuple[str, ...], delimiter: str) -> str:
+    if len(header) == 1:
+        for other in ";\t|,":
+            if other != delimiter and other in header[0]:
+                return f" (the header looks {other!r}-separated: set the dataset's `delimiter: {other!r}`)"
+    return ""
+
+
+class _BadCells:
+    """Every bad cell of one file, gathered so that one error reports them all."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.cells: list[tuple[int, str, str, str]] = []   # (data row, column, cell text, problem)
+
+    def add(self, row: int, column: str, text: str, problem: str) -> None:
+        self.cells.append((row, column, text, problem))
+
+    def number(self, text: str, row: int, column: str) -> float:
+        """The cell as a finite number, or NaN after noting it (the caller raises with check())."""
+        value = cell_number(text)
+        if value is None:
+            self.add(row, column, text, "is not a finite number")
+            return math.nan
+        return value
+
+    def check(self, fix: str) -> None:
+        """Raise one DataError listing the first BAD_CELLS_SHOWN bad cells, if there are any."""
+        if not self.cells:
+            return
+        lines = [f"  data row {r}, column {c!r}: {t!r} {p}" for r, c, t, p in self.cells[:BAD_CELLS_SHOWN]]
+        if len(self.cells) > BAD_CELLS_SHOWN:
+            lines.append(f"  ... and {len(self.cells) - BAD_CELLS_SHOWN} more")
+        rows: dict[tuple[str, str], list[int]] = {}
+        for r, c, _, p in self.cells:   # grouped by column and problem (without the fix after any ";")
+            rows.setdefault((c, p.split(";")[0]), []).append(r)
+        remote = "; ".join(f"column {c!r}: {len(rs)} cell(s) {p} (data rows {_first(rs)})"
+                           for (c, p), rs in rows.items())
+        raise DataError(f"{self.path}: {len(self.cells)} bad cell(s):\n" + "\n".join(lines) + f"\n{fix}",
+                        f"{len(self.cells)} bad cell(s) in the dataset file: {remote}")
+
+
+def _first(numbers: list[int], shown: int = 5) -> str:
+    return ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
+
+
+def load_for_job(spec: Any, data: Any) -> Split:
+    """The split a job trains and evaluates on at this site.
+
+    ``spec`` is the site's dataset entry, ``data`` the job's data section. A CSV dataset
+    needs the job's declared schema (label classes and features by name); the other kinds
+    take none. Any problem raises DataError, whose ``remote`` text is the reason the site
+    declines the job with.
+    """
+    name = data.dataset
+    try:
+        if spec.kind != "csv":
+            if data.label is not None:
+                raise DataError(f"dataset {name!r} is of kind {spec.kind!r} at this site",
+                                f"it is a {spec.kind} dataset at this site; data.label and data.features "
+                                "describe CSV datasets only")
+            return load_dataset(spec)
+        if data.label is None:
+            raise DataError(f"dataset {name!r} is a CSV file and the job declares no schema",
+                            "it is a CSV file at this site and the job declares no schema: add data.label "
+                            "(column and classes) and data.features (columns by name) to the round config, so "
+                            "that every site encodes the same classes and the same columns")
+        return _csv_with_schema(spec, data)
+    except DataError as e:
+        raise DataError(str(e), f"dataset {name!r}: {e.remote}") from None
+    except (ValueError, OSError) as e:   # the other kinds' errors name files: those stay at the site
+        raise DataError(str(e), f"dataset {name!r} cannot be loaded at this site ({type(e).__name__}); "
+                                "the site's log says why") from None
+
+
+def csv_train_rows(spec: Any) -> int:
+    """Training rows of a CSV dataset, checking only what needs no job (the file reads, the label column exists)."""
+    table = read_table(_required_path(spec, "csv"), encoding=spec.encoding, delimiter=spec.delimiter)
+    _require_label_column(table, spec.label)
+    n = len(table.rows)
+    return n - _test_rows(n, spec.test_fraction)
+
+
+def _require_label_column(table: Table, column: str) -> None:
+    if column not in table.header:
+        raise DataError(f"label column {column!r} is not in {table.path}; columns: {list(table.header)}"
+                        f"{_delimiter_hint(table.header, table.delimiter)}",
+                        f"the label column {column!r} is not in the dataset file")
+
+
+def _csv_with_schema(spec: Any, data: Any) -> Split:
+    table = read_table(_required_path(spec, "csv"), encoding=spec.encoding, delimiter=spec.delimiter)
+    _match_columns(table, spec, data)
+    x, y = _encode_rows(table, data)
+    try:
+        train, test = stratified_split(y, spec.test_fraction, spec.split_seed)
+    except ValueError as e:
+        raise DataError(f"{table.path}: {e}", f"its {len(y)} rows cannot be split into train and test rows") from None
+    return Split(x_train=np.ascontiguousarray(x[train], dtype=np.float32), y_train=y[train],
+                 x_test=np.ascontiguousarray(x[test], dtype=np.float32), y_test=y[test],
+                 num_classes=len(data.label.classes), feature_names=feature_inputs(data.features))
+
+
+def schema_differences(table: Table, spec: Any, data: Any) -> tuple[list[str], list[str]]:
+    """(problems, extra columns): why this file cannot take the job's columns, and the columns it leaves unused."""
+    label = data.label.column
+    declared = [f.name for f in data.features]
+    problems = []
+    if label != spec.label:
+        problems.append(f"the job's label column {label!r} is not this site's label column {spec.label!r}")
+    missing = [c for c in [label, *declared] if c not in table.header]
+    if missing:
+        problems.append(f"missing column(s) {missing}")
+    if spec.features is not None:
+        withheld = [c for c in declared if c not in spec.features]
+        if withheld:
+            problems.append(f"column(s) {withheld} are not among the features this site offers")
+    extra = [c for c in table.header if c != label and c not in declared]
+    return problems, extra
+
+
+def _match_columns(table: Table, spec: Any, data: Any) -> None:
+    problems, extra = schema_differences(table, spec, data)
+    if problems:
+        unused = f"; the file's columns the job does not declare (left unused): {extra[:20]}" if extra else ""
+        raise DataError(f"{table.path}: " + "; ".join(problems) + f"; the file's columns: {list(table.header)}"
+                        + _delimiter_hint(table.header, table.delimiter),
+                        "; ".join(problems) + unused)
+
+
+def _encode_rows(table: Table, data: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Declared preprocessing, row by row: scaled numbers, one-hot categories, declared class indices."""
+    at = {name: i for i, name in enumerate(table.header)}
+    classes = {c: i for i, c in enumerate(data.label.classes)}
+    x = np.zeros((len(table.rows), len(feature_inputs(data.features))), dtype=np.float64)
+    y = np.zeros(len(table.rows), dtype=np.int64)
+    bad = _BadCells(table.path)
+    for i, row in enumerate(table.rows, start=1):
+        slot = 0
+        for f in data.features:
+            raw = row[at[f.name]]
+            text = raw.strip() or (f.impute or "")
+            if f.categories is None:
+                value = cell_number(text)
+                if value is None:
+                    bad.add(i, f.name, raw, "is empty; declare `impute`" if not text else "is not a finite number")
+                else:
+                    x[i - 1, slot] = (value - f.center) / f.scale
+                slot += 1
+            else:
+                if text in f.categories:
+                    x[i - 1, slot + f.categories.index(text)] = 1.0
+                else:
+                    bad.add(i, f.name, raw, "is empty; declare `impute`" if not text
+                            else "is not one of the declared categories")
+                slot += len(f.categories)
+        raw = row[at[data.label.column]]
+        if raw.strip() in classes:
+            y[i - 1] = classes[raw.strip()]
+        else:
+            bad.add(i, data.label.column, raw, "is not one of the declared classes")
+    bad.check("fix these cells, or declare them in the job's data section (classes, categories, impute): "
+              "see docs/data.md")
+    return x, y
 
 
 def _load_npz(spec: Any) -> Split:
@@ -502,12 +739,18 @@ def _make_split(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_
     )
 
 
-def _parse_number(value: str, path: Path, column: str, where: str) -> float:
+def cell_number(text: str) -> float | None:
+    """The cell as a finite number, or None."""
     try:
-        number = float(value)
+        number = float(text)
     except ValueError:
-        number = math.nan
-    if not math.isfinite(number):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _parse_number(value: str, path: Path, column: str, where: str) -> float:
+    number = cell_number(value)
+    if number is None:
         raise IntegrityError(
             f"{path}: {where}, column {column!r}: {value!r} is not a finite number; "
             "every feature must be numeric (encode categories and fill gaps before training)"

@@ -18,14 +18,14 @@ import grpc
 import numpy as np
 
 from plexus import __version__, transport
-from plexus.config import RoundConfig, SiteConfig, parse_round_config
+from plexus.config import DataSpec, RoundConfig, SiteConfig, parse_round_config
 from plexus.accounting import PrivacyLedger
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition
 from plexus.files import write_atomically
 from plexus.secagg import SiteSession
 from plexus.secagg_proto import advert_from_proto, advert_to_proto
-from plexus.datasets import Split, load_dataset
+from plexus.datasets import DataError, Split, csv_train_rows, load_for_job
 from plexus.models import available_models, build_job_model, load_numpy_state, state_to_numpy, state_views
 from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
@@ -52,7 +52,7 @@ class SiteAgent:
         self.stop = stop or threading.Event()
         self.backoff_cap_s = backoff_cap_s
         self.chunk_bytes = chunk_bytes
-        self._data: dict[str, Split] = {}
+        self._data: dict[DataSpec, Split] = {}
         self._secure: dict[tuple[str, int], _Pending] = {}
         self.audit = SiteAudit(config.state_dir, actor=f"site:{config.site}")
         self._rng = random.Random()
@@ -64,10 +64,11 @@ class SiteAgent:
             try:
                 with transport.channel(self.kit, self.config.coordinator) as channel:
                     stub = federation_pb2_grpc.FederationStub(channel)
+                    rows = self._dataset_rows()   # a dataset that does not load is not advertised
                     reply = stub.Join(fpb.JoinRequest(
                         agent_version=__version__, models=sorted(available_models()),
-                        datasets=sorted(self.config.datasets), policy_digest=policy_digest(self.config.policy),
-                        dataset_rows=self._dataset_rows()), timeout=10)
+                        datasets=sorted(rows), policy_digest=policy_digest(self.config.policy),
+                        dataset_rows=rows), timeout=10)
                     log.info("joined federation %r as site %r", reply.federation, reply.site)
                     delay = BACKOFF_START_S
                     self._serve(stub, reply.poll_timeout_s or 20.0)
@@ -95,8 +96,14 @@ class SiteAgent:
         if job.data.dataset not in self.config.datasets:
             reason = (f"dataset {job.data.dataset!r} is not configured at this site "
                       f"(configured: {sorted(self.config.datasets)})")
-        reason = reason or refusal(self.config.policy, job, set(available_models()), round_=task.round,
-                                   train_size=lambda: len(self._dataset(job.data.dataset).y_train))
+        try:
+            reason = reason or refusal(self.config.policy, job, set(available_models()), round_=task.round,
+                                       train_size=lambda: len(self._dataset(job.data).y_train))
+            if not reason:
+                self._dataset(job.data)   # the schema check: data that cannot serve the job declines it
+        except DataError as exc:   # the local detail (file, rows, values) stays in this site's log
+            log.warning("dataset %r cannot serve job %s: %s", job.data.dataset, task.job_id, exc)
+            reason = exc.remote
         if reason:
             log.warning("declining job %s: %s", task.job_id, reason)
             self.audit.declined(task.job_id, reason)
@@ -104,7 +111,7 @@ class SiteAgent:
         try:
             if task.kind in SECAGG_LATER_PHASES:
                 return self._secagg_phase(stub, task)
-            data = self._dataset(job.data.dataset)
+            data = self._dataset(job.data)
             model = build_job_model(job)
             served = self._fetch(stub, task, served_layout(job, model))
             names = set(model.state_dict())
@@ -231,19 +238,23 @@ class SiteAgent:
         load_numpy_state(model, {k: (incoming[k] + delta[k]).astype(trained[k].dtype) for k in trained})
 
     def _dataset_rows(self) -> dict[str, int]:
-        """Training rows per configured dataset (sent at Join, for steps proportional to site size)."""
+        """Training rows per dataset that loads (sent at Join, for steps proportional to site size).
+
+        A CSV file is read here without a job's schema (the job's own check comes with its first task).
+        """
         rows = {}
-        for name in sorted(self.config.datasets):
+        for name, spec in sorted(self.config.datasets.items()):
             try:
-                rows[name] = len(self._dataset(name).y_train)
+                rows[name] = csv_train_rows(spec) if spec.kind == "csv" else len(self._dataset(DataSpec(name)).y_train)
             except (ValueError, OSError) as exc:   # reported again, with the job, when a task needs it
-                log.warning("dataset %r cannot be loaded: %s", name, exc)
+                log.warning("dataset %r cannot be loaded, so it is not advertised: %s", name, exc)
         return rows
 
-    def _dataset(self, name: str) -> Split:
-        if name not in self._data:
-            self._data[name] = load_dataset(self.config.datasets[name])
-        return self._data[name]
+    def _dataset(self, data: DataSpec) -> Split:
+        """The job's view of a configured dataset (its data section: name and, for CSV, schema), loaded once."""
+        if data not in self._data:
+            self._data[data] = load_for_job(self.config.datasets[data.dataset], data)
+        return self._data[data]
 
     def _fetch(self, stub, task: fpb.Task, expected: Layout) -> dict:
         stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_remaining(task))

@@ -1,0 +1,73 @@
+"""`plexus site check`: a local dry run of what a site advertises and what it would tell the coordinator."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from plexus.cli import main as cli
+
+TRIAGE = Path(__file__).resolve().parents[2] / "examples" / "triage"
+JOB = TRIAGE / "triage-fedavg.yaml"
+
+
+def _check(capsys, *args) -> tuple[int, str]:
+    code = cli(["site", "check", *map(str, args)])
+    return code, capsys.readouterr().out
+
+
+def test_the_example_raw_file_is_accepted_and_its_id_column_left_out(capsys):
+    code, out = _check(capsys, "--config", TRIAGE / "site-ward-a.yaml", "--job", JOB)
+    assert code == 0, out
+    assert "    patient_id  text: 12 distinct ('A-101' x1," in out
+    assert "    bmi         numeric, 2 empty" in out
+    assert "  advertised at Join with 7 training rows" in out
+    assert ("  declared features (7 model inputs): age numeric (x - 60) / 20; bmi numeric (x - 26) / 5, empty -> 26; "
+            "sex one-hot [F, M]; ward one-hot [cardio, general, ortho]") in out
+    assert "  columns in the file that are not features (left unused): ['patient_id']" in out
+    assert "  this site accepts the job: 7 training rows, 5 test rows, model input shape (7,), 3 classes" in out
+
+
+def test_a_reordered_semicolon_file_without_a_class_is_accepted_with_the_declared_indices(capsys):
+    code, out = _check(capsys, "--config", TRIAGE / "site-ward-b.yaml", "--job", JOB)
+    assert code == 0, out
+    assert "  declared label 'outcome': home=0, readmitted=1, icu=2" in out
+    assert "  training rows per class: home 2, readmitted 3, icu 0" in out
+
+
+def test_a_wrong_delimiter_flag_shows_the_dataset_would_not_be_advertised(capsys):
+    code, out = _check(capsys, "--config", TRIAGE / "site-ward-b.yaml", "--delimiter", ",")
+    assert code == 1
+    assert "  NOT advertised at Join: it does not load:" in out
+    assert "(the header looks ';'-separated: set the dataset's `delimiter: ';'`)" in out
+
+
+def test_a_missing_column_prints_the_decline_and_keeps_the_detail_local(tmp_path, capsys):
+    lines = (TRIAGE / "ward-a.csv").read_text().splitlines()
+    cut = [",".join(v for i, v in enumerate(line.split(",")) if i != 4) for line in lines]   # drop bmi
+    (tmp_path / "ward.csv").write_text("\n".join(cut) + "\n", encoding="latin-1")
+    (tmp_path / "site.yaml").write_text(
+        "site: ward-c\ncoordinator: 'c.example.org:8443'\nkit: kit\n"
+        "datasets:\n  triage: {kind: csv, path: ward.csv, label: outcome, encoding: latin-1}\n")
+    code, out = _check(capsys, "--config", tmp_path / "site.yaml", "--job", JOB)
+    assert code == 1
+    assert ("  this site DECLINES the job; the coordinator is told:\n"
+            "    dataset 'triage': missing column(s) ['bmi']; the file's columns the job does not declare "
+            "(left unused): ['patient_id']\n"
+            "  detail (stays at this site):\n"
+            f"    {tmp_path / 'ward.csv'}: missing column(s) ['bmi']; the file's columns: "
+            "['patient_id', 'age', 'sex', 'ward', 'outcome']") in out
+
+
+def test_a_dataset_that_does_not_load_is_reported_not_advertised(tmp_path, capsys):
+    shutil.copy(TRIAGE / "ward-a.csv", tmp_path / "ward.csv")
+    (tmp_path / "site.yaml").write_text(
+        "site: ward-d\ncoordinator: 'c.example.org:8443'\nkit: kit\ndatasets:\n"
+        "  triage: {kind: csv, path: ward.csv, label: outcome}\n"
+        "  old: {kind: csv, path: gone.csv, label: outcome}\n")
+    code, out = _check(capsys, "--config", tmp_path / "site.yaml")
+    assert code == 1
+    assert f"dataset 'old': kind csv, file {tmp_path / 'gone.csv'}\n  NOT advertised at Join" in out
+    assert "dataset 'triage': kind csv" in out and "  advertised at Join with 7 training rows" in out
+    code, out = _check(capsys, "--config", tmp_path / "site.yaml", "--dataset", "triage", "--encoding", "cp1252")
+    assert code == 0 and "encoding cp1252" in out
