@@ -21,6 +21,7 @@ from coordinator.store import Store
 from plexus import transport
 from plexus.audit import AuditLog
 from plexus.config import CoordinatorConfig
+from plexus.errors import FailedPrecondition
 from plexus.pki import RevocationList, federation_of, load_kit
 from plexus.proto.plexus.v1 import admin_pb2_grpc, federation_pb2_grpc
 from plexus.rpc import Authenticator
@@ -33,18 +34,29 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig):
         kit = load_kit(config.kit)
-        # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used.
-        self.store = Store(config.state_dir)
+        # Locks the state dir first: a second coordinator on it stops here, naming the first one's PID.
+        self.store = Store(config.state_dir, retention=config.checkpoints)
+        try:
+            self._build(config, kit)
+        except BaseException:
+            self.store.close()   # and its lock, so a corrected retry in this process can take it
+            raise
+
+    def _build(self, config: CoordinatorConfig, kit) -> None:
         # The audit trail: append-only, hash-chained, beside plexus.db (`plexus audit --verify`).
         self.audit_log = AuditLog(Path(config.state_dir) / "audit.db")
         self.audit = CoordinatorAudit(self.audit_log, self.store)
+        # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used.
         crl = RevocationList(config.crl or Path(config.kit) / "crl.pem", kit.ca_pem, on_revoked=lambda serials: [
             self.audit.certificate_revoked(f"serial {n}", serial=n, by="crl") for n in serials])
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
-                             rejoin_grace_s=config.rejoin_grace_s)
+                             rejoin_grace_s=config.rejoin_grace_s, on_death=self._engine_died)
         auth = Authenticator(crl)
-        self.server, self.port = transport.server(kit, config.listen, max_workers=config.max_workers,
-                                                  stream_window_bytes=config.stream_window_bytes)
+        try:
+            self.server, self.port = transport.server(kit, config.listen, max_workers=config.max_workers,
+                                                      stream_window_bytes=config.stream_window_bytes)
+        except OSError as exc:   # e.g. the port is another coordinator's: a clear error, not a traceback
+            raise FailedPrecondition(f"listen: {exc}") from None
         self.metrics = CoordinatorMetrics(store=self.store, online_sites=self.engine.online_sites)
         self.store.subscribe(self.metrics.on_event)
         federation_pb2_grpc.add_FederationServicer_to_server(
@@ -62,15 +74,17 @@ class Coordinator:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.health_server, self.health_port = None, None
         if config.health_listen:
-            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="plexus-health"))
+            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="plexus-health"),
+                                             options=transport.NO_PORT_SHARING)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             # Plaintext by explicit config only (off by default): Kubernetes' gRPC probes cannot present a
             # client certificate. This server carries grpc.health.v1 and nothing else.
-            self.health_port = self.health_server.add_insecure_port(config.health_listen)
+            self.health_port = transport.bind(self.health_server.add_insecure_port, config.health_listen)
             log.warning("health_listen %s: plaintext gRPC port serving only grpc.health.v1 (no job data)",
                         config.health_listen)
             if self.health_port == 0:
-                raise OSError(f"could not bind health_listen {config.health_listen}; is another process listening there?")
+                raise FailedPrecondition(f"health_listen: could not bind {config.health_listen}; is another process "
+                                         "listening there?")
         self._metrics_listen = config.metrics_listen
         self.metrics_server = None
         self.metrics_port: int | None = None
@@ -92,6 +106,10 @@ class Coordinator:
         tmp.write_text(f"{host}:{self.port}\n")
         os.replace(tmp, self.address_file)
         log.info("coordinator listening on port %d", self.port)
+
+    def _engine_died(self) -> None:
+        for service in _HEALTH_SERVICES:
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self, grace: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()
