@@ -189,7 +189,7 @@ class Engine:
         self._stopping = False
         self.on_death = on_death            # called if the engine thread ever ends other than by stop()
         self.storage_retry_s = STORAGE_RETRY_S
-        self._storage_trouble = ""          # the state dir's failure last logged, until a tick succeeds
+        self._storage_trouble = ""          # the state dir's failure last logged, until a round is saved again
         self._retry_at = 0.0                # monotonic: no tick before this, after a storage failure
         self._thread = threading.Thread(target=self._run, name="plexus-engine", daemon=True)
 
@@ -230,7 +230,6 @@ class Engine:
                         log.exception("round engine error")
                         self._fail_active("internal error in the round engine; see the coordinator log")
                         timeout = 0.5
-                    self._storage_trouble = ""
                 except Exception as exc:   # also while failing a job: that needs the disk as well
                     if not _storage_failure(exc):
                         raise
@@ -742,6 +741,9 @@ class Engine:
         self.store.close_round(job.row.id, rs.round, status="closed", contributors=sorted(rs.contributors),
                                total_samples=rs.samples, message=message, job_update={"current_round": rs.round})
         self.store.prune_checkpoints(job.row.id, rs.round)
+        if self._storage_trouble:
+            log.info("job %s round %d saved: the state dir takes writes again", job.row.id, rs.round)
+            self._storage_trouble = ""
         job.row = self.store.job(job.row.id)
         dp = job.cfg.privacy.dp
         if dp is not None:  # q = 1: every online site takes part, the conservative accounting
