@@ -760,7 +760,8 @@ class Engine:
 
     def _serve_from_checkpoint(self, job: ActiveJob, round_: int) -> None:
         """Drop the in-memory model; FetchModel then streams the checkpoint file (shared page cache)."""
-        layout, path, start = self.store.checkpoint_source(job.row.id, round_, verify=False)   # written or read just now
+        # Not read through again for its checksum: it was just written, or just verified as it was read.
+        layout, path, start = self.store.checkpoint_source(job.row.id, round_, verify=False)
         job.layout, job.source, job.state, job.blob = layout, (path, start), None, None
         job.served_layout, job.served_blob = layout, None
 

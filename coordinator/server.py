@@ -74,8 +74,9 @@ class Coordinator:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.health_server, self.health_port = None, None
         if config.health_listen:
-            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="plexus-health"),
-                                             options=transport.NO_PORT_SHARING)
+            self.health_server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="plexus-health"),
+                options=transport.NO_PORT_SHARING)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             # Plaintext by explicit config only (off by default): Kubernetes' gRPC probes cannot present a
             # client certificate. This server carries grpc.health.v1 and nothing else.

@@ -25,7 +25,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from plexus.errors import ConfigError
 
 __all__ = [
-    "AdminConfig", "CheckpointsSpec", "CoordinatorConfig", "DPSGDSpec", "DPSpec", "DataSpec", "DatasetSpec", "ModelSpec",
+    "AdminConfig", "CoordinatorConfig", "DPSGDSpec", "DPSpec", "DataSpec", "DatasetSpec", "ModelSpec",
     "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SiteConfig", "SitesSpec",
     "StrategySpec", "TrainSpec", "dump_round_config", "load_admin_config",
     "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
