@@ -10,9 +10,12 @@ round.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import secrets
+import sqlite3
 import threading
 import time
 import uuid
@@ -39,6 +42,8 @@ log = logging.getLogger("plexus.coordinator")
 MAX_METRICS = 64
 MAX_REASON = 2000
 SPOOL_READ_BYTES = 4 << 20
+STORAGE_RETRY_S = 5.0
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,7 @@ def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
 
 class Engine:
     def __init__(self, store: Store, *, federation: str = "", poll_timeout_s: float = 20.0,
-                 rejoin_grace_s: float = 0.0, clock=time.time, monotonic=time.monotonic):
+                 rejoin_grace_s: float = 0.0, clock=time.time, monotonic=time.monotonic, on_death=lambda: None):
         self.store = store
         self.federation = federation
         self.poll_timeout_s = poll_timeout_s
@@ -183,7 +188,11 @@ class Engine:
         self._rows: dict[str, dict[str, int]] = {}   # site -> dataset -> training rows, as reported at Join
         self._active: ActiveJob | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="plexus-engine", daemon=True)
+        self.on_death = on_death            # called if the engine thread ever ends other than by stop()
+        self.storage_retry_s = STORAGE_RETRY_S
+        self._storage_trouble = ""          # the state dir's failure last logged, until a round is saved again
+        self._retry_at = 0.0                # monotonic: no tick before this, after a storage failure
+        self._thread = threading.Thread(target=self._run, name="plexus-engine", daemon=True)
 
     # lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -197,18 +206,59 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:   # never a silent death: the log says so and health turns NOT_SERVING
+            log.critical("the round engine stopped; no job makes progress until the coordinator is restarted",
+                         exc_info=True)
+            self.on_death()
+
     def _loop(self) -> None:
         while True:
             with self._cv:
                 if self._stopping:
                     return
+                if (wait := self._retry_at - self._mono()) > 0:
+                    self._cv.wait(wait)
+                    continue
                 try:
-                    timeout = self._tick()
-                except Exception:  # the loop must survive; the job is failed with the reason
-                    log.exception("round engine error")
-                    self._fail_active("internal error in the round engine; see the coordinator log")
-                    timeout = 0.5
+                    try:
+                        timeout = self._tick()
+                    except Exception as exc:  # the loop must survive; the job is failed with the reason
+                        if _storage_failure(exc):
+                            raise
+                        log.exception("round engine error")
+                        self._fail_active("internal error in the round engine; see the coordinator log")
+                        timeout = 0.5
+                except Exception as exc:   # also while failing a job: that needs the disk as well
+                    if not _storage_failure(exc):
+                        raise
+                    self._storage_failed(exc)
+                    continue
                 self._cv.wait(timeout)
+
+    def _storage_failed(self, exc: Exception) -> None:
+        """The state dir cannot be written (a full disk) or read: fail nothing. The round in progress is
+        dropped with the job's in-memory state, and the job, still running at its last closed round, is
+        taken up again from its checkpoint every storage_retry_s until the store works: the round reruns."""
+        text = f"{type(exc).__name__}: {exc}"
+        if text != self._storage_trouble:   # once per distinct failure, not once per retry
+            log.error("cannot use the state dir %s (%s); the round in progress is dropped and the job resumes "
+                      "from its last checkpoint once it can", self.store.state_dir, text, exc_info=exc)
+            self._storage_trouble = text
+        self._retry_at = self._mono() + self.storage_retry_s
+        job, self._active = self._active, None
+        if job is None:
+            return
+        message = f"{text}; the round runs again once the coordinator can write its state dir"
+        with contextlib.suppress(OSError, sqlite3.Error):   # the disk may refuse this too; the log has it
+            if job.round:
+                job.round.drop_held()
+                self.store.close_round(job.row.id, job.round.round, status="failed", message=message,
+                                       contributors=sorted(job.round.contributors), total_samples=job.round.samples)
+            self.store.interrupt_open_rounds()
+        self._cv.notify_all()
 
     # admin side --------------------------------------------------------------------------
     def submit(self, config_yaml: str, who: str) -> str:
@@ -507,7 +557,7 @@ class Engine:
                 layout, blob = self.store.checkpoint_blob(row.id, row.current_round)
                 self.store.event(row.id, "job_resumed", row.current_round, "",
                                  f"resuming after round {row.current_round}")
-        except (ConfigError, NotFound) as exc:
+        except (ConfigError, NotFound, IntegrityError) as exc:   # e.g. a damaged checkpoint: fail, never retry
             self.store.set_job(row.id, status="failed", message=str(exc), event=("job_failed", 0, "", str(exc)))
             return False
         # The global model exists once: the wire blob; the state dict is views over it. A job
@@ -694,6 +744,10 @@ class Engine:
         message = f"{len(rs.contributors)} update(s), {rs.samples} samples"
         self.store.close_round(job.row.id, rs.round, status="closed", contributors=sorted(rs.contributors),
                                total_samples=rs.samples, message=message, job_update={"current_round": rs.round})
+        self.store.prune_checkpoints(job.row.id, rs.round)
+        if self._storage_trouble:
+            log.info("job %s round %d saved: the state dir takes writes again", job.row.id, rs.round)
+            self._storage_trouble = ""
         job.row = self.store.job(job.row.id)
         dp = job.cfg.privacy.dp
         if dp is not None:  # q = 1: every online site takes part, the conservative accounting
@@ -710,7 +764,8 @@ class Engine:
 
     def _serve_from_checkpoint(self, job: ActiveJob, round_: int) -> None:
         """Drop the in-memory model; FetchModel then streams the checkpoint file (shared page cache)."""
-        layout, path, start = self.store.checkpoint_source(job.row.id, round_)
+        # Not read through again for its checksum: it was just written, or just verified as it was read.
+        layout, path, start = self.store.checkpoint_source(job.row.id, round_, verify=False)
         job.layout, job.source, job.state, job.blob = layout, (path, start), None, None
         job.served_layout, job.served_blob = layout, None
 
@@ -722,6 +777,13 @@ class Engine:
                 job.round.drop_held()
             self.store.set_job(job.row.id, status="failed", message=message, event=("job_failed", 0, "", message))
             self.store.interrupt_open_rounds()
+
+
+def _storage_failure(exc: BaseException) -> bool:
+    """A full or failing disk under the state dir: to be waited out, not a reason to fail a job."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN)
+    return isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS
 
 
 def _site_metrics(rs: RoundState, eval_metrics, train_metrics=None, num_samples: int | None = None) -> dict:

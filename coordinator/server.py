@@ -21,6 +21,7 @@ from coordinator.store import Store
 from plexus import transport
 from plexus.audit import AuditLog
 from plexus.config import CoordinatorConfig
+from plexus.errors import FailedPrecondition
 from plexus.pki import RevocationList, federation_of, load_kit
 from plexus.proto.plexus.v1 import admin_pb2_grpc, federation_pb2_grpc
 from plexus.rpc import Authenticator
@@ -33,25 +34,35 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig):
         kit = load_kit(config.kit)
+        # Locks the state dir first: a second coordinator on it stops here, naming the first one's PID.
+        self.store = Store(config.state_dir, retention=config.checkpoints)
+        try:
+            self._build(config, kit)
+        except BaseException:
+            self.store.close()   # and its lock, so a corrected retry in this process can take it
+            raise
+
+    def _build(self, config: CoordinatorConfig, kit) -> None:
         # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used. It is
-        # checked before anything else opens, so a rolled-back or expired CRL stops the start cleanly;
+        # checked before anything serves, so a rolled-back or expired CRL stops the start cleanly;
         # the highest CRL number seen is kept in the state dir, so a restart cannot roll it back.
-        Path(config.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         crl = RevocationList(config.crl or Path(config.kit) / "crl.pem", kit.ca_pem, on_revoked=lambda serials: [
             self.audit.certificate_revoked(f"serial {n}", serial=n, by="crl") for n in serials],
             floor_file=Path(config.state_dir) / "crl-number")
-        self.store = Store(config.state_dir)
         # The audit trail: append-only, hash-chained, beside plexus.db (`plexus audit --verify`).
         # Its head is signed with the coordinator's key (`plexus audit --export-head`, `--against`).
         self.audit_log = AuditLog(Path(config.state_dir) / "audit.db", signer=(kit.key_pem, kit.cert_pem))
         self.audit = CoordinatorAudit(self.audit_log, self.store)
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
-                             rejoin_grace_s=config.rejoin_grace_s)
+                             rejoin_grace_s=config.rejoin_grace_s, on_death=self._engine_died)
         auth = Authenticator(crl)
         # grpc never shuts down a server's executor; stop() does, so no worker thread outlives it.
         self._executors = [futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="plexus-rpc")]
-        self.server, self.port = transport.server(kit, config.listen, executor=self._executors[0],
-                                                  stream_window_bytes=config.stream_window_bytes)
+        try:
+            self.server, self.port = transport.server(kit, config.listen, executor=self._executors[0],
+                                                      stream_window_bytes=config.stream_window_bytes)
+        except OSError as exc:   # e.g. the port is another coordinator's: a clear error, not a traceback
+            raise FailedPrecondition(f"listen: {exc}") from None
         self.metrics = CoordinatorMetrics(store=self.store, online_sites=self.engine.online_sites)
         self.store.subscribe(self.metrics.on_event)
         federation_pb2_grpc.add_FederationServicer_to_server(
@@ -70,15 +81,16 @@ class Coordinator:
         self.health_server, self.health_port = None, None
         if config.health_listen:
             self._executors.append(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="plexus-health"))
-            self.health_server = grpc.server(self._executors[-1])
+            self.health_server = grpc.server(self._executors[-1], options=transport.NO_PORT_SHARING)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             # Plaintext by explicit config only (off by default): Kubernetes' gRPC probes cannot present a
             # client certificate. This server carries grpc.health.v1 and nothing else.
-            self.health_port = self.health_server.add_insecure_port(config.health_listen)
+            self.health_port = transport.bind(self.health_server.add_insecure_port, config.health_listen)
             log.warning("health_listen %s: plaintext gRPC port serving only grpc.health.v1 (no job data)",
                         config.health_listen)
             if self.health_port == 0:
-                raise OSError(f"could not bind health_listen {config.health_listen}; is another process listening there?")
+                raise FailedPrecondition(f"health_listen: could not bind {config.health_listen}; is another process "
+                                         "listening there?")
         self._metrics_listen = config.metrics_listen
         self.metrics_server = None
         self.metrics_port: int | None = None
@@ -100,6 +112,10 @@ class Coordinator:
         tmp.write_text(f"{host}:{self.port}\n")
         os.replace(tmp, self.address_file)
         log.info("coordinator listening on port %d", self.port)
+
+    def _engine_died(self) -> None:
+        for service in _HEALTH_SERVICES:
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self, grace: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()

@@ -227,9 +227,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         round_ = row.current_round if request.round < 0 else request.round
         if round_ > row.current_round:
             raise IntegrityError(f"job {row.id} has closed rounds 0..{row.current_round}; round {round_} has no model yet")
-        layout, path, start = self.store.checkpoint_source(row.id, round_)   # streamed from the file
-        self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}", actor=admin_actor(who.name))
-        yield from model_stream(row.id, round_, layout, (path, start), self.chunk_bytes)
+        with self.store.reading(row.id, round_):   # checkpoint retention leaves it alone until the stream ends
+            layout, path, start = self.store.checkpoint_source(row.id, round_)   # streamed from the file
+            self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}", actor=admin_actor(who.name))
+            yield from model_stream(row.id, round_, layout, (path, start), self.chunk_bytes)
 
     @guarded(kind="admin", min_role="viewer")
     def ListSites(self, request, context, *, who):

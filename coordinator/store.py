@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import sqlite3
+import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file
 
 from coordinator.events import COORDINATOR, Event, admin_actor, outcome_actor
+from plexus.config import CheckpointsSpec
 from plexus.errors import IntegrityError, NotFound, Reason
-from plexus.files import write_atomically, write_blocks
+from plexus.files import TMP_PATTERN, lock_exclusively, write_atomically, write_blocks
 from plexus.wire import Layout, Receiver, encode
+
+log = logging.getLogger("plexus.store")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -48,9 +56,14 @@ CREATE TABLE IF NOT EXISTS sites (
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, at REAL NOT NULL, kind TEXT NOT NULL,
     round INTEGER NOT NULL DEFAULT 0, site TEXT NOT NULL DEFAULT '', message TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS checkpoints (
+    file TEXT PRIMARY KEY, job_id TEXT NOT NULL, round INTEGER NOT NULL, sha256 TEXT NOT NULL, written REAL NOT NULL);
 """
 
 TERMINAL = ("completed", "budget_reached", "failed", "aborted")
+RESTORE = "restore the state directory from a backup (docs/backup-restore.md)"
+READ_BYTES = 4 << 20
+_NO_DIGEST = "0" * 64   # the header's checksum while the data is still being written
 
 
 @dataclass(frozen=True)
@@ -71,25 +84,56 @@ class JobRow:
 class Store:
     """All SQL lives here; callers get rows and plain values back. Thread-safe."""
 
-    def __init__(self, state_dir: Path, *, clock=time.time):
+    def __init__(self, state_dir: Path, *, clock=time.time, retention: CheckpointsSpec = CheckpointsSpec()):
         self.state_dir = Path(state_dir)
         self.checkpoints = self.state_dir / "checkpoints"
         self.spool = self.state_dir / "spool"
         for d in (self.state_dir, self.checkpoints, self.spool):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # One process per state dir, for its lifetime: two would both take up the same job. First, so
+        # that nothing below removes another coordinator's files in progress.
+        self._lock_fd = lock_exclusively(self.state_dir / "coordinator.lock", f"state dir {self.state_dir}")
+        try:
+            self._open(clock, retention)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def _open(self, clock, retention: CheckpointsSpec) -> None:
         for leftover in [*self.spool.glob("*.part"), *self.spool.glob("*.held")]:  # half-received updates of a crashed run are void
             leftover.unlink()
+        interrupted = [p for p in self.state_dir.rglob(TMP_PATTERN) if p.is_file()]
+        for leftover in interrupted:   # a write that never reached its rename: the old file is intact
+            leftover.unlink()
+        if interrupted:
+            log.info("removed %d temporary file(s) of interrupted writes", len(interrupted))
         self.clock = clock
+        self.retention = retention
         self._listeners: list = []
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(self.state_dir / "plexus.db", check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._reading: Counter = Counter()   # (job, round) -> downloads streaming that checkpoint now
+        path = self.state_dir / "plexus.db"
+        _check_wal(path)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            # Linear in the database's size, once per start: a damaged page is found now, not mid-job.
+            problems = [row[0] for row in self._db.execute("PRAGMA quick_check(5)") if row[0] != "ok"]
+        except sqlite3.OperationalError:   # locked or unreadable: not a damaged file
+            self._db.close()
+            raise
+        except sqlite3.DatabaseError as exc:   # not a database at all, or a malformed page
+            problems = [str(exc)]
+        if problems:
+            self._db.close()
+            raise IntegrityError(f"{path} is damaged ({'; '.join(problems)}); {RESTORE}")
         self._db.executescript(SCHEMA)
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        os.close(self._lock_fd)
 
     def subscribe(self, listener) -> None:
         """Call listener(event) after each committed event, a coordinator.events.Event.
@@ -286,45 +330,88 @@ class Store:
         if not path.exists():
             raise NotFound(f"job {job_id} has no strategy state for round {round_} ({path} is missing); "
                            "the job cannot resume its strategy exactly")
-        with safe_open(str(path), framework="numpy") as fh:
+        layout, start, _, metadata = _read_header(path)
+        self._verify(path, layout, start, metadata)
+        with _readable(path), safe_open(str(path), framework="numpy") as fh:
             meta = json.loads((fh.metadata() or {}).get("strategy", "{}"))
             arrays = {name: fh.get_tensor(name) for name in fh.keys()}
         return arrays, meta
 
     def _write_safetensors(self, path: Path, layout: Layout, blob, metadata: dict[str, str]) -> Path:
+        """Write the file, its SHA-256 (_digest) computed as the data goes by and patched into the header at
+        the end, and record the same checksum in the database; the file is whole before the row names it."""
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         header = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
                   for t in layout.tensors}
-        header["__metadata__"] = metadata
+        header["__metadata__"] = {**metadata, "sha256": _NO_DIGEST}
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)   # safetensors pads the header to 8-byte alignment
-        return write_atomically(path, len(text).to_bytes(8, "little"), text, _exactly(blob, layout.total_bytes, path),
-                                mode=0o600)
+        at = 8 + text.rindex(f'"sha256":"{_NO_DIGEST}"'.encode()) + len('"sha256":"')   # the metadata comes last
+        digest = _digest(layout)
 
-    def _checkpoint_header(self, job_id: str, round_: int) -> tuple[Layout, Path, int, bool]:
-        """(layout, file, data offset, whether the data section is in wire order) of a checkpoint."""
+        def hashed() -> Iterator[memoryview]:
+            for block in _exactly(blob, layout.total_bytes, path):
+                digest.update(block)
+                yield block
+
+        def finish(fh) -> None:
+            fh.seek(at)
+            fh.write(digest.hexdigest().encode())
+
+        write_atomically(path, len(text).to_bytes(8, "little"), text, hashed(), mode=0o600, finish=finish)
+        self._tx([("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
+                   (self._name(path), metadata["job"], int(metadata["round"]), digest.hexdigest(), self.clock()))])
+        return path
+
+    def _name(self, path: Path) -> str:
+        return path.relative_to(self.state_dir).as_posix()
+
+    def _verify(self, path: Path, layout: Layout, start: int, metadata: dict, data=None) -> None:
+        """Refuse a file whose bytes are not the ones written: its SHA-256 against the one in its header and
+        the one in the database. Streamed from the file unless `data` is its data section, already read.
+        A checkpoint from before checksums (neither) passes; its size and values are still checked."""
+        rows = self._all("SELECT sha256 FROM checkpoints WHERE file = ?", (self._name(path),))
+        expected = {"its header": metadata.get("sha256"), "the database": rows[0][0] if rows else None}
+        if not any(expected.values()):
+            return
+        digest = _digest(layout)
+        if data is not None:
+            digest.update(data)
+        else:
+            with open(path, "rb") as fh:
+                fh.seek(start)
+                while block := fh.read(READ_BYTES):
+                    digest.update(block)
+        found = digest.hexdigest()
+        wrong = [f"{where} records {value or 'none'}" for where, value in expected.items()
+                 if value != found and (value is not None or where == "its header")]
+        if wrong:
+            raise IntegrityError(f"checkpoint {path} is damaged: its SHA-256 is {found}, but {' and '.join(wrong)}; "
+                                 f"{RESTORE}")
+
+    def _checkpoint_header(self, job_id: str, round_: int) -> tuple[Layout, Path, int, bool, dict]:
+        """(layout, file, data offset, whether the data section is in wire order, metadata) of a checkpoint."""
         path = self.checkpoint_path(job_id, round_)
         if not path.exists():
-            raise NotFound(f"job {job_id} has no checkpoint for round {round_}")
-        with open(path, "rb") as fh:
-            header_len = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(header_len))
-        header.pop("__metadata__", None)
-        layout = Layout.build([(name, t["dtype"], tuple(t["shape"])) for name, t in header.items()])
-        ours = all(header[t.name]["data_offsets"] == [t.offset, t.offset + t.nbytes] for t in layout.tensors)
-        return layout, path, 8 + header_len, ours
+            raise NotFound(f"job {job_id} has no checkpoint for round {round_}"
+                           + (" (removed by checkpoints.keep_last/keep_every)" if self.retention.keep_last else ""))
+        layout, start, ours, metadata = _read_header(path)
+        return layout, path, start, ours, metadata
 
-    def checkpoint_source(self, job_id: str, round_: int) -> tuple[Layout, Path, int]:
+    def checkpoint_source(self, job_id: str, round_: int, *, verify: bool = True) -> tuple[Layout, Path, int]:
         """(layout, file, data offset) of a checkpoint this store wrote: its data section is the wire blob,
-        so it can be streamed from the file (and the page cache) without holding the model in memory."""
-        layout, path, start, ours = self._checkpoint_header(job_id, round_)
+        so it can be streamed from the file (and the page cache) without holding the model in memory.
+        verify=False skips reading it through for its checksum: for a file just written or just verified."""
+        layout, path, start, ours, metadata = self._checkpoint_header(job_id, round_)
         if not ours:
             raise NotFound(f"checkpoint {path} is not laid out in wire order")
+        if verify:
+            self._verify(path, layout, start, metadata)
         return layout, path, start
 
     def checkpoint_blob(self, job_id: str, round_: int) -> tuple[Layout, bytearray]:
-        """(layout, blob) of a checkpoint, reading the file once; validated like any wire input."""
-        layout, path, start, ours = self._checkpoint_header(job_id, round_)
+        """(layout, blob) of a checkpoint, reading the file once; checksummed, and validated like any wire input."""
+        layout, path, start, ours, metadata = self._checkpoint_header(job_id, round_)
         if not ours:
             return encode(self.load_checkpoint(job_id, round_))   # laid out by another writer
         blob = bytearray(layout.total_bytes)
@@ -332,16 +419,126 @@ class Store:
             fh.seek(start)
             if fh.readinto(blob) != layout.total_bytes or fh.read(1):
                 raise IntegrityError(f"checkpoint {path} does not hold exactly the bytes its header describes")
+        self._verify(path, layout, start, metadata, blob)
         receiver = Receiver(layout)   # size and finiteness, as for any model on the wire; no copy
-        receiver.feed(0, blob)
-        receiver.finish()
+        try:
+            receiver.feed(0, blob)
+            receiver.finish()
+        except IntegrityError as exc:
+            raise IntegrityError(f"checkpoint {path}: {exc}; {RESTORE}") from None
         return layout, blob
 
     def load_checkpoint(self, job_id: str, round_: int) -> dict[str, np.ndarray]:
-        path = self.checkpoint_path(job_id, round_)
-        if not path.exists():
-            raise NotFound(f"job {job_id} has no checkpoint for round {round_}")
-        return load_file(str(path))
+        layout, path, start, _, metadata = self._checkpoint_header(job_id, round_)
+        self._verify(path, layout, start, metadata)
+        with _readable(path):
+            return load_file(str(path))
+
+    # retention ---------------------------------------------------------------------------
+    @contextmanager
+    def reading(self, job_id: str, round_: int) -> Iterator[None]:
+        """Keep a checkpoint from retention while a download streams it."""
+        with self._lock:
+            self._reading[(job_id, round_)] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reading[(job_id, round_)] -= 1
+                if not self._reading[(job_id, round_)]:
+                    del self._reading[(job_id, round_)]
+
+    def prune_checkpoints(self, job_id: str, latest: int) -> list[int]:
+        """Apply `checkpoints` retention to a job whose round `latest` has just closed; the rounds removed.
+
+        The latest round's model and strategy state are always kept (a resume needs them), and so is a
+        checkpoint a download is streaming. Best effort: a file that cannot be removed now (a failing disk)
+        is logged and tried again after the next round.
+        """
+        keep_last, keep_every = self.retention.keep_last, self.retention.keep_every
+        if keep_last is None:
+            return []
+        removed = set()
+        with self._lock:
+            for path in sorted((self.checkpoints / job_id).glob("*.safetensors")):
+                round_text = path.name.split(".", 1)[0]
+                if not round_text.isdigit():
+                    continue
+                round_ = int(round_text)
+                if round_ > latest - keep_last or (keep_every and round_ % keep_every == 0) \
+                        or self._reading[(job_id, round_)]:
+                    continue
+                try:
+                    self._tx([("DELETE FROM checkpoints WHERE file = ?", (self._name(path),))])
+                    path.unlink(missing_ok=True)
+                except (OSError, sqlite3.Error) as exc:
+                    log.warning("could not remove %s under checkpoints retention: %s", path, exc)
+                    continue
+                removed.add(round_)
+        if removed:
+            log.info("job %s: removed the checkpoints of round(s) %s (checkpoints.keep_last=%d%s)", job_id,
+                     ", ".join(map(str, sorted(removed))), keep_last,
+                     f", keep_every={keep_every}" if keep_every else "")
+        return sorted(removed)
+
+
+def _check_wal(db: Path) -> None:
+    """Refuse a database whose write-ahead log was lost. SQLite itself would open it without a word, at an
+    older state: the last transactions gone. The shared-memory index (-shm) a crashed or running process
+    leaves behind says how many frames the log held (the wal-index header's mxFrame, native byte order);
+    a missing or shorter -wal cannot be the log it indexes."""
+    wal, shm = db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")
+    if not db.exists() or not shm.exists():
+        return
+    with open(shm, "rb") as fh:
+        index = fh.read(48)
+    if len(index) < 48 or not index[12]:   # isInit: an index never filled in holds no frames
+        return
+    page, frames = struct.unpack_from("=HI", index, 14)
+    needed = 32 + frames * (24 + (65536 if page == 1 else page))   # the log's header, then (frame header + page)s
+    have = wal.stat().st_size if wal.exists() else 0
+    if frames and have < needed:
+        raise IntegrityError(f"{wal} is {'missing' if not wal.exists() else f'only {have} bytes'}, but {shm} "
+                             f"indexes {frames} committed page(s) in it: the database's last transactions are lost; "
+                             f"{RESTORE} (if you restored {db.name} alone on purpose, remove {shm.name} too)")
+
+
+def _digest(layout: Layout):
+    """A running SHA-256 of what a checkpoint means: its tensors' names, dtypes and shapes, then (fed by
+    the caller) its data section. Covers the header's substance, though it is stored in the header."""
+    return hashlib.sha256(json.dumps([[t.name, t.dtype, list(t.shape)] for t in layout.tensors]).encode())
+
+
+def _read_header(path: Path) -> tuple[Layout, int, bool, dict]:
+    """(layout, data offset, whether the data section is in wire order, metadata) of a safetensors file;
+    a header no writer could have produced, or a file shorter or longer than it describes, is damage."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            if size < 8 or 8 + header_len > size:
+                raise ValueError(f"the header claims {header_len} bytes of a {size}-byte file")
+            header = json.loads(fh.read(header_len))
+        metadata = header.pop("__metadata__", None) or {}
+        layout = Layout.build([(name, t["dtype"], tuple(t["shape"])) for name, t in header.items()])
+        ours = all(header[t.name]["data_offsets"] == [t.offset, t.offset + t.nbytes] for t in layout.tensors)
+        if not all(isinstance(v, str) for v in metadata.values()):
+            raise ValueError("its metadata is not a string map")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:   # JSON, UTF-8, dtype, shape, structure
+        raise IntegrityError(f"checkpoint {path} is damaged: unreadable header ({exc}); {RESTORE}") from None
+    if ours and size != 8 + header_len + layout.total_bytes:
+        raise IntegrityError(f"checkpoint {path} is damaged: {size} bytes, but its header describes "
+                             f"{8 + header_len + layout.total_bytes} (truncated or appended to); {RESTORE}")
+    return layout, 8 + header_len, ours, metadata
+
+
+@contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """safetensors' own errors on a file _read_header accepted, as the IntegrityError they are."""
+    try:
+        yield
+    except SafetensorError as exc:
+        raise IntegrityError(f"checkpoint {path} is damaged ({exc}); {RESTORE}") from None
 
 
 def _exactly(data, size: int, path: Path) -> Iterator[memoryview]:

@@ -340,6 +340,14 @@ class SiteConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointsSpec:
+    """Checkpoint retention: which closed rounds keep their checkpoint once newer ones exist."""
+
+    keep_last: int | None = field(default=None, metadata=_range(1))    # None: keep every round's checkpoint
+    keep_every: int | None = field(default=None, metadata=_range(1))   # also keep rounds 0, M, 2M, ...
+
+
+@dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     """The coordinator service; relative paths are relative to the config file."""
 
@@ -366,6 +374,7 @@ class CoordinatorConfig:
     metrics_listen: str | None = field(default=None, metadata=_address(0))
     # grpc.health.v1 only, plaintext, for probes that cannot present a client certificate (off unless set).
     health_listen: str | None = field(default=None, metadata=_address(0))
+    checkpoints: CheckpointsSpec = field(default_factory=CheckpointsSpec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,9 +490,17 @@ def _schema_model_problem(cfg: RoundConfig) -> tuple[str, str] | None:
 
 
 # Cross-field checks: fn(obj) -> (key, "<problem>; <fix>") or None.
+def _checkpoints_problem(spec: CheckpointsSpec) -> tuple[str, str] | None:
+    if spec.keep_every is not None and spec.keep_last is None:
+        return "keep_every", ("only thins out checkpoints that keep_last would remove; set keep_last too "
+                              "(e.g. keep_last: 3), or remove keep_every to keep every checkpoint")
+    return None
+
+
 _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
     DatasetSpec: _dataset_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
-    RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem}
+    RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem,
+    CheckpointsSpec: _checkpoints_problem}
 
 _TAG = "tag:yaml.org,2002:"
 _TAG_NAMES = {"bool": "a boolean", "int": "an integer", "float": "a number", "null": "null",

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 from pathlib import Path
 
+from plexus.errors import FailedPrecondition
 
-def write_atomically(path: Path, *parts, mode: int = 0o644) -> Path:
+TMP_PATTERN = ".*.tmp"   # write_atomically's files in progress; one left behind is from an interrupted write
+
+
+def write_atomically(path: Path, *parts, mode: int = 0o644, finish=None) -> Path:
     """Write `parts` in order to a new file beside `path`, fsync it, rename it over `path`, and fsync the
     folder so the rename itself survives a power cut. A part is bytes-like, or an iterable of bytes-like
     blocks written as they are produced (a model written without ever being whole in memory). `mode` is
-    set at creation, so a private file is never readable by others, even briefly."""
+    set at creation, so a private file is never readable by others, even briefly. `finish(fh)`, if given,
+    runs after the parts and before the sync: to patch in what only the whole data determines (a checksum)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")   # TMP_PATTERN
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -21,6 +27,8 @@ def write_atomically(path: Path, *parts, mode: int = 0o644) -> Path:
             for part in parts:
                 for block in write_blocks(part):
                     fh.write(block)
+            if finish is not None:
+                finish(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -41,3 +49,20 @@ def write_blocks(part):
         return (memoryview(part),)
     except TypeError:   # not bytes-like: an iterable of blocks
         return part
+
+
+def lock_exclusively(path: Path, what: str) -> int:
+    """Take an exclusive lock on `path` (created if need be) for as long as the returned descriptor stays
+    open, and write our PID into it; refuse, naming the holder's PID, if another process (or another
+    open of the same file) holds it. flock, not lockf: two opens in one process conflict too."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise FailedPrecondition(f"{what} is in use: {'process ' + holder if holder.isdigit() else 'another process'} "
+                                 f"holds the lock {path}; stop that process first, or use another directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

@@ -18,6 +18,8 @@ _OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+# gRPC sets SO_REUSEPORT by default: a second server on a port in use would bind, and share its calls.
+NO_PORT_SHARING = [("grpc.so_reuseport", 0)]
 
 
 def server(kit: Kit, address: str, *, executor: futures.ThreadPoolExecutor,
@@ -28,16 +30,24 @@ def server(kit: Kit, address: str, *, executor: futures.ThreadPoolExecutor,
 
     stream_window_bytes fixes each stream's flow-control window (no BDP probing); 0 keeps gRPC's
     adaptive windows."""
-    options = _OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+    options = _OPTIONS + NO_PORT_SHARING + [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
     if stream_window_bytes:
         options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", stream_window_bytes)]
     srv = grpc.server(executor, options=options)
     credentials = grpc.ssl_server_credentials([(kit.key_pem, kit.cert_pem)], root_certificates=kit.ca_pem,
                                               require_client_auth=True)
-    port = srv.add_secure_port(address, credentials)
+    port = bind(lambda a: srv.add_secure_port(a, credentials), address)
     if port == 0:
         raise OSError(f"could not bind {address}; is another process listening there?")
     return srv, port
+
+
+def bind(add_port, address: str) -> int:
+    """The port add_port(address) bound, or 0 if it could not: grpcio raises where it once returned 0."""
+    try:
+        return add_port(address)
+    except RuntimeError:
+        return 0
 
 
 def channel(kit: Kit, address: str) -> grpc.Channel:
