@@ -1,9 +1,11 @@
 """The one round loop: jobs run one at a time, rounds open, collect updates, close.
 
-Concurrency: every public method takes the engine's condition lock; NextTask
-long-polls wait on it and are woken whenever a round opens or closes. A
-background thread opens rounds once enough sites are online and closes them on
-quorum or deadline. Durable effects go through the Store in one transaction
+Concurrency: every public method takes the engine's lock. The background
+thread (and admin watches) wait on one condition over it; each site's NextTask
+long-polls wait on that site's own condition, woken only when a task for that
+site appears (a round or secure phase opens for it) or the engine stops, so idle
+sites cost nothing between their poll timeouts. The background thread opens
+rounds once enough sites are online and closes them on quorum or deadline. Durable effects go through the Store in one transaction
 each, checkpoint first, so a SIGKILL at any point resumes from the last closed
 round.
 """
@@ -177,7 +179,10 @@ class Engine:
         self.online_window_s = 2 * poll_timeout_s + 10
         self.rejoin_grace_s = rejoin_grace_s
         self._clock, self._mono = clock, monotonic
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)   # the round loop and admin watches wait here
+        self._polls: dict[str, threading.Condition] = {}   # site -> its long-polls' condition, on the same lock
+        self.poll_wakeups = 0                        # long-polls woken before their timeout (a test hook)
         self._seen: dict[str, float] = {}
         self._rows: dict[str, dict[str, int]] = {}   # site -> dataset -> training rows, as reported at Join
         self._active: ActiveJob | None = None
@@ -193,6 +198,7 @@ class Engine:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
+            self._wake(self._polls)
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
@@ -265,14 +271,17 @@ class Engine:
         end = self._mono() + max(0.0, min(wait_s, self.poll_timeout_s))
         with self._cv:
             self.store.site_seen(site)
+            if self._touch(site):
+                self._cv.notify_all()   # back online: the round loop may now have its quorum
+            polls = self._polls.setdefault(site, threading.Condition(self._lock))
             while True:
-                self._seen[site] = self._mono()
-                self._cv.notify_all()
                 grant = self._grant(site)
                 remaining = end - self._mono()
                 if grant or remaining <= 0 or self._stopping:
+                    self._seen[site] = self._mono()
                     return grant
-                self._cv.wait(remaining)
+                if polls.wait(remaining):
+                    self.poll_wakeups += 1
 
     def model_for(self, site: str, task_id: str) -> tuple[Layout, object, str, int]:
         """The global model a task needs: its blob in memory, or (path, offset) of its checkpoint file."""
@@ -516,6 +525,19 @@ class Engine:
         log.info("job %s active at round %d", row.id, row.current_round)
         return True
 
+    def _touch(self, site: str) -> bool:
+        """The site is present now; True if it was not online until now. Call with the engine lock held."""
+        now, last = self._mono(), self._seen.get(site)
+        self._seen[site] = now
+        return last is None or now - last > self.online_window_s
+
+    def _wake(self, sites: Iterable[str]) -> None:
+        """Wake the long-polls of these sites only (a task for them may have appeared). Call with the lock held."""
+        for site in sites:
+            polls = self._polls.get(site)
+            if polls is not None:
+                polls.notify_all()
+
     def _eligible_online(self, declined: dict[str, str]) -> list[str]:
         now = self._mono()
         return sorted(s for s, t in self._seen.items() if now - t <= self.online_window_s and s not in declined)
@@ -564,6 +586,7 @@ class Engine:
         log.info("job %s round %d (%s) opened for %s%s", job.row.id, round_, kind, ", ".join(participants),
                  f"; evaluating: {', '.join(evaluators)}" if evaluators else "")
         self._cv.notify_all()
+        self._wake(participants + evaluators)
 
     def _waiting(self, job: ActiveJob, message: str) -> None:
         if job.row.message != message:
@@ -661,6 +684,7 @@ class Engine:
             return
         rs.participants, rs.grants, rs.outcomes = following, {}, {}
         rs.deadline = self._mono() + job.cfg.privacy.secagg.phase_timeout_s
+        self._wake(following)
         self.store.event(job.row.id, f"secagg_{sec.phase}", rs.round, "", f"{len(following)} site(s): "
                          + ", ".join(following))
 
