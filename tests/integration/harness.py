@@ -18,6 +18,7 @@ from plexus.wire import Layout, assemble, decode, encode, iter_chunks
 from site_agent.agent import SiteAgent
 
 HOSPITAL_OF = {"a": "cleveland", "b": "hungary", "c": "va", "d": "switzerland", "e": "cleveland"}
+RAW_ROWS = 1000   # the training rows a RawSite reports at Join by default
 
 HEART_JOB = """\
 name: {name}
@@ -110,8 +111,10 @@ class RawSite:
         self.channel.close()
 
     def join(self, dataset_rows: dict[str, int] | None = None) -> fpb.JoinReply:
-        return self.stub.Join(fpb.JoinRequest(agent_version="raw", models=["logistic"],
-                                              dataset_rows=dataset_rows or {}), timeout=5)
+        """Join, reporting RAW_ROWS training rows of heart-disease unless told otherwise (an update weighs at
+        most the rows its site reported at Join)."""
+        rows = {"heart-disease": RAW_ROWS} if dataset_rows is None else dataset_rows
+        return self.stub.Join(fpb.JoinRequest(agent_version="raw", models=["logistic"], dataset_rows=rows), timeout=5)
 
     def next_task(self, timeout: float = 30.0) -> fpb.Task:
         def poll():
