@@ -808,7 +808,8 @@ class Engine:
             self.store.interrupt_open_rounds()
 
 
-def _site_metrics(rs: RoundState, site: str, eval_metrics, train_metrics=None, num_samples: int | None = None) -> dict:
+def _site_metrics(rs: RoundState, site: str, eval_metrics, train_metrics=None,
+                  num_samples: int | None = None) -> dict:
     """A site's reported metrics, validated, keyed for the store: (round, kind, name) -> value.
 
     Eval metrics describe the incoming global model (model_round); train metrics this round. Every
