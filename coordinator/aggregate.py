@@ -42,7 +42,7 @@ class WeightedSum:
     sum is as if it had never arrived.
     """
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, *, sites: int = 1):
         self.layout = layout
         # One int64 array per tensor, so the mean can hand each one back as soon as it is written.
         self._parts: list[np.ndarray | None] = [None] * len(layout.tensors)
@@ -50,11 +50,13 @@ class WeightedSum:
         self._bits = self._f64.view(np.int64)
         self._i64 = np.empty(FOLD_ELEMENTS, np.int64)
         self._lock = threading.Lock()
-        self.reset()
+        self.reset(sites=sites)
 
-    def reset(self) -> None:
-        """Empty the sum for a new round, reusing its memory: zeroing resident pages costs a fraction of
-        faulting in fresh ones, which at 50M parameters took longer than folding an update."""
+    def reset(self, *, sites: int = 1) -> None:
+        """Empty the sum for a new round of updates from `sites` sites, reusing its memory: zeroing resident
+        pages costs a fraction of faulting in fresh ones, which at 50M parameters took longer than folding
+        an update. Each site's update may take only its 1/sites part of the fixed-point range, so no one
+        site can leave too little range for the others' honest updates."""
         for i, t in enumerate(self.layout.tensors):
             if self._parts[i] is None:
                 self._parts[i] = np.zeros(t.numel, dtype=np.int64)
@@ -62,19 +64,26 @@ class WeightedSum:
                 self._parts[i].fill(0)
         self.total_weight = 0
         self.count = 0   # complete updates in the sum; each element carries count × _MAGIC_BITS extra
+        self.sites = max(1, sites)
         self._bound = 0.0
         self._poisoned = ""
 
-    def check_fits(self, weight: int, max_abs: float) -> None:
-        """Refuse an update that could overflow the exact range; call before fold()."""
+    def check_fits(self, weight: int, max_abs: float, *, reserved: float = 0.0) -> None:
+        """Refuse an update that could overflow the exact range, or take more than its site's part of it;
+        call before fold(). `reserved`: what this update already holds of the range (weight × its peak)."""
         if not 1 <= weight <= MAX_WEIGHT:
             raise IntegrityError(f"num_samples must be between 1 and {MAX_WEIGHT}; got {weight}",
                                  reason=Reason.NUM_SAMPLES)
-        if (self._bound + weight * max_abs) * _SCALE >= _LIMIT:
+        if (self._bound - reserved + weight * max_abs) * _SCALE >= _LIMIT:
             raise IntegrityError(
                 f"update too large to aggregate exactly: max |value| {max_abs:.3g} × num_samples {weight} "
                 f"exceeds the fixed-point range (Σ n·|x| < {_LIMIT / _SCALE:.3g}); the site's training "
                 "has probably diverged", reason=Reason.NORM)
+        if weight * max_abs * _SCALE >= _LIMIT / self.sites:
+            raise IntegrityError(
+                f"update too large to aggregate exactly: max |value| {max_abs:.3g} × weight {weight} exceeds one "
+                f"site's part of the fixed-point range (Σ n·|x| < {_LIMIT / _SCALE:.3g}, shared equally by the "
+                f"round's {self.sites} site(s)); the site's training has probably diverged", reason=Reason.NORM)
 
     def begin(self, weight: int) -> Fold:
         """Start adding one update of this weight, piece by piece (Fold.add), as it arrives."""
@@ -251,7 +260,7 @@ class Fold:
         with total._lock:
             self._require_open()
             if max_abs > self._peak:   # reserve the range before anything is added
-                total.check_fits(self.weight, max_abs - self._peak)
+                total.check_fits(self.weight, max_abs, reserved=self.weight * self._peak)
                 total._bound += self.weight * (max_abs - self._peak)
                 self._peak = max_abs
             data = memoryview(piece).cast("B")

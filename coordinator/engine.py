@@ -1,11 +1,13 @@
 """The one round loop: jobs run one at a time, rounds open, collect updates, close.
 
-Concurrency: every public method takes the engine's condition lock; NextTask
-long-polls wait on it and are woken whenever a round opens or closes. A
-background thread opens rounds once enough sites are online and closes them on
-quorum or deadline. Durable effects go through the Store in one transaction
-each, checkpoint first, so a SIGKILL at any point resumes from the last closed
-round.
+Concurrency: every public method takes the engine's lock. The background
+thread (and admin watches) wait on one condition over it; each site's NextTask
+long-polls wait on that site's own condition, woken only when a task for that
+site appears (a round or secure phase opens for it) or the engine stops, so idle
+sites cost nothing between their poll timeouts. The background thread opens
+rounds once enough sites are online and closes them on quorum or deadline.
+Durable effects go through the Store in one transaction each, checkpoint first,
+so a SIGKILL at any point resumes from the last closed round.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import errno
 import hashlib
 import logging
+import math
 import secrets
 import sqlite3
 import threading
@@ -83,6 +86,29 @@ class RoundState:
     evaluators: list[str] = field(default_factory=list)
     eval_grants: dict[str, TaskGrant] = field(default_factory=dict)
     eval_outcomes: dict[str, str] = field(default_factory=dict)
+    # Weight bounds, fixed when the round opens: the job dataset's training rows each site reported at Join,
+    # and the most a trainer's update (caps) or an evaluation result (eval_caps) may weigh.
+    rows: dict[str, int] = field(default_factory=dict)
+    caps: dict[str, int] = field(default_factory=dict)
+    eval_caps: dict[str, int] = field(default_factory=dict)
+
+    def check_rows(self, site: str, num_samples: int) -> None:
+        """Refuse a num_samples beyond the training rows the site reported at Join."""
+        rows = self.rows.get(site, 0)
+        if rows == 0:
+            raise IntegrityError(f"num_samples {num_samples}: this site reported no training rows for the job's "
+                                 "dataset when it joined, and an update weighs at most its site's reported rows; "
+                                 "check that the dataset loads at the site, then restart its agent",
+                                 reason=Reason.NUM_SAMPLES)
+        if num_samples > rows:
+            raise IntegrityError(f"num_samples {num_samples} exceeds the {rows} training rows this site reported "
+                                 "for the job's dataset when it joined; an update weighs at most its site's rows",
+                                 reason=Reason.NUM_SAMPLES)
+
+    def weight(self, site: str, num_samples: int) -> int:
+        """What a site's update weighs: its num_samples (refused beyond its rows), capped at its largest share."""
+        self.check_rows(site, num_samples)
+        return min(num_samples, self.caps.get(site, 1))
 
     def grant_of(self, site: str) -> TaskGrant | None:
         return self.grants.get(site) or self.eval_grants.get(site)
@@ -123,13 +149,14 @@ class ActiveJob:
         return bool(s.uses_current or s.holds_updates or self.cfg.privacy.dp is not None
                     or self.cfg.privacy.secure_aggregation or self.update_layout != self.layout)
 
-    def round_sum(self) -> WeightedSum:
-        """An empty running sum for the next round: the job's one sum, zeroed in place. Faulting in a fresh
-        model-sized array every round cost more than folding an update into it (50M parameters: ~0.8 s)."""
+    def round_sum(self, sites: int) -> WeightedSum:
+        """An empty running sum for the next round's `sites` sites: the job's one sum, zeroed in place.
+        Faulting in a fresh model-sized array every round cost more than folding an update into it (50M
+        parameters: ~0.8 s)."""
         if self.total is None or self.total.layout != self.update_layout:
-            self.total = WeightedSum(self.update_layout)
+            self.total = WeightedSum(self.update_layout, sites=sites)
         else:
-            self.total.reset()
+            self.total.reset(sites=sites)
         return self.total
 
     def set_model(self, layout: Layout, blob) -> None:
@@ -149,6 +176,21 @@ def site_seed(job_seed: int, round_: int, site: str) -> int:
     """A per-site, per-round training seed: reproducible, different for every site and round."""
     digest = hashlib.sha256(f"plexus/v1/site-seed/{job_seed}/{round_}/{site}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
+
+
+def weight_caps(rows: dict[str, int], max_share: float) -> dict[str, int]:
+    """Each site's largest weight in a round of these sites (site -> training rows reported at Join):
+    its own rows, and at most `max_share` of the round's total should every other site weigh in with all
+    of its rows. Fixed from what every site reported, so a site claiming huge numbers cannot raise its own
+    cap; a site alone in its round carries the whole weight whatever it is, and every cap is at least 1."""
+    total = sum(rows.values())
+    caps = {}
+    for site, own in rows.items():
+        cap = own
+        if max_share < 1 and len(rows) > 1:
+            cap = min(own, math.floor(max_share / (1 - max_share) * (total - own)))
+        caps[site] = max(1, cap)
+    return caps
 
 
 def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
@@ -183,7 +225,10 @@ class Engine:
         self.online_window_s = 2 * poll_timeout_s + 10
         self.rejoin_grace_s = rejoin_grace_s
         self._clock, self._mono = clock, monotonic
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)   # the round loop and admin watches wait here
+        self._polls: dict[str, threading.Condition] = {}   # site -> its long-polls' condition, on the same lock
+        self.poll_wakeups = 0                        # long-polls woken before their timeout (a test hook)
         self._seen: dict[str, float] = {}
         self._rows: dict[str, dict[str, int]] = {}   # site -> dataset -> training rows, as reported at Join
         self._active: ActiveJob | None = None
@@ -203,6 +248,7 @@ class Engine:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
+            self._wake(self._polls)
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
@@ -300,8 +346,7 @@ class Engine:
 
     def online_sites(self) -> set[str]:
         with self._cv:
-            now = self._mono()
-            return {s for s, t in self._seen.items() if now - t <= self.online_window_s}
+            return self._present()
 
     # site side ---------------------------------------------------------------------------
     def join(self, site: str, *, agent_version: str, models: list[str], datasets: list[str], policy_digest: str,
@@ -317,18 +362,22 @@ class Engine:
         end = self._mono() + max(0.0, min(wait_s, self.poll_timeout_s))
         with self._cv:
             self.store.site_seen(site)
+            if self._touch(site):
+                self._cv.notify_all()   # back online: the round loop may now have its quorum
+            polls = self._polls.setdefault(site, threading.Condition(self._lock))
             while True:
-                self._seen[site] = self._mono()
-                self._cv.notify_all()
                 grant = self._grant(site)
                 remaining = end - self._mono()
                 if grant or remaining <= 0 or self._stopping:
+                    self._seen[site] = self._mono()
                     return grant
-                self._cv.wait(remaining)
+                if polls.wait(remaining):
+                    self.poll_wakeups += 1
 
     def model_for(self, site: str, task_id: str) -> tuple[Layout, object, str, int]:
         """The global model a task needs: its blob in memory, or (path, offset) of its checkpoint file."""
         with self._cv:
+            self._touch(site)
             job, rs, grant = self._current_grant(site, task_id)
             if job.served_blob is not None:
                 return job.served_layout, job.served_blob, job.row.id, rs.model_round
@@ -343,6 +392,7 @@ class Engine:
         that hold them are spooled first and used once complete.
         """
         with self._cv:
+            self._touch(site)
             job, rs, grant = self._current_grant(site, header.task_id)
             masked = grant.kind == "secagg_mask"
             self._check_binding(grant, header.job_id, header.round, header.nonce,
@@ -355,7 +405,8 @@ class Engine:
                 if not masked and not 1 <= header.num_samples <= 2 ** 31:
                     raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}",
                                          reason=Reason.NUM_SAMPLES)
-                metrics = _site_metrics(rs, header.eval_metrics, header.metrics, header.num_samples)
+                weight = header.num_samples if masked else rs.weight(site, header.num_samples)
+                metrics = _site_metrics(rs, site, header.eval_metrics, header.metrics, weight)
                 layout.require_same(Layout.from_proto(header.manifest),
                                     what="masked input" if masked else "update")
                 spool = self.store.spool / f"{grant.task_id}.part"
@@ -363,7 +414,7 @@ class Engine:
                 if not masked and rs.total is not None:
                     # DP-FedAvg and some strategies (SCAFFOLD) weigh each site the same
                     uniform = dp is not None or job.strategy.uniform_weights
-                    fold = rs.total.begin(1 if uniform else header.num_samples)
+                    fold = rs.total.begin(1 if uniform else weight)
                     rs.folding[site] = (fold, spool)
             except IntegrityError as exc:
                 self._record(rs, grant, site, "rejected", str(exc), code=exc.reason)
@@ -394,7 +445,7 @@ class Engine:
                     if job.strategy.holds_updates:   # robust rules and ensembles need every update at once
                         held = spool.with_suffix(".held")
                         spool.rename(held)
-                        rs.held.append((site, header.num_samples, held))
+                        rs.held.append((site, weight, held))
                     else:
                         fold.finish()
                         del rs.folding[site]   # in for good
@@ -402,12 +453,15 @@ class Engine:
                     self._record(rs, grant, site, "rejected", str(exc), code=exc.reason)
                     raise
                 rs.contributors.append(site)
-                rs.samples += header.num_samples
+                rs.samples += weight
                 self._record(rs, grant, site, "submitted", "", metrics)
-                return f"update for round {grant.round} accepted ({header.num_samples} samples)"
+                capped = (f", weighted as {weight}: sites.max_weight_share caps one site's share"
+                          if weight < header.num_samples else "")
+                return f"update for round {grant.round} accepted ({header.num_samples} samples{capped})"
         finally:
             with self._cv:   # serialised with a closing round's withdrawals, so the journal outlives its reader
                 self._withdraw(rs, site)
+                self._touch(site)   # an upload longer than the online window is presence, not absence
             spool.unlink(missing_ok=True)
 
     @staticmethod
@@ -423,12 +477,14 @@ class Engine:
         """One secure-aggregation answer: an advert, the encrypted shares, or the unmasking reveals."""
         phase_kind = {"advert": "secagg_advertise", "shares": "secagg_share", "reveal": "secagg_unmask"}[body]
         with self._cv:
+            self._touch(site)
             job, rs, grant = self._current_grant(site, message.task_id)
             self._check_binding(grant, message.job_id, message.round, message.nonce, phase_kind)
             try:
                 if body == "advert":
+                    rs.check_rows(site, value.num_samples)   # a signed advert cannot be re-weighted, only refused
                     rs.secure.on_advert(site, value)
-                    metrics = _site_metrics(rs, message.eval_metrics, message.metrics, value.num_samples)
+                    metrics = _site_metrics(rs, site, message.eval_metrics, message.metrics, value.num_samples)
                 elif body == "shares":
                     rs.secure.on_shares(site, value)
                 else:
@@ -441,6 +497,7 @@ class Engine:
 
     def report(self, site: str, result, status: str) -> str:
         with self._cv:
+            self._touch(site)
             job, rs, grant = self._current_grant(site, result.task_id)
             self._check_binding(grant, result.job_id, result.round, result.nonce, None)
             reason = result.reason[:MAX_REASON]
@@ -453,7 +510,7 @@ class Engine:
                 return "failure recorded"
             if grant.kind != "evaluate":
                 raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
-            self._record(rs, grant, site, "evaluated", "", _site_metrics(rs, result.eval_metrics))
+            self._record(rs, grant, site, "evaluated", "", _site_metrics(rs, site, result.eval_metrics))
             return "evaluation recorded"
 
     # internals ---------------------------------------------------------------------------
@@ -570,9 +627,32 @@ class Engine:
         log.info("job %s active at round %d", row.id, row.current_round)
         return True
 
-    def _eligible_online(self, declined: dict[str, str]) -> list[str]:
+    def _touch(self, site: str) -> bool:
+        """The site is present now; True if it was not online until now. Call with the engine lock held."""
+        now, last = self._mono(), self._seen.get(site)
+        self._seen[site] = now
+        return last is None or now - last > self.online_window_s
+
+    def _wake(self, sites: Iterable[str]) -> None:
+        """Wake the long-polls of these sites only (a task for them may have appeared). Call with the lock held."""
+        for site in sites:
+            polls = self._polls.get(site)
+            if polls is not None:
+                polls.notify_all()
+
+    def _present(self) -> set[str]:
+        """Sites online now: seen (any call) within the online window, or holding a task of the open round that
+        they have not answered yet: a site training for longer than the window is busy, not gone."""
         now = self._mono()
-        return sorted(s for s, t in self._seen.items() if now - t <= self.online_window_s and s not in declined)
+        online = {s for s, t in self._seen.items() if now - t <= self.online_window_s}
+        rs = self._active.round if self._active is not None else None
+        if rs is not None:
+            online.update(s for s in rs.grants if s not in rs.outcomes)
+            online.update(s for s in rs.eval_grants if s not in rs.eval_outcomes)
+        return online
+
+    def _eligible_online(self, declined: dict[str, str]) -> list[str]:
+        return sorted(self._present() - set(declined))
 
     def _maybe_open_round(self, job: ActiveJob) -> None:
         cfg = job.cfg
@@ -588,9 +668,13 @@ class Engine:
         declined = self.store.declines(job.row.id)
         online = self._eligible_online(declined)
         known = sorted({row[0] for row in self.store.sites()} - set(declined))   # registered, online or not
-        missing = sorted(set(known) - set(online))
+        # A job taken up (after a restart, say) waits for the sites that were in it, or for a new job every
+        # registered site, until they are all back or the grace ends: a site reconnecting with backoff is
+        # not left out of a round an uninterrupted run would have given it.
+        expected = (self.store.job_sites(job.row.id) - set(declined)) or set(known)
+        missing = sorted(expected - set(online))
         if missing and not job.opened_any and self._mono() - job.activated < self.rejoin_grace_s:
-            self._waiting(job, f"waiting up to {self.rejoin_grace_s:g}s for registered sites to connect: "
+            self._waiting(job, f"waiting up to {self.rejoin_grace_s:g}s for the job's sites to connect: "
                                + ", ".join(missing))
             return
         participants = online if evaluating else job.strategy.configure(job.model_round + 1, online, known)
@@ -608,16 +692,21 @@ class Engine:
             secure = SecureRound(job.row.id, round_, job.layout, cfg.privacy.secagg, cfg.sites.min)
         summing = not (evaluating or secure or job.strategy.holds_updates)
         evaluators = [] if evaluating or cfg.sites.evaluate != "all" else sorted(set(online) - set(participants))
+        sizes, share = self._sizes(job), cfg.sites.max_weight_share
+        rows = {s: sizes[s] for s in participants + evaluators if s in sizes}
         job.round = RoundState(round=round_, kind=kind, model_round=job.model_round, participants=participants,
                                deadline=self._mono() + cfg.sites.deadline_s,
-                               total=job.round_sum() if summing else None, secure=secure,
-                               evaluators=evaluators)
+                               total=job.round_sum(len(participants)) if summing else None, secure=secure,
+                               evaluators=evaluators, rows=rows,
+                               caps=weight_caps({s: rows.get(s, 0) for s in participants}, share),
+                               eval_caps=weight_caps({s: rows.get(s, 0) for s in participants + evaluators}, share))
         if not evaluating:
             for note in job.strategy.opened(round_, participants, known):
                 self.store.event(job.row.id, "strategy", round_, "", note)
         log.info("job %s round %d (%s) opened for %s%s", job.row.id, round_, kind, ", ".join(participants),
                  f"; evaluating: {', '.join(evaluators)}" if evaluators else "")
         self._cv.notify_all()
+        self._wake(participants + evaluators)
 
     def _waiting(self, job: ActiveJob, message: str) -> None:
         if job.row.message != message:
@@ -715,6 +804,7 @@ class Engine:
             return
         rs.participants, rs.grants, rs.outcomes = following, {}, {}
         rs.deadline = self._mono() + job.cfg.privacy.secagg.phase_timeout_s
+        self._wake(following)
         self.store.event(job.row.id, f"secagg_{sec.phase}", rs.round, "", f"{len(following)} site(s): "
                          + ", ".join(following))
 
@@ -786,10 +876,13 @@ def _storage_failure(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS
 
 
-def _site_metrics(rs: RoundState, eval_metrics, train_metrics=None, num_samples: int | None = None) -> dict:
+def _site_metrics(rs: RoundState, site: str, eval_metrics, train_metrics=None,
+                  num_samples: int | None = None) -> dict:
     """A site's reported metrics, validated, keyed for the store: (round, kind, name) -> value.
 
-    Eval metrics describe the incoming global model (model_round); train metrics this round.
+    Eval metrics describe the incoming global model (model_round); train metrics this round. Every
+    reader averages eval metrics over sites weighted by their "num_samples", so that weight is bounded
+    as training weights are (RoundState.eval_caps): a site claiming 1e300 rows cannot set the average.
     """
     out = {}
     for field_name, values, key in (("eval_metrics", eval_metrics, (rs.model_round, "eval")),
@@ -801,6 +894,11 @@ def _site_metrics(rs: RoundState, eval_metrics, train_metrics=None, num_samples:
             if not name or len(name) > 64 or not np.isfinite(value):
                 raise IntegrityError(f"{field_name}[{name[:64]!r}] must have a 1-64 character name and a finite value",
                                      reason=Reason.METRICS)
+            if key[1] == "eval" and name == "num_samples":
+                if value < 1:
+                    raise IntegrityError(f"eval_metrics['num_samples'] must be at least 1; got {value}",
+                                         reason=Reason.METRICS)
+                value = min(value, rs.eval_caps.get(site, 1))
             out[(*key, name)] = float(value)
     if num_samples is not None:
         out[(rs.round, "train", "num_samples")] = float(num_samples)

@@ -258,6 +258,10 @@ class Store:
                    (job_id, round_, site, kind, name, float(value)))
                   for (round_, site, kind, name), value in metrics.items()])
 
+    def job_sites(self, job_id: str) -> set[str]:
+        """Every site that was given a task of the job, whatever became of it."""
+        return {site for (site,) in self._all("SELECT DISTINCT site FROM tasks WHERE job_id = ?", (job_id,))}
+
     def site_events(self, job_id: str) -> list[tuple]:
         return self._all("SELECT site, status, round, reason FROM tasks WHERE job_id = ?"
                          " AND status NOT IN ('issued', 'stale') ORDER BY round, site", (job_id,))

@@ -95,6 +95,23 @@ def _delimiter() -> dict:
             return None
         return f"{value!r} is not a one-character delimiter; use e.g. ',' or ';' or a tab (\"\\t\")"
 
+
+# A site agent retries a lost coordinator with exponential backoff capped here, each wait stretched by up to
+# this jitter; a coordinator's rejoin grace must outlast the longest such wait (site_agent.agent uses these).
+SITE_BACKOFF_CAP_S = 8.0
+SITE_BACKOFF_JITTER = 0.25
+
+
+def _rejoin_grace() -> dict:
+    longest = SITE_BACKOFF_CAP_S * (1 + SITE_BACKOFF_JITTER)
+
+    def check(value: float) -> str | None:
+        if value == 0 or longest < value <= 3600:
+            return None
+        return (f"{value!r} is out of range; use 0 (do not wait) or more than {longest:g} s, the longest a site "
+                f"waits between reconnection attempts ({SITE_BACKOFF_CAP_S:g} s backoff + "
+                f"{SITE_BACKOFF_JITTER:.0%} jitter), and at most 3600")
+
     return {"check": check}
 
 
@@ -210,6 +227,10 @@ class SitesSpec:
     # Who evaluates the incoming global model each round: every online site ("all"), or only
     # the sites that train this round ("participants").
     evaluate: str = field(default="all", metadata=_one_of("all", "participants"))
+    # The most of a round's total weight any one site may carry, should every other site weigh in with the
+    # rows it reported at Join: a site reporting more samples than that counts with that cap, so no one site
+    # (however many rows it claims) can take the global model over. 1: no cap.
+    max_weight_share: float = field(default=0.75, metadata=_range(0, 1, lo_open=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,9 +377,10 @@ class CoordinatorConfig:
     state_dir: Path = Path("state")
     crl: Path | None = None
     poll_timeout_s: float = field(default=20.0, metadata=_range(0, 300, lo_open=True))
-    # When a job starts or resumes, wait this long for every registered site to (re)connect before its
-    # first round, so a coordinator restart does not leave out (or, for cwt, skip) sites still reconnecting.
-    rejoin_grace_s: float = field(default=15.0, metadata=_range(0, 3600))
+    # When a job starts or resumes, wait this long for its sites (a new job: every registered site) to
+    # (re)connect before its first round, so a coordinator restart does not leave out (or, for cwt, skip)
+    # sites still reconnecting. Longer than a site's longest backoff wait, or 0.
+    rejoin_grace_s: float = field(default=15.0, metadata=_rejoin_grace())
     chunk_bytes: int = field(default=1 << 20, metadata=_range(1 << 16, 1 << 22))
     max_workers: int = field(default=128, metadata=_range(8, 4096))
     # Per-stream HTTP/2 flow-control window: what a site may send before the coordinator reads it, so

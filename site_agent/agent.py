@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from plexus import __version__, transport
-from plexus.config import DataSpec, RoundConfig, SiteConfig, parse_round_config
+from plexus.config import SITE_BACKOFF_CAP_S, SITE_BACKOFF_JITTER, DataSpec, RoundConfig, SiteConfig, parse_round_config
 from plexus.accounting import PrivacyLedger
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition
@@ -38,7 +38,7 @@ from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
 log = logging.getLogger("plexus.site")
 
 BACKOFF_START_S = 0.25
-BACKOFF_CAP_S = 8.0
+BACKOFF_CAP_S = SITE_BACKOFF_CAP_S   # a coordinator's rejoin_grace_s is validated against it
 SECAGG_LATER_PHASES = (fpb.TASK_SECAGG_SHARE, fpb.TASK_SECAGG_MASKED_INPUT, fpb.TASK_SECAGG_UNMASK)
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -77,7 +77,7 @@ class SiteAgent:
                 level = logging.INFO if code in _RETRY else logging.ERROR
                 log.log(level, "coordinator %s: %s: %s; retrying in %.1fs", self.config.coordinator,
                         code.name, exc.details(), delay)
-            self.stop.wait(delay * (1 + 0.25 * self._rng.random()))
+            self.stop.wait(delay * (1 + SITE_BACKOFF_JITTER * self._rng.random()))
             delay = min(delay * 2, self.backoff_cap_s)
 
     def _serve(self, stub, poll_s: float) -> None:

@@ -18,6 +18,7 @@ from site_agent.agent import SiteAgent
 from timing import scaled, wait_until  # noqa: F401  (wait_until is the tests' one poller)
 
 HOSPITAL_OF = {"a": "cleveland", "b": "hungary", "c": "va", "d": "switzerland", "e": "cleveland"}
+RAW_ROWS = 1000   # the training rows a RawSite reports at Join by default
 
 HEART_JOB = """\
 name: {name}
@@ -99,8 +100,11 @@ class RawSite:
         self.channel.close()
 
     def join(self, dataset_rows: dict[str, int] | None = None) -> fpb.JoinReply:
-        return self.stub.Join(fpb.JoinRequest(agent_version="raw", models=["logistic"],
-                                              dataset_rows=dataset_rows or {}), timeout=scaled(5))
+        """Join, reporting RAW_ROWS training rows of heart-disease unless told otherwise (an update weighs at
+        most the rows its site reported at Join)."""
+        rows = {"heart-disease": RAW_ROWS} if dataset_rows is None else dataset_rows
+        return self.stub.Join(fpb.JoinRequest(agent_version="raw", models=["logistic"], dataset_rows=rows),
+                              timeout=scaled(5))
 
     def next_task(self, timeout: float = 30.0) -> fpb.Task:
         def poll():

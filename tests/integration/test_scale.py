@@ -21,7 +21,7 @@ def _echo_sites(address: str, kits: list, stop: threading.Event) -> list[threadi
     def loop(kit):
         site = RawSite(kit, address)
         try:
-            site.join()
+            site.join({"none": 1000})   # the job's dataset: updates weigh at most these rows
             while not stop.is_set():
                 task = site.stub.NextTask(fpb.NextTaskRequest(wait_s=0.5), timeout=10)
                 if task.kind == fpb.TASK_TRAIN:
