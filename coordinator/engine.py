@@ -30,7 +30,7 @@ from plexus.config import RoundConfig, dump_round_config, ensemble_members, pars
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
                            PlexusError, RoundClosed)
 from coordinator.model_worker import shared_worker
-from plexus.dp import add_noise, noise_key
+from plexus.dp import NOT_PRIVATE, add_noise, noise_key
 from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, Receiver, decode, encode
 
 log = logging.getLogger("plexus.coordinator")
@@ -498,11 +498,17 @@ class Engine:
                 layout, blob = self.store.checkpoint_blob(row.id, 0)   # built and saved at submit
                 self.store.set_job(row.id, status="running", current_round=0,
                                    event=("job_started", 0, "", f"{cfg.rounds} rounds of {cfg.strategy.name}"))
+                if _noise_is_reproducible(cfg):
+                    self.store.event(row.id, "dp_not_private", 0, "", NOT_PRIVATE)
                 row = self.store.job(row.id)
             else:
                 layout, blob = self.store.checkpoint_blob(row.id, row.current_round)
+                # A round cut short released nothing (its model is served only once closed), so the
+                # re-run round's fresh central noise is that round's only draw: ε is unchanged.
+                fresh = (", re-running the next round with fresh central DP noise"
+                         if cfg.privacy.dp is not None and cfg.privacy.dp.mode == "central" else "")
                 self.store.event(row.id, "job_resumed", row.current_round, "",
-                                 f"resuming after round {row.current_round}")
+                                 f"resuming after round {row.current_round}{fresh}")
         except (ConfigError, NotFound) as exc:
             self.store.set_job(row.id, status="failed", message=str(exc), event=("job_failed", 0, "", str(exc)))
             return False
@@ -514,6 +520,8 @@ class Engine:
             self._serve_from_checkpoint(job, row.current_round)
         self._active = job
         log.info("job %s active at round %d", row.id, row.current_round)
+        if _noise_is_reproducible(cfg):
+            log.warning("job %s: %s", row.id, NOT_PRIVATE)
         return True
 
     def _eligible_online(self, declined: dict[str, str]) -> list[str]:
@@ -667,14 +675,16 @@ class Engine:
     def _central_noise(self, job: ActiveJob, rs: RoundState, mean: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Central DP-FedAvg: N(0, (zS)²) on the sum of clipped updates, i.e. std zS/m on their mean.
 
-        Keyed from the job seed and name, so a seeded run is reproducible; the coordinator is
-        the party trusted with this noise in central mode.
+        Keyed from 32 fresh OS-random bytes that are never stored: the noise is not derivable
+        from anything a config reader knows. Only dp.reproducible_noise keys it from the job
+        seed and name (a reproducible run that is not private, and says so).
         """
         dp = job.cfg.privacy.dp
         if dp is None or dp.mode != "central":
             return mean
         std = dp.noise_multiplier * dp.clip_norm / len(rs.contributors)
-        noisy = add_noise(mean, std, noise_key(job.cfg.seed, job.cfg.name, rs.round, "coordinator"))
+        seed = job.cfg.seed if dp.reproducible_noise else None
+        noisy = add_noise(mean, std, noise_key(seed, job.cfg.name, rs.round, "coordinator"))
         return {k: noisy[k].astype(mean[k].dtype) for k in mean}
 
     def _close_training_round(self, job: ActiveJob, rs: RoundState, state: dict[str, np.ndarray] | None,
@@ -694,8 +704,10 @@ class Engine:
         dp = job.cfg.privacy.dp
         if dp is not None:  # q = 1: every online site takes part, the conservative accounting
             epsilon = shared_worker().epsilon_after(rs.round, dp.noise_multiplier, 1.0, dp.delta)
-            self.store.record_metrics(job.row.id, {(rs.round, "", "privacy", "epsilon"): epsilon,
-                                                   (rs.round, "", "privacy", "delta"): dp.delta})
+            ledger = {(rs.round, "", "privacy", "epsilon"): epsilon, (rs.round, "", "privacy", "delta"): dp.delta}
+            if dp.reproducible_noise:   # ε holds only against whoever cannot read the config: flag every round
+                ledger[(rs.round, "", "privacy", "noise_reproducible")] = 1.0
+            self.store.record_metrics(job.row.id, ledger)
         if state is not None:
             job.set_model(layout, blob)
         if not job.in_memory:
@@ -718,6 +730,10 @@ class Engine:
                 job.round.drop_held()
             self.store.set_job(job.row.id, status="failed", message=message, event=("job_failed", 0, "", message))
             self.store.interrupt_open_rounds()
+
+
+def _noise_is_reproducible(cfg: RoundConfig) -> bool:
+    return cfg.privacy.dp is not None and cfg.privacy.dp.reproducible_noise
 
 
 def _site_metrics(rs: RoundState, eval_metrics, train_metrics=None, num_samples: int | None = None) -> dict:

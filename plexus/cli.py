@@ -238,7 +238,8 @@ def _job_list(args) -> int:
 
 
 def _job_show(args) -> int:
-    from plexus.admin_client import epsilon_by_round, mean_eval
+    from plexus.admin_client import epsilon_by_round, mean_eval, noise_reproducible
+    from plexus.dp import NOT_PRIVATE
 
     with _client(args) as client:
         detail = client.job(args.job_id)
@@ -252,6 +253,8 @@ def _job_show(args) -> int:
     print(f"job {s.job_id}  ({s.name}, {s.strategy})  status: {s.status}  round {s.current_round}/{s.rounds}")
     if s.message:
         print(f"  {s.message}")
+    if noise_reproducible(detail):
+        print(f"  WARNING: {NOT_PRIVATE}")
     eps = epsilon_by_round(detail)
     rows = [{"round": r.round, "status": r.status, "sites": len(r.contributors), "samples": r.total_samples,
              "secs": f"{r.closed_unix_s - r.opened_unix_s:.2f}" if r.closed_unix_s else "",
@@ -313,8 +316,13 @@ def _job_download(args) -> int:
 
 
 def _job_metrics(args) -> int:
+    from plexus.admin_client import noise_reproducible
+    from plexus.dp import NOT_PRIVATE
+
     with _client(args) as client:
         detail = client.job(args.job_id)
+    if noise_reproducible(detail):   # on stderr: the table, CSV or JSON on stdout stays machine-readable
+        print(f"WARNING: {NOT_PRIVATE}", file=sys.stderr)
     rows = [{"round": m.round, "site": m.site, "kind": m.kind, "name": m.name, "value": m.value}
             for m in detail.metrics]
     fmt = "json" if args.json else args.format

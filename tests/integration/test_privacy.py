@@ -91,7 +91,8 @@ def test_seeded_central_dp_is_reproducible_and_noise_moves_the_model(federation,
     federation.wait_online("a", "b")
     ops = federation.admin()
     models = []
-    for job in (dp_job(rounds=2, seed=4), dp_job(rounds=2, seed=4), heart_job(rounds=2, seed=4)):
+    reproducible = dp_job(rounds=2, seed=4).replace(f"delta: {DELTA}", f"delta: {DELTA}, reproducible_noise: true")
+    for job in (reproducible, reproducible, heart_job(rounds=2, seed=4)):
         job_id = ops.submit(job).job_id
         assert federation.wait_job(job_id) == "completed"
         models.append(federation.store.load_checkpoint(job_id, 2))
