@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plexus import crypto, errors, pki
+from plexus.config import MIN_SECURE_COHORT
 
 PRIME = 2**521 - 1  # a Mersenne prime above every 32-byte secret
 _SHARE_BYTES = (PRIME.bit_length() + 7) // 8
@@ -266,14 +267,20 @@ class SiteSession:
 
     Calls go advertise -> share -> receive_shares -> mask -> unmask, each once
     (unmask may be repeated with the same survivors); anything else raises
-    errors.FailedPrecondition.
+    errors.FailedPrecondition. The site shares, masks and reveals only among at
+    least `min_cohort` sites (U1, U2 and U3 alike): the coordinator learns a sum,
+    and the sum of one site is that site's update. With n >= min_cohort >= 2
+    sites, the majority threshold it insists on is at least 2.
     """
 
-    def __init__(self, job_id: str, round_: int, site: str):
+    def __init__(self, job_id: str, round_: int, site: str, *, min_cohort: int = MIN_SECURE_COHORT):
         _check_str(job_id, "job_id")
         _check_int(round_, "round_")
         _check_str(site, "site")
-        self.job_id, self.round, self.site = job_id, round_, site
+        _check_int(min_cohort, "min_cohort")
+        if min_cohort < 2:
+            raise ValueError(f"min_cohort must be >= 2 (a sum over one site is that site's update), got {min_cohort}")
+        self.job_id, self.round, self.site, self.min_cohort = job_id, round_, site, min_cohort
         self._salt = _round_salt(job_id, round_)
         self._c_sk, self._c_pk = crypto.x25519_keypair()
         self._s_sk, self._s_pk = crypto.x25519_keypair()
@@ -328,6 +335,7 @@ class SiteSession:
         if peers.get(self.site) != self._advert:
             raise errors.IntegrityError(f"the relayed adverts do not hold site {self.site!r}'s own advert unaltered")
         n = len(peers)
+        self._check_cohort(n, "advertised in this round", "share its secrets")
         _check_int(threshold, "threshold")
         _check_int(total_weight, "total_weight")
         if threshold > n:
@@ -412,6 +420,7 @@ class SiteSession:
                 f"only {len(received)} sites (this one included) shared their secrets; threshold {self._threshold} "
                 "cannot be met, so the round must be abandoned"
             )
+        self._check_cohort(len(received), "shared their secrets (this one included)", "mask its update")
         self._received = received
 
     def mask(self, delta_chunks: Iterable[np.ndarray], *, clip: float, bits: int) -> Iterator[np.ndarray]:
@@ -450,10 +459,17 @@ class SiteSession:
             raise errors.IntegrityError(f"survivors {sorted(unknown)} never sent this site shares (they are not in U2)")
         if len(u3) < self._threshold:
             raise errors.IntegrityError(f"{len(u3)} survivors are fewer than the threshold {self._threshold}")
+        self._check_cohort(len(u3), "survived to be unmasked", "reveal shares")
         x = self._x[self.site]
         reveal = {v: ("b", x, b) if v in u3 else ("s", x, s) for v, (b, s) in sorted(self._received.items())}
         self._revealed = (u3, reveal)
         return dict(reveal)
+
+    def _check_cohort(self, size: int, who: str, refused: str) -> None:
+        if size < self.min_cohort:
+            raise errors.IntegrityError(
+                f"only {size} sites {who}, fewer than this site's minimum secure cohort of {self.min_cohort} "
+                f"(policy.min_secure_cohort): it will not {refused}, since the sum would expose too few sites")
 
     def _check_advert(self, advert: Advert, ca_pem: bytes, now: dt.datetime | None) -> None:
         if _not_int(advert.num_samples) or advert.num_samples < 1:

@@ -141,7 +141,8 @@ class SiteAgent:
         trained = state_to_numpy(model)
         layout = Layout.of(trained)
         delta = [(trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1) for t in layout.tensors]
-        session = SiteSession(task.job_id, task.round, self.config.site)
+        session = SiteSession(task.job_id, task.round, self.config.site,
+                              min_cohort=self.config.policy.min_secure_cohort)
         weight = 1 if job.privacy.dp is not None else result.num_samples  # DP-FedAvg weighs sites equally
         advert = session.advertise(weight, self.kit.key_pem, self.kit.cert_pem)
         for key in [k for k in self._secure if k[0] == task.job_id]:

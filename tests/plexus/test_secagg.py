@@ -46,7 +46,7 @@ class Round:
         self.samples = samples or {name: 10 * (i + 1) for i, name in enumerate(self.names)}
         self.total = sum(self.samples.values())
         self.t = threshold if threshold is not None else secagg.default_threshold(len(self.names))
-        self.sessions = {name: secagg.SiteSession(JOB, ROUND, name) for name in self.names}
+        self.sessions = {name: secagg.SiteSession(JOB, ROUND, name, min_cohort=2) for name in self.names}
         self.adverts = [
             self.sessions[n].advertise(self.samples[n], fed.kits[n].key_pem, fed.kits[n].cert_pem) for n in self.names
         ]
