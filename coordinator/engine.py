@@ -657,6 +657,11 @@ class Engine:
             following = sec.advance(answered, rs.participants)
             if sec.phase == "done":
                 delta, weight = sec.result()
+                for site, reason in sorted(sec.rejected.items()):   # their masked inputs are in the sum all the same
+                    rs.outcomes[site] = "rejected"
+                    self.store.finish_task(rs.grants[site].task_id, "rejected", reason, job_id=job.row.id,
+                                           round_=rs.round, site=site)
+                    log.warning("job %s round %d site %s: rejected (%s)", job.row.id, rs.round, site, reason)
                 mean = {}
                 for name, current in job.state.items():
                     mean[name] = (current.astype(np.float64) + delta[name]).astype(current.dtype)

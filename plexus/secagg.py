@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import math
 import secrets
 from collections.abc import Iterable, Iterator, Mapping
@@ -37,6 +38,9 @@ _SHARE_AAD_LABEL = b"plexus/v1/secagg-share-aad"
 _ROUND_LABEL = b"plexus/v1/secagg-round"
 # Fixed-point headroom: the sum of all sites' q stays within 2**30 + (sites / 2), inside int32.
 _HEADROOM_BITS = 30
+# Subsets of one secret's shares tried when some were altered: every way to leave out one or two liars
+# among dozens of responders, while a round full of liars fails in bounded time.
+MAX_DECODE_TRIES = 4096
 
 
 # ---------------------------------------------------------------------------
@@ -522,7 +526,10 @@ def _masked_chunks(
 
 
 class ServerSession:
-    """The coordinator's view: it never holds a secret of a site that stays in the round."""
+    """The coordinator's view: it never holds a secret of a site that stays in the round.
+
+    After unmask(), `rejected` maps each responder that revealed an altered share to why.
+    """
 
     def __init__(self, job_id: str, round_: int, adverts: list[Advert], threshold: int):
         _check_str(job_id, "job_id")
@@ -541,6 +548,7 @@ class ServerSession:
             raise ValueError(f"threshold {threshold} must lie between 1 and the {len(self._adverts)} adverts")
         self.threshold = threshold
         self._x = {site: i + 1 for i, site in enumerate(sorted(self._adverts))}
+        self.rejected: dict[str, str] = {}
 
     def unmask(
         self,
@@ -605,25 +613,32 @@ class ServerSession:
                     )
                 points[v][responder] = (x, y)
 
+        # Each secret is rebuilt from shares that agree and match what its owner signed (the self-mask
+        # seed's commitment, the mask key's public key); responders whose shares do not are rejected.
+        self.rejected = {}
         self_seeds = []
         for v in sorted(u3_set):
-            b = self._reconstruct(v, "self-mask seed", points[v])
-            seed = b.to_bytes(crypto.KEY_BYTES, "big")
-            if b_commitment(seed, self.job_id, self.round, v) != self._adverts[v].b_commitment:
+            commitment = self._adverts[v].b_commitment
+            b = self._recover(v, "self-mask seed", points[v], lambda secret, v=v, c=commitment: b_commitment(
+                secret.to_bytes(crypto.KEY_BYTES, "big"), self.job_id, self.round, v) == c)
+            if b is None:
                 raise errors.IntegrityError(
-                    f"the rebuilt self-mask seed of {v!r} does not match its signed commitment: one of "
-                    f"{sorted(points[v])} revealed an altered share; the round cannot be unmasked")
-            self_seeds.append(crypto.hkdf(seed, info=crypto.SECAGG_SELF_MASK, salt=self._salt))
+                    f"the rebuilt self-mask seed of {v!r} does not match its signed commitment: fewer than "
+                    f"t = {self.threshold} of the shares revealed by {sorted(points[v])} are honest; the round "
+                    "cannot be unmasked")
+            self_seeds.append(crypto.hkdf(b.to_bytes(crypto.KEY_BYTES, "big"), info=crypto.SECAGG_SELF_MASK,
+                                          salt=self._salt))
         pair_terms = []
         for v in sorted(u2_set - u3_set):
-            s_sk = self._reconstruct(v, "mask key", points[v]).to_bytes(crypto.KEY_BYTES, "big")
-            if crypto.x25519_public(s_sk) != self._adverts[v].s_pk:
-                who = (
-                    f"site {v!r} dealt shares that do not match its advertised key"
-                    if len(points[v]) > self.threshold
-                    else f"site {v!r} or one of responders {sorted(points[v])} altered the shares"
-                )
-                raise errors.IntegrityError(f"the rebuilt mask key of dropped site {v!r} is wrong: {who}")
+            s_pk = self._adverts[v].s_pk
+            secret = self._recover(v, "mask key", points[v], lambda secret, pk=s_pk: crypto.x25519_public(
+                secret.to_bytes(crypto.KEY_BYTES, "big")) == pk)
+            if secret is None:
+                raise errors.IntegrityError(
+                    f"the rebuilt mask key of dropped site {v!r} is wrong: fewer than t = {self.threshold} of the "
+                    f"shares revealed by {sorted(points[v])} rebuild its advertised key (either responders "
+                    f"altered them or {v!r} dealt shares that do not match it)")
+            s_sk = secret.to_bytes(crypto.KEY_BYTES, "big")
             for u in sorted(u3_set):
                 shared = crypto.x25519_shared(s_sk, self._adverts[u].s_pk)
                 seed = crypto.hkdf(shared, info=crypto.SECAGG_MASK, salt=self._salt)
@@ -640,38 +655,41 @@ class ServerSession:
                     view += crypto.prg_uint32(seed, view.size, start=start)
         return masked_sum
 
-    def _reconstruct(self, v: str, what: str, by_responder: dict[str, tuple[int, int]]) -> int:
-        try:
-            secret = shamir_combine([by_responder[r] for r in sorted(by_responder)], self.threshold)
-        except errors.IntegrityError:
-            culprit = _odd_one_out(by_responder, self.threshold)
-            if culprit is not None:
-                raise errors.IntegrityError(
-                    f"responder {culprit!r} revealed a share of the {what} of {v!r} that disagrees with the others"
-                ) from None
-            raise errors.IntegrityError(
-                f"the shares of the {what} of {v!r} revealed by {sorted(by_responder)} disagree; one was altered"
-            ) from None
-        if secret >= _SECRET_LIMIT:
-            raise errors.IntegrityError(
-                f"the {what} of {v!r} rebuilt from {sorted(by_responder)} is not a 32-byte secret; a share was altered"
-            )
+    def _recover(self, v: str, what: str, by_responder: dict[str, tuple[int, int]], verify) -> int | None:
+        """v's secret from the largest set of shares that agree and pass `verify`; None if no t of them do.
+
+        Responders left out are recorded in `rejected`. Leaving out k of r shares is tried
+        for k = 0, 1, ... in turn, so honest shares are never blamed while an agreeing set
+        that verifies exists among more of them.
+        """
+        found = _agreeing_secret(by_responder, self.threshold, verify)
+        if found is None:
+            return None
+        secret, liars = found
+        for r in liars:
+            self.rejected.setdefault(r, (
+                f"revealed an altered share of the {what} of {v!r}: the {len(by_responder) - len(liars)} other "
+                f"shares agree and rebuild the {what} {v!r} signed for; this one was left out"))
         return secret
 
 
-def _odd_one_out(by_responder: dict[str, tuple[int, int]], t: int) -> str | None:
-    """The one responder whose removal makes the other shares agree, if exactly one does."""
-    if len(by_responder) < t + 2:  # without a spare share beyond t, consistency says nothing
-        return None
-    suspects = []
-    for r in sorted(by_responder):
-        rest = [share for other, share in sorted(by_responder.items()) if other != r]
-        try:
-            shamir_combine(rest, t)
-        except errors.IntegrityError:
-            continue
-        suspects.append(r)
-    return suspects[0] if len(suspects) == 1 else None
+def _agreeing_secret(by_responder: dict[str, tuple[int, int]], t: int, verify) -> tuple[int, tuple[str, ...]] | None:
+    """(secret, responders left out) for the fewest left out such that the rest agree and verify."""
+    responders = sorted(by_responder)
+    tries = 0
+    for k in range(len(responders) - t + 1):
+        for left_out in itertools.combinations(responders, k):
+            kept = [by_responder[r] for r in responders if r not in left_out]
+            try:
+                secret = shamir_combine(kept, t)
+            except errors.IntegrityError:   # the kept shares disagree among themselves
+                secret = None
+            if secret is not None and secret < _SECRET_LIMIT and verify(secret):
+                return secret, left_out
+            tries += 1
+            if tries >= MAX_DECODE_TRIES:
+                return None
+    return None
 
 
 # ---------------------------------------------------------------------------
