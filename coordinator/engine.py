@@ -302,7 +302,7 @@ class Engine:
             try:
                 if not masked and not 1 <= header.num_samples <= 2 ** 31:
                     raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}")
-                metrics = _site_metrics(rs, header.eval_metrics, header.metrics, header.num_samples)
+                metrics = _kept(job, _site_metrics(rs, header.eval_metrics, header.metrics, header.num_samples))
                 layout.require_same(Layout.from_proto(header.manifest),
                                     what="masked input" if masked else "update")
                 spool = self.store.spool / f"{grant.task_id}.part"
@@ -349,7 +349,7 @@ class Engine:
                     self._record(rs, grant, site, "rejected", str(exc))
                     raise
                 rs.contributors.append(site)
-                rs.samples += header.num_samples
+                rs.samples += 1 if dp is not None else header.num_samples   # under DP, no site's row count
                 self._record(rs, grant, site, "submitted", "", metrics)
                 return f"update for round {grant.round} accepted ({header.num_samples} samples)"
         finally:
@@ -375,7 +375,7 @@ class Engine:
             try:
                 if body == "advert":
                     rs.secure.on_advert(site, value)
-                    metrics = _site_metrics(rs, message.eval_metrics, message.metrics, value.num_samples)
+                    metrics = _kept(job, _site_metrics(rs, message.eval_metrics, message.metrics, value.num_samples))
                 elif body == "shares":
                     rs.secure.on_shares(site, value)
                 else:
@@ -400,7 +400,7 @@ class Engine:
                 return "failure recorded"
             if grant.kind != "evaluate":
                 raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
-            self._record(rs, grant, site, "evaluated", "", _site_metrics(rs, result.eval_metrics))
+            self._record(rs, grant, site, "evaluated", "", _kept(job, _site_metrics(rs, result.eval_metrics)))
             return "evaluation recorded"
 
     # internals ---------------------------------------------------------------------------
@@ -739,6 +739,12 @@ class Engine:
 
 def _noise_is_reproducible(cfg: RoundConfig) -> bool:
     return cfg.privacy.dp is not None and cfg.privacy.dp.reproducible_noise
+
+
+def _kept(job: ActiveJob, metrics: dict) -> dict:
+    """The site metrics the store keeps: none under privacy.dp, where they would describe each site's data
+    outside the accounted ε (sites withhold them; this covers a site that sends them anyway)."""
+    return {} if job.cfg.privacy.dp is not None else metrics
 
 
 def _site_metrics(rs: RoundState, eval_metrics, train_metrics=None, num_samples: int | None = None) -> dict:

@@ -216,7 +216,7 @@ def b_commitment(b: bytes, job_id: str, round_: int, site: str) -> bytes:
     """SHA-256 commitment to a self-mask seed, bound to its round and site.
 
     Bonawitz's protocol has no way to check revealed self-mask shares; with this
-    signed commitment a bad share makes the round fail instead of corrupting the sum.
+    signed commitment an altered share is found and left out instead of corrupting the sum.
     """
     return hashlib.sha256(_COMMIT_LABEL + _encode(job_id, round_, site, b)).digest()
 
