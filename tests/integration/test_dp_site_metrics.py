@@ -40,7 +40,8 @@ def test_central_dp_stores_no_per_site_metrics(federation):
         federation.start_site(name)
     _start_leaky(federation, "c")
     federation.wait_online("a", "b", "c")
-    job_id = federation.admin().submit(heart_job(rounds=2, min=3) + f"privacy: {{{DP.format(mode='central')}}}\n").job_id
+    job = heart_job(rounds=2, min=3) + f"privacy: {{{DP.format(mode='central')}}}\n"
+    job_id = federation.admin().submit(job).job_id
     assert federation.wait_job(job_id) == "completed", federation.store.job(job_id).message
     assert _per_site(federation, job_id) == []        # before: train_loss, num_samples and eval metrics per site
     assert {row[3] for row in federation.store.metrics(job_id)} == {"epsilon", "delta"}
