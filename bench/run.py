@@ -25,6 +25,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
+from plexus.config import MIN_SECURE_COHORT  # noqa: E402
+
 MARK = "@@BENCH-RESULT@@"
 MB = 1 << 20
 
@@ -209,6 +211,9 @@ def main(argv=None) -> int:
             pair = {}
             for system in ("plexus", "plexus+sa", "flower"):
                 if system == "flower" and not flower_ok or system == "plexus+sa" and not args.secure:
+                    continue
+                if system == "plexus+sa" and sites < MIN_SECURE_COHORT:   # refused: a sum over too few sites
+                    say(f"case {label(size)} × {sites} sites: plexus+sa skipped (needs {MIN_SECURE_COHORT}+ sites)")
                     continue
                 say(f"case {label(size)} × {sites} sites: {system} ...")
                 res = case({"kind": system.split("+")[0], "size": size, "sites": sites, "rounds": args.rounds,

@@ -37,7 +37,7 @@ from coordinator.events import admin_actor
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
                            PlexusError, Reason, RoundClosed)
 from coordinator.model_worker import shared_worker
-from plexus.dp import add_noise, noise_key
+from plexus.dp import NOT_PRIVATE, add_noise, noise_key
 from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, Receiver, decode, encode
 
 log = logging.getLogger("plexus.coordinator")
@@ -406,7 +406,7 @@ class Engine:
                     raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}",
                                          reason=Reason.NUM_SAMPLES)
                 weight = header.num_samples if masked else rs.weight(site, header.num_samples)
-                metrics = _site_metrics(rs, site, header.eval_metrics, header.metrics, weight)
+                metrics = _kept(job, _site_metrics(rs, site, header.eval_metrics, header.metrics, weight))
                 layout.require_same(Layout.from_proto(header.manifest),
                                     what="masked input" if masked else "update")
                 spool = self.store.spool / f"{grant.task_id}.part"
@@ -453,7 +453,7 @@ class Engine:
                     self._record(rs, grant, site, "rejected", str(exc), code=exc.reason)
                     raise
                 rs.contributors.append(site)
-                rs.samples += weight
+                rs.samples += 1 if dp is not None else weight   # under DP, no site's row count
                 self._record(rs, grant, site, "submitted", "", metrics)
                 capped = (f", weighted as {weight}: sites.max_weight_share caps one site's share"
                           if weight < header.num_samples else "")
@@ -484,7 +484,8 @@ class Engine:
                 if body == "advert":
                     rs.check_rows(site, value.num_samples)   # a signed advert cannot be re-weighted, only refused
                     rs.secure.on_advert(site, value)
-                    metrics = _site_metrics(rs, site, message.eval_metrics, message.metrics, value.num_samples)
+                    metrics = _kept(job, _site_metrics(rs, site, message.eval_metrics, message.metrics,
+                                                       value.num_samples))
                 elif body == "shares":
                     rs.secure.on_shares(site, value)
                 else:
@@ -510,7 +511,7 @@ class Engine:
                 return "failure recorded"
             if grant.kind != "evaluate":
                 raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
-            self._record(rs, grant, site, "evaluated", "", _site_metrics(rs, site, result.eval_metrics))
+            self._record(rs, grant, site, "evaluated", "", _kept(job, _site_metrics(rs, site, result.eval_metrics)))
             return "evaluation recorded"
 
     # internals ---------------------------------------------------------------------------
@@ -609,11 +610,17 @@ class Engine:
                 layout, blob = self.store.checkpoint_blob(row.id, 0)   # built and saved at submit
                 self.store.set_job(row.id, status="running", current_round=0,
                                    event=("job_started", 0, "", f"{cfg.rounds} rounds of {cfg.strategy.name}"))
+                if _noise_is_reproducible(cfg):
+                    self.store.event(row.id, "dp_not_private", 0, "", NOT_PRIVATE)
                 row = self.store.job(row.id)
             else:
                 layout, blob = self.store.checkpoint_blob(row.id, row.current_round)
+                # A round cut short released nothing (its model is served only once closed), so the
+                # re-run round's fresh central noise is that round's only draw: ε is unchanged.
+                fresh = (", re-running the next round with fresh central DP noise"
+                         if cfg.privacy.dp is not None and cfg.privacy.dp.mode == "central" else "")
                 self.store.event(row.id, "job_resumed", row.current_round, "",
-                                 f"resuming after round {row.current_round}")
+                                 f"resuming after round {row.current_round}{fresh}")
         except (ConfigError, NotFound, IntegrityError) as exc:   # e.g. a damaged checkpoint: fail, never retry
             self.store.set_job(row.id, status="failed", message=str(exc), event=("job_failed", 0, "", str(exc)))
             return False
@@ -625,6 +632,8 @@ class Engine:
             self._serve_from_checkpoint(job, row.current_round)
         self._active = job
         log.info("job %s active at round %d", row.id, row.current_round)
+        if _noise_is_reproducible(cfg):
+            log.warning("job %s: %s", row.id, NOT_PRIVATE)
         return True
 
     def _touch(self, site: str) -> bool:
@@ -792,6 +801,11 @@ class Engine:
             following = sec.advance(answered, rs.participants)
             if sec.phase == "done":
                 delta, weight = sec.result()
+                for site, reason in sorted(sec.rejected.items()):   # their masked inputs are in the sum all the same
+                    rs.outcomes[site] = "rejected"
+                    self.store.finish_task(rs.grants[site].task_id, "rejected", reason, job_id=job.row.id,
+                                           round_=rs.round, site=site)
+                    log.warning("job %s round %d site %s: rejected (%s)", job.row.id, rs.round, site, reason)
                 mean = {}
                 for name, current in job.state.items():
                     mean[name] = (current.astype(np.float64) + delta[name]).astype(current.dtype)
@@ -811,14 +825,16 @@ class Engine:
     def _central_noise(self, job: ActiveJob, rs: RoundState, mean: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Central DP-FedAvg: N(0, (zS)²) on the sum of clipped updates, i.e. std zS/m on their mean.
 
-        Keyed from the job seed and name, so a seeded run is reproducible; the coordinator is
-        the party trusted with this noise in central mode.
+        Keyed from 32 fresh OS-random bytes that are never stored: the noise is not derivable
+        from anything a config reader knows. Only dp.reproducible_noise keys it from the job
+        seed and name (a reproducible run that is not private, and says so).
         """
         dp = job.cfg.privacy.dp
         if dp is None or dp.mode != "central":
             return mean
         std = dp.noise_multiplier * dp.clip_norm / len(rs.contributors)
-        noisy = add_noise(mean, std, noise_key(job.cfg.seed, job.cfg.name, rs.round, "coordinator"))
+        seed = job.cfg.seed if dp.reproducible_noise else None
+        noisy = add_noise(mean, std, noise_key(seed, job.cfg.name, rs.round, "coordinator"))
         return {k: noisy[k].astype(mean[k].dtype) for k in mean}
 
     def _close_training_round(self, job: ActiveJob, rs: RoundState, state: dict[str, np.ndarray] | None,
@@ -842,8 +858,10 @@ class Engine:
         dp = job.cfg.privacy.dp
         if dp is not None:  # q = 1: every online site takes part, the conservative accounting
             epsilon = shared_worker().epsilon_after(rs.round, dp.noise_multiplier, 1.0, dp.delta)
-            self.store.record_metrics(job.row.id, {(rs.round, "", "privacy", "epsilon"): epsilon,
-                                                   (rs.round, "", "privacy", "delta"): dp.delta})
+            ledger = {(rs.round, "", "privacy", "epsilon"): epsilon, (rs.round, "", "privacy", "delta"): dp.delta}
+            if dp.reproducible_noise:   # ε holds only against whoever cannot read the config: flag every round
+                ledger[(rs.round, "", "privacy", "noise_reproducible")] = 1.0
+            self.store.record_metrics(job.row.id, ledger)
         if state is not None:
             job.set_model(layout, blob)
         if not job.in_memory:
@@ -874,6 +892,16 @@ def _storage_failure(exc: BaseException) -> bool:
     if isinstance(exc, sqlite3.OperationalError):
         return exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN)
     return isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS
+
+
+def _noise_is_reproducible(cfg: RoundConfig) -> bool:
+    return cfg.privacy.dp is not None and cfg.privacy.dp.reproducible_noise
+
+
+def _kept(job: ActiveJob, metrics: dict) -> dict:
+    """The site metrics the store keeps: none under privacy.dp, where they would describe each site's data
+    outside the accounted ε (sites withhold them; this covers a site that sends them anyway)."""
+    return {} if job.cfg.privacy.dp is not None else metrics
 
 
 def _site_metrics(rs: RoundState, site: str, eval_metrics, train_metrics=None,

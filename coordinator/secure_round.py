@@ -16,7 +16,7 @@ import numpy as np
 from coordinator.aggregate import MaskedSum
 from plexus.config import SecAggSpec
 from plexus.errors import FailedPrecondition, IntegrityError, Reason
-from plexus.secagg import Advert, ServerSession, default_threshold, dequantize, frac_bits
+from plexus.secagg import PRIME, Advert, ServerSession, default_threshold, dequantize, frac_bits
 from plexus.wire import Layout
 
 TASK_KIND = {"advertise": "secagg_advertise", "share": "secagg_share", "mask": "secagg_mask",
@@ -45,6 +45,7 @@ class SecureRound:
     u3: list[str] = field(default_factory=list)
     threshold: int = 0
     total_weight: int = 0
+    rejected: dict[str, str] = field(default_factory=dict)   # unmask responders whose shares were altered
 
     def __post_init__(self):
         self.bits = frac_bits(self.spec.clip)
@@ -77,11 +78,14 @@ class SecureRound:
 
     def on_reveal(self, site: str, reveals: dict[str, tuple[str, int, int]]) -> None:
         survivors, dropped = set(self.u3), set(self.u2) - set(self.u3)
-        for peer, (kind, _, _) in reveals.items():
+        x = self.u1.index(site) + 1   # shares sit at each site's place in sorted U1
+        for peer, (kind, at, y) in reveals.items():
             wanted = "b" if peer in survivors else "s" if peer in dropped else None
             if kind != wanted:
                 raise IntegrityError(f"reveal for {peer!r} must be {wanted or 'absent'!r}, not {kind!r}; "
                                      "a site never reveals both secrets of one peer")
+            if at != x or not 0 <= y < PRIME:   # refused here, so one malformed reveal cannot stop the unmasking
+                raise IntegrityError(f"the share for {peer!r} must sit at x = {x} with y below the field prime")
         if set(reveals) != set(self.u2):
             raise IntegrityError(f"a reveal covers exactly U2 {sorted(self.u2)}")
         self.reveals[site] = reveals
@@ -128,9 +132,13 @@ class SecureRound:
         return self.adverts[site].num_samples
 
     def result(self) -> tuple[dict[str, np.ndarray], int]:
-        """The survivors' weighted mean update Σ n_u Δ_u / Σ n_u (float64 per tensor) and Σ n_u over U3."""
+        """The survivors' weighted mean update Σ n_u Δ_u / Σ n_u (float64 per tensor) and Σ n_u over U3.
+
+        Altered shares are left out while t honest ones remain; their senders end up in `rejected`.
+        """
         session = ServerSession(self.job_id, self.round, [self.adverts[s] for s in self.u1], self.threshold)
         total = session.unmask(self.masked.acc, self.u2, self.u3, self.reveals)
+        self.rejected = session.rejected
         survivors_weight = sum(self.weight_of(s) for s in self.u3)
         flat = dequantize(total, self.bits) * (self.total_weight / survivors_weight)
         out, start = {}, 0

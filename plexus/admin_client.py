@@ -75,6 +75,11 @@ def epsilon_by_round(detail: admin_pb2.JobDetail) -> dict[int, float]:
     return {m.round: m.value for m in detail.metrics if m.kind == "privacy" and m.name == "epsilon"}
 
 
+def noise_reproducible(detail: admin_pb2.JobDetail) -> bool:
+    """Whether the coordinator flagged the job's central DP noise as derivable from its config (not private)."""
+    return any(m.kind == "privacy" and m.name == "noise_reproducible" for m in detail.metrics)
+
+
 def mean_eval(detail: admin_pb2.JobDetail) -> dict[int, dict[str, float]]:
     """Per model version: each eval metric averaged over sites, weighted by their held-out row counts."""
     per = defaultdict(lambda: defaultdict(dict))

@@ -259,7 +259,8 @@ def _job_list(args) -> int:
 
 
 def _job_show(args) -> int:
-    from plexus.admin_client import epsilon_by_round, mean_eval
+    from plexus.admin_client import epsilon_by_round, mean_eval, noise_reproducible
+    from plexus.dp import NOT_PRIVATE
 
     with _client(args) as client:
         detail = client.job(args.job_id)
@@ -274,6 +275,8 @@ def _job_show(args) -> int:
                     f"round {s.current_round}/{s.rounds}"))
     if s.message:
         print(f"  {printable(s.message)}")
+    if noise_reproducible(detail):
+        print(f"  WARNING: {NOT_PRIVATE}")
     eps = epsilon_by_round(detail)
     rows = [{"round": r.round, "status": r.status, "sites": len(r.contributors), "samples": r.total_samples,
              "secs": f"{r.closed_unix_s - r.opened_unix_s:.2f}" if r.closed_unix_s else "",
@@ -335,8 +338,13 @@ def _job_download(args) -> int:
 
 
 def _job_metrics(args) -> int:
+    from plexus.admin_client import noise_reproducible
+    from plexus.dp import NOT_PRIVATE
+
     with _client(args) as client:
         detail = client.job(args.job_id)
+    if noise_reproducible(detail):   # on stderr: the table, CSV or JSON on stdout stays machine-readable
+        print(f"WARNING: {NOT_PRIVATE}", file=sys.stderr)
     rows = [{"round": m.round, "site": m.site, "kind": m.kind, "name": m.name, "value": m.value}
             for m in detail.metrics]
     fmt = "json" if args.json else args.format

@@ -161,6 +161,10 @@ def _non_empty() -> dict:
     return {"check": lambda value: None if value else "is empty; list at least one item or remove the key"}
 
 
+# Secure aggregation over fewer sites than this is refused (job config: sites.min; site: policy.min_secure_cohort).
+MIN_SECURE_COHORT = 3
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A model registry name and the keyword arguments for its constructor."""
@@ -262,6 +266,9 @@ class DPSpec:
     clip_norm: float = field(metadata=_range(0, lo_open=True))
     delta: float = field(default=1e-5, metadata=_range(0, 1, lo_open=True, hi_open=True))
     target_epsilon: float | None = field(default=None, metadata=_range(0, lo_open=True))
+    # Central mode: derive the coordinator's noise from the job seed, so a rerun is bit-for-bit the same.
+    # NOT private: anyone who can read the job's config can regenerate the noise and remove it. Tests only.
+    reproducible_noise: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +284,8 @@ class DPSGDSpec:
 class SecAggSpec:
     """Secure aggregation tuning: threshold t, the per-coordinate clip of Δ, and each phase's deadline."""
 
-    threshold: int | None = field(default=None, metadata=_range(1))   # None: a majority of the sites
+    # None: a majority of the sites. Never 1: one share would rebuild a site's secret on its own.
+    threshold: int | None = field(default=None, metadata=_range(2))
     clip: float = field(default=4.0, metadata=_range(0, 2 ** 20, lo_open=True))
     phase_timeout_s: float = field(default=30.0, metadata=_range(0, 3600, lo_open=True))
 
@@ -342,6 +350,9 @@ class PolicySpec:
     allowed_datasets: tuple[str, ...] | None = None
     # Plug-in model name -> SHA-256 (hex) of its source, as `plexus.models.plugin_source_sha256` computes it.
     plugin_sha256: dict[str, str] = field(default_factory=dict, metadata=_sha256_values())
+    # Secure aggregation: the fewest sites this site masks its update with, shares secrets among and reveals
+    # shares for. A sum over fewer sites tells the coordinator too much (over one site: that site's update).
+    min_secure_cohort: int = field(default=MIN_SECURE_COHORT, metadata=_range(2, 10_000))
 
 
 SITE_NAME = r"[a-z0-9][a-z0-9_-]{0,62}"
@@ -480,6 +491,13 @@ def _privacy_problem(spec: PrivacySpec) -> tuple[str, str] | None:
     return None
 
 
+def _dp_problem(spec: DPSpec) -> tuple[str, str] | None:
+    if spec.reproducible_noise and spec.mode != "central":
+        return "reproducible_noise", ("applies to mode 'central' only (each site's share of distributed noise "
+                                      "always comes from its own OS randomness); remove it")
+    return None
+
+
 def _sites_problem(spec: SitesSpec) -> tuple[str, str] | None:
     if spec.count is not None and spec.count < spec.min:
         return "count", (f"samples {spec.count} site(s) per round but min is {spec.min}, so no round could "
@@ -491,6 +509,10 @@ def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
     if cfg.train.steps is not None and cfg.privacy.dp_sgd is not None:
         return "train", ("steps cannot be combined with privacy.dp_sgd, whose privacy accounting counts whole "
                          "epochs of Poisson-sampled batches; use train.epochs")
+    if cfg.privacy.secure_aggregation and cfg.sites.min < MIN_SECURE_COHORT:
+        return "sites", (f"min is {cfg.sites.min}, and privacy.secure_aggregation needs at least "
+                         f"{MIN_SECURE_COHORT} sites in every sum (the sum of one site is its update; of two, each "
+                         f"learns the other's); set sites.min to {MIN_SECURE_COHORT} or more")
     return _schema_model_problem(cfg)
 
 
@@ -520,7 +542,7 @@ def _checkpoints_problem(spec: CheckpointsSpec) -> tuple[str, str] | None:
 
 
 _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
-    DatasetSpec: _dataset_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
+    DatasetSpec: _dataset_problem, DPSpec: _dp_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
     RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem,
     CheckpointsSpec: _checkpoints_problem}
 

@@ -19,6 +19,9 @@ from plexus.crypto import KEY_BYTES, hkdf, prg_uint32
 from plexus.errors import IntegrityError
 
 DP_NOISE = b"plexus/v1/dp-noise"
+# What logs, events and `plexus job show/metrics` say about a run with privacy.dp.reproducible_noise.
+NOT_PRIVATE = ("privacy.dp.reproducible_noise is on: the central noise is derived from the job's config, so "
+               "anyone who can read the config can remove it; this run is NOT differentially private")
 
 _WORDS_PER_PAIR = 4  # two 53-bit uniforms (two uint32 each) give two normals
 _TWO_53 = float(1 << 53)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import math
 import secrets
 from collections.abc import Iterable, Iterator, Mapping
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plexus import crypto, errors, pki
+from plexus.config import MIN_SECURE_COHORT
 
 PRIME = 2**521 - 1  # a Mersenne prime above every 32-byte secret
 _SHARE_BYTES = (PRIME.bit_length() + 7) // 8
@@ -36,6 +38,9 @@ _SHARE_AAD_LABEL = b"plexus/v1/secagg-share-aad"
 _ROUND_LABEL = b"plexus/v1/secagg-round"
 # Fixed-point headroom: the sum of all sites' q stays within 2**30 + (sites / 2), inside int32.
 _HEADROOM_BITS = 30
+# Subsets of one secret's shares tried when some were altered: every way to leave out one or two liars
+# among dozens of responders, while a round full of liars fails in bounded time.
+MAX_DECODE_TRIES = 4096
 
 
 # ---------------------------------------------------------------------------
@@ -211,7 +216,7 @@ def b_commitment(b: bytes, job_id: str, round_: int, site: str) -> bytes:
     """SHA-256 commitment to a self-mask seed, bound to its round and site.
 
     Bonawitz's protocol has no way to check revealed self-mask shares; with this
-    signed commitment a bad share makes the round fail instead of corrupting the sum.
+    signed commitment an altered share is found and left out instead of corrupting the sum.
     """
     return hashlib.sha256(_COMMIT_LABEL + _encode(job_id, round_, site, b)).digest()
 
@@ -266,14 +271,20 @@ class SiteSession:
 
     Calls go advertise -> share -> receive_shares -> mask -> unmask, each once
     (unmask may be repeated with the same survivors); anything else raises
-    errors.FailedPrecondition.
+    errors.FailedPrecondition. The site shares, masks and reveals only among at
+    least `min_cohort` sites (U1, U2 and U3 alike): the coordinator learns a sum,
+    and the sum of one site is that site's update. With n >= min_cohort >= 2
+    sites, the majority threshold it insists on is at least 2.
     """
 
-    def __init__(self, job_id: str, round_: int, site: str):
+    def __init__(self, job_id: str, round_: int, site: str, *, min_cohort: int = MIN_SECURE_COHORT):
         _check_str(job_id, "job_id")
         _check_int(round_, "round_")
         _check_str(site, "site")
-        self.job_id, self.round, self.site = job_id, round_, site
+        _check_int(min_cohort, "min_cohort")
+        if min_cohort < 2:
+            raise ValueError(f"min_cohort must be >= 2 (a sum over one site is that site's update), got {min_cohort}")
+        self.job_id, self.round, self.site, self.min_cohort = job_id, round_, site, min_cohort
         self._salt = _round_salt(job_id, round_)
         self._c_sk, self._c_pk = crypto.x25519_keypair()
         self._s_sk, self._s_pk = crypto.x25519_keypair()
@@ -328,6 +339,7 @@ class SiteSession:
         if peers.get(self.site) != self._advert:
             raise errors.IntegrityError(f"the relayed adverts do not hold site {self.site!r}'s own advert unaltered")
         n = len(peers)
+        self._check_cohort(n, "advertised in this round", "share its secrets")
         _check_int(threshold, "threshold")
         _check_int(total_weight, "total_weight")
         if threshold > n:
@@ -412,6 +424,7 @@ class SiteSession:
                 f"only {len(received)} sites (this one included) shared their secrets; threshold {self._threshold} "
                 "cannot be met, so the round must be abandoned"
             )
+        self._check_cohort(len(received), "shared their secrets (this one included)", "mask its update")
         self._received = received
 
     def mask(self, delta_chunks: Iterable[np.ndarray], *, clip: float, bits: int) -> Iterator[np.ndarray]:
@@ -450,10 +463,17 @@ class SiteSession:
             raise errors.IntegrityError(f"survivors {sorted(unknown)} never sent this site shares (they are not in U2)")
         if len(u3) < self._threshold:
             raise errors.IntegrityError(f"{len(u3)} survivors are fewer than the threshold {self._threshold}")
+        self._check_cohort(len(u3), "survived to be unmasked", "reveal shares")
         x = self._x[self.site]
         reveal = {v: ("b", x, b) if v in u3 else ("s", x, s) for v, (b, s) in sorted(self._received.items())}
         self._revealed = (u3, reveal)
         return dict(reveal)
+
+    def _check_cohort(self, size: int, who: str, refused: str) -> None:
+        if size < self.min_cohort:
+            raise errors.IntegrityError(
+                f"only {size} sites {who}, fewer than this site's minimum secure cohort of {self.min_cohort} "
+                f"(policy.min_secure_cohort): it will not {refused}, since the sum would expose too few sites")
 
     def _check_advert(self, advert: Advert, ca_pem: bytes, now: dt.datetime | None) -> None:
         if _not_int(advert.num_samples) or advert.num_samples < 1:
@@ -506,7 +526,10 @@ def _masked_chunks(
 
 
 class ServerSession:
-    """The coordinator's view: it never holds a secret of a site that stays in the round."""
+    """The coordinator's view: it never holds a secret of a site that stays in the round.
+
+    After unmask(), `rejected` maps each responder that revealed an altered share to why.
+    """
 
     def __init__(self, job_id: str, round_: int, adverts: list[Advert], threshold: int):
         _check_str(job_id, "job_id")
@@ -525,6 +548,7 @@ class ServerSession:
             raise ValueError(f"threshold {threshold} must lie between 1 and the {len(self._adverts)} adverts")
         self.threshold = threshold
         self._x = {site: i + 1 for i, site in enumerate(sorted(self._adverts))}
+        self.rejected: dict[str, str] = {}
 
     def unmask(
         self,
@@ -589,25 +613,32 @@ class ServerSession:
                     )
                 points[v][responder] = (x, y)
 
+        # Each secret is rebuilt from shares that agree and match what its owner signed (the self-mask
+        # seed's commitment, the mask key's public key); responders whose shares do not are rejected.
+        self.rejected = {}
         self_seeds = []
         for v in sorted(u3_set):
-            b = self._reconstruct(v, "self-mask seed", points[v])
-            seed = b.to_bytes(crypto.KEY_BYTES, "big")
-            if b_commitment(seed, self.job_id, self.round, v) != self._adverts[v].b_commitment:
+            commitment = self._adverts[v].b_commitment
+            b = self._recover(v, "self-mask seed", points[v], lambda secret, v=v, c=commitment: b_commitment(
+                secret.to_bytes(crypto.KEY_BYTES, "big"), self.job_id, self.round, v) == c)
+            if b is None:
                 raise errors.IntegrityError(
-                    f"the rebuilt self-mask seed of {v!r} does not match its signed commitment: one of "
-                    f"{sorted(points[v])} revealed an altered share; the round cannot be unmasked")
-            self_seeds.append(crypto.hkdf(seed, info=crypto.SECAGG_SELF_MASK, salt=self._salt))
+                    f"the rebuilt self-mask seed of {v!r} does not match its signed commitment: fewer than "
+                    f"t = {self.threshold} of the shares revealed by {sorted(points[v])} are honest; the round "
+                    "cannot be unmasked")
+            self_seeds.append(crypto.hkdf(b.to_bytes(crypto.KEY_BYTES, "big"), info=crypto.SECAGG_SELF_MASK,
+                                          salt=self._salt))
         pair_terms = []
         for v in sorted(u2_set - u3_set):
-            s_sk = self._reconstruct(v, "mask key", points[v]).to_bytes(crypto.KEY_BYTES, "big")
-            if crypto.x25519_public(s_sk) != self._adverts[v].s_pk:
-                who = (
-                    f"site {v!r} dealt shares that do not match its advertised key"
-                    if len(points[v]) > self.threshold
-                    else f"site {v!r} or one of responders {sorted(points[v])} altered the shares"
-                )
-                raise errors.IntegrityError(f"the rebuilt mask key of dropped site {v!r} is wrong: {who}")
+            s_pk = self._adverts[v].s_pk
+            secret = self._recover(v, "mask key", points[v], lambda secret, pk=s_pk: crypto.x25519_public(
+                secret.to_bytes(crypto.KEY_BYTES, "big")) == pk)
+            if secret is None:
+                raise errors.IntegrityError(
+                    f"the rebuilt mask key of dropped site {v!r} is wrong: fewer than t = {self.threshold} of the "
+                    f"shares revealed by {sorted(points[v])} rebuild its advertised key (either responders "
+                    f"altered them or {v!r} dealt shares that do not match it)")
+            s_sk = secret.to_bytes(crypto.KEY_BYTES, "big")
             for u in sorted(u3_set):
                 shared = crypto.x25519_shared(s_sk, self._adverts[u].s_pk)
                 seed = crypto.hkdf(shared, info=crypto.SECAGG_MASK, salt=self._salt)
@@ -624,38 +655,41 @@ class ServerSession:
                     view += crypto.prg_uint32(seed, view.size, start=start)
         return masked_sum
 
-    def _reconstruct(self, v: str, what: str, by_responder: dict[str, tuple[int, int]]) -> int:
-        try:
-            secret = shamir_combine([by_responder[r] for r in sorted(by_responder)], self.threshold)
-        except errors.IntegrityError:
-            culprit = _odd_one_out(by_responder, self.threshold)
-            if culprit is not None:
-                raise errors.IntegrityError(
-                    f"responder {culprit!r} revealed a share of the {what} of {v!r} that disagrees with the others"
-                ) from None
-            raise errors.IntegrityError(
-                f"the shares of the {what} of {v!r} revealed by {sorted(by_responder)} disagree; one was altered"
-            ) from None
-        if secret >= _SECRET_LIMIT:
-            raise errors.IntegrityError(
-                f"the {what} of {v!r} rebuilt from {sorted(by_responder)} is not a 32-byte secret; a share was altered"
-            )
+    def _recover(self, v: str, what: str, by_responder: dict[str, tuple[int, int]], verify) -> int | None:
+        """v's secret from the largest set of shares that agree and pass `verify`; None if no t of them do.
+
+        Responders left out are recorded in `rejected`. Leaving out k of r shares is tried
+        for k = 0, 1, ... in turn, so honest shares are never blamed while an agreeing set
+        that verifies exists among more of them.
+        """
+        found = _agreeing_secret(by_responder, self.threshold, verify)
+        if found is None:
+            return None
+        secret, liars = found
+        for r in liars:
+            self.rejected.setdefault(r, (
+                f"revealed an altered share of the {what} of {v!r}: the {len(by_responder) - len(liars)} other "
+                f"shares agree and rebuild the {what} {v!r} signed for; this one was left out"))
         return secret
 
 
-def _odd_one_out(by_responder: dict[str, tuple[int, int]], t: int) -> str | None:
-    """The one responder whose removal makes the other shares agree, if exactly one does."""
-    if len(by_responder) < t + 2:  # without a spare share beyond t, consistency says nothing
-        return None
-    suspects = []
-    for r in sorted(by_responder):
-        rest = [share for other, share in sorted(by_responder.items()) if other != r]
-        try:
-            shamir_combine(rest, t)
-        except errors.IntegrityError:
-            continue
-        suspects.append(r)
-    return suspects[0] if len(suspects) == 1 else None
+def _agreeing_secret(by_responder: dict[str, tuple[int, int]], t: int, verify) -> tuple[int, tuple[str, ...]] | None:
+    """(secret, responders left out) for the fewest left out such that the rest agree and verify."""
+    responders = sorted(by_responder)
+    tries = 0
+    for k in range(len(responders) - t + 1):
+        for left_out in itertools.combinations(responders, k):
+            kept = [by_responder[r] for r in responders if r not in left_out]
+            try:
+                secret = shamir_combine(kept, t)
+            except errors.IntegrityError:   # the kept shares disagree among themselves
+                secret = None
+            if secret is not None and secret < _SECRET_LIMIT and verify(secret):
+                return secret, left_out
+            tries += 1
+            if tries >= MAX_DECODE_TRIES:
+                return None
+    return None
 
 
 # ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import numpy as np
@@ -121,7 +121,7 @@ class SiteAgent:
             self.audit.ran(task.job_id, task.round, job.data.dataset, job.model.name, kind)
             eval_metrics = self.evaluate(model, data)
             if task.kind == fpb.TASK_EVALUATE:
-                return self._report(stub, task, fpb.RESULT_EVALUATED, "", eval_metrics)
+                return self._report(stub, task, fpb.RESULT_EVALUATED, "", self.to_report(job, eval_metrics)[0])
             if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or needs_served(job)):
                 served = incoming = {}   # the model holds the weights now: let the fetched copy go
             if job.privacy.dp_sgd is not None:
@@ -130,8 +130,9 @@ class SiteAgent:
                 local = self.local_update(job, model, served, data, task)
             if job.privacy.dp is not None:
                 self._clip_and_noise(model, incoming, job, task)
+            eval_metrics, result = self.to_report(job, eval_metrics, local.result)
             if task.kind == fpb.TASK_SECAGG_ADVERTISE:
-                return self._advertise(stub, task, job, incoming, model, local.result, eval_metrics)
+                return self._advertise(stub, task, job, incoming, model, result, eval_metrics)
         except grpc.RpcError:
             raise
         except (ValueError, RuntimeError, LookupError, FailedPrecondition) as exc:  # IntegrityError is a ValueError
@@ -139,7 +140,7 @@ class SiteAgent:
             self._secure.pop((task.job_id, task.round), None)
             return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         update = {**local.update, **state_views(model)}   # the model as it stands (after any DP clipping) + extras
-        if self._submit(stub, task, update, local.result, eval_metrics):
+        if self._submit(stub, task, update, result, eval_metrics):
             local.commit()   # e.g. SCAFFOLD's control variate: kept only once the coordinator took the update
 
     # secure aggregation ---------------------------------------------------------------------
@@ -148,7 +149,8 @@ class SiteAgent:
         trained = state_to_numpy(model)
         layout = Layout.of(trained)
         delta = [(trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1) for t in layout.tensors]
-        session = SiteSession(task.job_id, task.round, self.config.site)
+        session = SiteSession(task.job_id, task.round, self.config.site,
+                              min_cohort=self.config.policy.min_secure_cohort)
         weight = 1 if job.privacy.dp is not None else result.num_samples  # DP-FedAvg weighs sites equally
         advert = session.advertise(weight, self.kit.key_pem, self.kit.cert_pem)
         for key in [k for k in self._secure if k[0] == task.job_id]:
@@ -207,6 +209,18 @@ class SiteAgent:
         stub.SubmitUpdate(messages(), timeout=_remaining(task))
         self.audit.sent(task.job_id, task.round, "masked:" + digest.hexdigest(), 0)
         log.info("job %s round %d: sent the masked update", task.job_id, task.round)
+
+    @staticmethod
+    def to_report(job: RoundConfig, eval_metrics: dict[str, float],
+                  result: TrainResult | None = None) -> tuple[dict[str, float], TrainResult | None]:
+        """What this site tells the coordinator about itself. Under privacy.dp: nothing, whatever it is asked.
+
+        Its losses, evaluation metrics and row count describe its data outside the accounted ε,
+        so they stay here; the update carries num_samples 1 (DP-FedAvg weighs sites equally).
+        """
+        if job.privacy.dp is None:
+            return eval_metrics, result
+        return {}, None if result is None else replace(result, num_samples=1, metrics={})
 
     def local_update(self, job: RoundConfig, model, served: dict, data: Split, task) -> LocalResult:
         """This round's local work for the job's strategy; benchmarks override it with a trivial step."""

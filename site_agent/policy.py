@@ -46,6 +46,13 @@ def refusal(policy: PolicySpec, job: RoundConfig, installed_models: set[str], *,
         return f"the job has {job.rounds} rounds; this site's policy.max_rounds allows at most {policy.max_rounds}"
     if policy.require_secure_aggregation and not job.privacy.secure_aggregation:
         return "this site's policy requires secure aggregation (privacy.secure_aggregation: true)"
+    if job.privacy.secure_aggregation and job.sites.min < policy.min_secure_cohort:
+        return (f"the job's sites.min {job.sites.min} lets a secure sum cover fewer sites than this site's "
+                f"policy.min_secure_cohort {policy.min_secure_cohort}")
+    if (policy.max_epsilon is not None or policy.min_dp_noise is not None) and job.privacy.dp is not None \
+            and job.privacy.dp.reproducible_noise:
+        return ("the job sets privacy.dp.reproducible_noise, so its central noise can be rebuilt from its config "
+                "and removed; this site's policy.max_epsilon/min_dp_noise needs noise nobody can predict")
     if policy.min_dp_noise is not None:
         reason = _noise_refusal(policy.min_dp_noise, job)
         if reason:

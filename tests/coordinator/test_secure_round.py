@@ -84,3 +84,22 @@ def test_refusals_name_what_is_wrong():
         sr.on_reveal("a", {"a": ("b", 1, 5), "b": ("b", 1, 5)})
     sr.on_reveal("a", {"a": ("b", 1, 5), "b": ("b", 1, 5), "c": ("s", 1, 5)})
     assert set(sr.reveals) == {"a"}
+
+
+def test_a_reveal_at_the_wrong_x_or_outside_the_field_is_refused_on_arrival():
+    from plexus.secagg import PRIME
+
+    sr = _round(min_sites=3)
+    for site in "abc":
+        sr.on_advert(site, _advert(site))
+    sr.advance(list("abc"), list("abc"))
+    for site in "abc":
+        sr.on_shares(site, {p: b"z" for p in "abc" if p != site})
+    sr.advance(list("abc"), list("abc"))
+    sr.advance(list("abc"), list("abc"))
+    with pytest.raises(IntegrityError, match="x = 2"):       # b is second in sorted U1
+        sr.on_reveal("b", {"a": ("b", 1, 5), "b": ("b", 1, 5), "c": ("b", 1, 5)})
+    with pytest.raises(IntegrityError, match="below the field prime"):
+        sr.on_reveal("b", {"a": ("b", 2, PRIME), "b": ("b", 2, 5), "c": ("b", 2, 5)})
+    sr.on_reveal("b", {"a": ("b", 2, 5), "b": ("b", 2, 5), "c": ("b", 2, 5)})
+    assert set(sr.reveals) == {"b"}

@@ -475,12 +475,12 @@ def test_secure_aggregation_is_refused_where_it_cannot_compute_the_rule(strategy
     name = strategy if "ensemble" not in strategy else "ensemble"
     with pytest.raises(ConfigError, match=f"privacy.secure_aggregation: strategy '{name}' cannot combine with "
                                           "secure aggregation, which shows the coordinator only the sum"):
-        build(strategy, "sites: {min: 5}\n" if "krum" in strategy else "", SECAGG)
+        build(strategy, "sites: {min: 5}\n" if "krum" in strategy else "sites: {min: 3}\n", SECAGG)
 
 
 def test_sum_based_strategies_accept_secure_aggregation_and_dp():
     for name in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad"):
-        assert build(name, SECAGG).secure_aggregation
+        assert build(name, "sites: {min: 3}\n", SECAGG).secure_aggregation
     for name in ("fedavg", "fedadam", "cwt"):
         assert build(name, DP).dp_compatible
 

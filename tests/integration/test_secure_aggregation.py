@@ -133,7 +133,7 @@ def test_too_many_dropouts_fail_the_round_and_keep_the_model(federation):
     for name in "cd":
         _start(federation, name, DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)
     federation.wait_online(*"abcd")
-    job_id = federation.admin().submit(secure_job(rounds=1, min=2, seed=1)).job_id
+    job_id = federation.admin().submit(secure_job(rounds=1, min=3, seed=1)).job_id
     assert federation.wait_job(job_id) == "failed"
     message = federation.store.job(job_id).message
     assert "secure aggregation, mask phase: 2 of 4 sites answered" in message and "threshold t=3" in message
@@ -188,7 +188,7 @@ def test_malformed_masked_input_is_excluded_with_a_reason(federation):
                                       "ensemble", "scaffold"])
 def test_secure_aggregation_with_a_strategy_it_cannot_compute_is_refused_at_submit(federation, strategy):
     args = {"ensemble": "{members: [a, b]}", "krum": "{f: 0}", "multi_krum": "{f: 0}"}.get(strategy, "{}")
-    job = secure_job(rounds=1).replace("rounds: 1", f"rounds: 1\nstrategy: {{name: {strategy}, args: {args}}}")
+    job = secure_job(rounds=1, min=3).replace("rounds: 1", f"rounds: 1\nstrategy: {{name: {strategy}, args: {args}}}")
     if strategy in ("cwt", "swt"):
         job = job.replace("min: 3", "min: 1")
     with pytest.raises(grpc.RpcError) as err:

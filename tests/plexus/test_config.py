@@ -146,7 +146,7 @@ def test_int_accepted_for_float_fields():
 def test_unquoted_exponent_accepted_for_float_fields():
     # PyYAML's YAML 1.1 resolver reads `1e-5` as a string; float fields take it anyway.
     cfg = parse_round_config(
-        MINIMAL + "privacy: {secure_aggregation: true,\n"
+        MINIMAL + "sites: {min: 3}\nprivacy: {secure_aggregation: true,\n"
                   "          dp: {mode: distributed, noise_multiplier: 0, clip_norm: 2, delta: 1e-6}}\n"
     )
     assert cfg.privacy.dp.delta == 1e-6
@@ -198,20 +198,21 @@ def round_configs(draw):
         delta=st.floats(min_value=0, max_value=1, exclude_min=True, exclude_max=True),
         target_epsilon=st.none() | positive,
     ))
+    secure = draw(st.booleans()) or (dp is not None and dp.mode == "distributed")
     return RoundConfig(
         name=draw(st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", fullmatch=True)),
         model=ModelSpec(name="mlp", args=draw(st.dictionaries(
             st.text(alphabet="abc_-:1 ", min_size=1, max_size=6), arg_values, max_size=4))),
         data=DataSpec(dataset=draw(st.sampled_from(["heart", "yes", "123", "null"]))),
         rounds=draw(st.integers(1, 100_000)),
-        sites=SitesSpec(min=draw(st.integers(1, 50)), deadline_s=draw(positive)),
+        sites=SitesSpec(min=draw(st.integers(3 if secure else 1, 50)), deadline_s=draw(positive)),
         train=TrainSpec(optimizer=OptimizerSpec(
             name=draw(st.sampled_from(["sgd", "adam"])),
             lr=draw(positive),
             momentum=draw(st.floats(min_value=0, max_value=1, exclude_max=True)),
         )),
         # distributed DP is only valid under secure aggregation
-        privacy=PrivacySpec(secure_aggregation=draw(st.booleans()) or (dp is not None and dp.mode == "distributed"),
+        privacy=PrivacySpec(secure_aggregation=secure,
                             dp=dp, dp_sgd=draw(st.none() | st.builds(
                                 DPSGDSpec,
                                 noise_multiplier=st.floats(min_value=0, allow_nan=False, allow_infinity=False),
@@ -241,7 +242,7 @@ def test_dump_parse_round_trip_property(cfg):
          "allowed keys: lr, momentum, name, weight_decay"),
         (MINIMAL + "privacy: {dp: {mode: central, noise_multiplier: 1, clip_norm: 1, eps: 3}}\n",
          "job.yaml:5: privacy.dp.eps: unknown key",
-         "allowed keys: clip_norm, delta, mode, noise_multiplier, target_epsilon"),
+         "allowed keys: clip_norm, delta, mode, noise_multiplier, reproducible_noise, target_epsilon"),
         # wrong types
         ("name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: true\n",
          "job.yaml:4: rounds: expected an integer, got a boolean", "whole number"),
@@ -422,7 +423,7 @@ def test_site_paths_resolve_when_loaded_by_relative_path(tmp_path, monkeypatch):
         (SITE.replace("kit: kit\n", ""), "1: kit: missing required key", "add 'kit:' with a path"),
         (SITE + "policy: {allowed_model: [mlp]}\n", "4: policy.allowed_model: unknown key",
          "allowed keys: allowed_datasets, allowed_models, max_epsilon, max_rounds, min_dp_noise, "
-         "plugin_sha256, require_secure_aggregation"),
+         "min_secure_cohort, plugin_sha256, require_secure_aggregation"),
         (SITE + "policy:\n  allowed_models: mlp\n", "5: policy.allowed_models: expected a list", ""),
         (SITE + "policy:\n  allowed_models: [mlp, 3]\n", "5: policy.allowed_models[1]: expected a string", ""),
         (SITE + "policy: {max_epsilon: 0}\n", "4: policy.max_epsilon: 0.0 is out of range", ""),
@@ -566,7 +567,7 @@ def test_privacy_errors(text, prefix, detail):
 
 
 def test_distributed_dp_with_secure_aggregation_accepted():
-    cfg = parse_round_config(MINIMAL + "privacy:\n  secure_aggregation: true\n"
+    cfg = parse_round_config(MINIMAL + "sites: {min: 3}\nprivacy:\n  secure_aggregation: true\n"
                                        "  dp: {mode: distributed, noise_multiplier: 1, clip_norm: 1}\n")
     assert cfg.privacy.dp.mode == "distributed" and cfg.privacy.secure_aggregation
 

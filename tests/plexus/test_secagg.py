@@ -46,7 +46,7 @@ class Round:
         self.samples = samples or {name: 10 * (i + 1) for i, name in enumerate(self.names)}
         self.total = sum(self.samples.values())
         self.t = threshold if threshold is not None else secagg.default_threshold(len(self.names))
-        self.sessions = {name: secagg.SiteSession(JOB, ROUND, name) for name in self.names}
+        self.sessions = {name: secagg.SiteSession(JOB, ROUND, name, min_cohort=2) for name in self.names}
         self.adverts = [
             self.sessions[n].advertise(self.samples[n], fed.kits[n].key_pem, fed.kits[n].cert_pem) for n in self.names
         ]
@@ -405,23 +405,64 @@ def test_server_names_a_responder_revealing_the_wrong_kind(fed):
         rnd.server().unmask(rnd.masked_sum, rnd.u2, rnd.u3, reveals)
 
 
-def test_server_names_a_responder_with_an_altered_share(fed):
+def test_server_leaves_out_an_altered_share_and_names_who_sent_it(fed):
     rnd = Round(fed, NAMES, threshold=4)
     rnd.share()
     rnd.mask(random_deltas(rnd.names, 5), clip=1.0)
-    reveals = rnd.reveals()  # 6 responders, t = 4: two spare shares let the one liar be singled out
+    reveals = rnd.reveals()  # 6 responders, t = 4
     kind, x, y = reveals["daisy"]["birch"]
     reveals["daisy"]["birch"] = (kind, x, (y + 1) % secagg.PRIME)
-    with pytest.raises(errors.IntegrityError, match="responder 'daisy'"):
-        rnd.server().unmask(rnd.masked_sum.copy(), rnd.u2, rnd.u3, reveals)
+    server = rnd.server()
+    np.testing.assert_array_equal(server.unmask(rnd.masked_sum.copy(), rnd.u2, rnd.u3, reveals), rnd.expected)
+    assert list(server.rejected) == ["daisy"] and "self-mask seed of 'birch'" in server.rejected["daisy"]
+    del reveals["elm"]  # 5 = t + 1 shares: the signed commitment still tells the honest four apart
+    server = rnd.server()
+    np.testing.assert_array_equal(server.unmask(rnd.masked_sum.copy(), rnd.u2, rnd.u3, reveals), rnd.expected)
+    assert list(server.rejected) == ["daisy"]
     kind, x, y = reveals["daisy"]["birch"]
     reveals["daisy"]["birch"] = (kind, x + 1, y)
     with pytest.raises(errors.IntegrityError, match="responder 'daisy'.*wrong x"):
         rnd.server().unmask(rnd.masked_sum.copy(), rnd.u2, rnd.u3, reveals)
-    reveals["daisy"]["birch"] = (kind, x, (y + 1) % secagg.PRIME)
-    del reveals["elm"]  # 5 = t + 1 shares: the lie shows, but not who told it
-    with pytest.raises(errors.IntegrityError, match="disagree; one was altered"):
-        rnd.server().unmask(rnd.masked_sum.copy(), rnd.u2, rnd.u3, reveals)
+
+
+def _alter(reveals, responders, peer):
+    for r in responders:
+        kind, x, y = reveals[r][peer]
+        reveals[r][peer] = (kind, x, (y + 7) % secagg.PRIME)
+
+
+def test_liars_are_left_out_while_t_honest_shares_remain(fed):
+    rnd = Round(fed, NAMES, threshold=4)
+    rnd.share()
+    rnd.mask(random_deltas(rnd.names, 9, seed=3), clip=1.0)
+    reveals = rnd.reveals()
+    _alter(reveals, ["birch", "daisy"], "alder")      # two of six: four honest shares of alder's seed, t = 4
+    server = rnd.server()
+    np.testing.assert_array_equal(server.unmask(rnd.masked_sum.copy(), rnd.u2, rnd.u3, reveals), rnd.expected)
+    assert sorted(server.rejected) == ["birch", "daisy"]
+    assert "self-mask seed of 'alder'" in server.rejected["birch"]
+
+    rnd = Round(fed, NAMES[:5], threshold=3)
+    rnd.share()
+    rnd.mask(random_deltas(rnd.names, 9, seed=4), clip=1.0, skip={"birch"})   # birch shared, then dropped
+    reveals = rnd.reveals()
+    _alter(reveals, ["cedar"], "birch")               # its mask key: three honest shares of four, t = 3
+    server = rnd.server()
+    np.testing.assert_array_equal(server.unmask(rnd.masked_sum.copy(), rnd.u2, rnd.u3, reveals), rnd.expected)
+    assert list(server.rejected) == ["cedar"] and "mask key of 'birch'" in server.rejected["cedar"]
+
+
+def test_fewer_than_t_honest_shares_fail_and_leave_the_sum_untouched(fed):
+    rnd = Round(fed, NAMES[:5], threshold=3)
+    rnd.share()
+    rnd.mask(random_deltas(rnd.names, 9, seed=4), clip=1.0)
+    reveals = rnd.reveals()
+    _alter(reveals, ["cedar", "daisy", "elm"], "birch")   # alder and birch alone: 2 honest shares, t = 3
+    before = rnd.masked_sum.copy()
+    with pytest.raises(errors.IntegrityError, match="self-mask seed of 'birch' does not match its signed commitment: "
+                                                    "fewer than t = 3"):
+        rnd.server().unmask(rnd.masked_sum, rnd.u2, rnd.u3, reveals)
+    np.testing.assert_array_equal(rnd.masked_sum, before)
 
 
 def test_server_detects_a_wrong_mask_key_from_exactly_t_shares(fed):

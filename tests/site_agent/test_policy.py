@@ -18,7 +18,7 @@ INSTALLED = {"logistic", "mlp", "cnn", "vector"}
 
 def job(privacy: str = "", *, model: str = "mlp", dataset: str = "heart-disease", rounds: int = 10):
     text = (f"name: j\nmodel: {{name: {model}, args: {{in_features: 13}}}}\ndata: {{dataset: {dataset}}}\n"
-            f"rounds: {rounds}\ntrain: {{epochs: 1, batch_size: 32}}\n")
+            f"rounds: {rounds}\nsites: {{min: 3}}\ntrain: {{epochs: 1, batch_size: 32}}\n")
     return parse_round_config(text + (f"privacy: {privacy}\n" if privacy else ""))
 
 
