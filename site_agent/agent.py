@@ -39,6 +39,9 @@ log = logging.getLogger("plexus.site")
 
 BACKOFF_START_S = 0.25
 BACKOFF_CAP_S = 8.0
+# A refusal (revoked or foreign certificate) will not heal by itself: retry rarely, loudly, until a new kit.
+REFUSED_RETRY_S = 60.0
+_REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 SECAGG_LATER_PHASES = (fpb.TASK_SECAGG_SHARE, fpb.TASK_SECAGG_MASKED_INPUT, fpb.TASK_SECAGG_UNMASK)
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -46,11 +49,14 @@ _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.S
 
 class SiteAgent:
     def __init__(self, config: SiteConfig, *, stop: threading.Event | None = None,
-                 backoff_cap_s: float = BACKOFF_CAP_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 backoff_cap_s: float = BACKOFF_CAP_S, refused_retry_s: float = REFUSED_RETRY_S,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         self.config = config
         self.kit = load_kit(config.kit)
         self.stop = stop or threading.Event()
         self.backoff_cap_s = backoff_cap_s
+        self.refused_retry_s = refused_retry_s
+        self._channel: grpc.Channel | None = None
         self.chunk_bytes = chunk_bytes
         self._data: dict[str, Split] = {}
         self._secure: dict[tuple[str, int], _Pending] = {}
@@ -61,8 +67,10 @@ class SiteAgent:
         """Connect, serve tasks, reconnect on failure, until `stop` is set."""
         delay = BACKOFF_START_S
         while not self.stop.is_set():
+            pause = None
             try:
                 with transport.channel(self.kit, self.config.coordinator) as channel:
+                    self._channel = channel
                     stub = federation_pb2_grpc.FederationStub(channel)
                     reply = stub.Join(fpb.JoinRequest(
                         agent_version=__version__, models=sorted(available_models()),
@@ -72,12 +80,24 @@ class SiteAgent:
                     delay = BACKOFF_START_S
                     self._serve(stub, reply.poll_timeout_s or 20.0)
             except grpc.RpcError as exc:
+                if self.stop.is_set():
+                    break   # shutdown() cancelled the call in flight
                 code = exc.code()
+                pause = self.refused_retry_s if code in _REFUSED else delay
                 level = logging.INFO if code in _RETRY else logging.ERROR
                 log.log(level, "coordinator %s: %s: %s; retrying in %.1fs", self.config.coordinator,
-                        code.name, exc.details(), delay)
-            self.stop.wait(delay * (1 + 0.25 * self._rng.random()))
+                        code.name, exc.details(), pause)
+            finally:
+                self._channel = None
+            self.stop.wait((pause or delay) * (1 + 0.25 * self._rng.random()))
             delay = min(delay * 2, self.backoff_cap_s)
+
+    def shutdown(self) -> None:
+        """Stop now: set `stop` and cancel the call in flight (a long poll would hold on to its deadline)."""
+        self.stop.set()
+        channel = self._channel
+        if channel is not None:
+            channel.close()
 
     def _serve(self, stub, poll_s: float) -> None:
         while not self.stop.is_set():
