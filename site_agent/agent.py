@@ -19,10 +19,8 @@ import numpy as np
 
 from plexus import __version__, transport
 from plexus.config import RoundConfig, SiteConfig, parse_round_config
-from plexus.accounting import PrivacyLedger
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition
-from plexus.files import write_atomically
 from plexus.secagg import SiteSession
 from plexus.secagg_proto import advert_from_proto, advert_to_proto
 from plexus.datasets import Split, load_dataset
@@ -32,6 +30,7 @@ from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, decode, encode_chunks
 from site_agent.policy import policy_digest, refusal
 from site_agent.audit import SiteAudit
+from site_agent.state import JobState, job_id_refusal
 from site_agent.local import LocalResult, local_update, needs_served, served_layout
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
 
@@ -43,6 +42,7 @@ BACKOFF_CAP_S = 8.0
 REFUSED_RETRY_S = 60.0
 _REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 SECAGG_LATER_PHASES = (fpb.TASK_SECAGG_SHARE, fpb.TASK_SECAGG_MASKED_INPUT, fpb.TASK_SECAGG_UNMASK)
+TRAINING_KINDS = (fpb.TASK_TRAIN, fpb.TASK_SECAGG_ADVERTISE)   # the tasks that train on local data
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
@@ -107,20 +107,22 @@ class SiteAgent:
 
     def handle(self, stub, task: fpb.Task) -> None:
         """Run one task; policy refusals and local failures are reported, never silently dropped."""
+        reason = job_id_refusal(task.job_id)
+        if reason:
+            return self._decline(stub, task, reason)
         try:
             job = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
         except ValueError as exc:
             return self._report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
-        reason = None
-        if job.data.dataset not in self.config.datasets:
-            reason = (f"dataset {job.data.dataset!r} is not configured at this site "
-                      f"(configured: {sorted(self.config.datasets)})")
-        reason = reason or refusal(self.config.policy, job, set(available_models()), round_=task.round,
-                                   train_size=lambda: len(self._dataset(job.data.dataset).y_train))
+        state = JobState(self.config.state_dir, task.job_id)
+        trains = task.kind in TRAINING_KINDS
+        try:
+            reason = self._refusal(job, state, trains)
+        except (ValueError, OSError) as exc:   # the data or the site's own record cannot be read: nothing ran
+            log.exception("task %s failed", task.task_id)
+            return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         if reason:
-            log.warning("declining job %s: %s", task.job_id, reason)
-            self.audit.declined(task.job_id, reason)
-            return self._report(stub, task, fpb.RESULT_DECLINED, reason)
+            return self._decline(stub, task, reason)
         try:
             if task.kind in SECAGG_LATER_PHASES:
                 return self._secagg_phase(stub, task)
@@ -131,6 +133,8 @@ class SiteAgent:
             incoming = {k: v for k, v in served.items() if k in names}
             load_numpy_state(model, incoming)
             kind = "evaluate" if task.kind == fpb.TASK_EVALUATE else "train"
+            if trains:
+                state.count_round()
             self.audit.ran(task.job_id, task.round, job.data.dataset, job.model.name, kind)
             eval_metrics = self.evaluate(model, data)
             if task.kind == fpb.TASK_EVALUATE:
@@ -138,7 +142,7 @@ class SiteAgent:
             if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or needs_served(job)):
                 served = incoming = {}   # the model holds the weights now: let the fetched copy go
             if job.privacy.dp_sgd is not None:
-                local = LocalResult(self._train_dp_sgd(model, data, job, task), {}, lambda: None)
+                local = LocalResult(self._train_dp_sgd(model, data, job, task, state), {}, lambda: None)
             else:
                 local = self.local_update(job, model, served, data, task)
             if job.privacy.dp is not None:
@@ -147,13 +151,27 @@ class SiteAgent:
                 return self._advertise(stub, task, job, incoming, model, local.result, eval_metrics)
         except grpc.RpcError:
             raise
-        except (ValueError, RuntimeError, LookupError, FailedPrecondition) as exc:  # IntegrityError is a ValueError
+        except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:  # IntegrityError: a ValueError
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
             return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         update = {**local.update, **state_views(model)}   # the model as it stands (after any DP clipping) + extras
         if self._submit(stub, task, update, local.result, eval_metrics):
             local.commit()   # e.g. SCAFFOLD's control variate: kept only once the coordinator took the update
+
+    def _refusal(self, job: RoundConfig, state: JobState, trains: bool) -> str | None:
+        """Why this site declines the task, judged by its own record of the job (not the task's round)."""
+        if job.data.dataset not in self.config.datasets:
+            return (f"dataset {job.data.dataset!r} is not configured at this site "
+                    f"(configured: {sorted(self.config.datasets)})")
+        ledger = state.ledger() if trains and job.privacy.dp_sgd is not None else None
+        return refusal(self.config.policy, job, set(available_models()), round_=state.rounds_trained() + trains,
+                       ledger=ledger, train_size=lambda: len(self._dataset(job.data.dataset).y_train))
+
+    def _decline(self, stub, task, reason: str) -> None:
+        log.warning("declining job %r: %s", task.job_id, reason)
+        self.audit.declined(task.job_id, reason)
+        self._report(stub, task, fpb.RESULT_DECLINED, reason)
 
     # secure aggregation ---------------------------------------------------------------------
     def _advertise(self, stub, task, job: RoundConfig, incoming: dict, model, result, eval_metrics: dict) -> None:
@@ -229,14 +247,13 @@ class SiteAgent:
     def evaluate(self, model, data: Split) -> dict[str, float]:
         return evaluate(model, data.x_test, data.y_test)
 
-    def _train_dp_sgd(self, model, data: Split, job: RoundConfig, task) -> TrainResult:
+    @staticmethod
+    def _train_dp_sgd(model, data: Split, job: RoundConfig, task, state: JobState) -> TrainResult:
         """DP-SGD via Opacus; this site's privacy ledger for the job persists across rounds and restarts."""
-        path = self.config.state_dir / "dp_sgd" / f"{task.job_id}.json"
-        ledger = PrivacyLedger.from_json(path.read_text()) if path.exists() else PrivacyLedger()
+        ledger = state.ledger()
         result = train_local_dp_sgd(model, data.x_train, data.y_train, job.train, job.privacy.dp_sgd,
                                     seed=task.seed, ledger=ledger)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, ledger.to_json().encode(), mode=0o600)
+        state.keep_ledger(ledger)
         return result
 
     @staticmethod
