@@ -101,10 +101,11 @@ class AuditLog:
                 self._db.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                                  (entry.seq, entry.at, actor, action, subject, _canonical(details), prev, entry.hash))
                 self._db.execute("INSERT OR REPLACE INTO head (id, seq, hash) VALUES (1, ?, ?)", (seq, entry.hash))
+                self._db.execute("COMMIT")   # fails on a full disk too: roll back, so appends work once there is space
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
         return entry
 
     def entries(self, *, limit: int | None = None) -> list[Entry]:

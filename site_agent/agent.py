@@ -29,7 +29,7 @@ from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, decode, encode_chunks
 from site_agent.policy import policy_digest, refusal
-from site_agent.audit import SiteAudit
+from site_agent.audit import AuditWriteFailed, SiteAudit
 from site_agent.state import JobState, job_id_refusal
 from site_agent.local import LocalResult, local_update, needs_served, served_layout
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
@@ -170,8 +170,20 @@ class SiteAgent:
 
     def _decline(self, stub, task, reason: str) -> None:
         log.warning("declining job %r: %s", task.job_id, reason)
-        self.audit.declined(task.job_id, reason)
+        try:
+            self.audit.declined(task.job_id, reason)
+        except AuditWriteFailed as exc:   # still decline, and say why the site's own record lacks it
+            log.error("job %r: %s", task.job_id, exc)
+            reason = f"{reason} (and {exc})"
         self._report(stub, task, fpb.RESULT_DECLINED, reason)
+
+    def _audit_sent(self, task, sha256: str, num_samples: int) -> None:
+        """Record an update that left the site; it has left, so a failure to record it is only logged."""
+        try:
+            self.audit.sent(task.job_id, task.round, sha256, num_samples)
+        except AuditWriteFailed as exc:
+            log.error("job %s round %d: the update was sent (sha256=%s) but %s", task.job_id, task.round, sha256,
+                      exc)
 
     # secure aggregation ---------------------------------------------------------------------
     def _advertise(self, stub, task, job: RoundConfig, incoming: dict, model, result, eval_metrics: dict) -> None:
@@ -236,7 +248,7 @@ class SiteAgent:
                     offset += len(part)
 
         stub.SubmitUpdate(messages(), timeout=_remaining(task))
-        self.audit.sent(task.job_id, task.round, "masked:" + digest.hexdigest(), 0)
+        self._audit_sent(task, "masked:" + digest.hexdigest(), 0)
         log.info("job %s round %d: sent the masked update", task.job_id, task.round)
 
     def local_update(self, job: RoundConfig, model, served: dict, data: Split, task) -> LocalResult:
@@ -313,7 +325,7 @@ class SiteAgent:
             log.warning("job %s round %d: update refused: %s", task.job_id, task.round, exc.details())
             return False
         digest = sha.hexdigest()
-        self.audit.sent(task.job_id, task.round, digest, result.num_samples)
+        self._audit_sent(task, digest, result.num_samples)
         log.info("job %s round %d: sent update sha256=%s (%d samples, train_loss %.4f): %s", task.job_id,
                  task.round, digest[:16], result.num_samples,
                  result.metrics.get("train_loss", float("nan")), reply.message)
