@@ -24,7 +24,7 @@ from plexus.errors import FailedPrecondition
 from plexus.secagg import SiteSession
 from plexus.secagg_proto import advert_from_proto, advert_to_proto
 from plexus.datasets import Split, load_dataset
-from plexus.models import available_models, build_job_model, load_numpy_state, state_to_numpy, state_views
+from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, decode, encode_chunks
@@ -73,7 +73,7 @@ class SiteAgent:
                     self._channel = channel
                     stub = federation_pb2_grpc.FederationStub(channel)
                     reply = stub.Join(fpb.JoinRequest(
-                        agent_version=__version__, models=sorted(available_models()),
+                        agent_version=__version__, models=sorted(installed_models()),
                         datasets=sorted(self.config.datasets), policy_digest=policy_digest(self.config.policy),
                         dataset_rows=self._dataset_rows()), timeout=10)
                     log.info("joined federation %r as site %r", reply.federation, reply.site)
@@ -165,7 +165,7 @@ class SiteAgent:
             return (f"dataset {job.data.dataset!r} is not configured at this site "
                     f"(configured: {sorted(self.config.datasets)})")
         ledger = state.ledger() if trains and job.privacy.dp_sgd is not None else None
-        return refusal(self.config.policy, job, set(available_models()), round_=state.rounds_trained() + trains,
+        return refusal(self.config.policy, job, installed_models(), round_=state.rounds_trained() + trains,
                        ledger=ledger, train_size=lambda: len(self._dataset(job.data.dataset).y_train))
 
     def _decline(self, stub, task, reason: str) -> None:

@@ -47,6 +47,7 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
         self._tasks: queue.Queue[fpb.Task] = queue.Queue()
         self._issued: dict[str, fpb.Task] = {}
         self.outcomes: queue.Queue[Outcome] = queue.Queue()
+        self.joins: list[fpb.JoinRequest] = []
         self._ids = itertools.count(1)
         self.server, self.port = transport.server(load_kit(kit_dir), "127.0.0.1:0", max_workers=16)
         federation_pb2_grpc.add_FederationServicer_to_server(self, self.server)
@@ -69,6 +70,7 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
 
     # the Federation service, as a malicious coordinator plays it --------------------------------
     def Join(self, request, context):
+        self.joins.append(request)
         return fpb.JoinReply(federation="rogue", site="a", poll_timeout_s=1.0)
 
     def NextTask(self, request, context):
