@@ -151,7 +151,7 @@ class SiteAgent:
                 return self._advertise(stub, task, job, incoming, model, local.result, eval_metrics)
         except grpc.RpcError:
             raise
-        except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:  # IntegrityError: a ValueError
+        except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:  # IntegrityError too
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
             return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
@@ -165,7 +165,7 @@ class SiteAgent:
             return (f"dataset {job.data.dataset!r} is not configured at this site "
                     f"(configured: {sorted(self.config.datasets)})")
         ledger = state.ledger() if trains and job.privacy.dp_sgd is not None else None
-        return refusal(self.config.policy, job, installed_models(), round_=state.rounds_trained() + trains,
+        return refusal(self.config.policy, job, installed_models(), round_=state.rounds_trained() + int(trains),
                        ledger=ledger, train_size=lambda: len(self._dataset(job.data.dataset).y_train))
 
     def _decline(self, stub, task, reason: str) -> None:

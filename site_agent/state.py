@@ -59,11 +59,13 @@ class JobState:
             return 0
         try:
             count = json.loads(self._rounds.read_text())["trained"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise IntegrityError(f"the round count {self._rounds} of job {self.job_id!r} is damaged ({exc}); "
-                                 "its policy.max_rounds cannot be checked") from None
+        except (ValueError, KeyError, TypeError):
+            count = None
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise IntegrityError(f"the round count {self._rounds} of job {self.job_id!r} is damaged")
+            # Named relative to state_dir: this reason goes to the coordinator, local paths do not.
+            raise IntegrityError(f"this site's round count for job {self.job_id!r} (rounds/{self.job_id}.json in its "
+                                 "state_dir) is damaged, so its policy.max_rounds cannot be checked; restore the file "
+                                 "from a backup")
         return count
 
     def count_round(self) -> None:

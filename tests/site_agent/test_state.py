@@ -21,7 +21,8 @@ def test_ids_that_could_name_paths_are_refused(tmp_path, bad):
 
 def test_coordinator_job_ids_map_inside_state_dir(tmp_path):
     assert job_id_refusal("heart-fedavg-0123abcd") is None
-    assert job_path(tmp_path, "dp_sgd", "a..b-0123abcd", ".json") == tmp_path.resolve() / "dp_sgd" / "a..b-0123abcd.json"
+    path = job_path(tmp_path, "dp_sgd", "a..b-0123abcd", ".json")
+    assert path == tmp_path.resolve() / "dp_sgd" / "a..b-0123abcd.json"
 
 
 def test_a_planted_symlink_cannot_lead_outside(tmp_path):
