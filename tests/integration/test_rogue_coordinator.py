@@ -6,9 +6,8 @@ import pytest
 
 from plexus import pki
 from plexus.accounting import PrivacyLedger, dp_sgd_epsilon
-from plexus.config import PolicySpec
+from plexus.config import DatasetSpec, PolicySpec
 from plexus.datasets import load_dataset
-from plexus.config import DatasetSpec
 
 from integration.harness import heart_job
 from integration.rogue import DP_SGD_JOB, RogueCoordinator, start_site, stop_site
