@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plexus.config import load_site_config, parse_round_config  # noqa: E402
-from plexus.models import available_models, build_model  # noqa: E402
+from plexus.models import build_model, installed_models  # noqa: E402
 from plexus.proto.plexus.v1 import federation_pb2 as fpb  # noqa: E402
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, dtype_name, iter_chunks  # noqa: E402
 from site_agent.agent import SiteAgent, _remaining, log  # noqa: E402
@@ -60,7 +60,7 @@ class BenchSiteAgent(SiteAgent):
             job = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
         except ValueError as exc:
             return self._report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
-        reason = refusal(self.config.policy, job, set(available_models()))
+        reason = refusal(self.config.policy, job, installed_models())
         if reason is None and job.model.name != "vector":
             reason = "the bench site only runs the 'vector' model"
         if reason:

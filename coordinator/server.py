@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 from pathlib import Path
 
 from concurrent import futures
@@ -25,6 +23,7 @@ from plexus.errors import FailedPrecondition
 from plexus.pki import RevocationList, federation_of, load_kit
 from plexus.proto.plexus.v1 import admin_pb2_grpc, federation_pb2_grpc
 from plexus.rpc import Authenticator
+from plexus.shutdown import StopSignals
 
 log = logging.getLogger("plexus.coordinator")
 
@@ -153,15 +152,13 @@ class _Metered:
 
 def run(config: CoordinatorConfig) -> int:
     coordinator = Coordinator(config)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    signals = StopSignals()
     coordinator.start()
     print(f"plexus coordinator listening on port {coordinator.port} (mTLS); state in {config.state_dir}", flush=True)
     if coordinator.health_port:
         print(f"gRPC health (plaintext, health only) on port {coordinator.health_port}", flush=True)
     if coordinator.metrics_port:
         print(f"Prometheus metrics on port {coordinator.metrics_port} (/metrics)", flush=True)
-    stop.wait()
+    signals.wait()
     coordinator.stop()
     return 0

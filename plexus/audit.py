@@ -165,10 +165,11 @@ class AuditLog:
                 self._db.execute("INSERT OR REPLACE INTO head (id, seq, hash) VALUES (1, ?, ?)", (seq, entry.hash))
                 if self._signer is not None and seq % self._anchor_every == 0:
                     self._store_anchor(SignedHead.sign(seq, entry.hash, entry.at, self._signer))
+                self._db.execute("COMMIT")   # fails on a full disk too: roll back, so appends work once there is space
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
         return entry
 
     def anchor(self) -> SignedHead:
@@ -182,10 +183,11 @@ class AuditLog:
                 seq, hash_ = row if row else (0, GENESIS)
                 head = SignedHead.sign(seq, hash_, float(self.clock()), self._signer)
                 self._store_anchor(head)
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
         return head
 
     def _store_anchor(self, head: SignedHead) -> None:

@@ -207,10 +207,11 @@ def _coordinator_run(args) -> int:
 
 
 def _site_run(args) -> int:
-    import signal
+    import logging
     import threading
 
     from plexus.memory import limit_malloc_arenas
+    from plexus.shutdown import StopSignals
 
     limit_malloc_arenas()   # before torch and gRPC start their threads
     import torch
@@ -221,11 +222,24 @@ def _site_run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     agent = SiteAgent(load_site_config(args.config))
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: agent.stop.set())
-    worker = threading.Thread(target=agent.run, name="plexus-site", daemon=True)
+    signals = StopSignals()
+
+    def serve():
+        try:
+            agent.run()
+        except Exception:
+            logging.getLogger("plexus.site").exception("the site agent stopped on an unexpected error")
+
+    worker = threading.Thread(target=serve, name="plexus-site", daemon=True)
     worker.start()
-    agent.stop.wait()
+    signals.wait(done=lambda: not worker.is_alive())
+    agent.shutdown()
+    if not signals.received:   # the agent died on an error it could not report: never linger as a zombie
+        print("error: the site agent stopped on an unexpected error (logged above); fix it and restart the agent",
+              file=sys.stderr)
+        return 1
+    # A task in flight may finish its report; a long poll or a training step is left to die with the process.
+    worker.join(2.0)
     return 0
 
 

@@ -148,8 +148,17 @@ def member_seed(seed: int, index: int) -> int:
 REGISTRY: dict[str, Callable[..., nn.Module]] = {"logistic": Logistic, "mlp": MLP, "cnn": CNN, "vector": Vector}
 
 
+def installed_models() -> set[str]:
+    """Names of the built-in models and of the installed plug-ins, read from metadata: no plug-in code runs.
+
+    A site lists and checks models with this; it imports a plug-in only after its
+    policy allowed it and its pin matched (site_agent.policy.refusal).
+    """
+    return set(REGISTRY) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def available_models() -> dict[str, Callable[..., nn.Module]]:
-    """Built-in models plus those installed under the ``plexus.models`` entry-point group."""
+    """Built-in models plus those installed under the ``plexus.models`` entry-point group (imports every plug-in)."""
     models = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in REGISTRY}
     return {**{name: _load_plugin(ep) for name, ep in models.items()}, **REGISTRY}
 
@@ -237,7 +246,7 @@ def plugin_source_sha256(name: str) -> str:
             break
     else:
         raise ConfigError(f"no plug-in model {name!r} is installed (entry-point group {ENTRY_POINT_GROUP!r}); "
-                          f"available models: {sorted(available_models())}")
+                          f"available models: {sorted(installed_models())}")
     top = ep.module.partition(".")[0]
     # PathFinder searches sys.path for the files now on disk, runs nothing and ignores sys.modules.
     spec = importlib.machinery.PathFinder.find_spec(top)
@@ -257,7 +266,7 @@ def _lookup(name: str) -> Callable[..., nn.Module]:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return _load_plugin(ep)
-    raise ConfigError(f"unknown model {name!r}; available models: {sorted(available_models())}")
+    raise ConfigError(f"unknown model {name!r}; available models: {sorted(installed_models())}")
 
 
 def _load_plugin(ep: Any) -> Callable[..., nn.Module]:

@@ -94,6 +94,8 @@ def guarded(*, kind: str, min_role: str | None = None):
 
         def _abort(context, exc):
             code = status_for(exc)
+            if code is grpc.StatusCode.UNAUTHENTICATED:   # e.g. a revoked site still dialling in: tell the operator
+                log.warning("refused %s from %s: %s", method.__name__, context.peer(), exc)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("unexpected error in %s", method.__name__)
                 context.abort(code, "internal error at the coordinator; the operator can find details in its log")

@@ -19,19 +19,18 @@ import numpy as np
 
 from plexus import __version__, transport
 from plexus.config import SITE_BACKOFF_CAP_S, SITE_BACKOFF_JITTER, DataSpec, RoundConfig, SiteConfig, parse_round_config
-from plexus.accounting import PrivacyLedger
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition
-from plexus.files import write_atomically
 from plexus.secagg import SiteSession
 from plexus.secagg_proto import advert_from_proto, advert_to_proto
 from plexus.datasets import DataError, Split, csv_train_rows, load_for_job
-from plexus.models import available_models, build_job_model, load_numpy_state, state_to_numpy, state_views
+from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, decode, encode_chunks
 from site_agent.policy import policy_digest, refusal
-from site_agent.audit import SiteAudit
+from site_agent.audit import AuditWriteFailed, SiteAudit
+from site_agent.state import JobState, job_id_refusal
 from site_agent.local import LocalResult, local_update, needs_served, served_layout
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
 
@@ -39,18 +38,25 @@ log = logging.getLogger("plexus.site")
 
 BACKOFF_START_S = 0.25
 BACKOFF_CAP_S = SITE_BACKOFF_CAP_S   # a coordinator's rejoin_grace_s is validated against it
+# A refusal (revoked or foreign certificate) will not heal by itself: retry rarely, loudly, until a new kit.
+REFUSED_RETRY_S = 60.0
+_REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 SECAGG_LATER_PHASES = (fpb.TASK_SECAGG_SHARE, fpb.TASK_SECAGG_MASKED_INPUT, fpb.TASK_SECAGG_UNMASK)
+TRAINING_KINDS = (fpb.TASK_TRAIN, fpb.TASK_SECAGG_ADVERTISE)   # the tasks that train on local data
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 
 class SiteAgent:
     def __init__(self, config: SiteConfig, *, stop: threading.Event | None = None,
-                 backoff_cap_s: float = BACKOFF_CAP_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 backoff_cap_s: float = BACKOFF_CAP_S, refused_retry_s: float = REFUSED_RETRY_S,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         self.config = config
         self.kit = load_kit(config.kit)
         self.stop = stop or threading.Event()
         self.backoff_cap_s = backoff_cap_s
+        self.refused_retry_s = refused_retry_s
+        self._channel: grpc.Channel | None = None
         self.chunk_bytes = chunk_bytes
         self._data: dict[DataSpec, Split] = {}
         self._secure: dict[tuple[str, int], _Pending] = {}
@@ -61,24 +67,38 @@ class SiteAgent:
         """Connect, serve tasks, reconnect on failure, until `stop` is set."""
         delay = BACKOFF_START_S
         while not self.stop.is_set():
+            pause = None
             try:
                 with transport.channel(self.kit, self.config.coordinator) as channel:
+                    self._channel = channel
                     stub = federation_pb2_grpc.FederationStub(channel)
                     rows = self._dataset_rows()   # a dataset that does not load is not advertised
                     reply = stub.Join(fpb.JoinRequest(
-                        agent_version=__version__, models=sorted(available_models()),
+                        agent_version=__version__, models=sorted(installed_models()),
                         datasets=sorted(rows), policy_digest=policy_digest(self.config.policy),
                         dataset_rows=rows), timeout=10)
                     log.info("joined federation %r as site %r", reply.federation, reply.site)
                     delay = BACKOFF_START_S
                     self._serve(stub, reply.poll_timeout_s or 20.0)
             except grpc.RpcError as exc:
+                if self.stop.is_set():
+                    break   # shutdown() cancelled the call in flight
                 code = exc.code()
+                pause = self.refused_retry_s if code in _REFUSED else delay
                 level = logging.INFO if code in _RETRY else logging.ERROR
                 log.log(level, "coordinator %s: %s: %s; retrying in %.1fs", self.config.coordinator,
-                        code.name, exc.details(), delay)
-            self.stop.wait(delay * (1 + SITE_BACKOFF_JITTER * self._rng.random()))
+                        code.name, exc.details(), pause)
+            finally:
+                self._channel = None
+            self.stop.wait((pause or delay) * (1 + SITE_BACKOFF_JITTER * self._rng.random()))
             delay = min(delay * 2, self.backoff_cap_s)
+
+    def shutdown(self) -> None:
+        """Stop now: set `stop` and cancel the call in flight (a long poll would hold on to its deadline)."""
+        self.stop.set()
+        channel = self._channel
+        if channel is not None:
+            channel.close()
 
     def _serve(self, stub, poll_s: float) -> None:
         while not self.stop.is_set():
@@ -88,26 +108,27 @@ class SiteAgent:
 
     def handle(self, stub, task: fpb.Task) -> None:
         """Run one task; policy refusals and local failures are reported, never silently dropped."""
+        reason = job_id_refusal(task.job_id)
+        if reason:
+            return self._decline(stub, task, reason)
         try:
             job = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
         except ValueError as exc:
             return self._report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
-        reason = None
-        if job.data.dataset not in self.config.datasets:
-            reason = (f"dataset {job.data.dataset!r} is not configured at this site "
-                      f"(configured: {sorted(self.config.datasets)})")
+        state = JobState(self.config.state_dir, task.job_id)
+        trains = task.kind in TRAINING_KINDS
         try:
-            reason = reason or refusal(self.config.policy, job, set(available_models()), round_=task.round,
-                                       train_size=lambda: len(self._dataset(job.data).y_train))
+            reason = self._refusal(job, state, trains)
             if not reason:
                 self._dataset(job.data)   # the schema check: data that cannot serve the job declines it
         except DataError as exc:   # the local detail (file, rows, values) stays in this site's log
             log.warning("dataset %r cannot serve job %s: %s", job.data.dataset, task.job_id, exc)
             reason = exc.remote
+        except (ValueError, OSError) as exc:   # the site's own record cannot be read: nothing ran
+            log.exception("task %s failed", task.task_id)
+            return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         if reason:
-            log.warning("declining job %s: %s", task.job_id, reason)
-            self.audit.declined(task.job_id, reason)
-            return self._report(stub, task, fpb.RESULT_DECLINED, reason)
+            return self._decline(stub, task, reason)
         try:
             if task.kind in SECAGG_LATER_PHASES:
                 return self._secagg_phase(stub, task)
@@ -118,6 +139,8 @@ class SiteAgent:
             incoming = {k: v for k, v in served.items() if k in names}
             load_numpy_state(model, incoming)
             kind = "evaluate" if task.kind == fpb.TASK_EVALUATE else "train"
+            if trains:
+                state.count_round()
             self.audit.ran(task.job_id, task.round, job.data.dataset, job.model.name, kind)
             eval_metrics = self.evaluate(model, data)
             if task.kind == fpb.TASK_EVALUATE:
@@ -125,7 +148,7 @@ class SiteAgent:
             if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or needs_served(job)):
                 served = incoming = {}   # the model holds the weights now: let the fetched copy go
             if job.privacy.dp_sgd is not None:
-                local = LocalResult(self._train_dp_sgd(model, data, job, task), {}, lambda: None)
+                local = LocalResult(self._train_dp_sgd(model, data, job, task, state), {}, lambda: None)
             else:
                 local = self.local_update(job, model, served, data, task)
             if job.privacy.dp is not None:
@@ -135,13 +158,39 @@ class SiteAgent:
                 return self._advertise(stub, task, job, incoming, model, result, eval_metrics)
         except grpc.RpcError:
             raise
-        except (ValueError, RuntimeError, LookupError, FailedPrecondition) as exc:  # IntegrityError is a ValueError
+        except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:  # IntegrityError too
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
             return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         update = {**local.update, **state_views(model)}   # the model as it stands (after any DP clipping) + extras
         if self._submit(stub, task, update, result, eval_metrics):
             local.commit()   # e.g. SCAFFOLD's control variate: kept only once the coordinator took the update
+
+    def _refusal(self, job: RoundConfig, state: JobState, trains: bool) -> str | None:
+        """Why this site declines the task, judged by its own record of the job (not the task's round)."""
+        if job.data.dataset not in self.config.datasets:
+            return (f"dataset {job.data.dataset!r} is not configured at this site "
+                    f"(configured: {sorted(self.config.datasets)})")
+        ledger = state.ledger() if trains and job.privacy.dp_sgd is not None else None
+        return refusal(self.config.policy, job, installed_models(), round_=state.rounds_trained() + int(trains),
+                       ledger=ledger, train_size=lambda: len(self._dataset(job.data).y_train))
+
+    def _decline(self, stub, task, reason: str) -> None:
+        log.warning("declining job %r: %s", task.job_id, reason)
+        try:
+            self.audit.declined(task.job_id, reason)
+        except AuditWriteFailed as exc:   # still decline, and say why the site's own record lacks it
+            log.error("job %r: %s", task.job_id, exc)
+            reason = f"{reason} (and {exc})"
+        self._report(stub, task, fpb.RESULT_DECLINED, reason)
+
+    def _audit_sent(self, task, sha256: str, num_samples: int) -> None:
+        """Record an update that left the site; it has left, so a failure to record it is only logged."""
+        try:
+            self.audit.sent(task.job_id, task.round, sha256, num_samples)
+        except AuditWriteFailed as exc:
+            log.error("job %s round %d: the update was sent (sha256=%s) but %s", task.job_id, task.round, sha256,
+                      exc)
 
     # secure aggregation ---------------------------------------------------------------------
     def _advertise(self, stub, task, job: RoundConfig, incoming: dict, model, result, eval_metrics: dict) -> None:
@@ -207,7 +256,7 @@ class SiteAgent:
                     offset += len(part)
 
         stub.SubmitUpdate(messages(), timeout=_remaining(task))
-        self.audit.sent(task.job_id, task.round, "masked:" + digest.hexdigest(), 0)
+        self._audit_sent(task, "masked:" + digest.hexdigest(), 0)
         log.info("job %s round %d: sent the masked update", task.job_id, task.round)
 
     @staticmethod
@@ -230,14 +279,13 @@ class SiteAgent:
     def evaluate(self, model, data: Split) -> dict[str, float]:
         return evaluate(model, data.x_test, data.y_test)
 
-    def _train_dp_sgd(self, model, data: Split, job: RoundConfig, task) -> TrainResult:
+    @staticmethod
+    def _train_dp_sgd(model, data: Split, job: RoundConfig, task, state: JobState) -> TrainResult:
         """DP-SGD via Opacus; this site's privacy ledger for the job persists across rounds and restarts."""
-        path = self.config.state_dir / "dp_sgd" / f"{task.job_id}.json"
-        ledger = PrivacyLedger.from_json(path.read_text()) if path.exists() else PrivacyLedger()
+        ledger = state.ledger()
         result = train_local_dp_sgd(model, data.x_train, data.y_train, job.train, job.privacy.dp_sgd,
                                     seed=task.seed, ledger=ledger)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, ledger.to_json().encode(), mode=0o600)
+        state.keep_ledger(ledger)
         return result
 
     @staticmethod
@@ -301,7 +349,7 @@ class SiteAgent:
             log.warning("job %s round %d: update refused: %s", task.job_id, task.round, exc.details())
             return False
         digest = sha.hexdigest()
-        self.audit.sent(task.job_id, task.round, digest, result.num_samples)
+        self._audit_sent(task, digest, result.num_samples)
         log.info("job %s round %d: sent update sha256=%s (%d samples, train_loss %.4f): %s", task.job_id,
                  task.round, digest[:16], result.num_samples,
                  result.metrics.get("train_loss", float("nan")), reply.message)

@@ -15,6 +15,7 @@ from torch import nn
 from plexus.files import write_atomically
 from plexus.models import Ensemble, state_views
 from plexus.wire import SCAFFOLD_C as C_PREFIX, SCAFFOLD_DC as DC_PREFIX, Layout, dtype_name
+from site_agent.state import job_path
 from site_agent.training import TrainResult, train_local
 
 
@@ -68,9 +69,7 @@ def local_update(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], d
 
 def scaffold_path(state_dir: Path, job_id: str) -> Path:
     """Where a site keeps its SCAFFOLD control variate c_k for one job."""
-    if not job_id or job_id in (".", "..") or "/" in job_id or "\\" in job_id or "\0" in job_id:
-        raise ValueError(f"job id {job_id!r} cannot name a file; it must not contain path separators")
-    return Path(state_dir) / "scaffold" / f"{job_id}.safetensors"
+    return job_path(state_dir, "scaffold", job_id, ".safetensors")
 
 
 def _scaffold(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], data: Any, *, job_id: str, seed: int,

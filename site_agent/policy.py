@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict
 
-from plexus.accounting import dp_sgd_epsilon, epsilon_after
+from plexus.accounting import PrivacyLedger, dp_sgd_epsilon, dp_sgd_schedule, epsilon_after
 from plexus.config import PolicySpec, RoundConfig
 from plexus.errors import ConfigError
 from plexus.models import REGISTRY, plugin_source_sha256
@@ -21,14 +21,18 @@ def policy_digest(policy: PolicySpec) -> str:
 
 
 def refusal(policy: PolicySpec, job: RoundConfig, installed_models: set[str], *,
-            train_size: int | Callable[[], int] | None = None, round_: int | None = None) -> str | None:
+            train_size: int | Callable[[], int] | None = None, round_: int | None = None,
+            ledger: PrivacyLedger | None = None) -> str | None:
     """Why this site declines the job, or None when policy allows it.
 
     Every rule that needs no data runs first. `train_size` (the site's training
     rows, or a callable that counts them) is only consulted for a DP-SGD job under
     max_epsilon, after every other rule passed, so a declined job never touches the
-    data. With `round_`, ε is checked through that round (decide whether to take
-    part in it); without, through the whole job (decide whether to accept it).
+    data. With `round_`, ε and max_rounds are checked through that round (decide
+    whether to take part in it); without, through the whole job (decide whether to
+    accept it). A site passes its own count of the rounds it trained, never a
+    task's round number, and with `ledger` (the DP-SGD privacy it has spent on the
+    job) DP-SGD ε is that ledger plus one more round.
     """
     name = job.model.name
     if name not in policy.allowed_models:
@@ -44,6 +48,9 @@ def refusal(policy: PolicySpec, job: RoundConfig, installed_models: set[str], *,
                 f"{sorted(policy.allowed_datasets)}")
     if policy.max_rounds is not None and job.rounds > policy.max_rounds:
         return f"the job has {job.rounds} rounds; this site's policy.max_rounds allows at most {policy.max_rounds}"
+    if policy.max_rounds is not None and round_ is not None and round_ > policy.max_rounds:
+        return (f"this would be round {round_} this site trains for the job; its policy.max_rounds allows at most "
+                f"{policy.max_rounds}")
     if policy.require_secure_aggregation and not job.privacy.secure_aggregation:
         return "this site's policy requires secure aggregation (privacy.secure_aggregation: true)"
     if job.privacy.secure_aggregation and job.sites.min < policy.min_secure_cohort:
@@ -59,7 +66,7 @@ def refusal(policy: PolicySpec, job: RoundConfig, installed_models: set[str], *,
             return reason
     if policy.max_epsilon is not None:
         return _epsilon_refusal(policy.max_epsilon, job, train_size, job.rounds if round_ is None else round_,
-                                whole_job=round_ is None)
+                                whole_job=round_ is None, ledger=None if round_ is None else ledger)
     return None
 
 
@@ -91,7 +98,7 @@ def _noise_refusal(min_noise: float, job: RoundConfig) -> str | None:
 
 
 def _epsilon_refusal(max_epsilon: float, job: RoundConfig, train_size, rounds: int, *,
-                     whole_job: bool) -> str | None:
+                     whole_job: bool, ledger: PrivacyLedger | None) -> str | None:
     dp, dp_sgd = job.privacy.dp, job.privacy.dp_sgd
     if dp is None and dp_sgd is None:
         return (f"this site's policy caps ε at {max_epsilon}, and the job has no differential privacy "
@@ -111,8 +118,13 @@ def _epsilon_refusal(max_epsilon: float, job: RoundConfig, train_size, rounds: i
         if size is None:
             return (f"this site's policy caps ε at {max_epsilon}, and the DP-SGD ε of this job depends on the "
                     "site's training-set size, which was not given")
-        epsilon = dp_sgd_epsilon(rounds, train_size=size, batch_size=job.train.batch_size, epochs=job.train.epochs,
-                                 noise_multiplier=dp_sgd.noise_multiplier, delta=dp_sgd.delta)
+        if ledger is None:
+            epsilon = dp_sgd_epsilon(rounds, train_size=size, batch_size=job.train.batch_size,
+                                     epochs=job.train.epochs, noise_multiplier=dp_sgd.noise_multiplier,
+                                     delta=dp_sgd.delta)
+        else:   # what this site has actually spent, plus this round (whatever noise earlier tasks claimed)
+            sample_rate, steps = dp_sgd_schedule(size, job.train.batch_size, job.train.epochs)
+            epsilon = ledger.epsilon_if(dp_sgd.noise_multiplier, sample_rate, dp_sgd.delta, steps=steps)
         if epsilon <= max_epsilon:
             return None
         found.append(f"DP-SGD ε {_fmt(epsilon)} on {size} rows (δ={dp_sgd.delta})")

@@ -1,0 +1,85 @@
+"""What a site keeps per job under its state_dir, at paths it builds itself.
+
+Job ids come from the coordinator, which a site does not have to trust: an id
+like `../../x` or `/etc/x` must never name a file. Every per-job path goes
+through `job_path`, which takes only ids of the coordinator's own form and
+checks that the resolved path stays inside state_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from plexus.accounting import PrivacyLedger
+from plexus.errors import IntegrityError
+from plexus.files import write_atomically
+
+# The coordinator names jobs `<round config name>-<8 hex digits>`; the name is 1-64 of these characters.
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+JOB_ID_RULE = "1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def job_id_refusal(job_id: str) -> str | None:
+    """Why this site refuses a task's job id, or None when it is a plain name."""
+    if JOB_ID.fullmatch(job_id):
+        return None
+    return (f"job id {job_id[:80]!r} is not a valid job id: it must be {JOB_ID_RULE}, with no path "
+            "separators; this site builds file names from it, so it refuses the task")
+
+
+def job_path(state_dir: Path, kind: str, job_id: str, suffix: str) -> Path:
+    """`<state_dir>/<kind>/<job_id><suffix>`, refused unless the id is plain and the path stays inside."""
+    reason = job_id_refusal(job_id)
+    if reason:
+        raise IntegrityError(reason)
+    root = Path(state_dir).resolve()
+    path = (root / kind / f"{job_id}{suffix}").resolve()
+    if not path.is_relative_to(root):
+        raise IntegrityError(f"job {job_id!r}: its {kind} file would lie outside this site's state_dir")
+    return path
+
+
+class JobState:
+    """This site's own record of one job: the rounds it trained and the DP-SGD privacy it spent.
+
+    The site's policy checks these, never the round number a task claims, so a
+    coordinator replaying tasks cannot walk the site past max_rounds or max_epsilon.
+    """
+
+    def __init__(self, state_dir: Path, job_id: str) -> None:
+        self.job_id = job_id
+        self._rounds = job_path(state_dir, "rounds", job_id, ".json")
+        self._ledger = job_path(state_dir, "dp_sgd", job_id, ".json")
+
+    def rounds_trained(self) -> int:
+        """Training tasks this site has started for the job (0 for a new job)."""
+        if not self._rounds.exists():
+            return 0
+        try:
+            count = json.loads(self._rounds.read_text())["trained"]
+        except (ValueError, KeyError, TypeError):
+            count = None
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            # Named relative to state_dir: this reason goes to the coordinator, local paths do not.
+            raise IntegrityError(f"this site's round count for job {self.job_id!r} (rounds/{self.job_id}.json in its "
+                                 "state_dir) is damaged, so its policy.max_rounds cannot be checked; restore the file "
+                                 "from a backup")
+        return count
+
+    def count_round(self) -> None:
+        """Record one more training task, before it touches the data (a crash mid-round still counts)."""
+        self._write(self._rounds, json.dumps({"trained": self.rounds_trained() + 1}))
+
+    def ledger(self) -> PrivacyLedger:
+        """The DP-SGD privacy this site has spent on the job (empty for a new job)."""
+        return PrivacyLedger.from_json(self._ledger.read_text()) if self._ledger.exists() else PrivacyLedger()
+
+    def keep_ledger(self, ledger: PrivacyLedger) -> None:
+        self._write(self._ledger, ledger.to_json())
+
+    @staticmethod
+    def _write(path: Path, text: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, text.encode(), mode=0o600)

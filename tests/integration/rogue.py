@@ -1,0 +1,117 @@
+"""A malicious coordinator for site-side tests: real gRPC over mTLS, tasks of the test's choosing.
+
+It holds the federation's real coordinator certificate (what a compromised or curious
+coordinator has), so the site talks to it exactly as to the real one; the test decides
+every field of every task: job ids, round numbers, replays.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from plexus import transport
+from plexus.config import DatasetSpec, PolicySpec, SiteConfig, parse_round_config
+from plexus.models import build_job_model, state_views
+from plexus.pki import load_kit
+from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
+from plexus.wire import encode, iter_chunks
+from site_agent.agent import SiteAgent
+
+DP_SGD_JOB = """\
+name: replayed
+model: {name: logistic, args: {in_features: 13, num_classes: 2}}
+data: {dataset: heart-disease}
+rounds: 10
+train: {epochs: 1, batch_size: 32, optimizer: {name: sgd, lr: 0.1}}
+privacy: {dp_sgd: {noise_multiplier: 1.0, max_grad_norm: 1.0}}
+"""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the site answered to one task: 'update', or the ResultStatus name, with the reason."""
+
+    what: str
+    job_id: str
+    round: int
+    reason: str = ""
+
+
+class RogueCoordinator(federation_pb2_grpc.FederationServicer):
+    def __init__(self, kit_dir: Path):
+        self._tasks: queue.Queue[fpb.Task] = queue.Queue()
+        self._issued: dict[str, fpb.Task] = {}
+        self.outcomes: queue.Queue[Outcome] = queue.Queue()
+        self.joins: list[fpb.JoinRequest] = []
+        self._ids = itertools.count(1)
+        self.server, self.port = transport.server(load_kit(kit_dir), "127.0.0.1:0", max_workers=16)
+        federation_pb2_grpc.add_FederationServicer_to_server(self, self.server)
+        self.server.start()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.stop(0).wait()
+
+    def ask(self, job_id: str, config_yaml: str, *, round_: int = 1, kind=fpb.TASK_TRAIN,
+            timeout: float = 120.0) -> Outcome:
+        """Hand the site one task and wait for its answer."""
+        task_id = f"t{next(self._ids)}"
+        task = fpb.Task(kind=kind, task_id=task_id, job_id=job_id, round=round_, model_round=round_ - 1,
+                        config_yaml=config_yaml, nonce=task_id.encode(), deadline_unix_s=time.time() + timeout,
+                        seed=round_)
+        self._issued[task_id] = task
+        self._tasks.put(task)
+        return self.outcomes.get(timeout=timeout)
+
+    # the Federation service, as a malicious coordinator plays it --------------------------------
+    def Join(self, request, context):
+        self.joins.append(request)
+        return fpb.JoinReply(federation="rogue", site="a", poll_timeout_s=1.0)
+
+    def NextTask(self, request, context):
+        try:
+            return self._tasks.get(timeout=min(request.wait_s, 1.0))
+        except queue.Empty:
+            return fpb.Task(kind=fpb.TASK_NONE)
+
+    def FetchModel(self, request, context):
+        task = self._issued[request.task_id]
+        layout, blob = encode(state_views(build_job_model(parse_round_config(task.config_yaml))))
+        yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=task.job_id, round=task.model_round,
+                                                      manifest=layout.to_proto()))
+        for offset, piece in iter_chunks(blob, 1 << 16):
+            yield fpb.ModelMessage(chunk={"offset": offset, "data": bytes(piece)})
+
+    def SubmitUpdate(self, request_iterator, context):
+        header = next(request_iterator).header
+        for _ in request_iterator:
+            pass
+        self.outcomes.put(Outcome("update", header.job_id, header.round))
+        return fpb.SubmitReply(accepted=True, message="thank you")
+
+    def ReportResult(self, request, context):
+        self.outcomes.put(Outcome(fpb.ResultStatus.Name(request.status), request.job_id, request.round,
+                                  request.reason))
+        return fpb.ResultReply(message="noted")
+
+
+def start_site(root: Path, address: str, state_dir: Path, policy: PolicySpec) -> tuple[SiteAgent, threading.Thread]:
+    """A real site agent (site 'a' of the pki in `root`) serving the rogue coordinator in a thread."""
+    config = SiteConfig(site="a", coordinator=address, kit=root / "sites" / "a", state_dir=state_dir,
+                        datasets={"heart-disease": DatasetSpec(kind="heart-disease", hospital="cleveland")},
+                        policy=policy)
+    agent = SiteAgent(config, backoff_cap_s=0.5)
+    thread = threading.Thread(target=agent.run, name="site-a", daemon=True)
+    thread.start()
+    return agent, thread
+
+
+def stop_site(agent: SiteAgent, thread: threading.Thread) -> None:
+    agent.shutdown()
+    thread.join(30)
+    agent.audit.close()
