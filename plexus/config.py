@@ -95,6 +95,8 @@ def _delimiter() -> dict:
             return None
         return f"{value!r} is not a one-character delimiter; use e.g. ',' or ';' or a tab (\"\\t\")"
 
+    return {"check": check}
+
 
 # A site agent retries a lost coordinator with exponential backoff capped here, each wait stretched by up to
 # this jitter; a coordinator's rejoin grace must outlast the longest such wait (site_agent.agent uses these).

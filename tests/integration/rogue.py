@@ -11,6 +11,7 @@ import itertools
 import queue
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,13 +50,15 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
         self.outcomes: queue.Queue[Outcome] = queue.Queue()
         self.joins: list[fpb.JoinRequest] = []
         self._ids = itertools.count(1)
-        self.server, self.port = transport.server(load_kit(kit_dir), "127.0.0.1:0", max_workers=16)
+        self.executor = futures.ThreadPoolExecutor(max_workers=16)
+        self.server, self.port = transport.server(load_kit(kit_dir), "127.0.0.1:0", executor=self.executor)
         federation_pb2_grpc.add_FederationServicer_to_server(self, self.server)
         self.server.start()
         self.address = f"127.0.0.1:{self.port}"
 
     def close(self) -> None:
         self.server.stop(0).wait()
+        self.executor.shutdown(wait=True)
 
     def ask(self, job_id: str, config_yaml: str, *, round_: int = 1, kind=fpb.TASK_TRAIN,
             timeout: float = 120.0) -> Outcome:
