@@ -17,6 +17,7 @@ import errno
 import hashlib
 import logging
 import math
+import re
 import secrets
 import sqlite3
 import threading
@@ -193,6 +194,25 @@ def weight_caps(rows: dict[str, int], max_share: float) -> dict[str, int]:
     return caps
 
 
+REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def check_request_id(request_id: str) -> None:
+    """A submission's request id: empty (no idempotency) or 1-128 characters of A-Z a-z 0-9 . _ -."""
+    if request_id and not REQUEST_ID.fullmatch(request_id):
+        shown = repr(request_id[:40]) + ("…" if len(request_id) > 40 else "")
+        raise ConfigError(f"request_id {shown} ({len(request_id)} characters) is not valid: use 1-128 letters, "
+                          "digits, '.', '_' or '-', one per submission and the same on its retries (`plexus job "
+                          "submit` makes a random one)")
+
+
+def _same_submission(request_id: str, recorded: str, digest: str, what: str) -> None:
+    if recorded != digest:
+        raise FailedPrecondition(f"request id {request_id!r} {what} with a different round config; a retry must "
+                                 "send the same config, and a new submission needs a new request id (`plexus job "
+                                 "submit` makes one per run)")
+
+
 def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
     """Everything the coordinator can check at submit time, with a message that says how to fix it.
 
@@ -232,6 +252,7 @@ class Engine:
         self._seen: dict[str, float] = {}
         self._rows: dict[str, dict[str, int]] = {}   # site -> dataset -> training rows, as reported at Join
         self._active: ActiveJob | None = None
+        self._submitting: dict[tuple[str, str], str] = {}   # (admin, request id) -> config SHA-256, being built
         self._stopping = False
         self.on_death = on_death            # called if the engine thread ever ends other than by stop()
         self.storage_retry_s = STORAGE_RETRY_S
@@ -307,18 +328,59 @@ class Engine:
         self._cv.notify_all()
 
     # admin side --------------------------------------------------------------------------
-    def submit(self, config_yaml: str, who: str) -> str:
+    def submit(self, config_yaml: str, who: str, request_id: str = "") -> str:
+        """Validate a round config, build its model and queue the job; its id.
+
+        With a request_id, the submission is idempotent per admin: a repeat (a client's retry after
+        its deadline passed) returns the job the first one created, also while that one is still
+        building its model, and a repeat with another config is refused.
+        """
+        check_request_id(request_id)
         cfg = parse_round_config(config_yaml, source="submitted round config")
-        job_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
-        build = self.store.spool / f"{job_id}.initial.safetensors"
+        canonical = dump_round_config(cfg)
+        request = (request_id, hashlib.sha256(canonical.encode()).hexdigest()) if request_id else None
+        if request is not None:
+            with self._cv:
+                known = self._submitted(who, *request)
+                if known is not None:
+                    log.info("job %s: %s repeated submission %s; no new job", known, who, request_id)
+                    return known
+                self._submitting[(who, request_id)] = request[1]
         try:
-            initial = validate_job(cfg, build=build)
-            self.store.save_checkpoint(job_id, 0, initial)   # the job's round 0, before it is visible
+            job_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+            build = self.store.spool / f"{job_id}.initial.safetensors"
+            try:
+                initial = validate_job(cfg, build=build)
+                self.store.save_checkpoint(job_id, 0, initial)   # the job's round 0, before it is visible
+            finally:
+                build.unlink(missing_ok=True)
+            with self._cv:
+                self.store.add_job(job_id, cfg.name, canonical, cfg.strategy.name, cfg.rounds, who, request=request)
+                self._cv.notify_all()
+            return job_id
         finally:
-            build.unlink(missing_ok=True)
-        with self._cv:
-            self.store.add_job(job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, who)
-            self._cv.notify_all()
+            if request is not None:
+                with self._cv:
+                    del self._submitting[(who, request_id)]
+                    self._cv.notify_all()
+
+    def _submitted(self, who: str, request_id: str, digest: str) -> str | None:
+        """The job an earlier submission of `request_id` by `who` created, waiting for it while it is still
+        being built (Engine.submit builds outside the lock); None if there was none or it failed. Call with
+        the engine lock held."""
+        if (who, request_id) in self._submitting:
+            log.info("submission %s by %s repeated while the first is still building its model; it waits for it",
+                     request_id, who)
+        while (building := self._submitting.get((who, request_id))) is not None:
+            _same_submission(request_id, building, digest, "is being submitted now")
+            if self._stopping:
+                raise FailedPrecondition("the coordinator is shutting down; submit again once it is back")
+            self._cv.wait(1.0)
+        known = self.store.submission(who, request_id)
+        if known is None:
+            return None
+        job_id, recorded = known
+        _same_submission(request_id, recorded, digest, f"already submitted job {job_id}")
         return job_id
 
     def abort(self, job_id: str, who: str) -> None:

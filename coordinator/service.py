@@ -183,7 +183,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @guarded(kind="admin", min_role="operator")
     def SubmitJob(self, request, context, *, who):
-        job_id = self.engine.submit(request.config_yaml, who.name)
+        job_id = self.engine.submit(request.config_yaml, who.name, request.request_id)
         return job_summary(self.store.job(job_id))
 
     @guarded(kind="admin", min_role="viewer")

@@ -6,6 +6,7 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -159,7 +160,21 @@ def _admin(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kit", type=Path, default=os.environ.get("PLEXUS_KIT"),
                    help="admin kit folder (or PLEXUS_KIT)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                   help="deadline of each call to the coordinator (default 30; the audit log 120, downloads 600; "
+                        "watching a job has none). A submit that misses it is sent again with the same request "
+                        "id, so it never creates a second job")
     return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0; write e.g. --timeout 60")
+    return value
 
 
 def _client(args):
@@ -173,7 +188,7 @@ def _client(args):
         if not (args.kit / "admin.yaml").exists():
             raise PlexusError("no coordinator address: pass --coordinator HOST:PORT or set PLEXUS_COORDINATOR")
         address = load_admin_config(args.kit / "admin.yaml").coordinator
-    return AdminClient(address, args.kit)
+    return AdminClient(address, args.kit, timeout_s=args.timeout)
 
 
 # pki / services --------------------------------------------------------------------------

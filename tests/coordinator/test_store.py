@@ -215,6 +215,38 @@ def test_interrupt_open_rounds_voids_open_rounds_and_issued_tasks(store):
     assert store.site_events("j1") == [("site-a", "submitted", 1, ""), ("site-b", "rejected", 2, "NaN in update")]
 
 
+def test_a_submission_is_recorded_with_its_job_per_admin_and_request_id(store):
+    store.add_job("j1", "heart", "x", "fedavg", 1, "alice", request=("req-1", "ab" * 32))
+    store.add_job("j2", "heart", "x", "fedavg", 1, "bob", request=("req-1", "cd" * 32))
+    store.add_job("j3", "heart", "x", "fedavg", 1, "alice")
+
+    assert store.submission("alice", "req-1") == ("j1", "ab" * 32)
+    assert store.submission("bob", "req-1") == ("j2", "cd" * 32)
+    assert store.submission("alice", "req-2") is None
+    with pytest.raises(sqlite3.IntegrityError):   # one job per (admin, request id), whoever races for it
+        store.add_job("j4", "heart", "x", "fedavg", 1, "alice", request=("req-1", "ab" * 32))
+    assert [j.id for j in store.jobs()] == ["j1", "j2", "j3"]   # the refused one left no job behind
+
+
+def test_a_state_dir_from_before_submissions_gains_the_table_and_keeps_its_jobs(tmp_path):
+    folder = tmp_path / "state"
+    old = Store(folder, clock=Clock())
+    old.add_job("j1", "heart", "x", "fedavg", 1, "alice")
+    old.close()
+    db = sqlite3.connect(folder / "plexus.db")
+    db.execute("DROP TABLE submissions")   # as an earlier version left it
+    db.commit()
+    db.close()
+
+    upgraded = Store(folder, clock=Clock(5000.0))
+    try:
+        assert [j.id for j in upgraded.jobs()] == ["j1"]
+        upgraded.add_job("j2", "heart", "x", "fedavg", 1, "alice", request=("req-1", "ab" * 32))
+        assert upgraded.submission("alice", "req-1") == ("j2", "ab" * 32)
+    finally:
+        upgraded.close()
+
+
 def test_an_unknown_job_is_not_found(store):
     store.add_job("j1", "heart", "x", "fedavg", 1, "alice")
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -166,3 +170,41 @@ class RawSite:
         thread = threading.Thread(target=loop, daemon=True)
         thread.start()
         return thread
+
+
+def free_port() -> int:
+    """A port free now, for configs that must name one before the server starts (`plexus pki init --port`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """`plexus` commands as child processes, each logging to LOGS/NAME.log; `stop_all()` ends exactly those."""
+
+    def __init__(self, logs: Path):
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "plexus", *args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=dict(env or os.environ, PYTHONUNBUFFERED="1"),
+                                cwd=cwd)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

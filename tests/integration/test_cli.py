@@ -7,7 +7,9 @@ import io
 import json
 import stat
 
-from plexus.cli import main as cli
+import pytest
+
+from plexus.cli import _parser, main as cli
 
 from integration.harness import heart_job
 
@@ -28,6 +30,15 @@ def test_pki_commands_make_kits_and_revoke(tmp_path, capsys):
     assert "revoked 'oslo'" in capsys.readouterr().out
     assert cli(["pki", "add-site", str(tmp_path / "nowhere"), "x"]) == 1
     assert "plexus pki init" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["job", "submit", "x.yaml"], ["job", "list"], ["job", "show", "j"],
+                                     ["job", "watch", "j"], ["job", "abort", "j"],
+                                     ["job", "download", "j", "-o", "m"], ["job", "metrics", "j"],
+                                     ["job", "plot", "j", "-o", "p"], ["sites", "list"], ["audit"]])
+def test_every_admin_command_takes_a_timeout(command):
+    assert _parser().parse_args([*command, "--timeout", "7.5"]).timeout == 7.5
+    assert _parser().parse_args(command).timeout is None   # the client's defaults
 
 
 def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
