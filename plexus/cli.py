@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     site = pki.add_parser("add-site", help="issue a site kit")
     site.add_argument("dir", type=Path)
     site.add_argument("name")
+    site.add_argument("--dataset", action="append", default=[], type=_dataset_arg, metavar="NAME=DATA",
+                      help="map the dataset NAME a job asks for to this site's data, in the kit's site.yaml "
+                           "(repeatable). DATA: a built-in heart-disease hospital (cleveland, hungary, "
+                           "switzerland, va), FILE.npz, or FILE.csv,label=COLUMN; relative paths are made "
+                           "absolute. Without it, fill `datasets:` in site.yaml by hand")
     site.set_defaults(run=lambda a: _pki("add-site", a))
     admin = pki.add_parser("add-admin", help="issue an admin kit")
     admin.add_argument("dir", type=Path)
@@ -177,6 +183,42 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _dataset_arg(text: str) -> tuple[str, dict[str, str]]:
+    """`pki add-site --dataset NAME=DATA` as (NAME, the dataset's entry in site.yaml)."""
+    from plexus.datasets import HOSPITALS
+
+    examples = "e.g. heart-disease=cleveland, scans=/data/scans.npz or registry=/data/heart.csv,label=target"
+    name, sep, data = text.partition("=")
+    if not sep or not data:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DATA; write {examples}")
+    if not _DATASET_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(f"dataset name {name!r} is not valid: use 1-64 letters, digits, '.', '_' "
+                                         "or '-', starting with a letter or digit (the name jobs ask for in "
+                                         "data.dataset)")
+    if data in HOSPITALS:
+        return name, {"kind": "heart-disease", "hospital": data}
+    path, sep, label = data.rpartition(",label=")
+    if not sep:   # rpartition found no label=: all of DATA is the path
+        path, label = data, ""
+    kind = Path(path).suffix.lower().lstrip(".")
+    if kind not in ("csv", "npz"):
+        raise argparse.ArgumentTypeError(
+            f"{name}={data}: DATA is a built-in heart-disease hospital ({', '.join(HOSPITALS)}), a .npz file or a "
+            f".csv file with its label column; write {examples} (other kinds: edit `datasets:` in site.yaml)")
+    if kind == "csv" and not label:
+        raise argparse.ArgumentTypeError(f"{name}={data}: a CSV dataset needs its label column; write "
+                                         f"{name}={path},label=COLUMN")
+    if kind == "npz" and sep:
+        raise argparse.ArgumentTypeError(f"{name}={data}: label= applies to CSV files only; write {name}={path}")
+    entry = {"kind": kind, "path": os.path.abspath(os.path.expanduser(path))}
+    if kind == "csv":
+        entry["label"] = label
+    return name, entry
+
+
+_DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
 def _client(args):
     from plexus.admin_client import AdminClient
     from plexus.config import load_admin_config
@@ -199,7 +241,12 @@ def _pki(action: str, args) -> int:
         pki.init_federation(args.dir, args.federation, hosts=args.host, port=args.port)
         print(f"federation {args.federation!r} created in {args.dir}; coordinator kit: {args.dir / 'coordinator'}")
     elif action == "add-site":
-        print(f"site kit: {pki.add_site(args.dir, args.name)}")
+        names = [name for name, _ in args.dataset]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise PlexusError(f"--dataset maps {', '.join(twice)} more than once; give each dataset name once")
+        kit = pki.add_site(args.dir, args.name, datasets=dict(args.dataset))
+        print(f"site kit: {kit}" + ("" if args.dataset else f"; map its datasets in {kit / 'site.yaml'} "
+                                    "(`datasets:`), or issue it with --dataset NAME=DATA"))
     elif action == "add-admin":
         print(f"admin kit ({args.role}): {pki.add_admin(args.dir, args.name, role=args.role)}")
     elif action == "crl":

@@ -6,10 +6,12 @@ import csv
 import io
 import json
 import stat
+from pathlib import Path
 
 import pytest
 
 from plexus.cli import _parser, main as cli
+from plexus.config import DatasetSpec, load_site_config
 
 from integration.harness import heart_job
 
@@ -30,6 +32,34 @@ def test_pki_commands_make_kits_and_revoke(tmp_path, capsys):
     assert "revoked 'oslo'" in capsys.readouterr().out
     assert cli(["pki", "add-site", str(tmp_path / "nowhere"), "x"]) == 1
     assert "plexus pki init" in capsys.readouterr().err
+
+
+def test_pki_add_site_maps_the_datasets_it_is_given_into_the_kit(tmp_path, capsys):
+    root = tmp_path / "fed"
+    assert cli(["pki", "init", str(root), "--federation", "cli-test", "--host", "127.0.0.1"]) == 0
+    assert cli(["pki", "add-site", str(root), "bergen", "--dataset", "heart-disease=va",
+                "--dataset", "registry=data/heart.csv,label=target", "--dataset", "scans=/srv/scans.npz"]) == 0
+    site = load_site_config(root / "sites" / "bergen" / "site.yaml")
+    assert site.datasets == {"heart-disease": DatasetSpec(kind="heart-disease", hospital="va"),
+                             "registry": DatasetSpec(kind="csv", path=Path.cwd() / "data" / "heart.csv",
+                                                     label="target"),
+                             "scans": DatasetSpec(kind="npz", path=Path("/srv/scans.npz"))}
+    assert cli(["pki", "add-site", str(root), "oslo"]) == 0
+    assert "map its datasets in" in capsys.readouterr().out and not load_site_config(
+        root / "sites" / "oslo" / "site.yaml").datasets
+
+    for bad, says in (("heart-disease=boston", "a built-in heart-disease hospital (cleveland, hungary, switzerland, "
+                                               "va), a .npz file or a .csv file with its label column"),
+                      ("registry=/data/heart.csv", "a CSV dataset needs its label column; write "
+                                                   "registry=/data/heart.csv,label=COLUMN"),
+                      ("heart-disease", "'heart-disease' is not NAME=DATA"),
+                      ("-x=va", "dataset name '-x' is not valid")):
+        with pytest.raises(SystemExit) as exit_:
+            cli(["pki", "add-site", str(root), "lima", f"--dataset={bad}"])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err, bad
+    assert cli(["pki", "add-site", str(root), "lima", "--dataset", "h=va", "--dataset", "h=cleveland"]) == 1
+    assert "--dataset maps h more than once" in capsys.readouterr().err
+    assert not (root / "sites" / "lima").exists()   # refused before a certificate was issued
 
 
 @pytest.mark.parametrize("command", [["job", "submit", "x.yaml"], ["job", "list"], ["job", "show", "j"],
