@@ -124,9 +124,16 @@ def noise_reproducible(detail: admin_pb2.JobDetail) -> bool:
 
 def mean_eval(detail: admin_pb2.JobDetail) -> dict[int, dict[str, float]]:
     """Per model version: each eval metric averaged over sites, weighted by their held-out row counts."""
+    return mean_metrics(detail, "eval")
+
+
+def mean_metrics(detail: admin_pb2.JobDetail, kind: str) -> dict[int, dict[str, float]]:
+    """Per round: each metric of `kind` ("eval": of the global model of that round, on the sites' held-out
+    rows; "train": of the sites' local models trained in that round) averaged over sites, weighted by
+    their row counts (num_samples)."""
     per = defaultdict(lambda: defaultdict(dict))
     for m in detail.metrics:
-        if m.kind == "eval":
+        if m.kind == kind:
             per[m.round][m.site][m.name] = m.value
     out = {}
     for round_, sites in per.items():

@@ -28,7 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PLEXUS_LOG_FORMAT"] = args.log_format   # processes this one starts (the demo's) log alike
     configure(args.log_format, os.environ.get("PLEXUS_LOG", "INFO"))
     try:
-        return args.run(args) or 0
+        code = args.run(args) or 0
+        sys.stdout.flush()   # here, not at exit, so that a reader that went away is handled below
+        return code
+    except BrokenPipeError:
+        # The reader closed the pipe (`| head -1`): stop quietly. Python's documented recipe: point stdout
+        # at devnull so that the flush at exit does not fail once more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except PlexusError as exc:
         print(f"error: {printable(str(exc))}", file=sys.stderr)
         return 1
@@ -45,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plexus", description="Federated learning across hospitals.")
+    p.add_argument("--version", action="version", version=f"plexus {_version()}")
     p.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("PLEXUS_LOG_FORMAT") or "text",
                    help="log lines on stderr as text or JSON objects (or PLEXUS_LOG_FORMAT; default text)")
     sub = p.add_subparsers(metavar="COMMAND")
@@ -219,6 +227,17 @@ def _dataset_arg(text: str) -> tuple[str, dict[str, str]]:
 _DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plexus-fl")
+    except PackageNotFoundError:   # run from a checkout that was never installed
+        from plexus import __version__
+
+        return __version__
+
+
 def _client(args):
     from plexus.admin_client import AdminClient
     from plexus.config import load_admin_config
@@ -375,27 +394,59 @@ def _job_watch(args) -> int:
 
 
 def _follow(client, job_id: str, as_json: bool) -> int:
-    from plexus.admin_client import epsilon_by_round, mean_eval
-
     status = "unknown"
     for event in client.watch(job_id):
         status = event.summary.status
-        extra = ""
-        if event.kind == "round_closed":
-            detail = client.job(job_id)
-            latest = mean_eval(detail).get(event.round - 1, {})
-            extra = "  " + " ".join(f"{k}={v:.4f}" for k, v in latest.items() if k in ("accuracy", "auc", "loss"))
-            if event.round in (eps := epsilon_by_round(detail)):
-                extra += f" epsilon={eps[event.round]:.3f}"
+        # A round's close reports the global model it started from, evaluated by the sites on their held-out
+        # rows, and the local models the sites trained in it; the job's end, the final global model.
+        metrics = _closed_round_metrics(client.job(job_id), event.round) \
+            if event.kind in ("round_closed", "job_completed") else {}
         if as_json:
             print(json.dumps({"at": event.unix_s, "kind": event.kind, "round": event.round, "site": event.site,
-                              "message": event.message, "status": status}), flush=True)
+                              "message": event.message, "status": status, **metrics}), flush=True)
         else:
             when = time.strftime("%H:%M:%S", time.localtime(event.unix_s))
             where = f" round {event.round}" if event.round else ""
             who = f" {event.site}" if event.site else ""
-            print(printable(f"[{when}]{where} {event.kind}{who}: {event.message}{extra}"), flush=True)
+            # Metric names are only those in _SHOWN: the lines added below them print as they are.
+            print(printable(f"[{when}]{where} {event.kind}{who}: {event.message}")
+                  + _metrics_text(metrics, event.round), flush=True)
     return 0 if status in ("completed", "budget_reached") else 1
+
+
+_SHOWN = ("accuracy", "auc", "loss", "train_loss")
+
+
+def _closed_round_metrics(detail, round_: int) -> dict:
+    """What `job watch` shows when round `round_` closes, keyed by the model it belongs to."""
+    from plexus.admin_client import epsilon_by_round, mean_metrics
+
+    out = {}
+    evals = {k: v for k, v in mean_metrics(detail, "eval").get(round_ - 1, {}).items() if k in _SHOWN}
+    if evals:
+        out["global_model"] = {"round": round_ - 1, "eval": evals}
+    train = {k: v for k, v in mean_metrics(detail, "train").get(round_, {}).items() if k in _SHOWN}
+    if train:
+        out["local_models"] = {"round": round_, "train": train}
+    if round_ in (eps := epsilon_by_round(detail)):
+        out["epsilon"] = eps[round_]
+    return out
+
+
+def _metrics_text(metrics: dict, round_: int) -> str:
+    def values(named: dict) -> str:
+        return " ".join(f"{k}={v:.4f}" for k, v in named.items())
+
+    parts = []
+    if "global_model" in metrics:
+        g = metrics["global_model"]
+        parts.append(f"global model of round {g['round']} on the sites' held-out rows: {values(g['eval'])}")
+    if "local_models" in metrics:
+        m = metrics["local_models"]
+        parts.append(f"sites' local models of round {m['round']}: {values(m['train'])}")
+    if "epsilon" in metrics:
+        parts.append(f"privacy spent after round {round_}: epsilon={metrics['epsilon']:.3f}")
+    return "".join(f"\n    {part}" for part in parts)
 
 
 def _job_abort(args) -> int:

@@ -6,6 +6,9 @@ import csv
 import io
 import json
 import stat
+import subprocess
+import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -62,6 +65,13 @@ def test_pki_add_site_maps_the_datasets_it_is_given_into_the_kit(tmp_path, capsy
     assert not (root / "sites" / "lima").exists()   # refused before a certificate was issued
 
 
+def test_version_is_the_installed_packages(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"plexus {version('plexus-fl')}\n"
+
+
 @pytest.mark.parametrize("command", [["job", "submit", "x.yaml"], ["job", "list"], ["job", "show", "j"],
                                      ["job", "watch", "j"], ["job", "abort", "j"],
                                      ["job", "download", "j", "-o", "m"], ["job", "metrics", "j"],
@@ -80,6 +90,11 @@ def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
     assert cli(["job", "submit", str(job_file), "--wait", *_admin_args(federation)]) == 0
     out = capsys.readouterr().out
     assert "round_closed" in out and "job_completed" in out and "accuracy=" in out
+    # Each metric says which model it belongs to.
+    closed = out[out.index("round 2 round_closed"):out.index("job_completed")]
+    assert "\n    global model of round 1 on the sites' held-out rows: accuracy=" in closed
+    assert "\n    sites' local models of round 2: train_loss=" in closed
+    assert "\n    global model of round 2 on the sites' held-out rows: accuracy=" in out[out.index("job_completed"):]
 
     assert cli(["job", "list", "--json", *_admin_args(federation, "viewer")]) == 0
     jobs = json.loads(capsys.readouterr().out)
@@ -93,6 +108,20 @@ def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
     assert cli(["job", "metrics", job_id, "--format", "csv", *_admin_args(federation, "viewer")]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert {(r["site"], r["kind"], r["name"]) for r in rows} >= {("a", "eval", "auc"), ("b", "train", "train_loss")}
+
+    assert cli(["job", "watch", job_id, "--json", *_admin_args(federation, "viewer")]) == 0
+    watched = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    [first] = [e for e in watched if e["kind"] == "round_closed" and e["round"] == 1]
+    assert first["global_model"]["round"] == 0 and 0 <= first["global_model"]["eval"]["accuracy"] <= 1
+    assert first["local_models"]["round"] == 1 and first["local_models"]["train"]["train_loss"] > 0
+
+    for argv in (["job", "metrics", job_id, "--format", "csv"], ["job", "list"], ["job", "show", job_id]):
+        # The reader is gone before the first line (`| head -0`): no traceback, only the exit status.
+        reader = subprocess.Popen([sys.executable, "-m", "plexus", *argv, *_admin_args(federation, "viewer")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        reader.stdout.close()
+        assert (reader.wait(timeout=60), reader.stderr.read()) == (1, b""), argv
+        reader.stderr.close()
 
     model = tmp_path / "m.safetensors"
     assert cli(["job", "download", job_id, "--round", "1", "-o", str(model), *_admin_args(federation)]) == 0
