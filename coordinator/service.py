@@ -222,6 +222,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return job_summary(self.store.job(request.job_id))
 
     @guarded(kind="admin", min_role="operator")
+    def ResumeJob(self, request, context, *, who):
+        self.engine.resume(request.job_id, who.name)
+        return job_summary(self.store.job(request.job_id))
+
+    @guarded(kind="admin", min_role="operator")
     def DownloadModel(self, request, context, *, who):
         row = self.store.job(request.job_id)
         round_ = row.current_round if request.round < 0 else request.round

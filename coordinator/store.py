@@ -223,14 +223,17 @@ class Store:
                  Event(job_id, "round_opened", round_, "", kind))
 
     def close_round(self, job_id: str, round_: int, *, status: str, contributors: list[str], total_samples: int,
-                    message: str, job_update: dict | None = None, event: tuple[str, str] | None = None) -> None:
-        """Close a round, and in the same transaction move the job on (its current round, status)."""
+                    message: str, job_update: dict | None = None, event: tuple[str, str] | None = None,
+                    late: str = "before the round closed") -> None:
+        """Close a round, and in the same transaction move the job on (its current round, status). Tasks
+        still unanswered become late, their reason "no update/evaluation result/answer " + `late`."""
         statements = [
             ("UPDATE rounds SET status = ?, closed = ?, contributors = ?, total_samples = ?, message = ?"
              " WHERE job_id = ? AND round = ?",
              (status, self.clock(), json.dumps(contributors), total_samples, message, job_id, round_)),
-            ("UPDATE tasks SET status = 'late', finished = ? WHERE job_id = ? AND round = ? AND status = 'issued'",
-             (self.clock(), job_id, round_)),
+            ("UPDATE tasks SET status = 'late', finished = ?, reason = CASE kind WHEN 'train' THEN 'no update '"
+             " WHEN 'evaluate' THEN 'no evaluation result ' ELSE 'no answer ' END || ?"
+             " WHERE job_id = ? AND round = ? AND status = 'issued'", (self.clock(), late, job_id, round_)),
         ]
         if job_update:
             cols = ", ".join(f"{k} = ?" for k in job_update)

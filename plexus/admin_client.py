@@ -83,6 +83,9 @@ class AdminClient:
     def abort(self, job_id: str) -> admin_pb2.JobSummary:
         return self.stub.AbortJob(admin_pb2.JobRef(job_id=job_id), timeout=self._deadline(CALL_TIMEOUT_S))
 
+    def resume(self, job_id: str) -> admin_pb2.JobSummary:
+        return self.stub.ResumeJob(admin_pb2.JobRef(job_id=job_id), timeout=self._deadline(CALL_TIMEOUT_S))
+
     def audit(self, *, verify: bool = False, limit: int = 0, sign_head: bool = False) -> admin_pb2.AuditReply:
         return self.stub.GetAudit(admin_pb2.AuditRequest(verify=verify, limit=limit, sign_head=sign_head),
                                   timeout=self._deadline(AUDIT_TIMEOUT_S))

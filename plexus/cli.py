@@ -128,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     submit.set_defaults(run=_job_submit)
     _admin(job.add_parser("list", help="list jobs")).set_defaults(run=_job_list)
     for name, fn, text in (("show", _job_show, "a job's rounds, sites and metrics"),
-                           ("watch", _job_watch, "follow a job live"), ("abort", _job_abort, "abort a job")):
+                           ("watch", _job_watch, "follow a job live"), ("abort", _job_abort, "abort a job"),
+                           ("resume", _job_resume, "run a failed job again from its last closed round")):
         cmd = _admin(job.add_parser(name, help=text))
         cmd.add_argument("job_id")
         cmd.set_defaults(run=fn)
@@ -447,6 +448,15 @@ def _metrics_text(metrics: dict, round_: int) -> str:
     if "epsilon" in metrics:
         parts.append(f"privacy spent after round {round_}: epsilon={metrics['epsilon']:.3f}")
     return "".join(f"\n    {part}" for part in parts)
+
+
+def _job_resume(args) -> int:
+    with _client(args) as client:
+        s = client.resume(args.job_id)
+    print(json.dumps(_summary_dict(s)) if args.json else
+          f"job {s.job_id}: {s.status}, resuming after round {s.current_round} "
+          f"(follow it: plexus job watch {s.job_id})")
+    return 0
 
 
 def _job_abort(args) -> int:

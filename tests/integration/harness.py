@@ -29,14 +29,15 @@ name: {name}
 model: {{name: {model}, args: {{in_features: 13, num_classes: 2}}}}
 data: {{dataset: heart-disease}}
 rounds: {rounds}
-sites: {{min: {min}, deadline_s: {deadline}}}
+sites: {{min: {min}, deadline_s: {deadline}{retries}}}
 train: {{epochs: 1, batch_size: 32, optimizer: {{name: sgd, lr: 0.1}}}}
 seed: {seed}
 """
 
 
-def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=scaled(30), seed=0) -> str:
-    return HEART_JOB.format(name=name, model=model, rounds=rounds, min=min, deadline=deadline, seed=seed)
+def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=scaled(30), seed=0, retries=0) -> str:
+    return HEART_JOB.format(name=name, model=model, rounds=rounds, min=min, deadline=deadline, seed=seed,
+                            retries=f", retries: {retries}" if retries else "")
 
 
 class Federation:

@@ -73,7 +73,7 @@ def test_version_is_the_installed_packages(capsys):
 
 
 @pytest.mark.parametrize("command", [["job", "submit", "x.yaml"], ["job", "list"], ["job", "show", "j"],
-                                     ["job", "watch", "j"], ["job", "abort", "j"],
+                                     ["job", "watch", "j"], ["job", "abort", "j"], ["job", "resume", "j"],
                                      ["job", "download", "j", "-o", "m"], ["job", "metrics", "j"],
                                      ["job", "plot", "j", "-o", "p"], ["sites", "list"], ["audit"]])
 def test_every_admin_command_takes_a_timeout(command):
