@@ -209,3 +209,13 @@ class Processes:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def install_plugin(lib: Path, module: str, source: str, entry: str) -> None:
+    """A really installed model plug-in under `lib` (put it on sys.path or PYTHONPATH): its module and a
+    dist-info whose `plexus.models` entry point is `entry` ("name = module:Factory")."""
+    dist = lib / f"{module}-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (lib / f"{module}.py").write_text(source)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[plexus.models]\n{entry}\n")

@@ -16,7 +16,7 @@ import pytest
 from plexus import pki
 from plexus.admin_client import AdminClient
 
-from integration.harness import scaled, wait_until
+from integration.harness import install_plugin, scaled, wait_until
 
 MODULE = "plexus_gated_plugin"
 # A model plug-in that takes as long to build as the test wants: it marks that it started, then waits
@@ -72,10 +72,7 @@ class Gated:
 @pytest.fixture
 def gated(tmp_path, procs):
     lib = tmp_path / "lib"
-    (lib / f"{MODULE}-1.0.dist-info").mkdir(parents=True)
-    (lib / f"{MODULE}.py").write_text(SOURCE)
-    (lib / f"{MODULE}-1.0.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {MODULE}\nVersion: 1.0\n")
-    (lib / f"{MODULE}-1.0.dist-info" / "entry_points.txt").write_text(f"[plexus.models]\ngated = {MODULE}:Gated\n")
+    install_plugin(lib, MODULE, SOURCE, f"gated = {MODULE}:Gated")
     root = tmp_path / "pki"
     pki.init_federation(root, "retry-test", hosts=["127.0.0.1"])
     for name in ("ops", "ops2"):
