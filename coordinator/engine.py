@@ -17,6 +17,7 @@ import errno
 import hashlib
 import logging
 import math
+import re
 import secrets
 import sqlite3
 import threading
@@ -91,6 +92,7 @@ class RoundState:
     rows: dict[str, int] = field(default_factory=dict)
     caps: dict[str, int] = field(default_factory=dict)
     eval_caps: dict[str, int] = field(default_factory=dict)
+    late: str = "before the round closed"   # why a task still unanswered at the close is late
 
     def check_rows(self, site: str, num_samples: int) -> None:
         """Refuse a num_samples beyond the training rows the site reported at Join."""
@@ -141,6 +143,7 @@ class ActiveJob:
     activated: float = 0.0                   # monotonic time the engine took the job up
     opened_any: bool = False                 # a round has opened since then
     total: WeightedSum | None = None         # the running sum, kept from round to round (round_sum)
+    retried: dict[int, int] = field(default_factory=dict)   # round -> times it was opened again (sites.retries)
 
     @property
     def in_memory(self) -> bool:
@@ -193,6 +196,29 @@ def weight_caps(rows: dict[str, int], max_share: float) -> dict[str, int]:
     return caps
 
 
+REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_NOT_RESUMABLE = {"queued": "it has not started yet", "running": "it is running",
+                  "completed": "it has ended; submit it again to train more",
+                  "budget_reached": "it spent its privacy budget (dp.target_epsilon)",
+                  "aborted": "an aborted job stays aborted; submit it again"}
+
+
+def check_request_id(request_id: str) -> None:
+    """A submission's request id: empty (no idempotency) or 1-128 characters of A-Z a-z 0-9 . _ -."""
+    if request_id and not REQUEST_ID.fullmatch(request_id):
+        shown = repr(request_id[:40]) + ("…" if len(request_id) > 40 else "")
+        raise ConfigError(f"request_id {shown} ({len(request_id)} characters) is not valid: use 1-128 letters, "
+                          "digits, '.', '_' or '-', one per submission and the same on its retries (`plexus job "
+                          "submit` makes a random one)")
+
+
+def _same_submission(request_id: str, recorded: str, digest: str, what: str) -> None:
+    if recorded != digest:
+        raise FailedPrecondition(f"request id {request_id!r} {what} with a different round config; a retry must "
+                                 "send the same config, and a new submission needs a new request id (`plexus job "
+                                 "submit` makes one per run)")
+
+
 def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
     """Everything the coordinator can check at submit time, with a message that says how to fix it.
 
@@ -232,6 +258,7 @@ class Engine:
         self._seen: dict[str, float] = {}
         self._rows: dict[str, dict[str, int]] = {}   # site -> dataset -> training rows, as reported at Join
         self._active: ActiveJob | None = None
+        self._submitting: dict[tuple[str, str], str] = {}   # (admin, request id) -> config SHA-256, being built
         self._stopping = False
         self.on_death = on_death            # called if the engine thread ever ends other than by stop()
         self.storage_retry_s = STORAGE_RETRY_S
@@ -307,19 +334,85 @@ class Engine:
         self._cv.notify_all()
 
     # admin side --------------------------------------------------------------------------
-    def submit(self, config_yaml: str, who: str) -> str:
+    def submit(self, config_yaml: str, who: str, request_id: str = "") -> str:
+        """Validate a round config, build its model and queue the job; its id.
+
+        With a request_id, the submission is idempotent per admin: a repeat (a client's retry after
+        its deadline passed) returns the job the first one created, also while that one is still
+        building its model, and a repeat with another config is refused.
+        """
+        check_request_id(request_id)
         cfg = parse_round_config(config_yaml, source="submitted round config")
-        job_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
-        build = self.store.spool / f"{job_id}.initial.safetensors"
+        canonical = dump_round_config(cfg)
+        request = (request_id, hashlib.sha256(canonical.encode()).hexdigest()) if request_id else None
+        if request is not None:
+            with self._cv:
+                known = self._submitted(who, *request)
+                if known is not None:
+                    log.info("job %s: %s repeated submission %s; no new job", known, who, request_id)
+                    return known
+                self._submitting[(who, request_id)] = request[1]
         try:
-            initial = validate_job(cfg, build=build)
-            self.store.save_checkpoint(job_id, 0, initial)   # the job's round 0, before it is visible
+            job_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+            build = self.store.spool / f"{job_id}.initial.safetensors"
+            try:
+                initial = validate_job(cfg, build=build)
+                self.store.save_checkpoint(job_id, 0, initial)   # the job's round 0, before it is visible
+            finally:
+                build.unlink(missing_ok=True)
+            with self._cv:
+                self.store.add_job(job_id, cfg.name, canonical, cfg.strategy.name, cfg.rounds, who, request=request)
+                self._cv.notify_all()
+            return job_id
         finally:
-            build.unlink(missing_ok=True)
-        with self._cv:
-            self.store.add_job(job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, who)
-            self._cv.notify_all()
+            if request is not None:
+                with self._cv:
+                    del self._submitting[(who, request_id)]
+                    self._cv.notify_all()
+
+    def _submitted(self, who: str, request_id: str, digest: str) -> str | None:
+        """The job an earlier submission of `request_id` by `who` created, waiting for it while it is still
+        being built (Engine.submit builds outside the lock); None if there was none or it failed. Call with
+        the engine lock held."""
+        if (who, request_id) in self._submitting:
+            log.info("submission %s by %s repeated while the first is still building its model; it waits for it",
+                     request_id, who)
+        while (building := self._submitting.get((who, request_id))) is not None:
+            _same_submission(request_id, building, digest, "is being submitted now")
+            if self._stopping:
+                raise FailedPrecondition("the coordinator is shutting down; submit again once it is back")
+            self._cv.wait(1.0)
+        known = self.store.submission(who, request_id)
+        if known is None:
+            return None
+        job_id, recorded = known
+        _same_submission(request_id, recorded, digest, f"already submitted job {job_id}")
         return job_id
+
+    def resume(self, job_id: str, who: str) -> None:
+        """Run a failed job again from its last closed round; refused unless that can work."""
+        row = self.store.job(job_id)
+        self._check_resumable(row)   # reads the checkpoint through: not under the engine lock
+        with self._cv:
+            row = self.store.job(job_id)
+            self._check_resumable(row, verify=False)   # still failed: no one resumed or removed it meanwhile
+            message = f"resumed by {who} after round {row.current_round}"
+            self.store.set_job(job_id, status="running", message=message,
+                               event=("job_resume_requested", row.current_round, "", f"{message} (it had failed: "
+                                      f"{row.message[:MAX_REASON]})"), actor=admin_actor(who))
+            self._cv.notify_all()
+
+    def _check_resumable(self, row: JobRow, *, verify: bool = True) -> None:
+        if row.status != "failed":
+            raise FailedPrecondition(f"job {row.id} is {row.status}; only a failed job can be resumed "
+                                     f"({_NOT_RESUMABLE.get(row.status, 'it has not failed')})")
+        if not verify:
+            return
+        try:
+            self._strategy_at(parse_round_config(row.config_yaml, source=f"job {row.id}"), row.id, row.current_round)
+            self.store.checkpoint_blob(row.id, row.current_round)
+        except (ConfigError, NotFound, IntegrityError) as exc:
+            raise FailedPrecondition(f"job {row.id} cannot be resumed: {exc}") from None
 
     def abort(self, job_id: str, who: str) -> None:
         with self._cv:
@@ -603,9 +696,7 @@ class Engine:
         row = next((j for j in pending if j.status == "running"), pending[0])
         cfg = parse_round_config(row.config_yaml, source=f"job {row.id}")
         try:
-            strategy = make_strategy(cfg)
-            if row.current_round > 0:
-                strategy.load_state(*self.store.load_strategy_state(row.id, row.current_round))
+            strategy = self._strategy_at(cfg, row.id, row.current_round)
             if row.status == "queued":
                 layout, blob = self.store.checkpoint_blob(row.id, 0)   # built and saved at submit
                 self.store.set_job(row.id, status="running", current_round=0,
@@ -635,6 +726,13 @@ class Engine:
         if _noise_is_reproducible(cfg):
             log.warning("job %s: %s", row.id, NOT_PRIVATE)
         return True
+
+    def _strategy_at(self, cfg: RoundConfig, job_id: str, round_: int):
+        """The job's strategy as it was when round `round_` closed (its checkpointed state; fresh at 0)."""
+        strategy = make_strategy(cfg)
+        if round_ > 0:
+            strategy.load_state(*self.store.load_strategy_state(job_id, round_))
+        return strategy
 
     def _touch(self, site: str) -> bool:
         """The site is present now; True if it was not online until now. Call with the engine lock held."""
@@ -730,6 +828,8 @@ class Engine:
             done = done and all(s in rs.eval_outcomes for s in rs.evaluators)
         if not done and remaining > 0:
             return min(remaining, 1.0)
+        if not done:
+            rs.late = f"by the round deadline ({job.cfg.sites.deadline_s:g} s)"
         if rs.secure:
             self._advance_secure(job, rs)
             self._cv.notify_all()
@@ -747,7 +847,7 @@ class Engine:
                 message = f"{job.budget_stop}; {message}"
             self.store.close_round(job.row.id, rs.round, status="closed", contributors=evaluated, total_samples=0,
                                    message=message, job_update={"status": status, "message": message},
-                                   event=("job_completed", message))
+                                   event=("job_completed", message), late=rs.late)
             self._active = None
         elif len(rs.contributors) >= (needed := max(job.cfg.sites.min, job.strategy.min_contributors)):
             try:
@@ -775,17 +875,43 @@ class Engine:
             problems = ", ".join(f"{s}: {o}" for s, o in sorted(rs.outcomes.items()) if o != "submitted") or "none"
             floor = (f"sites.min={needed}" if needed == job.cfg.sites.min else
                      f"the {needed} updates {job.cfg.strategy.name} needs per round")
-            self._fail_round(job, rs, f"{len(rs.contributors)} update(s), below {floor} (other sites — {problems})")
+            self._fail_round(job, rs, f"{len(rs.contributors)} update(s), below {floor} (other sites — {problems})",
+                             retry=True)
         self._cv.notify_all()
         return 0.0
 
-    def _fail_round(self, job: ActiveJob, rs: RoundState, why: str) -> None:
+    def _fail_round(self, job: ActiveJob, rs: RoundState, why: str, *, retry: bool = False) -> None:
+        """End a round that produced no model: the job fails, unless `retry` (the round missed its quorum)
+        and sites.retries allows opening the round again."""
         rs.drop_held()
+        done = job.retried.get(rs.round, 0)
+        if retry and done < job.cfg.sites.retries:
+            try:   # opening the round committed schedule state (cwt's next site): back to the last closed round's
+                job.strategy = self._strategy_at(job.cfg, job.row.id, job.model_round)
+            except (NotFound, IntegrityError) as exc:
+                why = f"{why}; it cannot be opened again: {exc}"
+            else:
+                self._retry_round(job, rs, why, done + 1)
+                return
         message = f"round {rs.round} failed: {why}; the global model is unchanged at round {job.model_round}"
+        if retry:
+            message += "; once its sites are back, `plexus job resume` runs it again from there"
         self.store.close_round(job.row.id, rs.round, status="failed", contributors=sorted(rs.contributors),
                                total_samples=rs.samples, message=message,
-                               job_update={"status": "failed", "message": message}, event=("job_failed", message))
+                               job_update={"status": "failed", "message": message}, event=("job_failed", message),
+                               late=rs.late)
         self._active = None
+
+    def _retry_round(self, job: ActiveJob, rs: RoundState, why: str, retry: int) -> None:
+        """Close the round that missed its quorum; the next tick opens it again once enough sites are online."""
+        job.retried[rs.round] = retry
+        message = f"round {rs.round} missed its quorum: {why}; opening it again (retry {retry} of " \
+                  f"sites.retries={job.cfg.sites.retries})"
+        self.store.close_round(job.row.id, rs.round, status="failed", contributors=sorted(rs.contributors),
+                               total_samples=rs.samples, message=message, job_update={"message": message},
+                               event=("round_retry", message), late=rs.late)
+        log.warning("job %s: %s", job.row.id, message)
+        job.round = None
 
     def _advance_secure(self, job: ActiveJob, rs: RoundState) -> None:
         """Close the current secure-aggregation phase; open the next one, or finish the round."""
@@ -813,8 +939,8 @@ class Engine:
                 self._close_training_round(job, rs, job.strategy.aggregate(rs.round, job.state, mean,
                                                                            sorted(rs.contributors)))
                 return
-        except PlexusError as exc:
-            self._fail_round(job, rs, str(exc))
+        except PlexusError as exc:   # too few sites answered a phase, or too few honest shares
+            self._fail_round(job, rs, str(exc), retry=True)
             return
         rs.participants, rs.grants, rs.outcomes = following, {}, {}
         rs.deadline = self._mono() + job.cfg.privacy.secagg.phase_timeout_s
@@ -849,7 +975,8 @@ class Engine:
         self.store.save_strategy_state(job.row.id, rs.round, job.strategy.state_arrays(), job.strategy.state_meta())
         message = f"{len(rs.contributors)} update(s), {rs.samples} samples"
         self.store.close_round(job.row.id, rs.round, status="closed", contributors=sorted(rs.contributors),
-                               total_samples=rs.samples, message=message, job_update={"current_round": rs.round})
+                               total_samples=rs.samples, message=message, job_update={"current_round": rs.round},
+                               late=rs.late)
         self.store.prune_checkpoints(job.row.id, rs.round)
         if self._storage_trouble:
             log.info("job %s round %d saved: the state dir takes writes again", job.row.id, rs.round)

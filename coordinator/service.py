@@ -183,7 +183,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @guarded(kind="admin", min_role="operator")
     def SubmitJob(self, request, context, *, who):
-        job_id = self.engine.submit(request.config_yaml, who.name)
+        job_id = self.engine.submit(request.config_yaml, who.name, request.request_id)
         return job_summary(self.store.job(job_id))
 
     @guarded(kind="admin", min_role="viewer")
@@ -219,6 +219,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @guarded(kind="admin", min_role="operator")
     def AbortJob(self, request, context, *, who):
         self.engine.abort(request.job_id, who.name)
+        return job_summary(self.store.job(request.job_id))
+
+    @guarded(kind="admin", min_role="operator")
+    def ResumeJob(self, request, context, *, who):
+        self.engine.resume(request.job_id, who.name)
         return job_summary(self.store.job(request.job_id))
 
     @guarded(kind="admin", min_role="operator")

@@ -58,7 +58,12 @@ CREATE TABLE IF NOT EXISTS events (
     round INTEGER NOT NULL DEFAULT 0, site TEXT NOT NULL DEFAULT '', message TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS checkpoints (
     file TEXT PRIMARY KEY, job_id TEXT NOT NULL, round INTEGER NOT NULL, sha256 TEXT NOT NULL, written REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS submissions (
+    submitted_by TEXT NOT NULL, request_id TEXT NOT NULL, job_id TEXT NOT NULL, config_sha256 TEXT NOT NULL,
+    at REAL NOT NULL, PRIMARY KEY (submitted_by, request_id));
 """
+# A state dir from an earlier version gains the tables it lacks when a store opens it (CREATE ... IF NOT
+# EXISTS above): so far every upgrade has only added tables (docs/upgrading.md).
 
 TERMINAL = ("completed", "budget_reached", "failed", "aborted")
 RESTORE = "restore the state directory from a backup (docs/backup-restore.md)"
@@ -167,12 +172,25 @@ class Store:
             return self._db.execute(sql, args).fetchall()
 
     # jobs -------------------------------------------------------------------------------
-    def add_job(self, job_id: str, name: str, config_yaml: str, strategy: str, rounds: int, who: str) -> None:
+    def add_job(self, job_id: str, name: str, config_yaml: str, strategy: str, rounds: int, who: str,
+                request: tuple[str, str] | None = None) -> None:
+        """Record a queued job; `request` = (request id, config SHA-256) records the submission that made it,
+        in the same transaction, so that a repeat of it finds this job (`submission`)."""
         now = self.clock()
-        self._tx([("INSERT INTO jobs (id, name, config_yaml, strategy, status, rounds, submitted_by, created, updated)"
-                   " VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?)",
-                   (job_id, name, config_yaml, strategy, rounds, who, now, now))],
-                 Event(job_id, "job_submitted", 0, "", f"submitted by {who}", actor=admin_actor(who)))
+        statements = [("INSERT INTO jobs (id, name, config_yaml, strategy, status, rounds, submitted_by, created,"
+                       " updated) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?)",
+                       (job_id, name, config_yaml, strategy, rounds, who, now, now))]
+        if request is not None:
+            request_id, digest = request
+            statements.append(("INSERT INTO submissions VALUES (?, ?, ?, ?, ?)",
+                               (who, request_id, job_id, digest, now)))
+        self._tx(statements, Event(job_id, "job_submitted", 0, "", f"submitted by {who}", actor=admin_actor(who)))
+
+    def submission(self, who: str, request_id: str) -> tuple[str, str] | None:
+        """(job id, config SHA-256) of the job admin `who` submitted under `request_id`, or None."""
+        rows = self._all("SELECT job_id, config_sha256 FROM submissions WHERE submitted_by = ? AND request_id = ?",
+                         (who, request_id))
+        return rows[0] if rows else None
 
     def job(self, job_id: str) -> JobRow:
         rows = self._all("SELECT * FROM jobs WHERE id = ?", (job_id,))
@@ -205,14 +223,17 @@ class Store:
                  Event(job_id, "round_opened", round_, "", kind))
 
     def close_round(self, job_id: str, round_: int, *, status: str, contributors: list[str], total_samples: int,
-                    message: str, job_update: dict | None = None, event: tuple[str, str] | None = None) -> None:
-        """Close a round, and in the same transaction move the job on (its current round, status)."""
+                    message: str, job_update: dict | None = None, event: tuple[str, str] | None = None,
+                    late: str = "before the round closed") -> None:
+        """Close a round, and in the same transaction move the job on (its current round, status). Tasks
+        still unanswered become late, their reason "no update/evaluation result/answer " + `late`."""
         statements = [
             ("UPDATE rounds SET status = ?, closed = ?, contributors = ?, total_samples = ?, message = ?"
              " WHERE job_id = ? AND round = ?",
              (status, self.clock(), json.dumps(contributors), total_samples, message, job_id, round_)),
-            ("UPDATE tasks SET status = 'late', finished = ? WHERE job_id = ? AND round = ? AND status = 'issued'",
-             (self.clock(), job_id, round_)),
+            ("UPDATE tasks SET status = 'late', finished = ?, reason = CASE kind WHEN 'train' THEN 'no update '"
+             " WHEN 'evaluate' THEN 'no evaluation result ' ELSE 'no answer ' END || ?"
+             " WHERE job_id = ? AND round = ? AND status = 'issued'", (self.clock(), late, job_id, round_)),
         ]
         if job_update:
             cols = ", ".join(f"{k} = ?" for k in job_update)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 
+import grpc
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -14,13 +18,27 @@ from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc
 from plexus.wire import Layout, assemble, decode
 
+log = logging.getLogger("plexus.admin")
+
+# Deadlines when the caller sets none (`--timeout`): most calls, the audit log, model downloads.
+CALL_TIMEOUT_S, AUDIT_TIMEOUT_S, DOWNLOAD_TIMEOUT_S = 30.0, 120.0, 600.0
+SUBMIT_ATTEMPTS = 5                 # a submit answered DEADLINE_EXCEEDED or UNAVAILABLE is sent again, this often
+_RETRYABLE = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+
 
 class AdminClient:
-    def __init__(self, address: str, kit_dir: Path, *, timeout_s: float = 30.0):
+    """timeout_s, when set, is the deadline of every call but watch (which follows a job for as long as it
+    runs); unset, calls get CALL_TIMEOUT_S, the audit log AUDIT_TIMEOUT_S, downloads DOWNLOAD_TIMEOUT_S."""
+
+    def __init__(self, address: str, kit_dir: Path, *, timeout_s: float | None = None, sleep=time.sleep):
         self.address = address
         self.channel = transport.channel(load_kit(Path(kit_dir)), address)
         self.stub = admin_pb2_grpc.AdminStub(self.channel)
         self.timeout_s = timeout_s
+        self._sleep = sleep
+
+    def _deadline(self, default: float) -> float:
+        return default if self.timeout_s is None else self.timeout_s
 
     def close(self) -> None:
         self.channel.close()
@@ -31,32 +49,54 @@ class AdminClient:
     def __exit__(self, *exc):
         self.close()
 
-    def submit(self, config_yaml: str) -> admin_pb2.JobSummary:
-        return self.stub.SubmitJob(admin_pb2.SubmitJobRequest(config_yaml=config_yaml), timeout=self.timeout_s)
+    def submit(self, config_yaml: str, *, request_id: str | None = None,
+               attempts: int = SUBMIT_ATTEMPTS) -> admin_pb2.JobSummary:
+        """Submit a round config under a request id (a random one unless given). A submit whose deadline
+        passed may still have created the job, so DEADLINE_EXCEEDED and UNAVAILABLE are retried with the
+        same id, up to `attempts` calls in all: the coordinator answers a repeat with the job the first
+        one created, never a second job."""
+        if attempts < 1:
+            raise ValueError(f"attempts must be at least 1; got {attempts}")
+        request = admin_pb2.SubmitJobRequest(config_yaml=config_yaml, request_id=request_id or new_request_id())
+        for attempt in range(1, attempts):
+            try:
+                return self.stub.SubmitJob(request, timeout=self._deadline(CALL_TIMEOUT_S))
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise
+                pause = min(0.5 * 2 ** (attempt - 1), 8.0)
+                log.warning("submit attempt %d of %d: %s (deadline %g s); sending it again in %.1f s with the same "
+                            "request id %s (a job it created is returned, not made twice)", attempt, attempts,
+                            exc.code().name, self._deadline(CALL_TIMEOUT_S), pause, request.request_id)
+                self._sleep(pause)
+        return self.stub.SubmitJob(request, timeout=self._deadline(CALL_TIMEOUT_S))
 
     def jobs(self) -> list[admin_pb2.JobSummary]:
-        return list(self.stub.ListJobs(admin_pb2.ListJobsRequest(), timeout=self.timeout_s).jobs)
+        return list(self.stub.ListJobs(admin_pb2.ListJobsRequest(), timeout=self._deadline(CALL_TIMEOUT_S)).jobs)
 
     def job(self, job_id: str) -> admin_pb2.JobDetail:
-        return self.stub.GetJob(admin_pb2.JobRef(job_id=job_id), timeout=self.timeout_s)
+        return self.stub.GetJob(admin_pb2.JobRef(job_id=job_id), timeout=self._deadline(CALL_TIMEOUT_S))
 
     def watch(self, job_id: str, timeout_s: float | None = None):
         return self.stub.WatchJob(admin_pb2.JobRef(job_id=job_id), timeout=timeout_s)
 
     def abort(self, job_id: str) -> admin_pb2.JobSummary:
-        return self.stub.AbortJob(admin_pb2.JobRef(job_id=job_id), timeout=self.timeout_s)
+        return self.stub.AbortJob(admin_pb2.JobRef(job_id=job_id), timeout=self._deadline(CALL_TIMEOUT_S))
+
+    def resume(self, job_id: str) -> admin_pb2.JobSummary:
+        return self.stub.ResumeJob(admin_pb2.JobRef(job_id=job_id), timeout=self._deadline(CALL_TIMEOUT_S))
 
     def audit(self, *, verify: bool = False, limit: int = 0, sign_head: bool = False) -> admin_pb2.AuditReply:
         return self.stub.GetAudit(admin_pb2.AuditRequest(verify=verify, limit=limit, sign_head=sign_head),
-                                  timeout=max(self.timeout_s, 120))
+                                  timeout=self._deadline(AUDIT_TIMEOUT_S))
 
     def sites(self) -> list[admin_pb2.SiteInfo]:
-        return list(self.stub.ListSites(admin_pb2.ListSitesRequest(), timeout=self.timeout_s).sites)
+        return list(self.stub.ListSites(admin_pb2.ListSitesRequest(), timeout=self._deadline(CALL_TIMEOUT_S)).sites)
 
     def download(self, job_id: str, round_: int = -1) -> tuple[int, dict[str, np.ndarray]]:
         """The global model of a closed round (-1: the latest), validated chunk by chunk."""
         stream = self.stub.DownloadModel(admin_pb2.DownloadRequest(job_id=job_id, round=round_),
-                                         timeout=max(self.timeout_s, 600))
+                                         timeout=self._deadline(DOWNLOAD_TIMEOUT_S))
         header = next(stream).header
         layout = Layout.from_proto(header.manifest)
         return header.round, decode(layout, assemble(layout, (message.chunk for message in stream)))
@@ -68,6 +108,11 @@ class AdminClient:
                   metadata={"job": job_id, "round": str(got)})
         os.replace(tmp, path)
         return got
+
+
+def new_request_id() -> str:
+    """A fresh random request id for one submission (and its retries)."""
+    return uuid.uuid4().hex
 
 
 def epsilon_by_round(detail: admin_pb2.JobDetail) -> dict[int, float]:
@@ -82,9 +127,16 @@ def noise_reproducible(detail: admin_pb2.JobDetail) -> bool:
 
 def mean_eval(detail: admin_pb2.JobDetail) -> dict[int, dict[str, float]]:
     """Per model version: each eval metric averaged over sites, weighted by their held-out row counts."""
+    return mean_metrics(detail, "eval")
+
+
+def mean_metrics(detail: admin_pb2.JobDetail, kind: str) -> dict[int, dict[str, float]]:
+    """Per round: each metric of `kind` ("eval": of the global model of that round, on the sites' held-out
+    rows; "train": of the sites' local models trained in that round) averaged over sites, weighted by
+    their row counts (num_samples)."""
     per = defaultdict(lambda: defaultdict(dict))
     for m in detail.metrics:
-        if m.kind == "eval":
+        if m.kind == kind:
             per[m.round][m.site][m.name] = m.value
     out = {}
     for round_, sites in per.items():

@@ -6,7 +6,9 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,7 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PLEXUS_LOG_FORMAT"] = args.log_format   # processes this one starts (the demo's) log alike
     configure(args.log_format, os.environ.get("PLEXUS_LOG", "INFO"))
     try:
-        return args.run(args) or 0
+        code = args.run(args) or 0
+        sys.stdout.flush()   # here, not at exit, so that a reader that went away is handled below
+        return code
+    except BrokenPipeError:
+        # The reader closed the pipe (`| head -1`): stop quietly. Python's documented recipe: point stdout
+        # at devnull so that the flush at exit does not fail once more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except PlexusError as exc:
         print(f"error: {printable(str(exc))}", file=sys.stderr)
         return 1
@@ -43,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plexus", description="Federated learning across hospitals.")
+    p.add_argument("--version", action="version", version=f"plexus {_version()}")
     p.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("PLEXUS_LOG_FORMAT") or "text",
                    help="log lines on stderr as text or JSON objects (or PLEXUS_LOG_FORMAT; default text)")
     sub = p.add_subparsers(metavar="COMMAND")
@@ -66,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     site = pki.add_parser("add-site", help="issue a site kit")
     site.add_argument("dir", type=Path)
     site.add_argument("name")
+    site.add_argument("--dataset", action="append", default=[], type=_dataset_arg, metavar="NAME=DATA",
+                      help="map the dataset NAME a job asks for to this site's data, in the kit's site.yaml "
+                           "(repeatable). DATA: a built-in heart-disease hospital (cleveland, hungary, "
+                           "switzerland, va), FILE.npz, or FILE.csv,label=COLUMN; relative paths are made "
+                           "absolute. Without it, fill `datasets:` in site.yaml by hand")
     site.set_defaults(run=lambda a: _pki("add-site", a))
     admin = pki.add_parser("add-admin", help="issue an admin kit")
     admin.add_argument("dir", type=Path)
@@ -113,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     submit.set_defaults(run=_job_submit)
     _admin(job.add_parser("list", help="list jobs")).set_defaults(run=_job_list)
     for name, fn, text in (("show", _job_show, "a job's rounds, sites and metrics"),
-                           ("watch", _job_watch, "follow a job live"), ("abort", _job_abort, "abort a job")):
+                           ("watch", _job_watch, "follow a job live"), ("abort", _job_abort, "abort a job"),
+                           ("resume", _job_resume, "run a failed job again from its last closed round")):
         cmd = _admin(job.add_parser(name, help=text))
         cmd.add_argument("job_id")
         cmd.set_defaults(run=fn)
@@ -159,7 +175,68 @@ def _admin(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kit", type=Path, default=os.environ.get("PLEXUS_KIT"),
                    help="admin kit folder (or PLEXUS_KIT)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                   help="deadline of each call to the coordinator (default 30; the audit log 120, downloads 600; "
+                        "watching a job has none). A submit that misses it is sent again with the same request "
+                        "id, so it never creates a second job")
     return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0; write e.g. --timeout 60")
+    return value
+
+
+def _dataset_arg(text: str) -> tuple[str, dict[str, str]]:
+    """`pki add-site --dataset NAME=DATA` as (NAME, the dataset's entry in site.yaml)."""
+    from plexus.datasets import HOSPITALS
+
+    examples = "e.g. heart-disease=cleveland, scans=/data/scans.npz or registry=/data/heart.csv,label=target"
+    name, sep, data = text.partition("=")
+    if not sep or not data:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DATA; write {examples}")
+    if not _DATASET_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(f"dataset name {name!r} is not valid: use 1-64 letters, digits, '.', '_' "
+                                         "or '-', starting with a letter or digit (the name jobs ask for in "
+                                         "data.dataset)")
+    if data in HOSPITALS:
+        return name, {"kind": "heart-disease", "hospital": data}
+    path, sep, label = data.rpartition(",label=")
+    if not sep:   # rpartition found no label=: all of DATA is the path
+        path, label = data, ""
+    kind = Path(path).suffix.lower().lstrip(".")
+    if kind not in ("csv", "npz"):
+        raise argparse.ArgumentTypeError(
+            f"{name}={data}: DATA is a built-in heart-disease hospital ({', '.join(HOSPITALS)}), a .npz file or a "
+            f".csv file with its label column; write {examples} (other kinds: edit `datasets:` in site.yaml)")
+    if kind == "csv" and not label:
+        raise argparse.ArgumentTypeError(f"{name}={data}: a CSV dataset needs its label column; write "
+                                         f"{name}={path},label=COLUMN")
+    if kind == "npz" and sep:
+        raise argparse.ArgumentTypeError(f"{name}={data}: label= applies to CSV files only; write {name}={path}")
+    entry = {"kind": kind, "path": os.path.abspath(os.path.expanduser(path))}
+    if kind == "csv":
+        entry["label"] = label
+    return name, entry
+
+
+_DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plexus-fl")
+    except PackageNotFoundError:   # run from a checkout that was never installed
+        from plexus import __version__
+
+        return __version__
 
 
 def _client(args):
@@ -173,7 +250,7 @@ def _client(args):
         if not (args.kit / "admin.yaml").exists():
             raise PlexusError("no coordinator address: pass --coordinator HOST:PORT or set PLEXUS_COORDINATOR")
         address = load_admin_config(args.kit / "admin.yaml").coordinator
-    return AdminClient(address, args.kit)
+    return AdminClient(address, args.kit, timeout_s=args.timeout)
 
 
 # pki / services --------------------------------------------------------------------------
@@ -184,7 +261,12 @@ def _pki(action: str, args) -> int:
         pki.init_federation(args.dir, args.federation, hosts=args.host, port=args.port)
         print(f"federation {args.federation!r} created in {args.dir}; coordinator kit: {args.dir / 'coordinator'}")
     elif action == "add-site":
-        print(f"site kit: {pki.add_site(args.dir, args.name)}")
+        names = [name for name, _ in args.dataset]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise PlexusError(f"--dataset maps {', '.join(twice)} more than once; give each dataset name once")
+        kit = pki.add_site(args.dir, args.name, datasets=dict(args.dataset))
+        print(f"site kit: {kit}" + ("" if args.dataset else f"; map its datasets in {kit / 'site.yaml'} "
+                                    "(`datasets:`), or issue it with --dataset NAME=DATA"))
     elif action == "add-admin":
         print(f"admin kit ({args.role}): {pki.add_admin(args.dir, args.name, role=args.role)}")
     elif action == "crl":
@@ -313,27 +395,68 @@ def _job_watch(args) -> int:
 
 
 def _follow(client, job_id: str, as_json: bool) -> int:
-    from plexus.admin_client import epsilon_by_round, mean_eval
-
     status = "unknown"
     for event in client.watch(job_id):
         status = event.summary.status
-        extra = ""
-        if event.kind == "round_closed":
-            detail = client.job(job_id)
-            latest = mean_eval(detail).get(event.round - 1, {})
-            extra = "  " + " ".join(f"{k}={v:.4f}" for k, v in latest.items() if k in ("accuracy", "auc", "loss"))
-            if event.round in (eps := epsilon_by_round(detail)):
-                extra += f" epsilon={eps[event.round]:.3f}"
+        # A round's close reports the global model it started from, evaluated by the sites on their held-out
+        # rows, and the local models the sites trained in it; the job's end, the final global model.
+        metrics = _closed_round_metrics(client.job(job_id), event.round) \
+            if event.kind in ("round_closed", "job_completed") else {}
         if as_json:
             print(json.dumps({"at": event.unix_s, "kind": event.kind, "round": event.round, "site": event.site,
-                              "message": event.message, "status": status}), flush=True)
+                              "message": event.message, "status": status, **metrics}), flush=True)
         else:
             when = time.strftime("%H:%M:%S", time.localtime(event.unix_s))
             where = f" round {event.round}" if event.round else ""
             who = f" {event.site}" if event.site else ""
-            print(printable(f"[{when}]{where} {event.kind}{who}: {event.message}{extra}"), flush=True)
+            # Metric names are only those in _SHOWN: the lines added below them print as they are.
+            print(printable(f"[{when}]{where} {event.kind}{who}: {event.message}")
+                  + _metrics_text(metrics, event.round), flush=True)
     return 0 if status in ("completed", "budget_reached") else 1
+
+
+_SHOWN = ("accuracy", "auc", "loss", "train_loss")
+
+
+def _closed_round_metrics(detail, round_: int) -> dict:
+    """What `job watch` shows when round `round_` closes, keyed by the model it belongs to."""
+    from plexus.admin_client import epsilon_by_round, mean_metrics
+
+    out = {}
+    evals = {k: v for k, v in mean_metrics(detail, "eval").get(round_ - 1, {}).items() if k in _SHOWN}
+    if evals:
+        out["global_model"] = {"round": round_ - 1, "eval": evals}
+    train = {k: v for k, v in mean_metrics(detail, "train").get(round_, {}).items() if k in _SHOWN}
+    if train:
+        out["local_models"] = {"round": round_, "train": train}
+    if round_ in (eps := epsilon_by_round(detail)):
+        out["epsilon"] = eps[round_]
+    return out
+
+
+def _metrics_text(metrics: dict, round_: int) -> str:
+    def values(named: dict) -> str:
+        return " ".join(f"{k}={v:.4f}" for k, v in named.items())
+
+    parts = []
+    if "global_model" in metrics:
+        g = metrics["global_model"]
+        parts.append(f"global model of round {g['round']} on the sites' held-out rows: {values(g['eval'])}")
+    if "local_models" in metrics:
+        m = metrics["local_models"]
+        parts.append(f"sites' local models of round {m['round']}: {values(m['train'])}")
+    if "epsilon" in metrics:
+        parts.append(f"privacy spent after round {round_}: epsilon={metrics['epsilon']:.3f}")
+    return "".join(f"\n    {part}" for part in parts)
+
+
+def _job_resume(args) -> int:
+    with _client(args) as client:
+        s = client.resume(args.job_id)
+    print(json.dumps(_summary_dict(s)) if args.json else
+          f"job {s.job_id}: {s.status}, resuming after round {s.current_round} "
+          f"(follow it: plexus job watch {s.job_id})")
+    return 0
 
 
 def _job_abort(args) -> int:

@@ -237,6 +237,10 @@ class SitesSpec:
     # rows it reported at Join: a site reporting more samples than that counts with that cap, so no one site
     # (however many rows it claims) can take the global model over. 1: no cap.
     max_weight_share: float = field(default=0.75, metadata=_range(0, 1, lo_open=True))
+    # How many times a training round that misses its quorum (fewer than `min` updates by deadline_s) is
+    # opened again, from the same global model, before the job fails. Left out of the dumped config at 0,
+    # so that agents older than this key still read it.
+    retries: int = field(default=0, metadata={**_range(0, 1000), "omit_default": True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -782,7 +786,8 @@ def dump_round_config(cfg: RoundConfig) -> str:
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if not (f.metadata.get("omit_none") and getattr(obj, f.name) is None)}
+                if not (f.metadata.get("omit_none") and getattr(obj, f.name) is None)
+                and not (f.metadata.get("omit_default") and getattr(obj, f.name) == f.default)}
     if isinstance(obj, (list, tuple)):
         return [_to_plain(item) for item in obj]
     if isinstance(obj, dict):

@@ -3,7 +3,8 @@
 Fresh PKI, a coordinator and one site agent per hospital as separate processes
 on 127.0.0.1, a FedAvg job on the UCI heart-disease data, live progress, then
 the federated model against a pooled model (the ceiling) and each site alone.
-Every process it starts is stopped again, also on Ctrl-C.
+Every process it starts is stopped again, also on Ctrl-C. A run that fails keeps
+its folder (PKI, state, logs), also a temporary one, and says where it is.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from plexus.datasets import HOSPITALS, Split, heart_disease
+from plexus.config import MIN_SECURE_COHORT
+from plexus.errors import ConfigError, PlexusError
 from plexus.text import printable
 
 DEMO_ROUND_CONFIG = """\
@@ -60,7 +63,7 @@ class Federation:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
                 tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{name} exited with code {proc.returncode}; its log ends:\n{tail}")
+                raise PlexusError(f"{name} exited with code {proc.returncode}; its log ends:\n{tail}")
 
     def peak_rss_mb(self, name: str) -> float:
         try:
@@ -97,27 +100,38 @@ def _wait_for(path: Path, fed: Federation, timeout_s: float = 120) -> str:
             return path.read_text().strip()
         fed.check_alive()
         time.sleep(0.05)
-    raise RuntimeError(f"the coordinator did not start within {timeout_s:.0f}s; see {fed.logs}")
+    raise PlexusError(f"the coordinator did not start within {timeout_s:.0f}s; see {fed.logs}")
 
 
 def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, secure: bool = False,
              plot: Path | None = None, out=sys.stdout) -> int:
     if not 1 <= sites <= len(HOSPITALS):
-        raise ValueError(f"--sites must be between 1 and {len(HOSPITALS)} (one per hospital in the data)")
+        raise ConfigError(f"--sites must be between 1 and {len(HOSPITALS)} (one per hospital in the data)")
     if rounds < 1:
-        raise ValueError("--rounds must be at least 1")
+        raise ConfigError("--rounds must be at least 1")
+    if secure and sites < MIN_SECURE_COHORT:
+        raise ConfigError(f"--secure-aggregation needs --sites {MIN_SECURE_COHORT} or more: a sum over fewer "
+                          "sites would tell the coordinator their updates")
     started = time.monotonic()
     temporary = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="plexus-demo-")) if temporary else Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     fed = Federation(workdir)
+    outcome = "failed"
     try:
         code = _run(fed, workdir, sites, rounds, started, out, secure, plot)
+        outcome = "ok" if code == 0 else "failed"
+        return code
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+        raise
     finally:
         fed.stop()
-        if temporary:
+        if outcome == "failed":   # what went wrong is in there: never remove it
+            print(f"plexus demo failed; its PKI, state and logs are kept in {workdir} (logs: {fed.logs})",
+                  file=sys.stderr, flush=True)
+        elif temporary:
             shutil.rmtree(workdir, ignore_errors=True)
-    return code
 
 
 def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float, out, secure: bool,
@@ -147,6 +161,9 @@ def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float
 
     config = DEMO_ROUND_CONFIG.format(rounds=rounds, sites=sites) + (SECURE_BLOCK if secure else "")
     with AdminClient(address, admin_kit) as client:
+        # The first submit also starts the coordinator's model worker (it imports torch), which on a busy
+        # machine can outlast a deadline: it is retried under its request id, so the demo neither gives
+        # up (and stops the coordinator) while that submit is still building the model, nor makes two jobs.
         job_id = client.submit(config).job_id
         mode = "with secure aggregation" if secure else "plain"
         say(f"submitted job {job_id}: FedAvg ({mode}), MLP, {rounds} rounds, {sites} hospitals\n")

@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,15 +149,20 @@ def init_federation(
     crl_pem = _build_crl(ca_cert, ca_key, registry, number=1, now=now)
     _issue(
         root, registry, ca_cert, ca_key, COORDINATOR_NAME, "coordinator", None, san, kit_dir, now,
-        config=("coordinator.yaml", _coordinator_yaml(port)),
+        config=("coordinator.yaml", _coordinator_yaml(registry)),
     )
     write_atomically(root / "crl.pem", crl_pem)
     write_atomically(kit_dir / "crl.pem", crl_pem)
     return root
 
 
-def add_site(root: Path, name: str, *, now: dt.datetime | None = None) -> Path:
-    """Issue a site certificate and write its kit; return the kit dir `root/sites/<name>`."""
+def add_site(root: Path, name: str, *, datasets: Mapping[str, Mapping[str, str]] | None = None,
+             now: dt.datetime | None = None) -> Path:
+    """Issue a site certificate and write its kit; return the kit dir `root/sites/<name>`.
+
+    `datasets` (dataset name -> its site.yaml entry, e.g. {"kind": "heart-disease", "hospital": "va"})
+    fills the kit's site.yaml `datasets:`; without it, the site's operator fills it in.
+    """
     root = Path(root)
     now = _utc(now)
     _check_name(name, "site")
@@ -167,7 +172,7 @@ def add_site(root: Path, name: str, *, now: dt.datetime | None = None) -> Path:
     kit_dir = root / "sites" / name
     _issue(
         root, registry, ca_cert, ca_key, name, "site", None, [x509.DNSName(name)], kit_dir, now,
-        config=("site.yaml", _site_yaml(name, _coordinator_address(registry))),
+        config=("site.yaml", _site_yaml(name, _coordinator_address(registry), datasets or {})),
     )
     return kit_dir
 
@@ -473,13 +478,27 @@ def _parse_host(host: str) -> x509.GeneralName:
 
 
 def _coordinator_address(registry: dict) -> str:
+    """What the kits dial: the first --host given to `pki init` (localhost without one), at its port."""
     host = registry["hosts"][0] if registry["hosts"] else "localhost"
+    return f"[{host}]:{registry['port']}" if _ip_version(host) == 6 else f"{host}:{registry['port']}"
+
+
+def _listen_address(registry: dict) -> str:
+    """Where the coordinator listens so that the kits reach it: on loopback when they dial a loopback
+    host, else on every interface (the name they dial may resolve to an address this host cannot bind,
+    behind NAT or a load balancer)."""
+    host, port = registry["hosts"][0] if registry["hosts"] else "localhost", registry["port"]
+    if host.lower().rstrip(".") == "localhost" or (_ip_version(host) and ipaddress.ip_address(host).is_loopback):
+        return f"[::1]:{port}" if _ip_version(host) == 6 else f"127.0.0.1:{port}"
+    return f"[::]:{port}" if _ip_version(host) == 6 else f"0.0.0.0:{port}"
+
+
+def _ip_version(host: str) -> int:
+    """4 or 6 for an IP address, 0 for a DNS name."""
     try:
-        if ipaddress.ip_address(host).version == 6:
-            host = f"[{host}]"
+        return ipaddress.ip_address(host).version
     except ValueError:
-        pass
-    return f"{host}:{registry['port']}"
+        return 0
 
 
 def _make_dir(path: Path) -> None:
@@ -700,27 +719,35 @@ def _single_attr(subject: x509.Name, oid: x509.ObjectIdentifier, label: str) -> 
     return attrs[0].value
 
 
-def _coordinator_yaml(port: int) -> str:
+def _coordinator_yaml(registry: dict) -> str:
+    listen, dialled = _listen_address(registry), _coordinator_address(registry)
+    where = ("loopback only: sites and admins on other machines cannot reach it; for them, make the federation "
+             "with `plexus pki init --host` set to this machine's DNS name or IP"
+             if listen.startswith(("127.", "[::1]")) else
+             "every interface (firewall the port to the sites' networks, or set listen to one address)")
     return (
         "# Plexus coordinator config; relative paths are relative to this file's folder.\n"
-        f"# Change listen to \"0.0.0.0:{port}\" to accept remote sites.\n"
-        f'listen: "127.0.0.1:{port}"\n'
+        f"# The kits dial {dialled}; this listens on {where}.\n"
+        f'listen: "{listen}"\n'
         'kit: "."\n'
         'state_dir: "./state"\n'
         'crl: "crl.pem"\n'
     )
 
 
-def _site_yaml(name: str, coordinator: str) -> str:
+def _site_yaml(name: str, coordinator: str, datasets: Mapping[str, Mapping[str, str]]) -> str:
+    # JSON strings and objects are YAML flow scalars and mappings: every name and path is quoted safely.
+    mapped = "".join(f"  {json.dumps(key)}: {json.dumps(dict(entry))}\n" for key, entry in datasets.items())
     return (
         "# Plexus site config; relative paths are relative to this file's folder.\n"
         f'site: "{name}"\n'
         f'coordinator: "{coordinator}"\n'
         'kit: "."\n'
         'state_dir: "./state"\n'
-        "# Map each dataset name a job asks for to data on this machine, e.g.\n"
+        "# Map each dataset name a job asks for (its data.dataset) to data on this machine, e.g.\n"
         "#   heart-disease: {kind: heart-disease, hospital: cleveland}\n"
-        "datasets: {}\n"
+        "#   registry: {kind: csv, path: /data/heart.csv, label: target}\n"
+        + (f"datasets:\n{mapped}" if mapped else "datasets: {}\n") +
         "policy:\n"
         "  allowed_models: [logistic, mlp, cnn]\n"
         "  require_secure_aggregation: false\n"

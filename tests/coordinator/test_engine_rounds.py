@@ -1,5 +1,5 @@
-"""The round engine's wake-ups, presence and rejoin wait, on a real Store (no gRPC, no model worker:
-jobs are put in the store with their round-0 checkpoint, as submit would)."""
+"""The round engine's wake-ups, presence, rejoin wait, round retries and `job resume`, on a real Store (no
+gRPC, no model worker: jobs are put in the store with their round-0 checkpoint, as submit would)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from coordinator.engine import Engine
 from coordinator.store import Store
 from integration.harness import wait_until
 from plexus.config import dump_round_config, load_coordinator_config, parse_round_config
-from plexus.errors import ConfigError
+from plexus.errors import ConfigError, FailedPrecondition
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.wire import encode, iter_chunks
 
@@ -23,13 +23,14 @@ model: {{name: vector, args: {{size: 4}}}}
 data: {{dataset: heart-disease}}
 rounds: {rounds}
 sites: {sites}
+strategy: {{name: {strategy}}}
 seed: 0
 """
 
 
-def add_job(store: Store, *, sites: str, rounds: int = 1, name: str = "job") -> str:
+def add_job(store: Store, *, sites: str, rounds: int = 1, name: str = "job", strategy: str = "fedavg") -> str:
     """A queued job, as Engine.submit leaves it (without building a model in the worker)."""
-    cfg = parse_round_config(JOB.format(name=name, rounds=rounds, sites=sites), source="test job")
+    cfg = parse_round_config(JOB.format(name=name, rounds=rounds, sites=sites, strategy=strategy), source="test job")
     job_id = f"{name}-{uuid.uuid4().hex[:8]}"
     store.save_checkpoint(job_id, 0, {"w": np.zeros(4, np.float32)})
     store.add_job(job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, "test")
@@ -172,3 +173,113 @@ def test_the_rejoin_grace_must_outlast_a_sites_longest_backoff_wait(tmp_path, gr
     else:
         with pytest.raises(ConfigError, match=r"coordinator.yaml:3: rejoin_grace_s: .* more than 10 s"):
             load_coordinator_config(path)
+
+
+def _round_one(engine: Engine, clock: Clock, *, late: str) -> None:
+    """Round 1 of a two-site job: a answers, `late` takes its task and lets the deadline pass."""
+    for site in ("a", "b"):
+        join(engine, site)
+    tasks = {site: wait_until(lambda s=site: engine.next_task(s, 0.0), 30, f"{site}'s task") for site in ("a", "b")}
+    submit(engine, engine.store, "a" if late == "b" else "b", tasks["a" if late == "b" else "b"])
+    clock.now += 61
+
+
+def test_a_round_that_misses_its_quorum_is_opened_again_while_retries_last(store):
+    clock = Clock()
+    engine = Engine(store, poll_timeout_s=1.0, monotonic=clock)
+    job_id = add_job(store, sites="{min: 2, deadline_s: 60, retries: 1}")
+    engine.start()
+    try:
+        _round_one(engine, clock, late="b")
+        [retry] = wait_until(lambda: [e for e in store.events_after(job_id, 0) if e[2] == "round_retry"], 30,
+                             "round 1 to be retried")
+        assert retry[5] == ("round 1 missed its quorum: 1 update(s), below sites.min=2 (other sites — b: late); "
+                            "opening it again (retry 1 of sites.retries=1)")
+        assert (store.job(job_id).status, store.job(job_id).current_round) == ("running", 0)
+        assert ("b", "late", 1, "no update by the round deadline (60 s)") in store.site_events(job_id)
+
+        _round_one(engine, clock, late="a")   # the second miss: no retry left
+        assert wait_until(lambda: store.job(job_id).status == "failed" and store.job(job_id), 30).message \
+            .startswith("round 1 failed: 1 update(s), below sites.min=2 (other sites — a: late)")
+    finally:
+        engine.stop()
+    kinds = [e[2] for e in store.events_after(job_id, 0)]
+    assert kinds.count("round_retry") == 1 and kinds.count("round_opened") == 2 and kinds[-1] == "job_failed"
+
+
+def test_a_retried_round_goes_to_the_site_the_schedule_had_due_not_the_next(store):
+    """cwt commits its next site when a round opens; the retry rolls that back, so a is asked again (and b,
+    next in the cycle, is not skipped to)."""
+    clock = Clock()
+    engine = Engine(store, poll_timeout_s=1.0, monotonic=clock)
+    job_id = add_job(store, sites="{min: 1, deadline_s: 60, retries: 1}", rounds=2, strategy="cwt")
+    for site in ("a", "b"):
+        join(engine, site)
+    engine.start()
+    try:
+        assert wait_until(lambda: engine.next_task("a", 0.0), 30, "a's task").round == 1   # a takes it, never answers
+        clock.now += 61
+        wait_until(lambda: "round_retry" in [e[2] for e in store.events_after(job_id, 0)], 30, "the retry")
+        for site in ("a", "b"):
+            join(engine, site)
+        again = wait_until(lambda: engine._active and engine._active.round, 30, "round 1 to open again")
+        assert (again.round, again.participants) == (1, ["a"])
+    finally:
+        engine.stop()
+
+
+def test_resume_runs_a_failed_job_again_from_its_last_closed_round(store):
+    clock = Clock()
+    engine = Engine(store, poll_timeout_s=1.0, monotonic=clock)
+    job_id = add_job(store, sites="{min: 2, deadline_s: 60}", rounds=2)
+    engine.start()
+    try:
+        _round_one(engine, clock, late="b")
+        wait_until(lambda: store.job(job_id).status == "failed", 30, "the job to fail on the missed quorum")
+        engine.resume(job_id, "ann")
+        assert (store.job(job_id).status, store.job(job_id).message) == ("running", "resumed by ann after round 0")
+        for site in ("a", "b"):
+            join(engine, site)
+        tasks = {s: wait_until(lambda s=s: engine.next_task(s, 0.0), 30, f"{s}'s task") for s in ("a", "b")}
+        assert {t.round for t in tasks.values()} == {1}   # round 1 again, from the round-0 model
+        for site, task in tasks.items():
+            submit(engine, store, site, task)
+        wait_until(lambda: store.job(job_id).current_round == 1, 30, "round 1 to close")
+    finally:
+        engine.stop()
+    events = store.events_after(job_id, 0)
+    asked = [e for e in events if e[2] == "job_resume_requested"]
+    assert len(asked) == 1 and asked[0][5].startswith("resumed by ann after round 0 (it had failed: round 1 failed")
+    assert [e[2] for e in events].index("job_resumed") > [e[2] for e in events].index("job_resume_requested")
+
+
+@pytest.mark.parametrize("status, why", [
+    ("queued", "it has not started yet"), ("running", "it is running"),
+    ("completed", "it has ended; submit it again to train more"),
+    ("budget_reached", "it spent its privacy budget"), ("aborted", "an aborted job stays aborted")])
+def test_resume_refuses_a_job_that_has_not_failed(store, status, why):
+    job_id = add_job(store, sites="{min: 1}")
+    if status != "queued":
+        store.set_job(job_id, status=status)
+    with pytest.raises(FailedPrecondition, match=f"job {job_id} is {status}; only a failed job can be resumed "
+                                                 rf"\({why}"):
+        Engine(store).resume(job_id, "ann")
+    assert store.job(job_id).status == status
+
+
+def test_resume_refuses_a_failed_job_whose_checkpoint_is_damaged_until_it_is_restored(store):
+    job_id = add_job(store, sites="{min: 1}")
+    store.set_job(job_id, status="failed", message="round 1 failed: 0 update(s), below sites.min=1")
+    path = store.checkpoint_path(job_id, 0)
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    engine = Engine(store)
+
+    with pytest.raises(FailedPrecondition, match=rf"job {job_id} cannot be resumed: checkpoint .* is damaged: "
+                                                 r"its SHA-256 is .*; restore the state directory from a backup"):
+        engine.resume(job_id, "ann")
+    assert store.job(job_id).status == "failed"
+
+    path.write_bytes(good)
+    engine.resume(job_id, "ann")
+    assert store.job(job_id).status == "running"

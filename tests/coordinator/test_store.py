@@ -158,7 +158,8 @@ def test_a_job_lifecycle_is_recorded(store):
     assert json.loads(contributors) == ["site-a"] and opened2 == opened and closed > opened
     assert store.job("j1").current_round == 1
     assert store.task("t-b")[6] == "late"          # never answered before the round closed
-    assert store.site_events("j1") == [("site-a", "submitted", 1, ""), ("site-b", "late", 1, "")]
+    assert store.site_events("j1") == [("site-a", "submitted", 1, ""),
+                                       ("site-b", "late", 1, "no update before the round closed")]
 
     events = store.events_after("j1", 0)
     assert [e[2] for e in events] == ["job_submitted", "job_started", "round_opened", "site_submitted", "round_closed"]
@@ -213,6 +214,52 @@ def test_interrupt_open_rounds_voids_open_rounds_and_issued_tasks(store):
     assert rounds[2][4] is not None and rounds[2][4] > rounds[2][3]
     assert [store.task(t)[6] for t in ("t-1", "t-2a", "t-2b")] == ["submitted", "stale", "rejected"]
     assert store.site_events("j1") == [("site-a", "submitted", 1, ""), ("site-b", "rejected", 2, "NaN in update")]
+
+
+def test_tasks_left_unanswered_at_the_close_are_late_with_the_reason_for_their_kind(store):
+    store.add_job("j1", "heart", "x", "fedavg", 2, "alice")
+    store.open_round("j1", 1, "train")
+    for site, kind in (("site-a", "train"), ("site-b", "evaluate"), ("site-c", "secagg_mask")):
+        store.add_task(f"t-{site}", "j1", 1, site, kind, b"n")
+
+    store.close_round("j1", 1, status="failed", contributors=[], total_samples=0, message="none",
+                      late="by the round deadline (60 s)")
+
+    assert store.site_events("j1") == [("site-a", "late", 1, "no update by the round deadline (60 s)"),
+                                       ("site-b", "late", 1, "no evaluation result by the round deadline (60 s)"),
+                                       ("site-c", "late", 1, "no answer by the round deadline (60 s)")]
+
+
+def test_a_submission_is_recorded_with_its_job_per_admin_and_request_id(store):
+    store.add_job("j1", "heart", "x", "fedavg", 1, "alice", request=("req-1", "ab" * 32))
+    store.add_job("j2", "heart", "x", "fedavg", 1, "bob", request=("req-1", "cd" * 32))
+    store.add_job("j3", "heart", "x", "fedavg", 1, "alice")
+
+    assert store.submission("alice", "req-1") == ("j1", "ab" * 32)
+    assert store.submission("bob", "req-1") == ("j2", "cd" * 32)
+    assert store.submission("alice", "req-2") is None
+    with pytest.raises(sqlite3.IntegrityError):   # one job per (admin, request id), whoever races for it
+        store.add_job("j4", "heart", "x", "fedavg", 1, "alice", request=("req-1", "ab" * 32))
+    assert [j.id for j in store.jobs()] == ["j1", "j2", "j3"]   # the refused one left no job behind
+
+
+def test_a_state_dir_from_before_submissions_gains_the_table_and_keeps_its_jobs(tmp_path):
+    folder = tmp_path / "state"
+    old = Store(folder, clock=Clock())
+    old.add_job("j1", "heart", "x", "fedavg", 1, "alice")
+    old.close()
+    db = sqlite3.connect(folder / "plexus.db")
+    db.execute("DROP TABLE submissions")   # as an earlier version left it
+    db.commit()
+    db.close()
+
+    upgraded = Store(folder, clock=Clock(5000.0))
+    try:
+        assert [j.id for j in upgraded.jobs()] == ["j1"]
+        upgraded.add_job("j2", "heart", "x", "fedavg", 1, "alice", request=("req-1", "ab" * 32))
+        assert upgraded.submission("alice", "req-1") == ("j2", "ab" * 32)
+    finally:
+        upgraded.close()
 
 
 def test_an_unknown_job_is_not_found(store):

@@ -51,6 +51,24 @@ def test_dockerfile_is_slim_cpu_nonroot_and_healthchecked(dockerfile):
     assert ignore.startswith("#") and "\n*\n" in ignore and "!plexus/" in ignore
 
 
+# --- install instructions ---------------------------------------------------------------
+def test_install_instructions_install_only_what_exists():
+    """Plexus is not on PyPI: every `pip install` in the install and upgrade instructions names a checkout or
+    the wheel built from one (or torch), and every deploy/ file they use is in the repository."""
+    docs = [REPO / "docs" / "install-site.md", REPO / "docs" / "upgrading.md",
+            *sorted(DEPLOY.glob("systemd/*.service"))]
+    for doc in docs:
+        text = doc.read_text()
+        installs = re.findall(r"pip install ([^`\n#&]*)", text)
+        assert installs, doc
+        for words in installs:
+            for word in words.split():
+                assert (word.startswith(("-", "torch==", "https://download.pytorch.org/")) or word == "."
+                        or re.fullmatch(r"\./plexus_fl-[0-9X.Y.Z]+-py3-none-any\.whl", word)), f"{doc.name}: {word}"
+        for path in re.findall(r"\bdeploy/[\w./-]*\w", text):
+            assert (REPO / path).exists(), f"{doc.name} names {path}"
+
+
 # --- configs shipped in deploy/ ---------------------------------------------------------
 def test_every_shipped_config_loads():
     coordinators = [DEPLOY / "docker/coordinator.yaml", DEPLOY / "compose/coordinator.yaml",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness import HOSPITAL_OF, Federation
+from integration.harness import HOSPITAL_OF, Federation, Processes
 from plexus import pki
 
 
@@ -27,3 +27,11 @@ def federation(pki_root, tmp_path):
     fed = Federation(pki_root, tmp_path / "state")
     yield fed
     fed.close()
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Child `plexus` processes for the test, logging into tmp_path; all stopped at its end."""
+    p = Processes(tmp_path)
+    yield p
+    p.stop_all()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -25,14 +29,15 @@ name: {name}
 model: {{name: {model}, args: {{in_features: 13, num_classes: 2}}}}
 data: {{dataset: heart-disease}}
 rounds: {rounds}
-sites: {{min: {min}, deadline_s: {deadline}}}
+sites: {{min: {min}, deadline_s: {deadline}{retries}}}
 train: {{epochs: 1, batch_size: 32, optimizer: {{name: sgd, lr: 0.1}}}}
 seed: {seed}
 """
 
 
-def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=scaled(30), seed=0) -> str:
-    return HEART_JOB.format(name=name, model=model, rounds=rounds, min=min, deadline=deadline, seed=seed)
+def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=scaled(30), seed=0, retries=0) -> str:
+    return HEART_JOB.format(name=name, model=model, rounds=rounds, min=min, deadline=deadline, seed=seed,
+                            retries=f", retries: {retries}" if retries else "")
 
 
 class Federation:
@@ -166,3 +171,51 @@ class RawSite:
         thread = threading.Thread(target=loop, daemon=True)
         thread.start()
         return thread
+
+
+def free_port() -> int:
+    """A port free now, for configs that must name one before the server starts (`plexus pki init --port`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """`plexus` commands as child processes, each logging to LOGS/NAME.log; `stop_all()` ends exactly those."""
+
+    def __init__(self, logs: Path):
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "plexus", *args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=dict(env or os.environ, PYTHONUNBUFFERED="1"),
+                                cwd=cwd)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def install_plugin(lib: Path, module: str, source: str, entry: str) -> None:
+    """A really installed model plug-in under `lib` (put it on sys.path or PYTHONPATH): its module and a
+    dist-info whose `plexus.models` entry point is `entry` ("name = module:Factory")."""
+    dist = lib / f"{module}-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (lib / f"{module}.py").write_text(source)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[plexus.models]\n{entry}\n")

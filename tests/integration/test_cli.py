@@ -6,8 +6,15 @@ import csv
 import io
 import json
 import stat
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
 
-from plexus.cli import main as cli
+import pytest
+
+from plexus.cli import _parser, main as cli
+from plexus.config import DatasetSpec, load_site_config
 
 from integration.harness import heart_job
 
@@ -30,6 +37,50 @@ def test_pki_commands_make_kits_and_revoke(tmp_path, capsys):
     assert "plexus pki init" in capsys.readouterr().err
 
 
+def test_pki_add_site_maps_the_datasets_it_is_given_into_the_kit(tmp_path, capsys):
+    root = tmp_path / "fed"
+    assert cli(["pki", "init", str(root), "--federation", "cli-test", "--host", "127.0.0.1"]) == 0
+    assert cli(["pki", "add-site", str(root), "bergen", "--dataset", "heart-disease=va",
+                "--dataset", "registry=data/heart.csv,label=target", "--dataset", "scans=/srv/scans.npz"]) == 0
+    site = load_site_config(root / "sites" / "bergen" / "site.yaml")
+    assert site.datasets == {"heart-disease": DatasetSpec(kind="heart-disease", hospital="va"),
+                             "registry": DatasetSpec(kind="csv", path=Path.cwd() / "data" / "heart.csv",
+                                                     label="target"),
+                             "scans": DatasetSpec(kind="npz", path=Path("/srv/scans.npz"))}
+    assert cli(["pki", "add-site", str(root), "oslo"]) == 0
+    assert "map its datasets in" in capsys.readouterr().out and not load_site_config(
+        root / "sites" / "oslo" / "site.yaml").datasets
+
+    for bad, says in (("heart-disease=boston", "a built-in heart-disease hospital (cleveland, hungary, switzerland, "
+                                               "va), a .npz file or a .csv file with its label column"),
+                      ("registry=/data/heart.csv", "a CSV dataset needs its label column; write "
+                                                   "registry=/data/heart.csv,label=COLUMN"),
+                      ("heart-disease", "'heart-disease' is not NAME=DATA"),
+                      ("-x=va", "dataset name '-x' is not valid")):
+        with pytest.raises(SystemExit) as exit_:
+            cli(["pki", "add-site", str(root), "lima", f"--dataset={bad}"])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err, bad
+    assert cli(["pki", "add-site", str(root), "lima", "--dataset", "h=va", "--dataset", "h=cleveland"]) == 1
+    assert "--dataset maps h more than once" in capsys.readouterr().err
+    assert not (root / "sites" / "lima").exists()   # refused before a certificate was issued
+
+
+def test_version_is_the_installed_packages(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"plexus {version('plexus-fl')}\n"
+
+
+@pytest.mark.parametrize("command", [["job", "submit", "x.yaml"], ["job", "list"], ["job", "show", "j"],
+                                     ["job", "watch", "j"], ["job", "abort", "j"], ["job", "resume", "j"],
+                                     ["job", "download", "j", "-o", "m"], ["job", "metrics", "j"],
+                                     ["job", "plot", "j", "-o", "p"], ["sites", "list"], ["audit"]])
+def test_every_admin_command_takes_a_timeout(command):
+    assert _parser().parse_args([*command, "--timeout", "7.5"]).timeout == 7.5
+    assert _parser().parse_args(command).timeout is None   # the client's defaults
+
+
 def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
     for name in "ab":
         federation.start_site(name)
@@ -39,6 +90,11 @@ def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
     assert cli(["job", "submit", str(job_file), "--wait", *_admin_args(federation)]) == 0
     out = capsys.readouterr().out
     assert "round_closed" in out and "job_completed" in out and "accuracy=" in out
+    # Each metric says which model it belongs to.
+    closed = out[out.index("round 2 round_closed"):out.index("job_completed")]
+    assert "\n    global model of round 1 on the sites' held-out rows: accuracy=" in closed
+    assert "\n    sites' local models of round 2: train_loss=" in closed
+    assert "\n    global model of round 2 on the sites' held-out rows: accuracy=" in out[out.index("job_completed"):]
 
     assert cli(["job", "list", "--json", *_admin_args(federation, "viewer")]) == 0
     jobs = json.loads(capsys.readouterr().out)
@@ -52,6 +108,20 @@ def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
     assert cli(["job", "metrics", job_id, "--format", "csv", *_admin_args(federation, "viewer")]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert {(r["site"], r["kind"], r["name"]) for r in rows} >= {("a", "eval", "auc"), ("b", "train", "train_loss")}
+
+    assert cli(["job", "watch", job_id, "--json", *_admin_args(federation, "viewer")]) == 0
+    watched = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    [first] = [e for e in watched if e["kind"] == "round_closed" and e["round"] == 1]
+    assert first["global_model"]["round"] == 0 and 0 <= first["global_model"]["eval"]["accuracy"] <= 1
+    assert first["local_models"]["round"] == 1 and first["local_models"]["train"]["train_loss"] > 0
+
+    for argv in (["job", "metrics", job_id, "--format", "csv"], ["job", "list"], ["job", "show", job_id]):
+        # The reader is gone before the first line (`| head -0`): no traceback, only the exit status.
+        reader = subprocess.Popen([sys.executable, "-m", "plexus", *argv, *_admin_args(federation, "viewer")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        reader.stdout.close()
+        assert (reader.wait(timeout=60), reader.stderr.read()) == (1, b""), argv
+        reader.stderr.close()
 
     model = tmp_path / "m.safetensors"
     assert cli(["job", "download", job_id, "--round", "1", "-o", str(model), *_admin_args(federation)]) == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,15 +17,9 @@ from plexus import errors, pki
 from plexus.cli import main as cli
 from plexus.config import CoordinatorConfig
 
-from integration.harness import RawSite, wait_until
+from integration.harness import RawSite, free_port, wait_until
 
 NOW = dt.datetime(2025, 1, 15, 12, 0, tzinfo=dt.timezone.utc)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class CoordinatorProcess:
@@ -58,7 +51,7 @@ class CoordinatorProcess:
 @pytest.fixture
 def coordinator_process(tmp_path):
     root = tmp_path / "pki"
-    port = _free_port()
+    port = free_port()
     pki.init_federation(root, "crl-test", hosts=["127.0.0.1"], port=port)
     for name in ("a", "b"):
         pki.add_site(root, name)

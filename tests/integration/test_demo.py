@@ -63,3 +63,32 @@ def test_demo_ctrl_c_leaves_no_process_behind(tmp_path):
     pids = _pids(workdir)
     assert len(pids) == 5  # the coordinator and four sites were started
     wait_until(lambda: not [pid for pid in pids if _alive(pid)], 15, "the demo's children to exit")
+
+
+def test_a_failed_demo_keeps_its_temporary_folder_and_says_where(tmp_path):
+    """Without --workdir the demo works in a temp dir; when a site agent dies mid-run, the demo fails and keeps
+    that folder (PKI, state, logs) instead of removing it with the evidence."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "plexus", "demo", "--rounds", "200"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=env)
+    try:
+        workdir = None
+        for line in proc.stdout:
+            if line.startswith("plexus demo: federation in "):
+                workdir = Path(line.removeprefix("plexus demo: federation in ").split(" (")[0])
+            if "round   1/200" in line:
+                break
+        assert workdir is not None and workdir.parent == tmp_path
+        [site] = [int(line.split()[0]) for line in (workdir / "pids").read_text().splitlines()
+                  if line.split()[1] == "site-cleveland"]
+        os.kill(site, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1
+    assert "site-cleveland exited with code -9" in err and "Traceback" not in err
+    assert f"plexus demo failed; its PKI, state and logs are kept in {workdir} (logs: {workdir / 'logs'})" in err
+    assert (workdir / "logs" / "coordinator.log").read_text() and (workdir / "pki" / "ca").is_dir()
+    wait_until(lambda: not [pid for pid in _pids(workdir) if _alive(pid)], 15, "the demo's children to exit")

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,46 +11,7 @@ from plexus import pki
 from plexus.admin_client import AdminClient
 from plexus.cli import main as cli
 
-from integration.harness import HOSPITAL_OF, heart_job, wait_until
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Processes:
-    def __init__(self, logs: Path):
-        self.logs = logs
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "plexus", *args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Processes(tmp_path)
-    yield p
-    p.stop_all()
-
+from integration.harness import HOSPITAL_OF, free_port, heart_job, wait_until
 
 # The strategy's own state (FedAdam's moments, CWT's shuffled schedule) must survive the kill too.
 STRATEGIES = {"fedavg": ("", 2), "fedadam": ("strategy: {name: fedadam, args: {eta: 0.05}}\n", 2),
@@ -65,7 +22,7 @@ STRATEGIES = {"fedavg": ("", 2), "fedadam": ("strategy: {name: fedadam, args: {e
 def test_sigkill_mid_job_resumes_from_last_closed_round(tmp_path, procs, strategy):
     extra, min_sites = STRATEGIES[strategy]
     root = tmp_path / "pki"
-    port = _free_port()
+    port = free_port()
     pki.init_federation(root, "resume-test", hosts=["127.0.0.1"], port=port)
     admin_kit = pki.add_admin(root, "ops", role="operator")
     coord_cfg = root / "coordinator" / "coordinator.yaml"

@@ -140,8 +140,12 @@ def test_round_fails_clearly_without_quorum_and_the_model_is_unchanged(federatio
     job_id = federation.admin().submit(heart_job(rounds=3, min=2, deadline=1.5)).job_id
     silent.next_task()  # takes the task and never answers
     assert federation.wait_job(job_id) == "failed"
-    summary = federation.admin().job(job_id).summary
+    detail = federation.admin().job(job_id)
+    summary = detail.summary
     assert "below sites.min=2" in summary.message and "b: late" in summary.message
+    assert "`plexus job resume`" in summary.message   # the way out, once b is back
+    assert [(e.site, e.status, e.reason) for e in detail.site_events if e.status == "late"] == [
+        ("b", "late", "no update by the round deadline (1.5 s)")]
     assert summary.current_round == 0
     assert federation.store.checkpoint_path(job_id, 0).exists()
     assert not federation.store.checkpoint_path(job_id, 1).exists()

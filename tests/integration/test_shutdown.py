@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,10 @@ import pytest
 
 from plexus import pki
 
-from integration.harness import wait_until
+from integration.harness import free_port, wait_until
 
 STOPS_WITHIN_S = 15.0   # "a few seconds" on an idle machine; generous for a loaded test runner
 STARTS_WITHIN_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Federation:
@@ -36,7 +29,7 @@ class Federation:
 
     def __init__(self, root: Path):
         self.root = root
-        self.port = _free_port()
+        self.port = free_port()
         pki.init_federation(root, "shutdown-test", hosts=["127.0.0.1"], port=self.port)
         self.coordinator_config = root / "coordinator" / "coordinator.yaml"
         # Long polls stay open for seconds, so a signal finds calls in flight.

@@ -179,6 +179,14 @@ def test_dump_is_canonical_and_round_trips():
     assert dump_round_config(parse_round_config(text)) == text
 
 
+def test_sites_retries_is_left_out_of_the_dumped_config_unless_set():
+    """A job's config goes to its sites: one without retries dumps as before, so older agents still read it."""
+    assert parse_round_config(MINIMAL).sites.retries == 0
+    assert "retries" not in dump_round_config(parse_round_config(MINIMAL + "sites: {retries: 0}\n"))
+    again = parse_round_config(MINIMAL + "sites: {min: 2, retries: 3}\n")
+    assert "retries: 3" in dump_round_config(again) and parse_round_config(dump_round_config(again)) == again
+
+
 positive = st.floats(min_value=0, exclude_min=True, allow_nan=False, allow_infinity=False)
 arg_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
@@ -205,7 +213,8 @@ def round_configs(draw):
             st.text(alphabet="abc_-:1 ", min_size=1, max_size=6), arg_values, max_size=4))),
         data=DataSpec(dataset=draw(st.sampled_from(["heart", "yes", "123", "null"]))),
         rounds=draw(st.integers(1, 100_000)),
-        sites=SitesSpec(min=draw(st.integers(3 if secure else 1, 50)), deadline_s=draw(positive)),
+        sites=SitesSpec(min=draw(st.integers(3 if secure else 1, 50)), deadline_s=draw(positive),
+                        retries=draw(st.integers(0, 1000))),
         train=TrainSpec(optimizer=OptimizerSpec(
             name=draw(st.sampled_from(["sgd", "adam"])),
             lr=draw(positive),
@@ -287,6 +296,8 @@ def test_dump_parse_round_trip_property(cfg):
          "job.yaml:5: privacy.dp.noise_multiplier: -1.0 is out of range", ""),
         (MINIMAL + "privacy: {dp: {mode: central, noise_multiplier: 1, clip_norm: 1, target_epsilon: 0}}\n",
          "job.yaml:5: privacy.dp.target_epsilon: 0.0 is out of range", ""),
+        (MINIMAL + "sites: {retries: -1}\n", "job.yaml:5: sites.retries: -1 is out of range", "[0, 1000]"),
+        (MINIMAL + "sites: {retries: 1.5}\n", "job.yaml:5: sites.retries: expected an integer", ""),
         (MINIMAL + "seed: -1\n", "job.yaml:5: seed: -1 is out of range", ""),
         (MINIMAL + f"seed: {2**63}\n", "job.yaml:5: seed: 9223372036854775808 is out of range", ""),
         # bad job names

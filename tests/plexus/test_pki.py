@@ -7,6 +7,7 @@ import json
 import os
 import ssl
 import stat
+from pathlib import Path
 
 import pytest
 import yaml
@@ -14,6 +15,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from plexus import errors, pki
+from plexus.config import DatasetSpec, load_admin_config, load_coordinator_config, load_site_config
 
 NOW = dt.datetime(2025, 1, 15, 12, 0, tzinfo=dt.timezone.utc)
 
@@ -393,9 +395,9 @@ def test_load_kit_rejects_a_key_of_another_cert(fed):
 
 def test_generated_configs_parse_and_hold_the_expected_keys(fed):
     coord_text = (fed / "coordinator" / "coordinator.yaml").read_text()
-    assert "0.0.0.0:9443" in coord_text  # the comment on how to accept remote sites
+    assert "The kits dial fl.example.org:9443; this listens on every interface" in coord_text
     assert yaml.safe_load(coord_text) == {
-        "listen": "127.0.0.1:9443", "kit": ".", "state_dir": "./state", "crl": "crl.pem",
+        "listen": "0.0.0.0:9443", "kit": ".", "state_dir": "./state", "crl": "crl.pem",
     }
     site_text = (pki.add_site(fed, "123", now=NOW) / "site.yaml").read_text()
     assert "heart-disease: {kind: heart-disease, hospital: cleveland}" in site_text
@@ -415,3 +417,29 @@ def test_configs_default_to_localhost_without_hosts(tmp_path):
     root = pki.init_federation(tmp_path / "pki", "Fed", now=NOW)
     site = yaml.safe_load((pki.add_site(root, "a", now=NOW) / "site.yaml").read_text())
     assert site["coordinator"] == "localhost:8443"
+    assert yaml.safe_load((root / "coordinator" / "coordinator.yaml").read_text())["listen"] == "127.0.0.1:8443"
+
+
+@pytest.mark.parametrize("host, dialled, listen", [
+    ("127.0.0.1", "127.0.0.1:8443", "127.0.0.1:8443"), ("localhost", "localhost:8443", "127.0.0.1:8443"),
+    ("::1", "[::1]:8443", "[::1]:8443"), ("10.0.0.5", "10.0.0.5:8443", "0.0.0.0:8443"),
+    ("fd00::5", "[fd00::5]:8443", "[::]:8443"), ("fl.example.org", "fl.example.org:8443", "0.0.0.0:8443")])
+def test_the_coordinator_listens_where_the_kits_dial(tmp_path, host, dialled, listen):
+    root = pki.init_federation(tmp_path / "pki", "Fed", hosts=[host], now=NOW)
+    coordinator = load_coordinator_config(root / "coordinator" / "coordinator.yaml")
+    assert coordinator.listen == listen
+    assert load_admin_config(pki.add_admin(root, "ann", now=NOW) / "admin.yaml").coordinator == dialled
+    assert load_site_config(pki.add_site(root, "a", now=NOW) / "site.yaml").coordinator == dialled
+    loopback = listen.startswith(("127.", "[::1]"))
+    assert ("loopback only" in (root / "coordinator" / "coordinator.yaml").read_text()) is loopback
+
+
+def test_a_site_kit_maps_the_datasets_it_is_issued_with(fed):
+    datasets = {"heart-disease": {"kind": "heart-disease", "hospital": "va"},
+                "registry": {"kind": "csv", "path": "/srv/data/heart \"2024\".csv", "label": "target"}}
+    kit = pki.add_site(fed, "va", datasets=datasets, now=NOW)
+    site = load_site_config(kit / "site.yaml")
+    assert site.datasets["heart-disease"] == DatasetSpec(kind="heart-disease", hospital="va")
+    assert site.datasets["registry"] == DatasetSpec(kind="csv", path=Path('/srv/data/heart "2024".csv'),
+                                                    label="target")
+    assert site.kit == kit and site.state_dir == kit / "state"   # absolute: the agent runs from any directory

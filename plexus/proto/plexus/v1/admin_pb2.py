@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from plexus.proto.plexus.v1 import federation_pb2 as plexus_dot_v1_dot_federation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15plexus/v1/admin.proto\x12\tplexus.v1\x1a\x1aplexus/v1/federation.proto\"\'\n\x10SubmitJobRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xca\x01\n\nJobSummary\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x0e\n\x06rounds\x18\x04 \x01(\r\x12\x15\n\rcurrent_round\x18\x05 \x01(\r\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x14\n\x0csubmitted_by\x18\x07 \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\x08 \x01(\x01\x12\x16\n\x0eupdated_unix_s\x18\t \x01(\x01\x12\x10\n\x08strategy\x18\n \x01(\t\".\n\x07JobList\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.plexus.v1.JobSummary\"E\n\nSiteMetric\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x01\"\x96\x01\n\tRoundInfo\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\ropened_unix_s\x18\x03 \x01(\x01\x12\x15\n\rclosed_unix_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x63ontributors\x18\x05 \x03(\t\x12\x15\n\rtotal_samples\x18\x06 \x01(\x04\x12\x0f\n\x07message\x18\x07 \x01(\t\"I\n\nSiteStatus\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"S\n\tMetricRow\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\r\n\x05value\x18\x05 \x01(\x01\"\xc1\x01\n\tJobDetail\x12&\n\x07summary\x18\x01 \x01(\x0b\x32\x15.plexus.v1.JobSummary\x12\x13\n\x0b\x63onfig_yaml\x18\x02 \x01(\t\x12$\n\x06rounds\x18\x03 \x03(\x0b\x32\x14.plexus.v1.RoundInfo\x12*\n\x0bsite_events\x18\x04 \x03(\x0b\x32\x15.plexus.v1.SiteStatus\x12%\n\x07metrics\x18\x05 \x03(\x0b\x32\x14.plexus.v1.MetricRow\"~\n\x08JobEvent\x12\x0e\n\x06unix_s\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0c\n\x04site\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12&\n\x07summary\x18\x06 \x01(\x0b\x32\x15.plexus.v1.JobSummary\"0\n\x0f\x44ownloadRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\"\x12\n\x10ListSitesRequest\"\x92\x01\n\x08SiteInfo\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x18\n\x10last_seen_unix_s\x18\x02 \x01(\x01\x12\x0e\n\x06online\x18\x03 \x01(\x08\x12\x15\n\rpolicy_digest\x18\x04 \x01(\t\x12\x0e\n\x06models\x18\x05 \x03(\t\x12\x10\n\x08\x64\x61tasets\x18\x06 \x03(\t\x12\x15\n\ragent_version\x18\x07 \x01(\t\".\n\x08SiteList\x12\"\n\x05sites\x18\x01 \x03(\x0b\x32\x13.plexus.v1.SiteInfo\"y\n\nAuditEntry\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02\x61t\x18\x02 \x01(\x01\x12\r\n\x05\x61\x63tor\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0f\n\x07subject\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\x06 \x01(\t\x12\x0c\n\x04hash\x18\x07 \x01(\t\"@\n\x0c\x41uditRequest\x12\x0e\n\x06verify\x18\x01 \x01(\x08\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x11\n\tsign_head\x18\x03 \x01(\x08\"\x80\x01\n\nAuditReply\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.plexus.v1.AuditEntry\x12\x10\n\x08verified\x18\x02 \x01(\x08\x12\x0f\n\x07problem\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\x18\n\x10signed_head_json\x18\x05 \x01(\t2\xe6\x03\n\x05\x41\x64min\x12?\n\tSubmitJob\x12\x1b.plexus.v1.SubmitJobRequest\x1a\x15.plexus.v1.JobSummary\x12:\n\x08ListJobs\x12\x1a.plexus.v1.ListJobsRequest\x1a\x12.plexus.v1.JobList\x12\x31\n\x06GetJob\x12\x11.plexus.v1.JobRef\x1a\x14.plexus.v1.JobDetail\x12\x34\n\x08WatchJob\x12\x11.plexus.v1.JobRef\x1a\x13.plexus.v1.JobEvent0\x01\x12\x34\n\x08\x41\x62ortJob\x12\x11.plexus.v1.JobRef\x1a\x15.plexus.v1.JobSummary\x12\x46\n\rDownloadModel\x12\x1a.plexus.v1.DownloadRequest\x1a\x17.plexus.v1.ModelMessage0\x01\x12=\n\tListSites\x12\x1b.plexus.v1.ListSitesRequest\x1a\x13.plexus.v1.SiteList\x12:\n\x08GetAudit\x12\x17.plexus.v1.AuditRequest\x1a\x15.plexus.v1.AuditReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15plexus/v1/admin.proto\x12\tplexus.v1\x1a\x1aplexus/v1/federation.proto\";\n\x10SubmitJobRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x11\n\x0fListJobsRequest\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xca\x01\n\nJobSummary\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x0e\n\x06rounds\x18\x04 \x01(\r\x12\x15\n\rcurrent_round\x18\x05 \x01(\r\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x14\n\x0csubmitted_by\x18\x07 \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\x08 \x01(\x01\x12\x16\n\x0eupdated_unix_s\x18\t \x01(\x01\x12\x10\n\x08strategy\x18\n \x01(\t\".\n\x07JobList\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.plexus.v1.JobSummary\"E\n\nSiteMetric\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x01\"\x96\x01\n\tRoundInfo\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\ropened_unix_s\x18\x03 \x01(\x01\x12\x15\n\rclosed_unix_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x63ontributors\x18\x05 \x03(\t\x12\x15\n\rtotal_samples\x18\x06 \x01(\x04\x12\x0f\n\x07message\x18\x07 \x01(\t\"I\n\nSiteStatus\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"S\n\tMetricRow\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\r\n\x05value\x18\x05 \x01(\x01\"\xc1\x01\n\tJobDetail\x12&\n\x07summary\x18\x01 \x01(\x0b\x32\x15.plexus.v1.JobSummary\x12\x13\n\x0b\x63onfig_yaml\x18\x02 \x01(\t\x12$\n\x06rounds\x18\x03 \x03(\x0b\x32\x14.plexus.v1.RoundInfo\x12*\n\x0bsite_events\x18\x04 \x03(\x0b\x32\x15.plexus.v1.SiteStatus\x12%\n\x07metrics\x18\x05 \x03(\x0b\x32\x14.plexus.v1.MetricRow\"~\n\x08JobEvent\x12\x0e\n\x06unix_s\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0c\n\x04site\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12&\n\x07summary\x18\x06 \x01(\x0b\x32\x15.plexus.v1.JobSummary\"0\n\x0f\x44ownloadRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\"\x12\n\x10ListSitesRequest\"\x92\x01\n\x08SiteInfo\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x18\n\x10last_seen_unix_s\x18\x02 \x01(\x01\x12\x0e\n\x06online\x18\x03 \x01(\x08\x12\x15\n\rpolicy_digest\x18\x04 \x01(\t\x12\x0e\n\x06models\x18\x05 \x03(\t\x12\x10\n\x08\x64\x61tasets\x18\x06 \x03(\t\x12\x15\n\ragent_version\x18\x07 \x01(\t\".\n\x08SiteList\x12\"\n\x05sites\x18\x01 \x03(\x0b\x32\x13.plexus.v1.SiteInfo\"y\n\nAuditEntry\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02\x61t\x18\x02 \x01(\x01\x12\r\n\x05\x61\x63tor\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0f\n\x07subject\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\x06 \x01(\t\x12\x0c\n\x04hash\x18\x07 \x01(\t\"@\n\x0c\x41uditRequest\x12\x0e\n\x06verify\x18\x01 \x01(\x08\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x11\n\tsign_head\x18\x03 \x01(\x08\"\x80\x01\n\nAuditReply\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.plexus.v1.AuditEntry\x12\x10\n\x08verified\x18\x02 \x01(\x08\x12\x0f\n\x07problem\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\x18\n\x10signed_head_json\x18\x05 \x01(\t2\x9d\x04\n\x05\x41\x64min\x12?\n\tSubmitJob\x12\x1b.plexus.v1.SubmitJobRequest\x1a\x15.plexus.v1.JobSummary\x12:\n\x08ListJobs\x12\x1a.plexus.v1.ListJobsRequest\x1a\x12.plexus.v1.JobList\x12\x31\n\x06GetJob\x12\x11.plexus.v1.JobRef\x1a\x14.plexus.v1.JobDetail\x12\x34\n\x08WatchJob\x12\x11.plexus.v1.JobRef\x1a\x13.plexus.v1.JobEvent0\x01\x12\x34\n\x08\x41\x62ortJob\x12\x11.plexus.v1.JobRef\x1a\x15.plexus.v1.JobSummary\x12\x35\n\tResumeJob\x12\x11.plexus.v1.JobRef\x1a\x15.plexus.v1.JobSummary\x12\x46\n\rDownloadModel\x12\x1a.plexus.v1.DownloadRequest\x1a\x17.plexus.v1.ModelMessage0\x01\x12=\n\tListSites\x12\x1b.plexus.v1.ListSitesRequest\x1a\x13.plexus.v1.SiteList\x12:\n\x08GetAudit\x12\x17.plexus.v1.AuditRequest\x1a\x15.plexus.v1.AuditReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,41 +33,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'plexus.v1.admin_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITJOBREQUEST']._serialized_start=64
-  _globals['_SUBMITJOBREQUEST']._serialized_end=103
-  _globals['_LISTJOBSREQUEST']._serialized_start=105
-  _globals['_LISTJOBSREQUEST']._serialized_end=122
-  _globals['_JOBREF']._serialized_start=124
-  _globals['_JOBREF']._serialized_end=148
-  _globals['_JOBSUMMARY']._serialized_start=151
-  _globals['_JOBSUMMARY']._serialized_end=353
-  _globals['_JOBLIST']._serialized_start=355
-  _globals['_JOBLIST']._serialized_end=401
-  _globals['_SITEMETRIC']._serialized_start=403
-  _globals['_SITEMETRIC']._serialized_end=472
-  _globals['_ROUNDINFO']._serialized_start=475
-  _globals['_ROUNDINFO']._serialized_end=625
-  _globals['_SITESTATUS']._serialized_start=627
-  _globals['_SITESTATUS']._serialized_end=700
-  _globals['_METRICROW']._serialized_start=702
-  _globals['_METRICROW']._serialized_end=785
-  _globals['_JOBDETAIL']._serialized_start=788
-  _globals['_JOBDETAIL']._serialized_end=981
-  _globals['_JOBEVENT']._serialized_start=983
-  _globals['_JOBEVENT']._serialized_end=1109
-  _globals['_DOWNLOADREQUEST']._serialized_start=1111
-  _globals['_DOWNLOADREQUEST']._serialized_end=1159
-  _globals['_LISTSITESREQUEST']._serialized_start=1161
-  _globals['_LISTSITESREQUEST']._serialized_end=1179
-  _globals['_SITEINFO']._serialized_start=1182
-  _globals['_SITEINFO']._serialized_end=1328
-  _globals['_SITELIST']._serialized_start=1330
-  _globals['_SITELIST']._serialized_end=1376
-  _globals['_AUDITENTRY']._serialized_start=1378
-  _globals['_AUDITENTRY']._serialized_end=1499
-  _globals['_AUDITREQUEST']._serialized_start=1501
-  _globals['_AUDITREQUEST']._serialized_end=1565
-  _globals['_AUDITREPLY']._serialized_start=1568
-  _globals['_AUDITREPLY']._serialized_end=1696
-  _globals['_ADMIN']._serialized_start=1699
-  _globals['_ADMIN']._serialized_end=2185
+  _globals['_SUBMITJOBREQUEST']._serialized_end=123
+  _globals['_LISTJOBSREQUEST']._serialized_start=125
+  _globals['_LISTJOBSREQUEST']._serialized_end=142
+  _globals['_JOBREF']._serialized_start=144
+  _globals['_JOBREF']._serialized_end=168
+  _globals['_JOBSUMMARY']._serialized_start=171
+  _globals['_JOBSUMMARY']._serialized_end=373
+  _globals['_JOBLIST']._serialized_start=375
+  _globals['_JOBLIST']._serialized_end=421
+  _globals['_SITEMETRIC']._serialized_start=423
+  _globals['_SITEMETRIC']._serialized_end=492
+  _globals['_ROUNDINFO']._serialized_start=495
+  _globals['_ROUNDINFO']._serialized_end=645
+  _globals['_SITESTATUS']._serialized_start=647
+  _globals['_SITESTATUS']._serialized_end=720
+  _globals['_METRICROW']._serialized_start=722
+  _globals['_METRICROW']._serialized_end=805
+  _globals['_JOBDETAIL']._serialized_start=808
+  _globals['_JOBDETAIL']._serialized_end=1001
+  _globals['_JOBEVENT']._serialized_start=1003
+  _globals['_JOBEVENT']._serialized_end=1129
+  _globals['_DOWNLOADREQUEST']._serialized_start=1131
+  _globals['_DOWNLOADREQUEST']._serialized_end=1179
+  _globals['_LISTSITESREQUEST']._serialized_start=1181
+  _globals['_LISTSITESREQUEST']._serialized_end=1199
+  _globals['_SITEINFO']._serialized_start=1202
+  _globals['_SITEINFO']._serialized_end=1348
+  _globals['_SITELIST']._serialized_start=1350
+  _globals['_SITELIST']._serialized_end=1396
+  _globals['_AUDITENTRY']._serialized_start=1398
+  _globals['_AUDITENTRY']._serialized_end=1519
+  _globals['_AUDITREQUEST']._serialized_start=1521
+  _globals['_AUDITREQUEST']._serialized_end=1585
+  _globals['_AUDITREPLY']._serialized_start=1588
+  _globals['_AUDITREPLY']._serialized_end=1716
+  _globals['_ADMIN']._serialized_start=1719
+  _globals['_ADMIN']._serialized_end=2260
 # @@protoc_insertion_point(module_scope)

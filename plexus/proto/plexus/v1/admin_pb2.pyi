@@ -8,10 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("config_yaml",)
+    __slots__ = ("config_yaml", "request_id")
     CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     config_yaml: str
-    def __init__(self, config_yaml: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, config_yaml: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ()

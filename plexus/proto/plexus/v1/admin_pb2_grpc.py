@@ -62,6 +62,11 @@ class AdminStub:
                 request_serializer=plexus_dot_v1_dot_admin__pb2.JobRef.SerializeToString,
                 response_deserializer=plexus_dot_v1_dot_admin__pb2.JobSummary.FromString,
                 _registered_method=True)
+        self.ResumeJob = channel.unary_unary(
+                '/plexus.v1.Admin/ResumeJob',
+                request_serializer=plexus_dot_v1_dot_admin__pb2.JobRef.SerializeToString,
+                response_deserializer=plexus_dot_v1_dot_admin__pb2.JobSummary.FromString,
+                _registered_method=True)
         self.DownloadModel = channel.unary_stream(
                 '/plexus.v1.Admin/DownloadModel',
                 request_serializer=plexus_dot_v1_dot_admin__pb2.DownloadRequest.SerializeToString,
@@ -114,6 +119,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeJob(self, request, context):
+        """a failed job again from its last closed round
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DownloadModel(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -157,6 +169,11 @@ def add_AdminServicer_to_server(servicer, server):
             ),
             'AbortJob': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortJob,
+                    request_deserializer=plexus_dot_v1_dot_admin__pb2.JobRef.FromString,
+                    response_serializer=plexus_dot_v1_dot_admin__pb2.JobSummary.SerializeToString,
+            ),
+            'ResumeJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeJob,
                     request_deserializer=plexus_dot_v1_dot_admin__pb2.JobRef.FromString,
                     response_serializer=plexus_dot_v1_dot_admin__pb2.JobSummary.SerializeToString,
             ),
@@ -311,6 +328,33 @@ class Admin:
             request,
             target,
             '/plexus.v1.Admin/AbortJob',
+            plexus_dot_v1_dot_admin__pb2.JobRef.SerializeToString,
+            plexus_dot_v1_dot_admin__pb2.JobSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/plexus.v1.Admin/ResumeJob',
             plexus_dot_v1_dot_admin__pb2.JobRef.SerializeToString,
             plexus_dot_v1_dot_admin__pb2.JobSummary.FromString,
             options,
