@@ -562,6 +562,12 @@ _SCALARS = {  # type -> (accepted YAML tags, name, fix)
 # PyYAML (YAML 1.1) reads an unquoted 1e-5 as a string; a float field accepts it anyway.
 PLAIN_EXP_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _CONSTRUCTOR = yaml.constructor.SafeConstructor()
+# Bounds on a config's size, checked before and while it is read: a round config arrives from any operator
+# over the network and is parsed again by every site. Nothing real comes near them (a job with 500
+# one-hot features is ~40 KiB).
+MAX_ROUND_CONFIG_BYTES = 256 << 10
+MAX_CONFIG_BYTES = 1 << 20          # site, coordinator and admin configs: local files
+MAX_ITEMS = 4096                    # entries of any one list or mapping (features, classes, categories, ...)
 
 
 def _join(path: str, key: str) -> str:
@@ -666,6 +672,7 @@ class _Reader:
         if not isinstance(node, MappingNode):
             self.fail(node, path, f"expected a mapping, got {_describe(node)}; {fix}")
         self.once(node, path)
+        self.count(node, path, "keys")
         entries: dict[str, tuple[Node, Node]] = {}
         for key_node, value_node in node.value:
             if key_node.tag == _TAG + "merge":
@@ -683,7 +690,12 @@ class _Reader:
         if not isinstance(node, SequenceNode):
             self.fail(node, path, f"expected a list, got {_describe(node)}; write a list, e.g. [a, b]")
         self.once(node, path)
+        self.count(node, path, "items")
         return node.value
+
+    def count(self, node: Node, path: str, what: str) -> None:
+        if len(node.value) > MAX_ITEMS:
+            self.fail(node, path, f"has {len(node.value)} {what}; at most {MAX_ITEMS} are allowed, so list fewer")
 
     def once(self, node: Node, path: str) -> None:
         # An alias re-uses its anchor's node: refusing repeats stops recursive
@@ -733,6 +745,7 @@ class _Reader:
 
 def _parse(text: str, cls: type, source: str, base: Path | None) -> Any:
     keys = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
+    _check_size(len(text.encode("utf-8", "replace")), cls, source)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:
@@ -753,9 +766,17 @@ def _parse(text: str, cls: type, source: str, base: Path | None) -> Any:
         raise ConfigError(f"{source}:1: (top level): nested too deeply; flatten the document") from None
 
 
+def _check_size(size: int, cls: type, source: str) -> None:
+    cap = MAX_ROUND_CONFIG_BYTES if cls is RoundConfig else MAX_CONFIG_BYTES
+    if size > cap:
+        raise ConfigError(f"{source}: the config is {size} bytes, over the limit of {cap} bytes ({cap >> 10} KiB) "
+                          "that is read at all; shorten it (fewer or shorter lists)")
+
+
 def _load(path: Path, cls: type) -> Any:
     path = Path(path)
     try:
+        _check_size(path.stat().st_size, cls, str(path))   # before reading a file of any size
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config file ({e.strerror or e}); check the path") from None

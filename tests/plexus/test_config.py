@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -347,6 +348,36 @@ def test_alias_bomb_rejected_quickly():
     lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
     text = MINIMAL.replace("{name: mlp}", "{name: mlp, args: {" + ", ".join(lines) + "}}")
     assert "through a YAML alias" in round_error(text)
+
+
+def test_a_round_config_over_256_kib_is_refused_before_it_is_parsed():
+    text = MINIMAL + "# " + "x" * (4_500_000) + "\n"   # the reported 4.5 MB config timed the submit out
+    assert round_error(text) == (f"job.yaml: the config is {len(text)} bytes, over the limit of 262144 bytes (256 KiB) "
+                       "that is read at all; shorten it (fewer or shorter lists)")
+
+
+def test_a_site_config_file_over_1_mib_is_refused_unread(tmp_path):
+    path = write(tmp_path, DESIGN_SITE + "#" * (1 << 20), "site.yaml")
+    with pytest.raises(ConfigError, match=r"site.yaml: the config is 1048\d+ bytes, over the limit of 1048576 bytes"):
+        load_site_config(path)
+
+
+_NUMBERS = ",".join(str(i) for i in range(4097))
+_TOO_MANY = {
+    "model.args.hidden": ("{name: mlp}", "{name: mlp, args: {hidden: [%s]}}" % _NUMBERS, "4097 items"),
+    "data.label.classes": ("{dataset: heart}", "{dataset: heart, label: {column: y, classes: [%s]}}" % _NUMBERS,
+                           "4097 items"),
+    "data.features[0].categories": ("{dataset: heart}", "{dataset: heart, features: [{name: c, categories: [%s]}]}"
+                                    % _NUMBERS, "4097 items"),
+    "model.args": ("{name: mlp}", "{name: mlp, args: {%s}}" % ",".join(f"k{i}: 0" for i in range(4097)), "4097 keys"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(_TOO_MANY))
+def test_lists_and_mappings_over_4096_entries_are_refused_with_their_key_path(where):
+    old, new, count = _TOO_MANY[where]
+    message = round_error(MINIMAL.replace(old, new))
+    assert re.match(rf"job\.yaml:\d: {re.escape(where)}: has {count}; at most 4096 are allowed, so list fewer$", message)
 
 
 def test_python_tags_are_never_constructed():
