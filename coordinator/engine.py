@@ -32,18 +32,19 @@ from coordinator.aggregate import Fold, WeightedSum
 from coordinator.secure_round import SecureRound
 from coordinator.store import TERMINAL, JobRow, Store
 from coordinator.strategies import Update, make_strategy
-from plexus.config import RoundConfig, dump_round_config, ensemble_members, parse_round_config
+from plexus.config import (MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_config, ensemble_members,
+                           parse_round_config)
 from coordinator.events import admin_actor
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
                            PlexusError, Reason, RoundClosed)
 from coordinator.model_worker import shared_worker
 from plexus.dp import NOT_PRIVATE, add_noise, noise_key
+from plexus.text import bounded
 from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, Receiver, decode, encode
 
 log = logging.getLogger("plexus.coordinator")
 
 MAX_METRICS = 64
-MAX_REASON = 2000
 SPOOL_READ_BYTES = 4 << 20
 STORAGE_RETRY_S = 5.0
 _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
@@ -309,6 +310,11 @@ class Engine:
     # admin side --------------------------------------------------------------------------
     def submit(self, config_yaml: str, who: str) -> str:
         cfg = parse_round_config(config_yaml, source="submitted round config")
+        canonical = dump_round_config(cfg)   # what every site parses, every default written out: it must fit too
+        if len(canonical.encode()) > MAX_ROUND_CONFIG_BYTES:
+            raise ConfigError(f"submitted round config: written out with its defaults (as sites receive it) it is "
+                              f"{len(canonical.encode())} bytes, over the limit of {MAX_ROUND_CONFIG_BYTES}; "
+                              "shorten its lists (features, categories, classes)")
         job_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
         build = self.store.spool / f"{job_id}.initial.safetensors"
         try:
@@ -317,7 +323,7 @@ class Engine:
         finally:
             build.unlink(missing_ok=True)
         with self._cv:
-            self.store.add_job(job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, who)
+            self.store.add_job(job_id, cfg.name, canonical, cfg.strategy.name, cfg.rounds, who)
             self._cv.notify_all()
         return job_id
 
@@ -501,7 +507,7 @@ class Engine:
             self._touch(site)
             job, rs, grant = self._current_grant(site, result.task_id)
             self._check_binding(grant, result.job_id, result.round, result.nonce, None)
-            reason = result.reason[:MAX_REASON]
+            reason = bounded(result.reason)   # the site's own words, stored and shown: 2 KiB at most
             if status == "declined":
                 self.store.decline(job.row.id, site, reason or "declined by site policy")
                 self._record(rs, grant, site, "declined", reason or "declined by site policy")
@@ -519,6 +525,7 @@ class Engine:
                 metrics: dict | None = None, *, code: Reason | None = None) -> None:
         """Record a site's task outcome; `code` says why a rejected update was refused (IntegrityError.reason)."""
         rs.outcomes_for(site)[site] = status
+        reason = bounded(reason)
         self.store.finish_task(grant.task_id, status, reason, job_id=grant.job_id, round_=grant.round,
                                site=site, metrics=metrics, code=code)
         if reason:

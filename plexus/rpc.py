@@ -4,7 +4,7 @@ Identity comes from the verified peer certificate only. The TLS layer has
 checked that it chains to the federation CA, through any intermediates; this
 layer accepts only leaves the CA issued directly, adds the CRL check and the
 role check, and turns Plexus errors into status codes with the error's own
-message.
+message (bounded).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import grpc
 
 from plexus import errors
 from plexus.pki import Identity, RevocationList, check_leaf, identity_from_cert
+from plexus.text import bounded
 
 log = logging.getLogger("plexus.rpc")
 
@@ -99,7 +100,7 @@ def guarded(*, kind: str, min_role: str | None = None):
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("unexpected error in %s", method.__name__)
                 context.abort(code, "internal error at the coordinator; the operator can find details in its log")
-            context.abort(code, str(exc))
+            context.abort(code, bounded(str(exc)))   # a site's 2,000,000 column names need not all travel back
 
         if inspect.isgeneratorfunction(method):
             @functools.wraps(method)
