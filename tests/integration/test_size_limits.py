@@ -3,6 +3,8 @@ update streams of empty or tiny chunks are refused early, and the federation goe
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 
@@ -53,3 +55,49 @@ def test_a_sites_long_failure_reason_is_stored_bounded(federation):
     assert event.status == "failed" and len(event.reason.encode()) <= 2048 + 64
     assert event.reason.startswith("disk trouble: xxx") and event.reason.endswith("xxx (see the site log)")
     assert "more characters" in event.reason
+
+
+def test_streams_of_empty_or_one_byte_chunks_are_refused_and_the_round_completes(federation):
+    """Reported: 200,000 empty chunks were accepted and cost the coordinator 17.9 s of CPU. An empty chunk
+    is refused outright, and an update comes in at most ceil(bytes / 4 KiB) + 64 chunks."""
+    federation.start_site("a")
+    federation.start_site("b")
+    empty, tiny = federation.raw_site("c"), federation.raw_site("d")
+    for site in (empty, tiny):
+        site.join()
+    federation.wait_online("a", "b", "c", "d")
+    job_id = federation.admin().submit(heart_job(rounds=1, min=2)).job_id
+
+    task = empty.next_task()
+    layout, state = empty.fetch(task)
+    header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                              num_samples=10, manifest=layout.to_proto())
+
+    def empty_chunks():
+        yield fpb.UpdateMessage(header=header)
+        for _ in range(200_000):
+            yield fpb.UpdateMessage(chunk={"offset": 0, "data": b""})
+    with pytest.raises(grpc.RpcError) as err:
+        empty.stub.SubmitUpdate(empty_chunks(), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _details(err) == "empty chunk at byte 0; every chunk carries at least one byte"
+
+    task = tiny.next_task()
+    layout, state = tiny.fetch(task)
+    assert layout.total_bytes == 112   # logistic 13 -> 2: at most 1 + 64 chunks
+    with pytest.raises(grpc.RpcError) as err:
+        tiny.submit(task, state, chunk=1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _details(err) == ("chunk 66 at byte 65: 112 bytes come in at most 65 chunks (on average at least 4096 "
+                             "bytes each); send larger chunks")
+
+    stop = threading.Event()
+    for site in (empty, tiny):
+        site.answer_everything_with_failure(stop)   # the evaluation round
+    try:
+        assert federation.wait_job(job_id) == "completed"
+    finally:
+        stop.set()
+    detail = federation.admin().job(job_id)
+    assert list(detail.rounds[0].contributors) == ["a", "b"]
+    assert {(e.site, e.status) for e in detail.site_events if e.round == 1} >= {("c", "rejected"), ("d", "rejected")}
