@@ -22,7 +22,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from plexus.config import (MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_confi
                            parse_round_config)
 from coordinator.events import admin_actor
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
-                           PlexusError, Reason, RoundClosed)
+                           PlexusError, Reason, RoundClosed, TimedOut)
 from coordinator.model_worker import shared_worker
 from plexus.dp import NOT_PRIVATE, add_noise, noise_key
 from plexus.text import bounded
@@ -77,7 +77,8 @@ class RoundState:
     total: WeightedSum | None
     grants: dict[str, TaskGrant] = field(default_factory=dict)
     outcomes: dict[str, str] = field(default_factory=dict)
-    receiving: set[str] = field(default_factory=set)
+    # Sites whose update is arriving now -> what ends its stream (the round closing under it).
+    receiving: dict[str, Callable[[BaseException], None]] = field(default_factory=dict)
     contributors: list[str] = field(default_factory=list)
     samples: int = 0
     secure: SecureRound | None = None        # set for secure-aggregation training rounds
@@ -122,6 +123,12 @@ class RoundState:
         for _, _, path in self.held:
             path.unlink(missing_ok=True)
         self.held.clear()
+
+    def end_uploads(self, why: str) -> None:
+        """Cut every update still arriving: each frees its thread and transfer slot now, not when its sender
+        finishes (or never does). Their outcomes are the closing round's to record."""
+        for cut in self.receiving.values():
+            cut(RoundClosed(why))
 
 
 @dataclass
@@ -299,6 +306,8 @@ class Engine:
         if job is None:
             return
         message = f"{text}; the round runs again once the coordinator can write its state dir"
+        if job.round:
+            job.round.end_uploads(f"round {job.round.round} was dropped: {message}")
         with contextlib.suppress(OSError, sqlite3.Error):   # the disk may refuse this too; the log has it
             if job.round:
                 job.round.drop_held()
@@ -338,6 +347,7 @@ class Engine:
             if self._active and self._active.row.id == job_id:
                 if self._active.round:
                     self._active.round.drop_held()
+                    self._active.round.end_uploads(f"job {job_id} was aborted by {who}")
                 self._active = None
                 self.store.interrupt_open_rounds()
             self._cv.notify_all()
@@ -389,13 +399,16 @@ class Engine:
                 return job.served_layout, job.served_blob, job.row.id, rs.model_round
             return job.layout, job.source, job.row.id, rs.model_round
 
-    def submit_update(self, site: str, header, chunks: Iterable) -> str:
+    def submit_update(self, site: str, header, chunks: Iterable,
+                      cut: Callable[[BaseException], None] = lambda exc: None) -> str:
         """Receive one site's update, validating it chunk by chunk.
 
         A summed update (FedAvg and the other mean-based rules) is folded into the round's sum as its
         chunks arrive; its spool file is only the journal that takes it out again should it fail, be
         refused, or still be arriving when the round closes. Masked inputs and the updates of rules
-        that hold them are spooled first and used once complete.
+        that hold them are spooled first and used once complete. `cut(exc)` makes `chunks` raise exc:
+        the round calls it when it closes while the update is still arriving. A stream that stalls
+        (`chunks` raises TimedOut) is recorded late.
         """
         with self._cv:
             self._touch(site)
@@ -425,19 +438,22 @@ class Engine:
             except IntegrityError as exc:
                 self._record(rs, grant, site, "rejected", str(exc), code=exc.reason)
                 raise
-            rs.receiving.add(site)
+            rs.receiving[site] = cut
         try:
             try:
                 _receive_to(spool, layout, chunks, fold)
             except IntegrityError as exc:
-                self._reject(site, grant, exc)
+                self._refuse(site, grant, "rejected", exc)
+                raise
+            except TimedOut as exc:   # a stalled upload frees its slot and the round waits for it no longer
+                self._refuse(site, grant, "late", exc)
                 raise
             except BaseException:
                 with self._cv:
-                    rs.receiving.discard(site)   # a broken stream may be retried while the round is open
+                    rs.receiving.pop(site, None)   # a broken stream may be retried while the round is open
                 raise
             with self._cv:
-                rs.receiving.discard(site)
+                rs.receiving.pop(site, None)
                 if self._active is not job or job.round is not rs or rs.grants.get(site) is not grant \
                         or site in rs.outcomes:
                     raise RoundClosed(f"round {grant.round} of job {grant.job_id} closed before the update was complete")
@@ -532,13 +548,14 @@ class Engine:
             log.info("job %s round %d site %s: %s (%s)", grant.job_id, grant.round, site, status, reason)
         self._cv.notify_all()
 
-    def _reject(self, site: str, grant: TaskGrant, exc: IntegrityError) -> None:
+    def _refuse(self, site: str, grant: TaskGrant, status: str, exc: PlexusError) -> None:
+        """Record an update refused part-way (rejected, or late: it stalled), if its round is still open."""
         with self._cv:
             job = self._active
             if job and job.round and job.round.round == grant.round and job.row.id == grant.job_id:
-                job.round.receiving.discard(site)
+                job.round.receiving.pop(site, None)
                 if site not in job.round.outcomes:
-                    self._record(job.round, grant, site, "rejected", str(exc), code=exc.reason)
+                    self._record(job.round, grant, site, status, str(exc), code=getattr(exc, "reason", None))
 
     def _current_grant(self, site: str, task_id: str) -> tuple[ActiveJob, RoundState, TaskGrant]:
         row = self.store.task(task_id)
@@ -737,6 +754,8 @@ class Engine:
             done = done and all(s in rs.eval_outcomes for s in rs.evaluators)
         if not done and remaining > 0:
             return min(remaining, 1.0)
+        rs.end_uploads(f"round {rs.round} of job {job.row.id} reached its deadline before the update was complete "
+                       "(the site is recorded late)")
         if rs.secure:
             self._advance_secure(job, rs)
             self._cv.notify_all()
@@ -890,6 +909,7 @@ class Engine:
         if job is not None:
             if job.round:
                 job.round.drop_held()
+                job.round.end_uploads(f"job {job.row.id} failed: {message}")
             self.store.set_job(job.row.id, status="failed", message=message, event=("job_failed", 0, "", message))
             self.store.interrupt_open_rounds()
 

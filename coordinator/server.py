@@ -22,7 +22,7 @@ from plexus.config import CoordinatorConfig
 from plexus.errors import FailedPrecondition
 from plexus.pki import RevocationList, federation_of, load_kit
 from plexus.proto.plexus.v1 import admin_pb2_grpc, federation_pb2_grpc
-from plexus.rpc import Authenticator
+from plexus.rpc import Authenticator, SendWatchdog
 from plexus.shutdown import StopSignals
 
 log = logging.getLogger("plexus.coordinator")
@@ -54,7 +54,10 @@ class Coordinator:
         self.audit = CoordinatorAudit(self.audit_log, self.store)
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
                              rejoin_grace_s=config.rejoin_grace_s, on_death=self._engine_died)
-        auth = Authenticator(crl)
+        # One certificate's calls never take the whole pool (max_calls_per_identity < max_workers), and a
+        # stream that stops moving lets go of its thread and transfer slot (stream_idle_timeout_s).
+        auth = Authenticator(crl, max_calls=config.max_calls_per_identity)
+        self.watchdog = SendWatchdog(config.stream_idle_timeout_s)
         # grpc never shuts down a server's executor; stop() does, so no worker thread outlives it.
         self._executors = [futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="plexus-rpc")]
         try:
@@ -66,10 +69,12 @@ class Coordinator:
         self.store.subscribe(self.metrics.on_event)
         federation_pb2_grpc.add_FederationServicer_to_server(
             _Metered(FederationService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit,
-                                       max_transfers=config.max_transfers),
+                                       max_transfers=config.max_transfers, idle_s=config.stream_idle_timeout_s,
+                                       watchdog=self.watchdog),
                      self.metrics), self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(
-            _Metered(AdminService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit_log),
+            _Metered(AdminService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit_log,
+                                  watchdog=self.watchdog),
                      self.metrics), self.server)
         # Health: NOT_SERVING until the engine runs. On the mTLS port for peers with a kit, and
         # optionally on a plaintext port that serves nothing else, for probes without a certificate.
@@ -123,6 +128,7 @@ class Coordinator:
         if self.health_server is not None:
             self.health_server.stop(0).wait()
         self.server.stop(grace).wait()
+        self.watchdog.stop()
         for executor in self._executors:
             executor.shutdown(wait=True, cancel_futures=True)
         self.engine.stop()

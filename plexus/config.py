@@ -410,6 +410,14 @@ class CoordinatorConfig:
     # grpc.health.v1 only, plaintext, for probes that cannot present a client certificate (off unless set).
     health_listen: str | None = field(default=None, metadata=_address(0))
     checkpoints: CheckpointsSpec = field(default_factory=CheckpointsSpec)
+    # Calls one identity (a site's or an admin's certificate) may have in progress at once; more are refused
+    # with RESOURCE_EXHAUSTED. Below max_workers, so that no one certificate can hold every worker thread
+    # with idle streams: a site needs about 2 (its long poll and one transfer), the admin CLI 1 or 2.
+    max_calls_per_identity: int = field(default=16, metadata=_range(1, 4096))
+    # A stream whose next message does not arrive (an upload's next chunk), or is not taken (a download's),
+    # within this is dropped: its thread and transfer slot come back, a part-way update is taken back out
+    # of the sum, and the site is recorded late. Uploads also end when their round closes.
+    stream_idle_timeout_s: float = field(default=30.0, metadata=_range(0, 3600, lo_open=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -543,10 +551,19 @@ def _checkpoints_problem(spec: CheckpointsSpec) -> tuple[str, str] | None:
     return None
 
 
+def _coordinator_problem(cfg: CoordinatorConfig) -> tuple[str, str] | None:
+    if cfg.max_calls_per_identity >= cfg.max_workers:
+        return "max_calls_per_identity", (
+            f"{cfg.max_calls_per_identity} is not below max_workers ({cfg.max_workers}), so one certificate's "
+            "idle calls could hold every worker thread; lower max_calls_per_identity (default 16) or raise "
+            "max_workers")
+    return None
+
+
 _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
     DatasetSpec: _dataset_problem, DPSpec: _dp_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
     RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem,
-    CheckpointsSpec: _checkpoints_problem}
+    CheckpointsSpec: _checkpoints_problem, CoordinatorConfig: _coordinator_problem}
 
 _TAG = "tag:yaml.org,2002:"
 _TAG_NAMES = {"bool": "a boolean", "int": "an integer", "float": "a number", "null": "null",
