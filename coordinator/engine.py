@@ -37,7 +37,7 @@ from plexus.config import (MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_confi
 from coordinator.events import admin_actor
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
                            PlexusError, Reason, RoundClosed, TimedOut)
-from coordinator.model_worker import shared_worker
+from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
 from plexus.dp import NOT_PRIVATE, add_noise, noise_key
 from plexus.text import bounded
 from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, Receiver, decode, encode
@@ -149,6 +149,8 @@ class ActiveJob:
     activated: float = 0.0                   # monotonic time the engine took the job up
     opened_any: bool = False                 # a round has opened since then
     total: WeightedSum | None = None         # the running sum, kept from round to round (round_sum)
+    epsilons: dict[int, float] = field(default_factory=dict)   # DP: ε after round n, from the model worker
+    accounting_error: str = ""               # why ε could not be computed (the job fails with it)
 
     @property
     def in_memory(self) -> bool:
@@ -201,16 +203,17 @@ def weight_caps(rows: dict[str, int], max_share: float) -> dict[str, int]:
     return caps
 
 
-def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
+def validate_job(cfg: RoundConfig, *, build: Path, models: ModelWorker | None = None,
+                 limits: ModelLimits = ModelLimits()) -> dict[str, np.ndarray]:
     """Everything the coordinator can check at submit time, with a message that says how to fix it.
 
-    Builds the initial model (in the model worker process; the coordinator never imports
-    torch) into the safetensors file `build` and returns its weights.
+    Builds the initial model (in the model worker process, within `limits`; the coordinator never
+    imports torch) into the safetensors file `build` and returns its weights.
     """
     make_strategy(cfg)   # refuses unknown strategies, bad args and combinations that cannot work
     try:
-        state = shared_worker().build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build,
-                                      members=ensemble_members(cfg))
+        state = (models or shared_worker()).build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build,
+                                                  members=ensemble_members(cfg), limits=limits)
     except ConfigError as exc:
         raise ConfigError(f"model: {exc}") from None
     float_only = all(t.dtype in FLOAT_DTYPES for t in Layout.of(state).tensors)
@@ -226,8 +229,11 @@ def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
 
 class Engine:
     def __init__(self, store: Store, *, federation: str = "", poll_timeout_s: float = 20.0,
-                 rejoin_grace_s: float = 0.0, clock=time.time, monotonic=time.monotonic, on_death=lambda: None):
+                 rejoin_grace_s: float = 0.0, clock=time.time, monotonic=time.monotonic, on_death=lambda: None,
+                 models: ModelWorker | None = None, model_limits: ModelLimits = ModelLimits()):
         self.store = store
+        self.models = models or shared_worker()   # builds initial models and computes ε, never under the lock
+        self.model_limits = model_limits
         self.federation = federation
         self.poll_timeout_s = poll_timeout_s
         self.online_window_s = 2 * poll_timeout_s + 10
@@ -270,6 +276,7 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
+            self._account()
             with self._cv:
                 if self._stopping:
                     return
@@ -291,6 +298,19 @@ class Engine:
                     self._storage_failed(exc)
                     continue
                 self._cv.wait(timeout)
+
+    def _account(self) -> None:
+        """ε after the active DP job's next round, computed ahead, outside the engine lock: the model worker
+        may be busy with a slow build (or hung, until model_build_timeout_s) and that holds up this job's
+        next round only, never the lock every NextTask and admin call takes. A round opens once its ε is in."""
+        job = self._active   # read without the lock: at worst ε is computed for a job just set aside
+        dp = job.cfg.privacy.dp if job is not None else None
+        if dp is None or job.accounting_error or (n := job.model_round + 1) > job.cfg.rounds or n in job.epsilons:
+            return
+        try:
+            job.epsilons[n] = self.models.epsilon_after(n, dp.noise_multiplier, 1.0, dp.delta, limits=self.model_limits)
+        except (PlexusError, OSError) as exc:
+            job.accounting_error = f"privacy accounting failed for round {n}: {exc}"
 
     def _storage_failed(self, exc: Exception) -> None:
         """The state dir cannot be written (a full disk) or read: fail nothing. The round in progress is
@@ -327,7 +347,7 @@ class Engine:
         job_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
         build = self.store.spool / f"{job_id}.initial.safetensors"
         try:
-            initial = validate_job(cfg, build=build)
+            initial = validate_job(cfg, build=build, models=self.models, limits=self.model_limits)
             self.store.save_checkpoint(job_id, 0, initial)   # the job's round 0, before it is visible
         finally:
             build.unlink(missing_ok=True)
@@ -616,8 +636,7 @@ class Engine:
             return 1.0
         job = self._active
         if job.round is None:
-            self._maybe_open_round(job)
-            return 0.5
+            return self._maybe_open_round(job)
         return self._maybe_close_round(job)
 
     def _activate_next(self) -> bool:
@@ -687,12 +706,18 @@ class Engine:
     def _eligible_online(self, declined: dict[str, str]) -> list[str]:
         return sorted(self._present() - set(declined))
 
-    def _maybe_open_round(self, job: ActiveJob) -> None:
+    def _maybe_open_round(self, job: ActiveJob) -> float:
+        """Open the next round if its sites are there; how long until the engine should look again."""
         cfg = job.cfg
         dp = cfg.privacy.dp
-        if dp is not None and dp.target_epsilon is not None and not job.budget_stop and job.model_round < cfg.rounds:
-            after = shared_worker().epsilon_after(job.model_round + 1, dp.noise_multiplier, 1.0, dp.delta)
-            if after > dp.target_epsilon:
+        if dp is not None and not job.budget_stop and job.model_round < cfg.rounds:
+            if job.accounting_error:
+                self._fail_active(job.accounting_error)
+                return 0.0
+            after = job.epsilons.get(job.model_round + 1)
+            if after is None:
+                return 0.0   # _account computes it, outside the lock, first
+            if dp.target_epsilon is not None and after > dp.target_epsilon:
                 job.budget_stop = (f"privacy budget reached: round {job.model_round + 1} would bring ε to "
                                    f"{after:.3f} > target {dp.target_epsilon} (δ={dp.delta}); stopped after "
                                    f"round {job.model_round}")
@@ -709,11 +734,11 @@ class Engine:
         if missing and not job.opened_any and self._mono() - job.activated < self.rejoin_grace_s:
             self._waiting(job, f"waiting up to {self.rejoin_grace_s:g}s for the job's sites to connect: "
                                + ", ".join(missing))
-            return
+            return 0.5
         participants = online if evaluating else job.strategy.configure(job.model_round + 1, online, known)
         if len(participants) < (1 if evaluating else cfg.sites.min):
             self._waiting(job, f"waiting for sites: {len(participants)} of {cfg.sites.min} needed are online")
-            return
+            return 0.5
         job.opened_any = True
         round_ = job.model_round + 1
         kind = "evaluate" if evaluating else "train"
@@ -740,6 +765,7 @@ class Engine:
                  f"; evaluating: {', '.join(evaluators)}" if evaluators else "")
         self._cv.notify_all()
         self._wake(participants + evaluators)
+        return 0.5
 
     def _waiting(self, job: ActiveJob, message: str) -> None:
         if job.row.message != message:
@@ -883,7 +909,7 @@ class Engine:
         job.row = self.store.job(job.row.id)
         dp = job.cfg.privacy.dp
         if dp is not None:  # q = 1: every online site takes part, the conservative accounting
-            epsilon = shared_worker().epsilon_after(rs.round, dp.noise_multiplier, 1.0, dp.delta)
+            epsilon = job.epsilons[rs.round]   # computed before the round opened (_account)
             ledger = {(rs.round, "", "privacy", "epsilon"): epsilon, (rs.round, "", "privacy", "delta"): dp.delta}
             if dp.reproducible_noise:   # ε holds only against whoever cannot read the config: flag every round
                 ledger[(rs.round, "", "privacy", "noise_reproducible")] = 1.0

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator.audit import CoordinatorAudit
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.model_worker import ModelLimits, ModelWorker
 from coordinator.service import AdminService, FederationService
 from coordinator.store import Store
 from plexus import transport
@@ -31,17 +32,18 @@ log = logging.getLogger("plexus.coordinator")
 class Coordinator:
     """A running coordinator; `port` is the bound port (useful with listen port 0)."""
 
-    def __init__(self, config: CoordinatorConfig):
+    def __init__(self, config: CoordinatorConfig, *, models: ModelWorker | None = None):
+        """models: the model worker (default: the process's shared one)."""
         kit = load_kit(config.kit)
         # Locks the state dir first: a second coordinator on it stops here, naming the first one's PID.
         self.store = Store(config.state_dir, retention=config.checkpoints)
         try:
-            self._build(config, kit)
+            self._build(config, kit, models)
         except BaseException:
             self.store.close()   # and its lock, so a corrected retry in this process can take it
             raise
 
-    def _build(self, config: CoordinatorConfig, kit) -> None:
+    def _build(self, config: CoordinatorConfig, kit, models: ModelWorker | None) -> None:
         # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used. It is
         # checked before anything serves, so a rolled-back or expired CRL stops the start cleanly;
         # the highest CRL number seen is kept in the state dir, so a restart cannot roll it back.
@@ -53,7 +55,8 @@ class Coordinator:
         self.audit_log = AuditLog(Path(config.state_dir) / "audit.db", signer=(kit.key_pem, kit.cert_pem))
         self.audit = CoordinatorAudit(self.audit_log, self.store)
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
-                             rejoin_grace_s=config.rejoin_grace_s, on_death=self._engine_died)
+                             rejoin_grace_s=config.rejoin_grace_s, on_death=self._engine_died, models=models,
+                             model_limits=ModelLimits(config.model_build_timeout_s, config.model_build_memory_bytes))
         # One certificate's calls never take the whole pool (max_calls_per_identity < max_workers), and a
         # stream that stops moving lets go of its thread and transfer slot (stream_idle_timeout_s).
         auth = Authenticator(crl, max_calls=config.max_calls_per_identity)

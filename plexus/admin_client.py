@@ -14,6 +14,8 @@ from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc
 from plexus.wire import Layout, assemble, decode
 
+SUBMIT_TIMEOUT_S = 660.0   # two builds of the default model_build_timeout_s, and some
+
 
 class AdminClient:
     def __init__(self, address: str, kit_dir: Path, *, timeout_s: float = 30.0):
@@ -32,7 +34,10 @@ class AdminClient:
         self.close()
 
     def submit(self, config_yaml: str) -> admin_pb2.JobSummary:
-        return self.stub.SubmitJob(admin_pb2.SubmitJobRequest(config_yaml=config_yaml), timeout=self.timeout_s)
+        # The coordinator builds the job's initial model before it answers: up to its model_build_timeout_s
+        # (default 300 s), after any build ahead of it. Giving up sooner would leave a job the caller thinks failed.
+        return self.stub.SubmitJob(admin_pb2.SubmitJobRequest(config_yaml=config_yaml),
+                                   timeout=max(self.timeout_s, SUBMIT_TIMEOUT_S))
 
     def jobs(self) -> list[admin_pb2.JobSummary]:
         return list(self.stub.ListJobs(admin_pb2.ListJobsRequest(), timeout=self.timeout_s).jobs)

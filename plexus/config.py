@@ -418,6 +418,12 @@ class CoordinatorConfig:
     # within this is dropped: its thread and transfer slot come back, a part-way update is taken back out
     # of the sum, and the site is recorded late. Uploads also end when their round closes.
     stream_idle_timeout_s: float = field(default=30.0, metadata=_range(0, 3600, lo_open=True))
+    # The model worker process (coordinator.model_worker) that builds each submitted job's initial model:
+    # a build taking longer is stopped and the job refused; the worker's address space is capped at
+    # model_build_memory_bytes (torch itself takes about 1 GiB of it), so a model too large for the
+    # coordinator's memory is refused at submit instead of taking the machine down.
+    model_build_timeout_s: float = field(default=300.0, metadata=_range(0, 86400, lo_open=True))
+    model_build_memory_bytes: int = field(default=8 << 30, metadata=_range(1 << 30, 1 << 40))
 
 
 @dataclass(frozen=True, slots=True)

@@ -497,6 +497,13 @@ def test_coordinator_config_defaults_and_paths(tmp_path):
         max_workers=128,
     )
     assert (cfg.stream_window_bytes, cfg.max_transfers) == (1 << 20, 4)
+    assert (cfg.max_calls_per_identity, cfg.stream_idle_timeout_s) == (16, 30.0)
+    assert (cfg.model_build_timeout_s, cfg.model_build_memory_bytes) == (300.0, 8 << 30)
+
+
+def test_a_small_pool_takes_a_lower_per_identity_limit(tmp_path):
+    cfg = load_coordinator_config(write(tmp_path, "listen: 'h:1'\nkit: k\nmax_workers: 8\nmax_calls_per_identity: 4\n"))
+    assert (cfg.max_workers, cfg.max_calls_per_identity) == (8, 4)
 
 
 def test_a_zero_stream_window_means_grpcs_adaptive_windows(tmp_path):
@@ -517,6 +524,14 @@ def test_a_zero_stream_window_means_grpcs_adaptive_windows(tmp_path):
          "3: stream_window_bytes: 1000 is out of range; use 0 (gRPC's adaptive windows) or a size in [16384, "),
         ("listen: 'h:1'\nkit: k\nmax_transfers: 0\n", "3: max_transfers: 0 is out of range"),
         ("listen: 'h:1'\nkit: k\ncrl: ''\n", "3: crl: is empty"),
+        ("listen: 'h:1'\nkit: k\nmax_workers: 16\n",
+         "1: max_calls_per_identity: 16 is not below max_workers (16), so one certificate's idle calls could hold "
+         "every worker thread; lower max_calls_per_identity (default 16) or raise max_workers"),
+        ("listen: 'h:1'\nkit: k\nmax_calls_per_identity: 0\n", "3: max_calls_per_identity: 0 is out of range"),
+        ("listen: 'h:1'\nkit: k\nstream_idle_timeout_s: 0\n", "3: stream_idle_timeout_s: 0.0 is out of range"),
+        ("listen: 'h:1'\nkit: k\nmodel_build_timeout_s: 0\n", "3: model_build_timeout_s: 0.0 is out of range"),
+        ("listen: 'h:1'\nkit: k\nmodel_build_memory_bytes: 1000000\n",
+         "3: model_build_memory_bytes: 1000000 is out of range; use a value in [1073741824, 1099511627776]"),
     ],
 )
 def test_coordinator_config_errors(tmp_path, text, prefix):
