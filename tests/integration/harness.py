@@ -35,6 +35,18 @@ def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=scale
     return HEART_JOB.format(name=name, model=model, rounds=rounds, min=min, deadline=deadline, seed=seed)
 
 
+def install_plugin(lib: Path, module: str, source: str, models: dict[str, str]) -> Path:
+    """A model plug-in installed in `lib` as pip leaves one: the module and a dist-info whose `plexus.models`
+    entry points map each model name to a class of the module. Returns `lib`, to put on a path."""
+    info = lib / f"{module}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (lib / f"{module}.py").write_text(source)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[plexus.models]\n" + "".join(
+        f"{name} = {module}:{cls}\n" for name, cls in models.items()))
+    return lib
+
+
 class Federation:
     def __init__(self, root: Path, state_dir: Path, *, models=None, **options):
         """options: CoordinatorConfig keys; models: a ModelWorker of the test's own (default: the shared one)."""

@@ -16,7 +16,7 @@ from coordinator.model_worker import ModelWorker
 from plexus.errors import ConfigError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 
-from integration.harness import Federation, heart_job, scaled, wait_until
+from integration.harness import Federation, heart_job, install_plugin, scaled, wait_until
 
 MODULE = "plexus_gated_plugin"
 # A coordinator-side model plug-in whose construction blocks until the test opens its gate (a FIFO):
@@ -50,11 +50,7 @@ DP_JOB = heart_job(name="private", min=1, rounds=2) + \
 @pytest.fixture
 def gated(tmp_path, monkeypatch):
     """A model worker of this test's own, with the gated plug-in installed where it (only) looks."""
-    lib = tmp_path / "lib"
-    (lib / f"{MODULE}-1.0.dist-info").mkdir(parents=True)
-    (lib / f"{MODULE}.py").write_text(SOURCE)
-    (lib / f"{MODULE}-1.0.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {MODULE}\nVersion: 1.0\n")
-    (lib / f"{MODULE}-1.0.dist-info" / "entry_points.txt").write_text(f"[plexus.models]\ngated = {MODULE}:Gated\n")
+    lib = install_plugin(tmp_path / "lib", MODULE, SOURCE, {"gated": "Gated"})
     os.mkfifo(lib / "gate")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(lib), *sys.path]))   # the worker starts with it
     worker = ModelWorker()

@@ -11,7 +11,7 @@ from plexus import pki
 from plexus.config import PolicySpec
 from plexus.models import plugin_source_sha256
 
-from integration.harness import wait_until
+from integration.harness import install_plugin, wait_until
 from integration.rogue import RogueCoordinator, start_site, stop_site
 
 MODULE = "plexus_marker_plugin"
@@ -44,11 +44,7 @@ train: {epochs: 1, batch_size: 32, optimizer: {name: sgd, lr: 0.1}}
 @pytest.fixture
 def marker(tmp_path, monkeypatch):
     """A really installed plug-in: its module and a dist-info with a `plexus.models` entry point on sys.path."""
-    lib = tmp_path / "lib"
-    (lib / f"{MODULE}-1.0.dist-info").mkdir(parents=True)
-    (lib / f"{MODULE}.py").write_text(SOURCE)
-    (lib / f"{MODULE}-1.0.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {MODULE}\nVersion: 1.0\n")
-    (lib / f"{MODULE}-1.0.dist-info" / "entry_points.txt").write_text(f"[plexus.models]\nmarker = {MODULE}:Tiny\n")
+    lib = install_plugin(tmp_path / "lib", MODULE, SOURCE, {"marker": "Tiny"})
     monkeypatch.syspath_prepend(str(lib))
     monkeypatch.delitem(sys.modules, MODULE, raising=False)   # and dropped again after the test
     yield lib / "imported.marker"
