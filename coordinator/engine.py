@@ -23,7 +23,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,18 +33,19 @@ from coordinator.aggregate import Fold, WeightedSum
 from coordinator.secure_round import SecureRound
 from coordinator.store import TERMINAL, JobRow, Store
 from coordinator.strategies import Update, make_strategy
-from plexus.config import RoundConfig, dump_round_config, ensemble_members, parse_round_config
+from plexus.config import (MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_config, ensemble_members,
+                           parse_round_config)
 from coordinator.events import admin_actor
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
-                           PlexusError, Reason, RoundClosed)
-from coordinator.model_worker import shared_worker
+                           PlexusError, Reason, RoundClosed, TimedOut)
+from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
 from plexus.dp import NOT_PRIVATE, add_noise, noise_key
+from plexus.text import bounded
 from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, Receiver, decode, encode
 
 log = logging.getLogger("plexus.coordinator")
 
 MAX_METRICS = 64
-MAX_REASON = 2000
 SPOOL_READ_BYTES = 4 << 20
 STORAGE_RETRY_S = 5.0
 _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
@@ -77,7 +78,8 @@ class RoundState:
     total: WeightedSum | None
     grants: dict[str, TaskGrant] = field(default_factory=dict)
     outcomes: dict[str, str] = field(default_factory=dict)
-    receiving: set[str] = field(default_factory=set)
+    # Sites whose update is arriving now -> what ends its stream (the round closing under it).
+    receiving: dict[str, Callable[[BaseException], None]] = field(default_factory=dict)
     contributors: list[str] = field(default_factory=list)
     samples: int = 0
     secure: SecureRound | None = None        # set for secure-aggregation training rounds
@@ -124,6 +126,12 @@ class RoundState:
             path.unlink(missing_ok=True)
         self.held.clear()
 
+    def end_uploads(self, why: str) -> None:
+        """Cut every update still arriving: each frees its thread and transfer slot now, not when its sender
+        finishes (or never does). Their outcomes are the closing round's to record."""
+        for cut in self.receiving.values():
+            cut(RoundClosed(why))
+
 
 @dataclass
 class ActiveJob:
@@ -144,6 +152,8 @@ class ActiveJob:
     opened_any: bool = False                 # a round has opened since then
     total: WeightedSum | None = None         # the running sum, kept from round to round (round_sum)
     retried: dict[int, int] = field(default_factory=dict)   # round -> times it was opened again (sites.retries)
+    epsilons: dict[int, float] = field(default_factory=dict)   # DP: ε after round n, from the model worker
+    accounting_error: str = ""               # why ε could not be computed (the job fails with it)
 
     @property
     def in_memory(self) -> bool:
@@ -219,16 +229,17 @@ def _same_submission(request_id: str, recorded: str, digest: str, what: str) -> 
                                  "submit` makes one per run)")
 
 
-def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
+def validate_job(cfg: RoundConfig, *, build: Path, models: ModelWorker | None = None,
+                 limits: ModelLimits = ModelLimits()) -> dict[str, np.ndarray]:
     """Everything the coordinator can check at submit time, with a message that says how to fix it.
 
-    Builds the initial model (in the model worker process; the coordinator never imports
-    torch) into the safetensors file `build` and returns its weights.
+    Builds the initial model (in the model worker process, within `limits`; the coordinator never
+    imports torch) into the safetensors file `build` and returns its weights.
     """
     make_strategy(cfg)   # refuses unknown strategies, bad args and combinations that cannot work
     try:
-        state = shared_worker().build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build,
-                                      members=ensemble_members(cfg))
+        state = (models or shared_worker()).build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build,
+                                                  members=ensemble_members(cfg), limits=limits)
     except ConfigError as exc:
         raise ConfigError(f"model: {exc}") from None
     float_only = all(t.dtype in FLOAT_DTYPES for t in Layout.of(state).tensors)
@@ -244,8 +255,11 @@ def validate_job(cfg: RoundConfig, *, build: Path) -> dict[str, np.ndarray]:
 
 class Engine:
     def __init__(self, store: Store, *, federation: str = "", poll_timeout_s: float = 20.0,
-                 rejoin_grace_s: float = 0.0, clock=time.time, monotonic=time.monotonic, on_death=lambda: None):
+                 rejoin_grace_s: float = 0.0, clock=time.time, monotonic=time.monotonic, on_death=lambda: None,
+                 models: ModelWorker | None = None, model_limits: ModelLimits = ModelLimits()):
         self.store = store
+        self.models = models or shared_worker()   # builds initial models and computes ε, never under the lock
+        self.model_limits = model_limits
         self.federation = federation
         self.poll_timeout_s = poll_timeout_s
         self.online_window_s = 2 * poll_timeout_s + 10
@@ -289,6 +303,7 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
+            self._account()
             with self._cv:
                 if self._stopping:
                     return
@@ -311,6 +326,19 @@ class Engine:
                     continue
                 self._cv.wait(timeout)
 
+    def _account(self) -> None:
+        """ε after the active DP job's next round, computed ahead, outside the engine lock: the model worker
+        may be busy with a slow build (or hung, until model_build_timeout_s) and that holds up this job's
+        next round only, never the lock every NextTask and admin call takes. A round opens once its ε is in."""
+        job = self._active   # read without the lock: at worst ε is computed for a job just set aside
+        dp = job.cfg.privacy.dp if job is not None else None
+        if dp is None or job.accounting_error or (n := job.model_round + 1) > job.cfg.rounds or n in job.epsilons:
+            return
+        try:
+            job.epsilons[n] = self.models.epsilon_after(n, dp.noise_multiplier, 1.0, dp.delta, limits=self.model_limits)
+        except (PlexusError, OSError) as exc:
+            job.accounting_error = f"privacy accounting failed for round {n}: {exc}"
+
     def _storage_failed(self, exc: Exception) -> None:
         """The state dir cannot be written (a full disk) or read: fail nothing. The round in progress is
         dropped with the job's in-memory state, and the job, still running at its last closed round, is
@@ -325,6 +353,8 @@ class Engine:
         if job is None:
             return
         message = f"{text}; the round runs again once the coordinator can write its state dir"
+        if job.round:
+            job.round.end_uploads(f"round {job.round.round} was dropped: {message}")
         with contextlib.suppress(OSError, sqlite3.Error):   # the disk may refuse this too; the log has it
             if job.round:
                 job.round.drop_held()
@@ -343,7 +373,11 @@ class Engine:
         """
         check_request_id(request_id)
         cfg = parse_round_config(config_yaml, source="submitted round config")
-        canonical = dump_round_config(cfg)
+        canonical = dump_round_config(cfg)   # what every site parses, every default written out: it must fit too
+        if len(canonical.encode()) > MAX_ROUND_CONFIG_BYTES:
+            raise ConfigError(f"submitted round config: written out with its defaults (as sites receive it) it is "
+                              f"{len(canonical.encode())} bytes, over the limit of {MAX_ROUND_CONFIG_BYTES}; "
+                              "shorten its lists (features, categories, classes)")
         request = (request_id, hashlib.sha256(canonical.encode()).hexdigest()) if request_id else None
         if request is not None:
             with self._cv:
@@ -356,7 +390,7 @@ class Engine:
             job_id = f"{cfg.name}-{uuid.uuid4().hex[:8]}"
             build = self.store.spool / f"{job_id}.initial.safetensors"
             try:
-                initial = validate_job(cfg, build=build)
+                initial = validate_job(cfg, build=build, models=self.models, limits=self.model_limits)
                 self.store.save_checkpoint(job_id, 0, initial)   # the job's round 0, before it is visible
             finally:
                 build.unlink(missing_ok=True)
@@ -399,7 +433,7 @@ class Engine:
             message = f"resumed by {who} after round {row.current_round}"
             self.store.set_job(job_id, status="running", message=message,
                                event=("job_resume_requested", row.current_round, "", f"{message} (it had failed: "
-                                      f"{row.message[:MAX_REASON]})"), actor=admin_actor(who))
+                                      f"{bounded(row.message)})"), actor=admin_actor(who))
             self._cv.notify_all()
 
     def _check_resumable(self, row: JobRow, *, verify: bool = True) -> None:
@@ -425,6 +459,7 @@ class Engine:
             if self._active and self._active.row.id == job_id:
                 if self._active.round:
                     self._active.round.drop_held()
+                    self._active.round.end_uploads(f"job {job_id} was aborted by {who}")
                 self._active = None
                 self.store.interrupt_open_rounds()
             self._cv.notify_all()
@@ -476,13 +511,16 @@ class Engine:
                 return job.served_layout, job.served_blob, job.row.id, rs.model_round
             return job.layout, job.source, job.row.id, rs.model_round
 
-    def submit_update(self, site: str, header, chunks: Iterable) -> str:
+    def submit_update(self, site: str, header, chunks: Iterable,
+                      cut: Callable[[BaseException], None] = lambda exc: None) -> str:
         """Receive one site's update, validating it chunk by chunk.
 
         A summed update (FedAvg and the other mean-based rules) is folded into the round's sum as its
         chunks arrive; its spool file is only the journal that takes it out again should it fail, be
         refused, or still be arriving when the round closes. Masked inputs and the updates of rules
-        that hold them are spooled first and used once complete.
+        that hold them are spooled first and used once complete. `cut(exc)` makes `chunks` raise exc:
+        the round calls it when it closes while the update is still arriving. A stream that stalls
+        (`chunks` raises TimedOut) is recorded late.
         """
         with self._cv:
             self._touch(site)
@@ -512,19 +550,22 @@ class Engine:
             except IntegrityError as exc:
                 self._record(rs, grant, site, "rejected", str(exc), code=exc.reason)
                 raise
-            rs.receiving.add(site)
+            rs.receiving[site] = cut
         try:
             try:
                 _receive_to(spool, layout, chunks, fold)
             except IntegrityError as exc:
-                self._reject(site, grant, exc)
+                self._refuse(site, grant, "rejected", exc)
+                raise
+            except TimedOut as exc:   # a stalled upload frees its slot and the round waits for it no longer
+                self._refuse(site, grant, "late", exc)
                 raise
             except BaseException:
                 with self._cv:
-                    rs.receiving.discard(site)   # a broken stream may be retried while the round is open
+                    rs.receiving.pop(site, None)   # a broken stream may be retried while the round is open
                 raise
             with self._cv:
-                rs.receiving.discard(site)
+                rs.receiving.pop(site, None)
                 if self._active is not job or job.round is not rs or rs.grants.get(site) is not grant \
                         or site in rs.outcomes:
                     raise RoundClosed(f"round {grant.round} of job {grant.job_id} closed before the update was complete")
@@ -594,7 +635,7 @@ class Engine:
             self._touch(site)
             job, rs, grant = self._current_grant(site, result.task_id)
             self._check_binding(grant, result.job_id, result.round, result.nonce, None)
-            reason = result.reason[:MAX_REASON]
+            reason = bounded(result.reason)   # the site's own words, stored and shown: 2 KiB at most
             if status == "declined":
                 self.store.decline(job.row.id, site, reason or "declined by site policy")
                 self._record(rs, grant, site, "declined", reason or "declined by site policy")
@@ -612,19 +653,21 @@ class Engine:
                 metrics: dict | None = None, *, code: Reason | None = None) -> None:
         """Record a site's task outcome; `code` says why a rejected update was refused (IntegrityError.reason)."""
         rs.outcomes_for(site)[site] = status
+        reason = bounded(reason)
         self.store.finish_task(grant.task_id, status, reason, job_id=grant.job_id, round_=grant.round,
                                site=site, metrics=metrics, code=code)
         if reason:
             log.info("job %s round %d site %s: %s (%s)", grant.job_id, grant.round, site, status, reason)
         self._cv.notify_all()
 
-    def _reject(self, site: str, grant: TaskGrant, exc: IntegrityError) -> None:
+    def _refuse(self, site: str, grant: TaskGrant, status: str, exc: PlexusError) -> None:
+        """Record an update refused part-way (rejected, or late: it stalled), if its round is still open."""
         with self._cv:
             job = self._active
             if job and job.round and job.round.round == grant.round and job.row.id == grant.job_id:
-                job.round.receiving.discard(site)
+                job.round.receiving.pop(site, None)
                 if site not in job.round.outcomes:
-                    self._record(job.round, grant, site, "rejected", str(exc), code=exc.reason)
+                    self._record(job.round, grant, site, status, str(exc), code=getattr(exc, "reason", None))
 
     def _current_grant(self, site: str, task_id: str) -> tuple[ActiveJob, RoundState, TaskGrant]:
         row = self.store.task(task_id)
@@ -685,8 +728,7 @@ class Engine:
             return 1.0
         job = self._active
         if job.round is None:
-            self._maybe_open_round(job)
-            return 0.5
+            return self._maybe_open_round(job)
         return self._maybe_close_round(job)
 
     def _activate_next(self) -> bool:
@@ -761,12 +803,18 @@ class Engine:
     def _eligible_online(self, declined: dict[str, str]) -> list[str]:
         return sorted(self._present() - set(declined))
 
-    def _maybe_open_round(self, job: ActiveJob) -> None:
+    def _maybe_open_round(self, job: ActiveJob) -> float:
+        """Open the next round if its sites are there; how long until the engine should look again."""
         cfg = job.cfg
         dp = cfg.privacy.dp
-        if dp is not None and dp.target_epsilon is not None and not job.budget_stop and job.model_round < cfg.rounds:
-            after = shared_worker().epsilon_after(job.model_round + 1, dp.noise_multiplier, 1.0, dp.delta)
-            if after > dp.target_epsilon:
+        if dp is not None and not job.budget_stop and job.model_round < cfg.rounds:
+            if job.accounting_error:
+                self._fail_active(job.accounting_error)
+                return 0.0
+            after = job.epsilons.get(job.model_round + 1)
+            if after is None:
+                return 0.0   # _account computes it, outside the lock, first
+            if dp.target_epsilon is not None and after > dp.target_epsilon:
                 job.budget_stop = (f"privacy budget reached: round {job.model_round + 1} would bring ε to "
                                    f"{after:.3f} > target {dp.target_epsilon} (δ={dp.delta}); stopped after "
                                    f"round {job.model_round}")
@@ -783,11 +831,11 @@ class Engine:
         if missing and not job.opened_any and self._mono() - job.activated < self.rejoin_grace_s:
             self._waiting(job, f"waiting up to {self.rejoin_grace_s:g}s for the job's sites to connect: "
                                + ", ".join(missing))
-            return
+            return 0.5
         participants = online if evaluating else job.strategy.configure(job.model_round + 1, online, known)
         if len(participants) < (1 if evaluating else cfg.sites.min):
             self._waiting(job, f"waiting for sites: {len(participants)} of {cfg.sites.min} needed are online")
-            return
+            return 0.5
         job.opened_any = True
         round_ = job.model_round + 1
         kind = "evaluate" if evaluating else "train"
@@ -814,6 +862,7 @@ class Engine:
                  f"; evaluating: {', '.join(evaluators)}" if evaluators else "")
         self._cv.notify_all()
         self._wake(participants + evaluators)
+        return 0.5
 
     def _waiting(self, job: ActiveJob, message: str) -> None:
         if job.row.message != message:
@@ -830,6 +879,8 @@ class Engine:
             return min(remaining, 1.0)
         if not done:
             rs.late = f"by the round deadline ({job.cfg.sites.deadline_s:g} s)"
+        rs.end_uploads(f"round {rs.round} of job {job.row.id} reached its deadline before the update was complete "
+                       "(the site is recorded late)")
         if rs.secure:
             self._advance_secure(job, rs)
             self._cv.notify_all()
@@ -984,7 +1035,7 @@ class Engine:
         job.row = self.store.job(job.row.id)
         dp = job.cfg.privacy.dp
         if dp is not None:  # q = 1: every online site takes part, the conservative accounting
-            epsilon = shared_worker().epsilon_after(rs.round, dp.noise_multiplier, 1.0, dp.delta)
+            epsilon = job.epsilons[rs.round]   # computed before the round opened (_account)
             ledger = {(rs.round, "", "privacy", "epsilon"): epsilon, (rs.round, "", "privacy", "delta"): dp.delta}
             if dp.reproducible_noise:   # ε holds only against whoever cannot read the config: flag every round
                 ledger[(rs.round, "", "privacy", "noise_reproducible")] = 1.0
@@ -1010,6 +1061,7 @@ class Engine:
         if job is not None:
             if job.round:
                 job.round.drop_held()
+                job.round.end_uploads(f"job {job.row.id} failed: {message}")
             self.store.set_job(job.row.id, status="failed", message=message, event=("job_failed", 0, "", message))
             self.store.interrupt_open_rounds()
 

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator.audit import CoordinatorAudit
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.model_worker import ModelLimits, ModelWorker
 from coordinator.service import AdminService, FederationService
 from coordinator.store import Store
 from plexus import transport
@@ -22,7 +23,7 @@ from plexus.config import CoordinatorConfig
 from plexus.errors import FailedPrecondition
 from plexus.pki import RevocationList, federation_of, load_kit
 from plexus.proto.plexus.v1 import admin_pb2_grpc, federation_pb2_grpc
-from plexus.rpc import Authenticator
+from plexus.rpc import Authenticator, SendWatchdog
 from plexus.shutdown import StopSignals
 
 log = logging.getLogger("plexus.coordinator")
@@ -31,17 +32,18 @@ log = logging.getLogger("plexus.coordinator")
 class Coordinator:
     """A running coordinator; `port` is the bound port (useful with listen port 0)."""
 
-    def __init__(self, config: CoordinatorConfig):
+    def __init__(self, config: CoordinatorConfig, *, models: ModelWorker | None = None):
+        """models: the model worker (default: the process's shared one)."""
         kit = load_kit(config.kit)
         # Locks the state dir first: a second coordinator on it stops here, naming the first one's PID.
         self.store = Store(config.state_dir, retention=config.checkpoints)
         try:
-            self._build(config, kit)
+            self._build(config, kit, models)
         except BaseException:
             self.store.close()   # and its lock, so a corrected retry in this process can take it
             raise
 
-    def _build(self, config: CoordinatorConfig, kit) -> None:
+    def _build(self, config: CoordinatorConfig, kit, models: ModelWorker | None) -> None:
         # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used. It is
         # checked before anything serves, so a rolled-back or expired CRL stops the start cleanly;
         # the highest CRL number seen is kept in the state dir, so a restart cannot roll it back.
@@ -53,8 +55,12 @@ class Coordinator:
         self.audit_log = AuditLog(Path(config.state_dir) / "audit.db", signer=(kit.key_pem, kit.cert_pem))
         self.audit = CoordinatorAudit(self.audit_log, self.store)
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
-                             rejoin_grace_s=config.rejoin_grace_s, on_death=self._engine_died)
-        auth = Authenticator(crl)
+                             rejoin_grace_s=config.rejoin_grace_s, on_death=self._engine_died, models=models,
+                             model_limits=ModelLimits(config.model_build_timeout_s, config.model_build_memory_bytes))
+        # One certificate's calls never take the whole pool (max_calls_per_identity < max_workers), and a
+        # stream that stops moving lets go of its thread and transfer slot (stream_idle_timeout_s).
+        auth = Authenticator(crl, max_calls=config.max_calls_per_identity)
+        self.watchdog = SendWatchdog(config.stream_idle_timeout_s)
         # grpc never shuts down a server's executor; stop() does, so no worker thread outlives it.
         self._executors = [futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="plexus-rpc")]
         try:
@@ -66,10 +72,12 @@ class Coordinator:
         self.store.subscribe(self.metrics.on_event)
         federation_pb2_grpc.add_FederationServicer_to_server(
             _Metered(FederationService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit,
-                                       max_transfers=config.max_transfers),
+                                       max_transfers=config.max_transfers, idle_s=config.stream_idle_timeout_s,
+                                       watchdog=self.watchdog),
                      self.metrics), self.server)
         admin_pb2_grpc.add_AdminServicer_to_server(
-            _Metered(AdminService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit_log),
+            _Metered(AdminService(self.engine, auth, chunk_bytes=config.chunk_bytes, audit=self.audit_log,
+                                  watchdog=self.watchdog),
                      self.metrics), self.server)
         # Health: NOT_SERVING until the engine runs. On the mTLS port for peers with a kit, and
         # optionally on a plaintext port that serves nothing else, for probes without a certificate.
@@ -123,6 +131,7 @@ class Coordinator:
         if self.health_server is not None:
             self.health_server.stop(0).wait()
         self.server.stop(grace).wait()
+        self.watchdog.stop()
         for executor in self._executors:
             executor.shutdown(wait=True, cancel_futures=True)
         self.engine.stop()

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from contextlib import contextmanager
 
 from coordinator.engine import Engine
 from coordinator.events import admin_actor
 from coordinator.store import TERMINAL, JobRow
-from plexus.errors import FailedPrecondition, IntegrityError
+from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
-from plexus.rpc import Authenticator, guarded
+from plexus.rpc import Authenticator, SendWatchdog, guarded
 from plexus.secagg_proto import advert_to_proto, advert_from_proto
 from plexus.wire import chunk_size, iter_chunks
 
@@ -45,28 +46,108 @@ def model_stream(job_id: str, round_: int, layout, source, chunk_bytes: int):
 
 
 class TransferSlots:
-    """At most `limit` model downloads and update uploads at once, whatever the number of sites: each
-    holds a few chunks of buffers, so this is what keeps the coordinator's memory flat in N. A call
-    waiting for a slot holds no data; it gives up when its caller does."""
+    """At most `limit` model downloads and update uploads at once, whatever the number of sites, and at most
+    one per holder (a site fetches, trains, then submits: it never needs two): each holds a few chunks of
+    buffers, so this is what keeps the coordinator's memory flat in N, and one site cannot take every slot.
+    A call waiting for a slot holds no data; it gives up when its caller does."""
 
     def __init__(self, limit: int):
-        self._free = threading.BoundedSemaphore(limit)
+        self._limit = limit
+        self._holders: list[str | None] = []
+        self._cv = threading.Condition()
 
     @contextmanager
-    def slot(self, context):
-        while not self._free.acquire(timeout=0.5):
-            if not context.is_active():
-                raise FailedPrecondition("the call ended while it waited for a transfer slot")
+    def slot(self, context, holder: str | None = None):
+        with self._cv:
+            while len(self._holders) >= self._limit or (holder is not None and holder in self._holders):
+                self._cv.wait(0.5)
+                if not context.is_active():
+                    raise FailedPrecondition("the call ended while it waited for a transfer slot")
+            self._holders.append(holder)
         try:
             yield
         finally:
-            self._free.release()
+            with self._cv:
+                self._holders.remove(holder)
+                self._cv.notify_all()
+
+
+class Inbound:
+    """A client stream read one message at a time, each within `idle_s`, and cut short on demand (when its
+    round closes). gRPC's request iterator has no timeout, so a helper thread waits in it, and only when
+    asked for the next message: a stream not being read holds no more than its flow-control window. The
+    helper ends with the call, which ends as soon as the method returns."""
+
+    def __init__(self, messages, *, idle_s: float, what: str):
+        self._messages, self.idle_s, self.what = messages, idle_s, what
+        self._cv = threading.Condition()
+        self._wanted = self._closed = False
+        self._item: tuple | None = None    # (message, None), (None, None) at the end, or (None, the error)
+        self._cut: BaseException | None = None
+        threading.Thread(target=self._pump, name="plexus-inbound", daemon=True).start()
+
+    def __iter__(self):
+        while (message := self.next()) is not None:
+            yield message
+
+    def next(self):
+        """The next message; None at the end of the stream; TimedOut if none arrives within idle_s."""
+        with self._cv:
+            self._wanted = True
+            self._cv.notify_all()
+            end = time.monotonic() + self.idle_s
+            while self._item is None and self._cut is None:
+                if (remaining := end - time.monotonic()) <= 0:
+                    raise TimedOut(f"the next message of {self.what} did not arrive within {self.idle_s:g} s (the "
+                                   "coordinator's stream_idle_timeout_s), so the stream was dropped; a sender "
+                                   "this slow needs a faster link or a less loaded machine")
+                self._cv.wait(remaining)
+            if self._cut is not None:
+                raise self._cut
+            (message, error), self._item = self._item, None
+        if error is not None:
+            raise error
+        return message
+
+    def cut(self, exc: BaseException) -> None:
+        """End the stream now: the reader's next() raises exc (from any thread)."""
+        with self._cv:
+            self._cut = exc
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def _pump(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._wanted or self._closed):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                self._wanted = False
+            try:
+                item = (next(self._messages), None)
+            except StopIteration:
+                item = (None, None)
+            except Exception as exc:   # grpc.RpcError: the caller went away; the reader sees it as before
+                item = (None, exc)
+            with self._cv:
+                self._item = item
+                self._cv.notify_all()
+            if item[0] is None:
+                return
 
 
 class FederationService(federation_pb2_grpc.FederationServicer):
-    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, max_transfers: int, audit=None):
+    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, max_transfers: int, audit=None,
+                 idle_s: float = 30.0, watchdog: SendWatchdog | None = None):
         self.engine, self.auth, self.chunk_bytes, self.audit = engine, auth, chunk_bytes, audit
         self.transfers = TransferSlots(max_transfers)
+        self.idle_s = idle_s
+        self.watchdog = watchdog or SendWatchdog(idle_s)
 
     @guarded(kind="site")
     def Join(self, request, context, *, who):
@@ -94,16 +175,20 @@ class FederationService(federation_pb2_grpc.FederationServicer):
     @guarded(kind="site")
     def FetchModel(self, request, context, *, who):
         layout, blob, job_id, model_round = self.engine.model_for(who.name, request.task_id)
-        with self.transfers.slot(context):
-            yield from model_stream(job_id, model_round, layout, blob, self.chunk_bytes)
+        with self.transfers.slot(context, who.name):
+            yield from self.watchdog.paced(model_stream(job_id, model_round, layout, blob, self.chunk_bytes), context)
 
     @guarded(kind="site")
     def SubmitUpdate(self, request_iterator, context, *, who):
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("body") != "header":
-            raise IntegrityError("an update stream must start with its header")
-        with self.transfers.slot(context):
-            message = self.engine.submit_update(who.name, first.header, _chunks(request_iterator))
+        inbound = Inbound(request_iterator, idle_s=self.idle_s, what="the update")
+        try:
+            first = inbound.next()
+            if first is None or first.WhichOneof("body") != "header":
+                raise IntegrityError("an update stream must start with its header")
+            with self.transfers.slot(context, who.name):
+                message = self.engine.submit_update(who.name, first.header, _chunks(inbound), cut=inbound.cut)
+        finally:
+            inbound.close()
         return fpb.SubmitReply(accepted=True, message=message)
 
     @guarded(kind="site")
@@ -176,10 +261,12 @@ def job_summary(row: JobRow) -> admin_pb2.JobSummary:
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, audit=None):
+    def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, audit=None,
+                 watchdog: SendWatchdog | None = None):
         self.engine, self.auth, self.chunk_bytes = engine, auth, chunk_bytes
         self.store = engine.store
         self.audit = audit  # plexus.audit.AuditLog, or None when the server runs without one
+        self.watchdog = watchdog or SendWatchdog(30.0)
 
     @guarded(kind="admin", min_role="operator")
     def SubmitJob(self, request, context, *, who):
@@ -235,7 +322,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         with self.store.reading(row.id, round_):   # checkpoint retention leaves it alone until the stream ends
             layout, path, start = self.store.checkpoint_source(row.id, round_)   # streamed from the file
             self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}", actor=admin_actor(who.name))
-            yield from model_stream(row.id, round_, layout, (path, start), self.chunk_bytes)
+            yield from self.watchdog.paced(model_stream(row.id, round_, layout, (path, start), self.chunk_bytes),
+                                           context)
 
     @guarded(kind="admin", min_role="viewer")
     def ListSites(self, request, context, *, who):

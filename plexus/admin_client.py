@@ -22,13 +22,17 @@ log = logging.getLogger("plexus.admin")
 
 # Deadlines when the caller sets none (`--timeout`): most calls, the audit log, model downloads.
 CALL_TIMEOUT_S, AUDIT_TIMEOUT_S, DOWNLOAD_TIMEOUT_S = 30.0, 120.0, 600.0
+# A submit: the coordinator builds the job's initial model before it answers, up to its model_build_timeout_s
+# (default 300 s) after any build ahead of it; two such builds, and some.
+SUBMIT_TIMEOUT_S = 660.0
 SUBMIT_ATTEMPTS = 5                 # a submit answered DEADLINE_EXCEEDED or UNAVAILABLE is sent again, this often
 _RETRYABLE = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 
 
 class AdminClient:
     """timeout_s, when set, is the deadline of every call but watch (which follows a job for as long as it
-    runs); unset, calls get CALL_TIMEOUT_S, the audit log AUDIT_TIMEOUT_S, downloads DOWNLOAD_TIMEOUT_S."""
+    runs); unset, calls get CALL_TIMEOUT_S, submits SUBMIT_TIMEOUT_S, the audit log AUDIT_TIMEOUT_S, downloads
+    DOWNLOAD_TIMEOUT_S."""
 
     def __init__(self, address: str, kit_dir: Path, *, timeout_s: float | None = None, sleep=time.sleep):
         self.address = address
@@ -60,16 +64,16 @@ class AdminClient:
         request = admin_pb2.SubmitJobRequest(config_yaml=config_yaml, request_id=request_id or new_request_id())
         for attempt in range(1, attempts):
             try:
-                return self.stub.SubmitJob(request, timeout=self._deadline(CALL_TIMEOUT_S))
+                return self.stub.SubmitJob(request, timeout=self._deadline(SUBMIT_TIMEOUT_S))
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE:
                     raise
                 pause = min(0.5 * 2 ** (attempt - 1), 8.0)
                 log.warning("submit attempt %d of %d: %s (deadline %g s); sending it again in %.1f s with the same "
                             "request id %s (a job it created is returned, not made twice)", attempt, attempts,
-                            exc.code().name, self._deadline(CALL_TIMEOUT_S), pause, request.request_id)
+                            exc.code().name, self._deadline(SUBMIT_TIMEOUT_S), pause, request.request_id)
                 self._sleep(pause)
-        return self.stub.SubmitJob(request, timeout=self._deadline(CALL_TIMEOUT_S))
+        return self.stub.SubmitJob(request, timeout=self._deadline(SUBMIT_TIMEOUT_S))
 
     def jobs(self) -> list[admin_pb2.JobSummary]:
         return list(self.stub.ListJobs(admin_pb2.ListJobsRequest(), timeout=self._deadline(CALL_TIMEOUT_S)).jobs)

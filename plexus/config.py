@@ -414,6 +414,20 @@ class CoordinatorConfig:
     # grpc.health.v1 only, plaintext, for probes that cannot present a client certificate (off unless set).
     health_listen: str | None = field(default=None, metadata=_address(0))
     checkpoints: CheckpointsSpec = field(default_factory=CheckpointsSpec)
+    # Calls one identity (a site's or an admin's certificate) may have in progress at once; more are refused
+    # with RESOURCE_EXHAUSTED. Below max_workers, so that no one certificate can hold every worker thread
+    # with idle streams: a site needs about 2 (its long poll and one transfer), the admin CLI 1 or 2.
+    max_calls_per_identity: int = field(default=16, metadata=_range(1, 4096))
+    # A stream whose next message does not arrive (an upload's next chunk), or is not taken (a download's),
+    # within this is dropped: its thread and transfer slot come back, a part-way update is taken back out
+    # of the sum, and the site is recorded late. Uploads also end when their round closes.
+    stream_idle_timeout_s: float = field(default=30.0, metadata=_range(0, 3600, lo_open=True))
+    # The model worker process (coordinator.model_worker) that builds each submitted job's initial model:
+    # a build taking longer is stopped and the job refused; the worker's address space is capped at
+    # model_build_memory_bytes (torch itself takes about 1 GiB of it), so a model too large for the
+    # coordinator's memory is refused at submit instead of taking the machine down.
+    model_build_timeout_s: float = field(default=300.0, metadata=_range(0, 86400, lo_open=True))
+    model_build_memory_bytes: int = field(default=8 << 30, metadata=_range(1 << 30, 1 << 40))
 
 
 @dataclass(frozen=True, slots=True)
@@ -547,10 +561,19 @@ def _checkpoints_problem(spec: CheckpointsSpec) -> tuple[str, str] | None:
     return None
 
 
+def _coordinator_problem(cfg: CoordinatorConfig) -> tuple[str, str] | None:
+    if cfg.max_calls_per_identity >= cfg.max_workers:
+        return "max_calls_per_identity", (
+            f"{cfg.max_calls_per_identity} is not below max_workers ({cfg.max_workers}), so one certificate's "
+            "idle calls could hold every worker thread; lower max_calls_per_identity (default 16) or raise "
+            "max_workers")
+    return None
+
+
 _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
     DatasetSpec: _dataset_problem, DPSpec: _dp_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
     RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem,
-    CheckpointsSpec: _checkpoints_problem}
+    CheckpointsSpec: _checkpoints_problem, CoordinatorConfig: _coordinator_problem}
 
 _TAG = "tag:yaml.org,2002:"
 _TAG_NAMES = {"bool": "a boolean", "int": "an integer", "float": "a number", "null": "null",
@@ -566,6 +589,12 @@ _SCALARS = {  # type -> (accepted YAML tags, name, fix)
 # PyYAML (YAML 1.1) reads an unquoted 1e-5 as a string; a float field accepts it anyway.
 PLAIN_EXP_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _CONSTRUCTOR = yaml.constructor.SafeConstructor()
+# Bounds on a config's size, checked before and while it is read: a round config arrives from any operator
+# over the network and is parsed again by every site. Nothing real comes near them (a job with 500
+# one-hot features is ~40 KiB).
+MAX_ROUND_CONFIG_BYTES = 256 << 10
+MAX_CONFIG_BYTES = 1 << 20          # site, coordinator and admin configs: local files
+MAX_ITEMS = 4096                    # entries of any one list or mapping (features, classes, categories, ...)
 
 
 def _join(path: str, key: str) -> str:
@@ -670,6 +699,7 @@ class _Reader:
         if not isinstance(node, MappingNode):
             self.fail(node, path, f"expected a mapping, got {_describe(node)}; {fix}")
         self.once(node, path)
+        self.count(node, path, "keys")
         entries: dict[str, tuple[Node, Node]] = {}
         for key_node, value_node in node.value:
             if key_node.tag == _TAG + "merge":
@@ -687,7 +717,12 @@ class _Reader:
         if not isinstance(node, SequenceNode):
             self.fail(node, path, f"expected a list, got {_describe(node)}; write a list, e.g. [a, b]")
         self.once(node, path)
+        self.count(node, path, "items")
         return node.value
+
+    def count(self, node: Node, path: str, what: str) -> None:
+        if len(node.value) > MAX_ITEMS:
+            self.fail(node, path, f"has {len(node.value)} {what}; at most {MAX_ITEMS} are allowed, so list fewer")
 
     def once(self, node: Node, path: str) -> None:
         # An alias re-uses its anchor's node: refusing repeats stops recursive
@@ -737,6 +772,7 @@ class _Reader:
 
 def _parse(text: str, cls: type, source: str, base: Path | None) -> Any:
     keys = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
+    _check_size(len(text.encode("utf-8", "replace")), cls, source)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:
@@ -757,9 +793,17 @@ def _parse(text: str, cls: type, source: str, base: Path | None) -> Any:
         raise ConfigError(f"{source}:1: (top level): nested too deeply; flatten the document") from None
 
 
+def _check_size(size: int, cls: type, source: str) -> None:
+    cap = MAX_ROUND_CONFIG_BYTES if cls is RoundConfig else MAX_CONFIG_BYTES
+    if size > cap:
+        raise ConfigError(f"{source}: the config is {size} bytes, over the limit of {cap} bytes ({cap >> 10} KiB) "
+                          "that is read at all; shorten it (fewer or shorter lists)")
+
+
 def _load(path: Path, cls: type) -> Any:
     path = Path(path)
     try:
+        _check_size(path.stat().st_size, cls, str(path))   # before reading a file of any size
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config file ({e.strerror or e}); check the path") from None

@@ -7,6 +7,7 @@ import csv
 import functools
 import gzip
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -14,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from plexus.errors import ConfigError, IntegrityError
+from plexus.text import bounded, listing
 
 HOSPITALS = ("cleveland", "hungary", "switzerland", "va")
 
@@ -363,25 +365,25 @@ def _load_csv(spec: Any) -> Split:
     if spec.label is None:
         raise ConfigError("csv dataset needs `label`: the name of the label column")
     table = read_table(path, encoding=getattr(spec, "encoding", None), delimiter=getattr(spec, "delimiter", None))
-    header = table.header
-    if spec.label not in header:
-        raise ConfigError(f"label column {spec.label!r} is not in {path}; columns: {list(header)}")
+    header, at = table.header, table.columns
+    if spec.label not in at:
+        raise ConfigError(f"label column {spec.label!r} is not in {path}; columns: {listing(header)}")
     if spec.features is None:
         features = tuple(c for c in header if c != spec.label)
     else:
         features = tuple(spec.features)
-        unknown = [c for c in features if c not in header]
+        unknown = [c for c in features if c not in at]
         if unknown:
-            raise ConfigError(f"feature columns {unknown} are not in {path}; columns: {list(header)}")
+            raise ConfigError(f"feature columns {listing(unknown)} are not in {path}; columns: {listing(header)}")
         if spec.label in features:
             raise ConfigError(f"label column {spec.label!r} is also listed in features")
         if len(set(features)) != len(features):
-            raise ConfigError(f"features lists a column twice: {list(features)}")
+            raise ConfigError(f"features lists a column twice: {listing(features)}")
     if not features:
         raise ConfigError(f"{path} has no feature columns besides the label {spec.label!r}")
 
-    label_at = header.index(spec.label)
-    columns = [(c, header.index(c)) for c in features]
+    label_at = at[spec.label]
+    columns = [(c, at[c]) for c in features]
     x = np.empty((len(table.rows), len(columns)), dtype=np.float64)
     raw_labels = []
     bad = _BadCells(path)
@@ -429,8 +431,8 @@ class DataError(IntegrityError):
     """
 
     def __init__(self, local: str, remote: str):
-        super().__init__(local)
-        self.remote = remote if len(remote) <= REMOTE_REASON_MAX else remote[:REMOTE_REASON_MAX - 3] + "..."
+        super().__init__(bounded(local))   # lists of columns are shortened where they are written; this is the cap
+        self.remote = bounded(remote, REMOTE_REASON_MAX)
 
 
 @dataclass(frozen=True, eq=False)
@@ -441,6 +443,11 @@ class Table:
     header: tuple[str, ...]
     rows: list[list[str]]
     delimiter: str
+
+    @functools.cached_property
+    def columns(self) -> dict[str, int]:
+        """Column name -> index (a header of 2,000,000 names is searched often)."""
+        return {name: i for i, name in enumerate(self.header)}
 
 
 def read_table(path: Path, *, encoding: str | None = None, delimiter: str | None = None) -> Table:
@@ -466,10 +473,10 @@ def read_table(path: Path, *, encoding: str | None = None, delimiter: str | None
     if not records:
         raise DataError(f"{path} is empty; expected a header row and data rows", "the dataset file is empty")
     header = tuple(name.strip() for name in records[0])
-    twice = sorted({name for name in header if header.count(name) > 1})
+    twice = sorted(name for name, n in Counter(header).items() if n > 1)
     if twice:
-        raise DataError(f"{path}: duplicate column names {twice} in header {list(header)}",
-                        f"the dataset file's header names columns {twice} more than once")
+        raise DataError(f"{path}: duplicate column names {listing(twice)} in header {listing(header)}",
+                        f"the dataset file's header names columns {listing(twice)} more than once")
     rows = [row for row in records[1:] if row]  # csv.reader yields [] for blank lines
     if not rows:
         raise DataError(f"{path} has a header but no data rows", "the dataset file has a header but no data rows")
@@ -567,8 +574,8 @@ def csv_train_rows(spec: Any) -> int:
 
 
 def _require_label_column(table: Table, column: str) -> None:
-    if column not in table.header:
-        raise DataError(f"label column {column!r} is not in {table.path}; columns: {list(table.header)}"
+    if column not in table.columns:
+        raise DataError(f"label column {column!r} is not in {table.path}; columns: {listing(table.header)}"
                         f"{_delimiter_hint(table.header, table.delimiter)}",
                         f"the label column {column!r} is not in the dataset file")
 
@@ -593,22 +600,24 @@ def schema_differences(table: Table, spec: Any, data: Any) -> tuple[list[str], l
     problems = []
     if label != spec.label:
         problems.append(f"the job's label column {label!r} is not this site's label column {spec.label!r}")
-    missing = [c for c in [label, *declared] if c not in table.header]
+    missing = [c for c in [label, *declared] if c not in table.columns]
     if missing:
-        problems.append(f"missing column(s) {missing}")
+        problems.append(f"missing column(s) {listing(missing)}")
     if spec.features is not None:
-        withheld = [c for c in declared if c not in spec.features]
+        offered = set(spec.features)
+        withheld = [c for c in declared if c not in offered]
         if withheld:
-            problems.append(f"column(s) {withheld} are not among the features this site offers")
-    extra = [c for c in table.header if c != label and c not in declared]
+            problems.append(f"column(s) {listing(withheld)} are not among the features this site offers")
+    named = {label, *declared}
+    extra = [c for c in table.header if c not in named]
     return problems, extra
 
 
 def _match_columns(table: Table, spec: Any, data: Any) -> None:
     problems, extra = schema_differences(table, spec, data)
     if problems:
-        unused = f"; the file's columns the job does not declare (left unused): {extra[:20]}" if extra else ""
-        raise DataError(f"{table.path}: " + "; ".join(problems) + f"; the file's columns: {list(table.header)}"
+        unused = f"; the file's columns the job does not declare (left unused): {listing(extra)}" if extra else ""
+        raise DataError(f"{table.path}: " + "; ".join(problems) + f"; the file's columns: {listing(table.header)}"
                         + _delimiter_hint(table.header, table.delimiter),
                         "; ".join(problems) + unused)
 

@@ -58,3 +58,11 @@ class PermissionDenied(PlexusError):
 
 class Unauthenticated(PlexusError):
     """The caller's certificate is missing, revoked or not from this federation."""
+
+
+class ResourceExhausted(PlexusError):
+    """The caller is over a limit on what it may hold at once (calls in progress); it may retry later."""
+
+
+class TimedOut(PlexusError):
+    """A peer did not send (or take) the next message of a stream in time; the stream was dropped."""

@@ -3,8 +3,8 @@
 Identity comes from the verified peer certificate only. The TLS layer has
 checked that it chains to the federation CA, through any intermediates; this
 layer accepts only leaves the CA issued directly, adds the CRL check and the
-role check, and turns Plexus errors into status codes with the error's own
-message.
+role check, holds each identity to its share of the server's threads, and turns
+Plexus errors into status codes with the error's own message (bounded).
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ import functools
 import inspect
 import logging
 import threading
+import time
+from contextlib import contextmanager
 
 import grpc
 
 from plexus import errors
 from plexus.pki import Identity, RevocationList, check_leaf, identity_from_cert
+from plexus.text import bounded
 
 log = logging.getLogger("plexus.rpc")
 
@@ -29,6 +32,8 @@ STATUS_OF = (
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.RoundClosed, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.TimedOut, grpc.StatusCode.DEADLINE_EXCEEDED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # ConfigError, IntegrityError
 )
 
@@ -43,15 +48,56 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+class CallLimit:
+    """At most `limit` calls in progress per identity (a site, an admin), refused beyond it at once.
+
+    Every call holds one of the server's worker threads until it ends, a streaming call for as long as
+    its stream, so one certificate opening idle streams (or long polls) could otherwise take every
+    thread and stall the whole federation. None: no limit."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self._held: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def hold(self, ident: Identity):
+        key = (ident.kind, ident.name)
+        with self._lock:
+            held = self._held.get(key, 0)
+            if self.limit is not None and held >= self.limit:
+                raise errors.ResourceExhausted(
+                    f"{ident.kind} {ident.name!r} already has {held} calls in progress, the most one identity "
+                    f"may have at once (max_calls_per_identity: {self.limit} in the coordinator's config); "
+                    "let earlier calls finish (close idle streams) before making more, or raise "
+                    "max_calls_per_identity")
+            self._held[key] = held + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._held[key] == 1:
+                    del self._held[key]
+                else:
+                    self._held[key] -= 1
+
+    def held(self, ident: Identity) -> int:
+        """Calls in progress for this identity now."""
+        with self._lock:
+            return self._held.get((ident.kind, ident.name), 0)
+
+
 class Authenticator:
-    """Turns a call's peer certificate into an Identity, checking the CRL on every call.
+    """Turns a call's peer certificate into an Identity, checking the CRL on every call, and holds the
+    identity to `max_calls` calls at once (CallLimit).
 
     A certificate is checked as a leaf of the federation CA once, then its Identity is cached."""
 
-    def __init__(self, crl: RevocationList):
+    def __init__(self, crl: RevocationList, *, max_calls: int | None = None):
         self._crl = crl
         self._cache: dict[bytes, Identity] = {}
         self._lock = threading.Lock()
+        self.calls = CallLimit(max_calls)
 
     def identify(self, context: grpc.ServicerContext) -> Identity:
         certs = context.auth_context().get("x509_pem_cert")
@@ -80,10 +126,11 @@ def authorize(ident: Identity, *, kind: str, min_role: str | None = None) -> Non
 
 
 def guarded(*, kind: str, min_role: str | None = None):
-    """Decorate a servicer method: authenticate, authorise, map errors to status codes.
+    """Decorate a servicer method: authenticate, authorise, count the call against its identity's limit
+    (self.auth.calls) for as long as it runs, map errors to status codes.
 
     The method receives the caller's Identity as a keyword argument `who`.
-    Works for unary and server-streaming (generator) methods.
+    Works for unary and server-streaming (generator) methods; a stream holds its call slot until it ends.
     """
 
     def decorate(method):
@@ -99,14 +146,15 @@ def guarded(*, kind: str, min_role: str | None = None):
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("unexpected error in %s", method.__name__)
                 context.abort(code, "internal error at the coordinator; the operator can find details in its log")
-            context.abort(code, str(exc))
+            context.abort(code, bounded(str(exc)))   # a site's 2,000,000 column names need not all travel back
 
         if inspect.isgeneratorfunction(method):
             @functools.wraps(method)
             def stream(self, request, context):
                 try:
                     who = _prologue(self, context)
-                    yield from method(self, request, context, who=who)
+                    with self.auth.calls.hold(who):
+                        yield from method(self, request, context, who=who)
                 except Exception as exc:
                     if isinstance(exc, grpc.RpcError) or context.code() is not None:
                         raise
@@ -117,7 +165,8 @@ def guarded(*, kind: str, min_role: str | None = None):
         def unary(self, request, context):
             try:
                 who = _prologue(self, context)
-                return method(self, request, context, who=who)
+                with self.auth.calls.hold(who):
+                    return method(self, request, context, who=who)
             except Exception as exc:
                 if isinstance(exc, grpc.RpcError) or context.code() is not None:
                     raise
@@ -125,3 +174,73 @@ def guarded(*, kind: str, min_role: str | None = None):
         return unary
 
     return decorate
+
+
+class SendWatchdog:
+    """Cancels a server stream whose client stops taking its messages for `idle_s`: a stalled download
+    would otherwise hold its worker thread and transfer slot for as long as the client keeps the
+    connection open. One thread watches every stream; it runs while there are streams to watch."""
+
+    LINGER_S = 1.0   # how long the thread waits for another stream before it ends
+
+    def __init__(self, idle_s: float):
+        self.idle_s = idle_s
+        self._due: dict[object, tuple[float, grpc.ServicerContext]] = {}
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def paced(self, messages, context: grpc.ServicerContext):
+        """Yield from `messages`, each within idle_s of being handed to gRPC (which blocks while the client's
+        flow-control window is full), else the call is cancelled and the stream ends."""
+        key = object()
+        try:
+            for message in messages:
+                self._arm(key, context)
+                yield message
+                self._disarm(key)
+        finally:
+            self._disarm(key)
+            messages.close()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _arm(self, key, context) -> None:
+        with self._cv:
+            self._due[key] = (time.monotonic() + self.idle_s, context)
+            if self._thread is None and not self._stopping:
+                self._thread = threading.Thread(target=self._run, name="plexus-send-watchdog", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _disarm(self, key) -> None:
+        with self._cv:
+            self._due.pop(key, None)
+
+    def _run(self) -> None:
+        with self._cv:
+            idle_since = None
+            while not self._stopping:
+                now = time.monotonic()
+                for key, (at, context) in list(self._due.items()):
+                    if at <= now:
+                        del self._due[key]
+                        log.warning("cancelled a stream to %s: it took no message for %g s "
+                                    "(stream_idle_timeout_s)", context.peer(), self.idle_s)
+                        context.cancel()
+                if self._due:
+                    idle_since = None
+                    self._cv.wait(min(at for at, _ in self._due.values()) - now)
+                    continue
+                if idle_since is None:
+                    idle_since = now
+                elif now - idle_since >= self.LINGER_S:
+                    break
+                self._cv.wait(self.LINGER_S)
+            self._thread = None

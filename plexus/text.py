@@ -20,3 +20,28 @@ def csv_cell(value):
     if not isinstance(value, str):
         return value
     return ("'" if value.startswith(FORMULA_PREFIXES) else "") + printable(value)
+
+
+# The most of one message that leaves a process or is stored from elsewhere: gRPC carries a status message
+# percent-encoded in HTTP/2 trailers, which a client refuses beyond 8 KiB, and logs, audit entries and
+# `plexus job show` need no more to say what went wrong.
+MAX_MESSAGE_BYTES = 2048
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """`text` if it fits in `limit` bytes (UTF-8), else its start and its end (which says how to fix it)
+    around how many characters were left out."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text
+    head = raw[:limit * 3 // 4].decode("utf-8", "ignore")
+    tail = raw[len(raw) - limit // 4:].decode("utf-8", "ignore")
+    return f"{head}… ({len(text) - len(head) - len(tail)} more characters) …{tail}"
+
+
+def listing(items, shown: int = 20) -> str:
+    """A list of names for a message: the first `shown` as a Python list, then how many more there are."""
+    items = list(items)
+    if len(items) <= shown:
+        return repr(items)
+    return repr(items[:shown])[:-1] + f", … and {len(items) - shown} more]"

@@ -38,6 +38,16 @@ SCAFFOLD_C, SCAFFOLD_DC = "scaffold/c/", "scaffold/dc/"
 DEFAULT_CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 1 << 16
 CHUNKS_PER_MODEL = 16
+# A receiver takes a blob in at most chunk_limit(total) chunks: every message costs the receiver a
+# fixed amount of work whatever it carries, so a stream of empty or one-byte chunks would cost it
+# seconds of CPU per megabyte. Senders here use chunks of 64 KiB and up (chunk_size).
+MIN_AVERAGE_CHUNK_BYTES = 4096
+SPARE_CHUNKS = 64
+
+
+def chunk_limit(total_bytes: int) -> int:
+    """The most chunks a blob of total_bytes may arrive in: ceil(total / 4 KiB) + 64."""
+    return -(-total_bytes // MIN_AVERAGE_CHUNK_BYTES) + SPARE_CHUNKS
 MAX_TENSORS = 100_000
 MAX_NAME_LEN = 512
 
@@ -221,14 +231,17 @@ def iter_chunks(blob: bytes | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 class Receiver:
     """Validates a blob arriving in chunks against an expected layout.
 
-    Checks order and size (no gaps, no bytes beyond the layout) and that every
-    float is finite, element by element, even when chunk edges split an element.
-    Valid bytes are handed to ``sink``; nothing is buffered beyond one element.
+    Checks order and size (no gaps, no bytes beyond the layout), that no chunk is empty and the blob
+    comes in at most `max_chunks` chunks (default chunk_limit(total)), and that every float is finite,
+    element by element, even when chunk edges split an element. Valid bytes are handed to ``sink``;
+    nothing is buffered beyond one element.
     """
 
-    def __init__(self, layout: Layout, sink=None):
+    def __init__(self, layout: Layout, sink=None, *, max_chunks: int | None = None):
         self.layout = layout
+        self.max_chunks = chunk_limit(layout.total_bytes) if max_chunks is None else max_chunks
         self.received = 0
+        self.chunks = 0
         self.max_abs = 0.0
         self._sink = sink
         self._tensor = 0
@@ -236,6 +249,14 @@ class Receiver:
 
     def feed(self, offset: int, data: bytes | memoryview) -> None:
         total = self.layout.total_bytes
+        if not len(data):
+            raise IntegrityError(f"empty chunk at byte {offset}; every chunk carries at least one byte",
+                                 reason=Reason.SIZE)
+        self.chunks += 1
+        if self.chunks > self.max_chunks:
+            raise IntegrityError(f"chunk {self.chunks} at byte {offset}: {total} bytes come in at most "
+                                 f"{self.max_chunks} chunks (on average at least {MIN_AVERAGE_CHUNK_BYTES} bytes "
+                                 "each); send larger chunks", reason=Reason.SIZE)
         if offset != self.received:
             raise IntegrityError(f"chunk at byte {offset} arrived out of order; expected byte {self.received}",
                                  reason=Reason.SIZE)

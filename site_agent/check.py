@@ -12,6 +12,7 @@ from collections import Counter
 
 from plexus.config import RoundConfig, SiteConfig
 from plexus.errors import ConfigError
+from plexus.text import listing
 from plexus.datasets import (DataError, Table, cell_number, csv_train_rows, feature_inputs, load_dataset,
                              load_for_job, read_table, schema_differences)
 
@@ -101,7 +102,7 @@ def _check_job(lines: list[str], job: RoundConfig, spec) -> bool:
             except DataError:
                 extra = []
             if extra:
-                lines.append(f"  columns in the file that are not features (left unused): {extra}")
+                lines.append(f"  columns in the file that are not features (left unused): {listing(extra)}")
     try:
         split = load_for_job(spec, data)
     except DataError as exc:

@@ -56,3 +56,20 @@ def test_a_call_that_ends_while_waiting_gives_up_and_takes_no_slot():
                 pass
     with slots.slot(_Context()):   # the slot came back once its holder finished
         pass
+
+
+def test_one_holder_takes_one_slot_at_a_time_and_leaves_the_others_to_the_rest():
+    slots, second, inside = TransferSlots(3), threading.Event(), threading.Event()
+
+    def again():
+        with slots.slot(_Context(), "a"):
+            second.set()
+
+    with slots.slot(_Context(), "a"):
+        thread = threading.Thread(target=again)
+        thread.start()
+        with slots.slot(_Context(), "b"):   # a free slot, and b holds none
+            inside.set()
+        assert inside.is_set() and not second.is_set()   # a's second transfer waits for its first
+    thread.join(scaled(10))
+    assert second.is_set()

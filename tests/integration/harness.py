@@ -40,13 +40,26 @@ def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=scale
                             retries=f", retries: {retries}" if retries else "")
 
 
+def install_plugin(lib: Path, module: str, source: str, models: dict[str, str]) -> Path:
+    """A model plug-in installed in `lib` as pip leaves one: the module and a dist-info whose `plexus.models`
+    entry points map each model name to a class of the module. Returns `lib`, to put on a path."""
+    info = lib / f"{module}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (lib / f"{module}.py").write_text(source)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[plexus.models]\n" + "".join(
+        f"{name} = {module}:{cls}\n" for name, cls in models.items()))
+    return lib
+
+
 class Federation:
-    def __init__(self, root: Path, state_dir: Path, **options):
+    def __init__(self, root: Path, state_dir: Path, *, models=None, **options):
+        """options: CoordinatorConfig keys; models: a ModelWorker of the test's own (default: the shared one)."""
         self.root = root
         self.coordinator = Coordinator(CoordinatorConfig(
             listen="127.0.0.1:0", kit=root / "coordinator", state_dir=state_dir,
             crl=root / "coordinator" / "crl.pem", poll_timeout_s=1.0, chunk_bytes=65536, max_workers=64,
-            rejoin_grace_s=2.0, **options))
+            rejoin_grace_s=2.0, **options), models=models)
         self.coordinator.start()
         self.address = f"127.0.0.1:{self.coordinator.port}"
         self.agents: list[tuple[SiteAgent, threading.Thread]] = []
@@ -209,13 +222,3 @@ class Processes:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def install_plugin(lib: Path, module: str, source: str, entry: str) -> None:
-    """A really installed model plug-in under `lib` (put it on sys.path or PYTHONPATH): its module and a
-    dist-info whose `plexus.models` entry point is `entry` ("name = module:Factory")."""
-    dist = lib / f"{module}-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (lib / f"{module}.py").write_text(source)
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(f"[plexus.models]\n{entry}\n")

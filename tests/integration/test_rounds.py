@@ -290,18 +290,20 @@ def test_an_update_still_arriving_at_the_deadline_is_taken_out_before_the_mean(f
             sites["c"].submit(tasks["c"], {k: v * 100 for k, v in state.items()}, num_samples=1000, chunk=24,
                               pause=(layout.total_bytes // 2, release), timeout=30)
         except grpc.RpcError as exc:
-            outcome["code"] = exc.code()
+            outcome["code"], outcome["details"] = exc.code(), exc.details()
     thread = threading.Thread(target=stalled, daemon=True)
     thread.start()
     wait_until(lambda: "c" in federation.coordinator.engine._active.round.folding, 10, "c's update to be arriving")
     for name, (update, samples) in sent.items():
         sites[name].submit(tasks[name], update, num_samples=samples)
     wait_until(lambda: federation.store.job(job_id).current_round == 1, 20, "round 1 to close at its deadline")
+    thread.join(scaled(10))   # the closing round cut the stream: its thread and transfer slot are free
+    assert not thread.is_alive()
     release.set()
-    thread.join(30)
     _finish(federation, job_id, sites)
 
     assert outcome["code"] == grpc.StatusCode.FAILED_PRECONDITION   # the round had closed under it
+    assert "reached its deadline before the update was complete" in outcome["details"]
     assert list(_contributors(federation, job_id)) == ["a", "b"]
     got = federation.store.load_checkpoint(job_id, 1)
     assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in _expected_mean(layout, sent).items()}

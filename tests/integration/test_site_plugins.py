@@ -44,8 +44,7 @@ train: {epochs: 1, batch_size: 32, optimizer: {name: sgd, lr: 0.1}}
 @pytest.fixture
 def marker(tmp_path, monkeypatch):
     """A really installed plug-in: its module and a dist-info with a `plexus.models` entry point on sys.path."""
-    lib = tmp_path / "lib"
-    install_plugin(lib, MODULE, SOURCE, f"marker = {MODULE}:Tiny")
+    lib = install_plugin(tmp_path / "lib", MODULE, SOURCE, {"marker": "Tiny"})
     monkeypatch.syspath_prepend(str(lib))
     monkeypatch.delitem(sys.modules, MODULE, raising=False)   # and dropped again after the test
     yield lib / "imported.marker"

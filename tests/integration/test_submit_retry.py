@@ -71,8 +71,7 @@ class Gated:
 
 @pytest.fixture
 def gated(tmp_path, procs):
-    lib = tmp_path / "lib"
-    install_plugin(lib, MODULE, SOURCE, f"gated = {MODULE}:Gated")
+    lib = install_plugin(tmp_path / "lib", MODULE, SOURCE, {"gated": "Gated"})
     root = tmp_path / "pki"
     pki.init_federation(root, "retry-test", hosts=["127.0.0.1"])
     for name in ("ops", "ops2"):

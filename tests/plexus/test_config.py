@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -360,6 +361,36 @@ def test_alias_bomb_rejected_quickly():
     assert "through a YAML alias" in round_error(text)
 
 
+def test_a_round_config_over_256_kib_is_refused_before_it_is_parsed():
+    text = MINIMAL + "# " + "x" * (4_500_000) + "\n"   # the reported 4.5 MB config timed the submit out
+    assert round_error(text) == (f"job.yaml: the config is {len(text)} bytes, over the limit of 262144 bytes (256 KiB) "
+                       "that is read at all; shorten it (fewer or shorter lists)")
+
+
+def test_a_site_config_file_over_1_mib_is_refused_unread(tmp_path):
+    path = write(tmp_path, DESIGN_SITE + "#" * (1 << 20), "site.yaml")
+    with pytest.raises(ConfigError, match=r"site.yaml: the config is 1048\d+ bytes, over the limit of 1048576 bytes"):
+        load_site_config(path)
+
+
+_NUMBERS = ",".join(str(i) for i in range(4097))
+_TOO_MANY = {
+    "model.args.hidden": ("{name: mlp}", "{name: mlp, args: {hidden: [%s]}}" % _NUMBERS, "4097 items"),
+    "data.label.classes": ("{dataset: heart}", "{dataset: heart, label: {column: y, classes: [%s]}}" % _NUMBERS,
+                           "4097 items"),
+    "data.features[0].categories": ("{dataset: heart}", "{dataset: heart, features: [{name: c, categories: [%s]}]}"
+                                    % _NUMBERS, "4097 items"),
+    "model.args": ("{name: mlp}", "{name: mlp, args: {%s}}" % ",".join(f"k{i}: 0" for i in range(4097)), "4097 keys"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(_TOO_MANY))
+def test_lists_and_mappings_over_4096_entries_are_refused_with_their_key_path(where):
+    old, new, count = _TOO_MANY[where]
+    message = round_error(MINIMAL.replace(old, new))
+    assert re.match(rf"job\.yaml:\d: {re.escape(where)}: has {count}; at most 4096 are allowed, so list fewer$", message)
+
+
 def test_python_tags_are_never_constructed():
     message = round_error(MINIMAL.replace("{name: mlp}", "{name: mlp, args: {x: !!python/name:os.system ''}}"))
     assert "model.args.x: unsupported value" in message
@@ -477,6 +508,13 @@ def test_coordinator_config_defaults_and_paths(tmp_path):
         max_workers=128,
     )
     assert (cfg.stream_window_bytes, cfg.max_transfers) == (1 << 20, 4)
+    assert (cfg.max_calls_per_identity, cfg.stream_idle_timeout_s) == (16, 30.0)
+    assert (cfg.model_build_timeout_s, cfg.model_build_memory_bytes) == (300.0, 8 << 30)
+
+
+def test_a_small_pool_takes_a_lower_per_identity_limit(tmp_path):
+    cfg = load_coordinator_config(write(tmp_path, "listen: 'h:1'\nkit: k\nmax_workers: 8\nmax_calls_per_identity: 4\n"))
+    assert (cfg.max_workers, cfg.max_calls_per_identity) == (8, 4)
 
 
 def test_a_zero_stream_window_means_grpcs_adaptive_windows(tmp_path):
@@ -497,6 +535,14 @@ def test_a_zero_stream_window_means_grpcs_adaptive_windows(tmp_path):
          "3: stream_window_bytes: 1000 is out of range; use 0 (gRPC's adaptive windows) or a size in [16384, "),
         ("listen: 'h:1'\nkit: k\nmax_transfers: 0\n", "3: max_transfers: 0 is out of range"),
         ("listen: 'h:1'\nkit: k\ncrl: ''\n", "3: crl: is empty"),
+        ("listen: 'h:1'\nkit: k\nmax_workers: 16\n",
+         "1: max_calls_per_identity: 16 is not below max_workers (16), so one certificate's idle calls could hold "
+         "every worker thread; lower max_calls_per_identity (default 16) or raise max_workers"),
+        ("listen: 'h:1'\nkit: k\nmax_calls_per_identity: 0\n", "3: max_calls_per_identity: 0 is out of range"),
+        ("listen: 'h:1'\nkit: k\nstream_idle_timeout_s: 0\n", "3: stream_idle_timeout_s: 0.0 is out of range"),
+        ("listen: 'h:1'\nkit: k\nmodel_build_timeout_s: 0\n", "3: model_build_timeout_s: 0.0 is out of range"),
+        ("listen: 'h:1'\nkit: k\nmodel_build_memory_bytes: 1000000\n",
+         "3: model_build_memory_bytes: 1000000 is out of range; use a value in [1073741824, 1099511627776]"),
     ],
 )
 def test_coordinator_config_errors(tmp_path, text, prefix):

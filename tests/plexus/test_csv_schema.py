@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from plexus.config import DatasetSpec, DataSpec, FeatureSpec, LabelSpec, TrainSpec
-from plexus.datasets import BAD_CELLS_SHOWN, DataError, load_for_job, read_table, schema_differences
+from plexus.datasets import (BAD_CELLS_SHOWN, DataError, csv_train_rows, load_dataset, load_for_job, read_table,
+                             schema_differences)
 from plexus.models import build_model
 from site_agent.training import train_local
 
@@ -114,6 +115,27 @@ def test_a_missing_column_declines_naming_it_and_the_unused_ones(tmp_path):
     assert err.value.remote == ("dataset 'triage': missing column(s) ['bmi']; the file's columns the job does "
                                 "not declare (left unused): ['mrn']")
     assert str(path) in str(err.value)
+
+
+def test_a_2_000_000_column_file_gives_a_short_error_that_still_names_the_problem(tmp_path):
+    """Reported: a 2,000,000-column CSV produced a 22.9 MB error. Every list of columns is shortened, and the
+    messages capped, both what the site logs and what it tells the coordinator."""
+    columns = [f"c{i}" for i in range(2_000_000)] + ["age", "sex", "ward", "outcome"]   # no bmi
+    row = ["0"] * 2_000_000 + ["64", "F", "cardio", "home"]
+    path = _write(tmp_path / "wide.csv", columns, [row, row])
+    with pytest.raises(DataError) as err:
+        load_for_job(_spec(path), SCHEMA)
+    local, remote = str(err.value), err.value.remote
+    assert len(local.encode()) < 4096 and len(remote.encode()) < 4096, (len(local), len(remote))
+    assert remote.startswith("dataset 'triage': missing column(s) ['bmi']; the file's columns the job does not "
+                             "declare (left unused): ['c0', 'c1', ")
+    assert "… and 1999980 more]" in remote
+    assert str(path) in local and "missing column(s) ['bmi']" in local
+    lacking = DatasetSpec(kind="csv", path=path, label="bmi")   # read without a job: at Join, or schema-less
+    for read in (csv_train_rows, load_dataset):
+        with pytest.raises(ValueError) as err:
+            read(lacking)
+        assert len(str(err.value).encode()) < 4096 and "label column 'bmi' is not in" in str(err.value)
 
 
 def test_a_label_column_or_feature_the_site_does_not_offer_declines(tmp_path):

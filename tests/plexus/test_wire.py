@@ -13,7 +13,8 @@ from hypothesis.extra import numpy as hnp
 
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import tensor_pb2
-from plexus.wire import DTYPES, Layout, Receiver, assemble, decode, dtype_name, encode, encode_chunks, iter_chunks
+from plexus.wire import (DTYPES, Layout, Receiver, assemble, chunk_limit, decode, dtype_name, encode, encode_chunks,
+                         iter_chunks)
 
 
 def _extremes(name: str) -> np.ndarray:
@@ -29,8 +30,9 @@ def _extremes(name: str) -> np.ndarray:
 
 
 def _collect(layout: Layout, blob: bytes, chunk: int) -> tuple[Receiver, bytearray]:
+    """Any chunking, down to one byte per chunk (beyond the default chunk_limit, which streams keep to)."""
     sunk = bytearray()
-    receiver = Receiver(layout, sink=sunk.extend)
+    receiver = Receiver(layout, sink=sunk.extend, max_chunks=max(1, len(blob)))
     for offset, data in iter_chunks(blob, chunk):
         receiver.feed(offset, data)
     receiver.finish()
@@ -273,6 +275,30 @@ def test_receiver_refuses_an_incomplete_stream():
         receiver.finish()
     with pytest.raises(IntegrityError, match="after 0 of 12"):
         Receiver(layout).finish()
+
+
+def test_receiver_refuses_an_empty_chunk_even_at_the_right_offset():
+    layout, blob = _f32(1, 2)
+    receiver = Receiver(layout)
+    receiver.feed(0, blob[:4])
+
+    with pytest.raises(IntegrityError, match="empty chunk at byte 4; every chunk carries at least one byte"):
+        receiver.feed(4, b"")
+
+
+def test_receiver_takes_a_blob_in_at_most_chunk_limit_chunks():
+    """ceil(total / 4 KiB) + 64: 8 KiB in 66 chunks at most, so one-byte chunks are refused at the 67th."""
+    layout, blob = encode({"w": np.zeros(2048, np.float32)})
+    assert chunk_limit(layout.total_bytes) == 2 + 64
+    receiver = Receiver(layout)
+    for offset in range(66):
+        receiver.feed(offset, blob[offset:offset + 1])
+
+    with pytest.raises(IntegrityError, match="chunk 67 at byte 66: 8192 bytes come in at most 66 chunks"):
+        receiver.feed(66, blob[66:67])
+    assert receiver.received == 66
+    chunks = [tensor_pb2.Chunk(offset=o, data=bytes(p)) for o, p in iter_chunks(blob, 4096)]
+    assert bytes(assemble(layout, chunks)) == blob   # what real senders do is far inside it
 
 
 @pytest.mark.parametrize("dtype", ["F16", "F32", "F64"])
