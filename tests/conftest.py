@@ -1,5 +1,7 @@
-"""Suite-wide settings: tests never write into the working directory, and leave no thread or process behind."""
+"""Suite-wide settings: tests never write into the working directory, and leave no thread, process or log
+handler behind."""
 
+import logging
 import os
 import tempfile
 import threading
@@ -60,6 +62,22 @@ def _nothing_left_running():
     problems += [f"child process {pid}: {_cmdline(pid)}" for pid in procs]
     if problems:
         pytest.fail("the test left running: " + "; ".join(problems))
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored():
+    """`plexus.cli.main` routes the root logger to the sys.stderr of its moment, which under capsys is a
+    stream closed at the test's end: later tests' threads would log into it. Each test gets the root
+    logger's handlers and level back as they were."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
 
 
 def _cmdline(pid: int) -> str:

@@ -1,4 +1,5 @@
-"""The suite's own guards: a test that leaves a thread or a process running, or whose thread dies, fails."""
+"""The suite's own guards: a test that leaves a thread or a process running, or whose thread dies, fails;
+a log handler a test installed is removed after it."""
 
 from __future__ import annotations
 
@@ -52,3 +53,17 @@ def test_thread_raises():
     t.start(); t.join()
 """)
     result.assert_outcomes(failed=1)
+
+
+def test_a_log_handler_a_test_installed_on_captured_stderr_is_gone_after_it(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, """
+import logging, sys
+from plexus.logs import configure
+def test_cli_routes_logs_to_captured_stderr(capsys):
+    configure()                      # what plexus.cli.main does, onto capsys's stream
+def test_a_later_test_logs_nowhere_closed():
+    assert not [h for h in logging.getLogger().handlers if getattr(h, "plexus", False)]
+    logging.getLogger("later").error("into a stream that is still open")
+""")
+    result.assert_outcomes(passed=2)
+    assert "Logging error" not in result.stderr.str() + result.stdout.str()
