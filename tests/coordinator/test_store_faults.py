@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from checkpoint_damage import DAMAGE, bit_flip, data_offset, header
 from coordinator.store import Store
 from plexus.config import CheckpointsSpec
 from plexus.errors import FailedPrecondition, IntegrityError, NotFound
@@ -31,67 +32,18 @@ def _model(seed: int = 5) -> dict[str, np.ndarray]:
             "fc.weight": rng.standard_normal((4, 3)).astype(np.float32)}
 
 
-def _data_offset(path) -> int:
-    return 8 + int.from_bytes(path.read_bytes()[:8], "little")
-
-
-def _header(path) -> dict:
-    raw = path.read_bytes()
-    return json.loads(raw[8:_data_offset(path)])
-
-
 # checksums --------------------------------------------------------------------------------
 
 def test_a_checkpoint_carries_its_sha256_in_the_header_and_the_database(store):
     path = store.save_checkpoint("job-1", 1, _model())
 
-    digest = _header(path)["__metadata__"]["sha256"]
+    digest = header(path)["__metadata__"]["sha256"]
     rows = store._all("SELECT file, job_id, round, sha256 FROM checkpoints")
 
     assert len(digest) == 64 and digest != "0" * 64
     assert rows == [("checkpoints/job-1/1.safetensors", "job-1", 1, digest)]
     layout, blob = store.checkpoint_blob("job-1", 1)   # verifies
-    assert bytes(blob) == path.read_bytes()[_data_offset(path):]
-
-
-def _truncate(path):
-    path.write_bytes(path.read_bytes()[:-7])
-
-
-def _garbage_header(path):
-    raw = bytearray(path.read_bytes())
-    raw[8:24] = b"\xff\xfe garbage \x00\x01"
-    path.write_bytes(bytes(raw))
-
-
-def _huge_header_length(path):
-    raw = bytearray(path.read_bytes())
-    raw[:8] = (1 << 40).to_bytes(8, "little")
-    path.write_bytes(bytes(raw))
-
-
-def _nan(path):
-    raw = bytearray(path.read_bytes())
-    at = _data_offset(path)
-    raw[at:at + 4] = np.array([np.nan], np.float32).tobytes()
-    path.write_bytes(bytes(raw))
-
-
-def _bit_flip(path):
-    raw = bytearray(path.read_bytes())
-    raw[_data_offset(path) + 5] ^= 0x01   # a finite float, slightly wrong: what a bad disk does
-    path.write_bytes(bytes(raw))
-
-
-def _shape_swap(path):
-    raw = path.read_bytes()
-    end = _data_offset(path)
-    text = raw[8:end].replace(b'"shape":[4,3]', b'"shape":[3,4]')   # same size, different meaning
-    path.write_bytes(raw[:8] + text + raw[end:])
-
-
-DAMAGE = {"truncated": _truncate, "garbage header": _garbage_header, "huge header length": _huge_header_length,
-          "nan": _nan, "bit flip": _bit_flip, "shape swapped": _shape_swap}
+    assert bytes(blob) == path.read_bytes()[data_offset(path):]
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
@@ -108,11 +60,11 @@ def test_every_way_of_reading_a_damaged_checkpoint_refuses_it_naming_the_file_an
 
 def test_a_checkpoint_whose_header_lost_its_checksum_is_refused_while_the_database_has_one(store):
     path = store.save_checkpoint("job-1", 1, _model())
-    header = _header(path)
-    del header["__metadata__"]["sha256"]
-    text = json.dumps(header, separators=(",", ":")).encode()
+    meta = header(path)
+    del meta["__metadata__"]["sha256"]
+    text = json.dumps(meta, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    path.write_bytes(len(text).to_bytes(8, "little") + text + path.read_bytes()[_data_offset(path):])
+    path.write_bytes(len(text).to_bytes(8, "little") + text + path.read_bytes()[data_offset(path):])
 
     with pytest.raises(IntegrityError, match="its header records none"):
         store.checkpoint_blob("job-1", 1)
@@ -120,7 +72,7 @@ def test_a_checkpoint_whose_header_lost_its_checksum_is_refused_while_the_databa
 
 def test_a_damaged_strategy_state_is_refused(store):
     path = store.save_strategy_state("job-1", 1, {"m": np.ones(8, np.float32)}, {"step": 1})
-    _bit_flip(path)
+    bit_flip(path)
 
     with pytest.raises(IntegrityError, match="damaged"):
         store.load_strategy_state("job-1", 1)
@@ -146,7 +98,7 @@ def test_a_checksum_without_a_database_row_is_checked_against_the_header(store):
     store._tx([("DELETE FROM checkpoints", ())])
     store.checkpoint_blob("job-1", 4)
 
-    _bit_flip(path)
+    bit_flip(path)
     with pytest.raises(IntegrityError, match="its header records"):
         store.checkpoint_blob("job-1", 4)
 
@@ -158,7 +110,7 @@ def test_checkpoints_written_from_blocks_carry_the_same_checksum_as_from_a_dict(
     a = store.save_checkpoint("job-1", 1, _model())
     b = store.save_checkpoint_blob("job-1", 2, layout, iter([blob[:10], blob[10:]]))
 
-    assert _header(a)["__metadata__"]["sha256"] == _header(b)["__metadata__"]["sha256"]
+    assert header(a)["__metadata__"]["sha256"] == header(b)["__metadata__"]["sha256"]
 
 
 # the state-dir lock -----------------------------------------------------------------------

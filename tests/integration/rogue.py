@@ -11,11 +11,13 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from plexus import transport
+from plexus import pki, transport
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig, parse_round_config
 from plexus.models import build_job_model, state_views
 from plexus.pki import load_kit
@@ -101,6 +103,38 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
         self.outcomes.put(Outcome(fpb.ResultStatus.Name(request.status), request.job_id, request.round,
                                   request.reason))
         return fpb.ResultReply(message="noted")
+
+
+@contextmanager
+def rogue_federation(tmp_path: Path, federation: str) -> Iterator[RogueCoordinator]:
+    """A federation of one site "a" (PKI under tmp_path/pki) whose coordinator is a RogueCoordinator;
+    its `root` is the PKI folder."""
+    root = tmp_path / "pki"
+    pki.init_federation(root, federation, hosts=["127.0.0.1"])
+    pki.add_site(root, "a")
+    coordinator = RogueCoordinator(root / "coordinator")
+    coordinator.root = root
+    try:
+        yield coordinator
+    finally:
+        coordinator.close()
+
+
+@contextmanager
+def site_agents(rogue: RogueCoordinator, state_dir: Path):
+    """Yields start(policy) -> (agent, thread): a real site agent of site "a" on `state_dir`, dialling
+    `rogue`; every agent started is stopped at the end."""
+    running = []
+
+    def start(policy: PolicySpec) -> tuple[SiteAgent, threading.Thread]:
+        running.append(start_site(rogue.root, rogue.address, state_dir, policy))
+        return running[-1]
+
+    try:
+        yield start
+    finally:
+        for agent, thread in running:
+            stop_site(agent, thread)
 
 
 def start_site(root: Path, address: str, state_dir: Path, policy: PolicySpec) -> tuple[SiteAgent, threading.Thread]:

@@ -4,38 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from plexus import pki
 from plexus.accounting import PrivacyLedger, dp_sgd_epsilon
 from plexus.config import DatasetSpec, PolicySpec
 from plexus.datasets import load_dataset
 
 from integration.harness import heart_job
-from integration.rogue import DP_SGD_JOB, RogueCoordinator, start_site, stop_site
+from integration.rogue import DP_SGD_JOB, rogue_federation, site_agents, stop_site
 
 
 @pytest.fixture
 def rogue(tmp_path):
-    root = tmp_path / "pki"
-    pki.init_federation(root, "rogue-test", hosts=["127.0.0.1"])
-    pki.add_site(root, "a")
-    coordinator = RogueCoordinator(root / "coordinator")
-    coordinator.root = root
-    yield coordinator
-    coordinator.close()
+    with rogue_federation(tmp_path, "rogue-test") as coordinator:
+        yield coordinator
 
 
 @pytest.fixture
 def site(rogue, tmp_path):
     """Start (and, at the end, stop) site agents on one state_dir."""
-    running = []
-
-    def start(policy: PolicySpec):
-        running.append(start_site(rogue.root, rogue.address, tmp_path / "site" / "state", policy))
-        return running[-1]
-
-    yield start
-    for agent, thread in running:
-        stop_site(agent, thread)
+    with site_agents(rogue, tmp_path / "site" / "state") as start:
+        yield start
 
 
 def _files(root):

@@ -16,7 +16,7 @@ from plexus import pki
 from site_agent.audit import SiteAudit
 
 from integration.harness import heart_job, wait_until
-from integration.rogue import RogueCoordinator
+from integration.rogue import rogue_federation
 
 # Every file the site process writes may grow to 32 KiB: the audit log's write-ahead log reaches it after
 # three entries, and the kernel then fails the write (EFBIG), as a full disk fails it with ENOSPC.
@@ -25,12 +25,8 @@ FILE_LIMIT = 32 << 10
 
 @pytest.fixture
 def rogue(tmp_path):
-    root = tmp_path / "pki"
-    pki.init_federation(root, "disk-test", hosts=["127.0.0.1"])
-    pki.add_site(root, "a")
-    coordinator = RogueCoordinator(root / "coordinator")
-    yield coordinator
-    coordinator.close()
+    with rogue_federation(tmp_path, "disk-test") as coordinator:
+        yield coordinator
 
 
 def _limited():

@@ -7,12 +7,11 @@ import textwrap
 
 import pytest
 
-from plexus import pki
 from plexus.config import PolicySpec
 from plexus.models import plugin_source_sha256
 
 from integration.harness import install_plugin, wait_until
-from integration.rogue import RogueCoordinator, start_site, stop_site
+from integration.rogue import rogue_federation, site_agents
 
 MODULE = "plexus_marker_plugin"
 SOURCE = textwrap.dedent('''\
@@ -53,26 +52,18 @@ def marker(tmp_path, monkeypatch):
 
 @pytest.fixture
 def rogue(tmp_path):
-    root = tmp_path / "pki"
-    pki.init_federation(root, "plugin-test", hosts=["127.0.0.1"])
-    pki.add_site(root, "a")
-    coordinator = RogueCoordinator(root / "coordinator")
-    coordinator.root = root
-    yield coordinator
-    coordinator.close()
+    with rogue_federation(tmp_path, "plugin-test") as coordinator:
+        yield coordinator
 
 
 @pytest.fixture
 def site(rogue, tmp_path):
-    running = []
+    with site_agents(rogue, tmp_path / "state") as start:
+        def start_joined(policy: PolicySpec) -> None:
+            start(policy)
+            wait_until(lambda: rogue.joins, 60, "the site to join")
 
-    def start(policy: PolicySpec):
-        running.append(start_site(rogue.root, rogue.address, tmp_path / "state", policy))
-        wait_until(lambda: rogue.joins, 60, "the site to join")
-
-    yield start
-    for agent, thread in running:
-        stop_site(agent, thread)
+        yield start_joined
 
 
 def test_an_unlisted_plugin_is_advertised_by_name_but_never_imported(marker, rogue, site):

@@ -11,9 +11,9 @@ import sys
 import threading
 
 import grpc
-import numpy as np
 import pytest
 
+from checkpoint_damage import DAMAGE as DAMAGE_OF
 from coordinator.server import Coordinator
 from plexus import pki
 from plexus.config import CheckpointsSpec, CoordinatorConfig
@@ -23,34 +23,7 @@ from plexus.health import check
 from integration.harness import Federation, heart_job, wait_until
 
 
-def _data_offset(path) -> int:
-    return 8 + int.from_bytes(path.read_bytes()[:8], "little")
-
-
-def _truncate(path):
-    path.write_bytes(path.read_bytes()[:-20])
-
-
-def _garbage_header(path):
-    raw = bytearray(path.read_bytes())
-    raw[8:40] = os.urandom(32)
-    path.write_bytes(bytes(raw))
-
-
-def _nan(path):
-    raw = bytearray(path.read_bytes())
-    at = _data_offset(path)
-    raw[at:at + 4] = np.array([np.nan], np.float32).tobytes()
-    path.write_bytes(bytes(raw))
-
-
-def _bit_flip(path):
-    raw = bytearray(path.read_bytes())
-    raw[_data_offset(path) + 1] ^= 0x01
-    path.write_bytes(bytes(raw))
-
-
-DAMAGE = {"truncated": _truncate, "garbage header": _garbage_header, "nan": _nan, "bit flip": _bit_flip}
+DAMAGE = {name: DAMAGE_OF[name] for name in ("truncated", "garbage header", "nan", "bit flip")}
 
 
 class EngineErrors(logging.Handler):
