@@ -74,14 +74,15 @@ class TransferSlots:
 
 class Inbound:
     """A client stream read one message at a time, each within `idle_s`, and cut short on demand (when its
-    round closes). gRPC's request iterator has no timeout, so a helper thread waits in it, and only when
-    asked for the next message: a stream not being read holds no more than its flow-control window. The
+    round closes). gRPC's request iterator has no timeout, so a helper thread waits in it and keeps at most
+    one message ready: the reader takes it without waiting for the helper to be woken (one hand-over per
+    message, not two), and a stream not being read holds one message beyond its flow-control window. The
     helper ends with the call, which ends as soon as the method returns."""
 
     def __init__(self, messages, *, idle_s: float, what: str):
         self._messages, self.idle_s, self.what = messages, idle_s, what
         self._cv = threading.Condition()
-        self._wanted = self._closed = False
+        self._closed = False
         self._item: tuple | None = None    # (message, None), (None, None) at the end, or (None, the error)
         self._cut: BaseException | None = None
         threading.Thread(target=self._pump, name="plexus-inbound", daemon=True).start()
@@ -93,8 +94,6 @@ class Inbound:
     def next(self):
         """The next message; None at the end of the stream; TimedOut if none arrives within idle_s."""
         with self._cv:
-            self._wanted = True
-            self._cv.notify_all()
             end = time.monotonic() + self.idle_s
             while self._item is None and self._cut is None:
                 if (remaining := end - time.monotonic()) <= 0:
@@ -105,6 +104,7 @@ class Inbound:
             if self._cut is not None:
                 raise self._cut
             (message, error), self._item = self._item, None
+            self._cv.notify_all()   # the helper may read the next one
         if error is not None:
             raise error
         return message
@@ -122,12 +122,6 @@ class Inbound:
 
     def _pump(self) -> None:
         while True:
-            with self._cv:
-                while not (self._wanted or self._closed):
-                    self._cv.wait()
-                if self._closed:
-                    return
-                self._wanted = False
             try:
                 item = (next(self._messages), None)
             except StopIteration:
@@ -135,6 +129,10 @@ class Inbound:
             except Exception as exc:   # grpc.RpcError: the caller went away; the reader sees it as before
                 item = (None, exc)
             with self._cv:
+                while self._item is not None and not self._closed:   # one message ready at most
+                    self._cv.wait()
+                if self._closed:
+                    return
                 self._item = item
                 self._cv.notify_all()
             if item[0] is None:

@@ -213,11 +213,16 @@ class SendWatchdog:
 
     def _arm(self, key, context) -> None:
         with self._cv:
+            # A new deadline is never earlier than those armed before it (the same idle_s from later), so the
+            # thread, waiting for the earliest, needs a wake-up only when nothing was armed (it lingers then):
+            # not one per message.
+            first = not self._due
             self._due[key] = (time.monotonic() + self.idle_s, context)
             if self._thread is None and not self._stopping:
                 self._thread = threading.Thread(target=self._run, name="plexus-send-watchdog", daemon=True)
                 self._thread.start()
-            self._cv.notify_all()
+            elif first:
+                self._cv.notify_all()
 
     def _disarm(self, key) -> None:
         with self._cv:
