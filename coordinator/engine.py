@@ -374,11 +374,12 @@ class Engine:
         check_request_id(request_id)
         cfg = parse_round_config(config_yaml, source="submitted round config")
         canonical = dump_round_config(cfg)   # what every site parses, every default written out: it must fit too
-        if len(canonical.encode()) > MAX_ROUND_CONFIG_BYTES:
+        encoded = canonical.encode()
+        if len(encoded) > MAX_ROUND_CONFIG_BYTES:
             raise ConfigError(f"submitted round config: written out with its defaults (as sites receive it) it is "
-                              f"{len(canonical.encode())} bytes, over the limit of {MAX_ROUND_CONFIG_BYTES}; "
+                              f"{len(encoded)} bytes, over the limit of {MAX_ROUND_CONFIG_BYTES}; "
                               "shorten its lists (features, categories, classes)")
-        request = (request_id, hashlib.sha256(canonical.encode()).hexdigest()) if request_id else None
+        request = (request_id, hashlib.sha256(encoded).hexdigest()) if request_id else None
         if request is not None:
             with self._cv:
                 known = self._submitted(who, *request)
@@ -877,10 +878,10 @@ class Engine:
             done = done and all(s in rs.eval_outcomes for s in rs.evaluators)
         if not done and remaining > 0:
             return min(remaining, 1.0)
-        if not done:
+        if not done:   # the deadline ended it: updates still arriving are cut, their sites late
             rs.late = f"by the round deadline ({job.cfg.sites.deadline_s:g} s)"
-        rs.end_uploads(f"round {rs.round} of job {job.row.id} reached its deadline before the update was complete "
-                       "(the site is recorded late)")
+            rs.end_uploads(f"round {rs.round} of job {job.row.id} reached its deadline before the update was "
+                           "complete (the site is recorded late)")
         if rs.secure:
             self._advance_secure(job, rs)
             self._cv.notify_all()

@@ -34,6 +34,7 @@ from safetensors.numpy import load_file
 from plexus.errors import ConfigError, PlexusError
 from plexus.text import bounded
 
+
 @dataclass(frozen=True)
 class ModelLimits:
     """What one call to the worker may take: `timeout_s` of time, and `memory_bytes` of address space."""

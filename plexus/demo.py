@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from plexus.datasets import HOSPITALS, Split, heart_disease
 from plexus.config import MIN_SECURE_COHORT
+from plexus.datasets import HOSPITALS, Split, heart_disease
 from plexus.errors import ConfigError, PlexusError
 from plexus.text import printable
 

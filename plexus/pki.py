@@ -477,9 +477,14 @@ def _parse_host(host: str) -> x509.GeneralName:
     return x509.DNSName(host.rstrip("."))
 
 
+def _dialled_host(registry: dict) -> str:
+    """The host the kits dial: the first --host given to `pki init`, localhost without one."""
+    return registry["hosts"][0] if registry["hosts"] else "localhost"
+
+
 def _coordinator_address(registry: dict) -> str:
-    """What the kits dial: the first --host given to `pki init` (localhost without one), at its port."""
-    host = registry["hosts"][0] if registry["hosts"] else "localhost"
+    """What the kits dial: _dialled_host at the federation's port."""
+    host = _dialled_host(registry)
     return f"[{host}]:{registry['port']}" if _ip_version(host) == 6 else f"{host}:{registry['port']}"
 
 
@@ -487,10 +492,11 @@ def _listen_address(registry: dict) -> str:
     """Where the coordinator listens so that the kits reach it: on loopback when they dial a loopback
     host, else on every interface (the name they dial may resolve to an address this host cannot bind,
     behind NAT or a load balancer)."""
-    host, port = registry["hosts"][0] if registry["hosts"] else "localhost", registry["port"]
-    if host.lower().rstrip(".") == "localhost" or (_ip_version(host) and ipaddress.ip_address(host).is_loopback):
-        return f"[::1]:{port}" if _ip_version(host) == 6 else f"127.0.0.1:{port}"
-    return f"[::]:{port}" if _ip_version(host) == 6 else f"0.0.0.0:{port}"
+    host, port = _dialled_host(registry), registry["port"]
+    version = _ip_version(host)
+    if host.lower().rstrip(".") == "localhost" or (version and ipaddress.ip_address(host).is_loopback):
+        return f"[::1]:{port}" if version == 6 else f"127.0.0.1:{port}"
+    return f"[::]:{port}" if version == 6 else f"0.0.0.0:{port}"
 
 
 def _ip_version(host: str) -> int:

@@ -43,13 +43,13 @@ CHUNKS_PER_MODEL = 16
 # seconds of CPU per megabyte. Senders here use chunks of 64 KiB and up (chunk_size).
 MIN_AVERAGE_CHUNK_BYTES = 4096
 SPARE_CHUNKS = 64
+MAX_TENSORS = 100_000
+MAX_NAME_LEN = 512
 
 
 def chunk_limit(total_bytes: int) -> int:
     """The most chunks a blob of total_bytes may arrive in: ceil(total / 4 KiB) + 64."""
     return -(-total_bytes // MIN_AVERAGE_CHUNK_BYTES) + SPARE_CHUNKS
-MAX_TENSORS = 100_000
-MAX_NAME_LEN = 512
 
 
 def dtype_name(dtype: np.dtype) -> str:

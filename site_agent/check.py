@@ -11,10 +11,10 @@ import dataclasses
 from collections import Counter
 
 from plexus.config import RoundConfig, SiteConfig
-from plexus.errors import ConfigError
-from plexus.text import listing
 from plexus.datasets import (DataError, Table, cell_number, csv_train_rows, feature_inputs, load_dataset,
                              load_for_job, read_table, schema_differences)
+from plexus.errors import ConfigError
+from plexus.text import listing
 
 _VALUES_SHOWN = 12
 
