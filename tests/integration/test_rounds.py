@@ -10,8 +10,8 @@ import pytest
 
 from coordinator.aggregate import WeightedSum
 from plexus.cli import main as cli
-from plexus.wire import encode
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
+from plexus.wire import encode
 
 import state_db
 from integration.harness import heart_job, scaled, wait_until
