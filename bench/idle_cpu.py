@@ -26,8 +26,7 @@ from pathlib import Path
 import grpc
 
 from plexus import pki, transport
-from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.proto.plexus.v1 import federation_pb2_grpc
+from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 
