@@ -269,6 +269,8 @@ def rerun_at_commit(rev: str, argv: list[str]) -> int:
             skip = False
         elif a == "--at-commit":
             skip = True
+        elif a.startswith("--out="):   # the rerun's cwd is src: results still land where the caller said
+            rest += ["--out", a.removeprefix("--out=")]
         elif not a.startswith("--at-commit="):
             rest.append(a)
     out = [i for i, a in enumerate(rest) if a == "--out"]
