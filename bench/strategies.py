@@ -316,10 +316,12 @@ def ratios(results: dict, datasets: list[str]) -> list[str]:
             if not fl or "pooled" not in rows:
                 continue
             best = max(fl, key=fl.get)
-            pooled, local = rows["pooled"][metric]["mean"], rows["local (best)"][metric]["mean"]
+            pooled = rows["pooled"][metric]["mean"]
+            local = rows.get("local (best)", {}).get(metric, {}).get("mean")   # None: --methods without local
+            versus = "" if local is None else \
+                f"; best single site {local:.3f} ({'beaten' if fl[best] > local else 'not beaten'})"
             out.append(f"{d} {metric}: best strategy {best} {fl[best]:.3f} / pooled {pooled:.3f} = "
-                       f"{fl[best] / pooled:.3f}; best single site {local:.3f} "
-                       f"({'beaten' if fl[best] > local else 'not beaten'})")
+                       f"{fl[best] / pooled:.3f}{versus}")
             results[d]["best_strategy"][metric] = {"name": best, "value": fl[best],
                                                    "ratio_to_pooled": fl[best] / pooled, "best_local": local}
     if "heart" in datasets:
