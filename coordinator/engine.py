@@ -164,8 +164,8 @@ class ActiveJob:
 
     def round_sum(self, sites: int) -> WeightedSum:
         """An empty running sum for the next round's `sites` sites: the job's one sum, zeroed in place.
-        Faulting in a fresh model-sized array every round cost more than folding an update into it (50M
-        parameters: ~0.8 s)."""
+        Faulting in a fresh model-sized array every round cost more than folding an update into it
+        (docs/performance.md)."""
         if self.total is None or self.total.layout != self.update_layout:
             self.total = WeightedSum(self.update_layout, sites=sites)
         else:
