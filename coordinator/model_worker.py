@@ -68,12 +68,6 @@ class ModelWorker:
                    what=f"building model {name!r}", limits=limits)
         return load_file(str(out))
 
-    def epsilon_after(self, rounds: int, noise_multiplier: float, sample_rate: float, delta: float, *,
-                      limits: ModelLimits = ModelLimits()) -> float:
-        """plexus.accounting.epsilon_after (Opacus's RDP accountant), computed where torch may live."""
-        return self._call({"op": "epsilon", "rounds": rounds, "noise_multiplier": noise_multiplier,
-                           "sample_rate": sample_rate, "delta": delta}, what="computing ε", limits=limits)["epsilon"]
-
     def _call(self, message: dict, *, what: str, limits: ModelLimits) -> dict:
         timeout_s, memory_bytes = limits.timeout_s, limits.memory_bytes
         request = (json.dumps({**message, "what": what, "memory_bytes": memory_bytes}) + "\n").encode()
@@ -188,12 +182,8 @@ def _address_space(limit: int):
 def _answer(request: dict) -> dict:
     from safetensors.numpy import save_file
 
-    from plexus.accounting import epsilon_after
     from plexus.models import build_model, state_to_numpy
 
-    if request["op"] == "epsilon":
-        return {"epsilon": epsilon_after(request["rounds"], request["noise_multiplier"], request["sample_rate"],
-                                         request["delta"])}
     out = Path(request["out"])
     tmp = out.with_suffix(".building")
     try:
