@@ -556,3 +556,36 @@ def test_dp_sgd_is_refused_where_the_site_trains_differently(strategy):
     with pytest.raises(ConfigError, match=r"privacy.dp_sgd: strategy '\w+' .* which Opacus's DP-SGD training loop"):
         build(strategy, dp_sgd)
     assert build("fedadam", dp_sgd).name == "fedadam"
+
+
+# what the engine reads from a rule ----------------------------------------------------------
+
+# name: (every update at once, the current model kept until the next is built, uniform weights, the mean is
+#        the model, secure aggregation can compute it, DP-FedAvg keeps its meaning), as the engine relied on them
+ENGINE_VIEW = {
+    "fedavg": (False, False, False, True, True, True), "fedprox": (False, False, False, True, True, True),
+    **{name: (False, True, False, False, True, True) for name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad")},
+    "scaffold": (False, True, True, False, False, False),
+    **{name: (True, True, False, False, False, False) for name in ("median", "trimmed_mean", "krum", "multi_krum")},
+    "cwt": (False, False, False, True, False, True), "swt": (False, False, False, True, False, True),
+    "ensemble": (True, True, False, False, False, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_VIEW))
+def test_the_rule_type_and_its_few_attributes_say_what_the_engine_needs(name):
+    args = {"ensemble": "{name: ensemble, args: {members: [h1, h2]}}"}.get(name, name)
+    rule = build(args, "sites: {min: 5}\n" if "krum" in name else "").rule
+    every = isinstance(rule, UpdatesRule)
+    view = (every, every or rule.reads_current,
+            not every and rule.weighting == "uniform", keeps_mean(rule),
+            not refuses_secure_aggregation(type(rule)), not refuses_dp(type(rule)))
+    assert view == ENGINE_VIEW[name]
+
+
+def test_every_rule_sends_its_updates_dense_for_now():
+    update = {"w": f32(1.5, -2.0), "n": np.array([3], np.int64)}
+    for cls in REGISTRY.values():
+        assert cls.codec.name == "dense"
+        decoded = cls.codec.decode(cls.codec.encode(update))
+        assert {k: v.tobytes() for k, v in decoded.items()} == {k: v.tobytes() for k, v in update.items()}
