@@ -709,7 +709,8 @@ class Engine:
             return None
         if site not in grants:
             remaining = rs.deadline - self._mono()
-            steps = job.strategy.schedule.local_steps(site, self._sizes(job)) if kind in ("train", "secagg_advertise") else 0
+            schedule = job.strategy.schedule
+            steps = schedule.local_steps(site, self._sizes(job)) if kind in ("train", "secagg_advertise") else 0
             grant = TaskGrant(kind=kind, task_id=uuid.uuid4().hex, job_id=job.row.id, round=rs.round,
                               model_round=rs.model_round, config_yaml=job.row.config_yaml,
                               nonce=secrets.token_bytes(16), deadline_unix_s=self._clock() + remaining,
@@ -822,7 +823,8 @@ class Engine:
                                    f"{after:.3f} > target {dp.target_epsilon} (δ={dp.delta}); stopped after "
                                    f"round {job.model_round}")
                 self.store.event(job.row.id, "privacy_budget_reached", job.model_round, "", job.budget_stop)
-        evaluating = job.model_round >= cfg.rounds or bool(job.budget_stop) or job.strategy.schedule.done(job.model_round)
+        evaluating = (job.model_round >= cfg.rounds or bool(job.budget_stop)
+                      or job.strategy.schedule.done(job.model_round))
         declined = self.store.declines(job.row.id)
         online = self._eligible_online(declined)
         known = sorted({row[0] for row in self.store.sites()} - set(declined))   # registered, online or not

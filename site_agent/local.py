@@ -68,7 +68,7 @@ class Plain:
 
 
 class FedProx(Plain):
-    """Li et al. 2020: (mu/2)‖w − x‖² over the trainable parameters, x the served global model, added to the loss."""
+    """Li et al. 2020: (mu/2)‖w − x‖² over the trainable parameters (x: the served model) added to the loss."""
 
     reads_served = True
 
@@ -167,7 +167,7 @@ def local_update(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], d
 
 def proximal_term(model: nn.Module, anchor: Mapping[str, torch.Tensor | np.ndarray] | None,
                   mu: float) -> Callable[[], torch.Tensor]:
-    """A train_local loss_term: (mu/2)·Σ‖w − anchor[name]‖² over the trainable parameters (exact for any optimizer)."""
+    """A train_local loss_term: (mu/2)·Σ‖w − anchor[name]‖² over the trainable parameters (any optimizer)."""
     if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not np.isfinite(mu) or mu <= 0:
         raise ValueError(f"mu must be a finite number > 0, got {mu!r}")
     if anchor is None:

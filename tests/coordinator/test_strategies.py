@@ -356,7 +356,8 @@ def test_cwt_proportional_local_steps():
     s = build("{name: cwt, args: {proportional: true}}", "train: {steps: 10}\n")
     sizes = {"a": 100, "b": 300}
     # mean size 200: a 10·100/200 = 5, b 10·300/200 = 15
-    assert (s.schedule.local_steps("a", sizes), s.schedule.local_steps("b", sizes), s.schedule.local_steps("z", sizes)) == (5, 15, 0)
+    steps = s.schedule.local_steps
+    assert (steps("a", sizes), steps("b", sizes), steps("z", sizes)) == (5, 15, 0)
     assert s.schedule.local_steps("a", {"a": 1, "b": 1000}) == 1       # never below one step
     assert build("cwt").schedule.local_steps("a", sizes) == 0
 
@@ -462,7 +463,8 @@ def test_unknown_argument_lists_the_accepted_ones():
     ("{name: trimmed_mean, args: {beta: 0.5}}", "beta", "0.5 is out of range"),
     ("{name: krum, args: {f: 1.5}}", "f", r"expected an integer, got a number \(1.5\); write a whole number"),
     ("{name: krum, args: {f: -1}}", "f", "-1 is out of range"),
-    ("{name: cwt, args: {shuffle: 'yes'}}", "shuffle", r"expected a boolean, got a string \(yes\); write true or false"),
+    ("{name: cwt, args: {shuffle: 'yes'}}", "shuffle",
+     r"expected a boolean, got a string \(yes\); write true or false"),
 ])
 def test_bad_argument_values_name_the_key(strategy, key, problem):
     with pytest.raises(ConfigError, match=f"strategy.args.{key}: {problem}"):

@@ -175,7 +175,6 @@ def test_fedprox_step_matches_hand_computation():
 
 
 def test_fedprox_needs_a_complete_anchor():
-    data = _data()
     job = _job()
     model = _model(job)
     with pytest.raises(ValueError, match="anchor"):
