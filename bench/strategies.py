@@ -5,7 +5,7 @@
 An in-process simulation of the round engine: the coordinator's own strategy objects
 (`coordinator.strategies.make_strategy`), the site's own training code (`site_agent.local.local_update`),
 and the coordinator's exact fixed-point `WeightedSum` over `plexus.wire.encode`d updates (weight 1 when
-`strategy.uniform_weights`, else num_samples), with the engine's per-site seeds (`site_seed`). There is no
+the rule's `weighting` is "uniform", else num_samples), with the engine's per-site seeds (`site_seed`). There is no
 gRPC, TLS, spooling or process boundary here: the end-to-end path is covered by the integration tests.
 
 Equal local compute (R rounds, E epochs, K sites): pooled and each site alone train R×E epochs; every
@@ -39,7 +39,7 @@ import torch
 
 from coordinator.aggregate import WeightedSum
 from coordinator.engine import site_seed
-from coordinator.strategies import Update, make_strategy
+from coordinator.strategies import MeanRule, Update, UpdatesRule, make_strategy
 from plexus.config import DatasetSpec, RoundConfig, parse_round_config
 from plexus.datasets import HOSPITALS, Split, load_dataset
 from plexus.models import build_job_model, load_numpy_state, state_to_numpy
@@ -183,20 +183,21 @@ def simulate(task: Task, job: RoundConfig, job_id: str, state_root: Path) -> dic
     current = state_to_numpy(build_job_model(job))
     sizes = {s: len(task.sites[s].y_train) for s in names}
     closed = 0
-    while closed < job.rounds and not strategy.done(closed):
+    while closed < job.rounds and not strategy.schedule.done(closed):
         round_ = closed + 1
-        participants = strategy.configure(round_, names, names)
+        participants = strategy.schedule.configure(round_, names, names)
         if not participants:
             raise RuntimeError(f"{job.strategy.name}: round {round_} chose no sites out of {names}")
         strategy.opened(round_, participants, names)
-        served = {**current, **strategy.served(current)}
+        rule = strategy.rule
+        served = {**current, **(rule.served(current) if isinstance(rule, MeanRule) else {})}
         updates = []
         for site in participants:
             model = build_job_model(job)
             load_numpy_state(model, {k: served[k] for k in current})
             local = local_update(job, model, served, task.sites[site], site=site, job_id=job_id,
                                  seed=site_seed(job.seed, round_, site),
-                                 local_steps=strategy.local_steps(site, sizes), state_dir=state_root / site)
+                                 local_steps=strategy.schedule.local_steps(site, sizes), state_dir=state_root / site)
             local.commit()   # the coordinator accepted the update
             updates.append((site, local.result.num_samples, local.update))
         current = _aggregate(strategy, round_, current, updates)
@@ -207,20 +208,22 @@ def simulate(task: Task, job: RoundConfig, job_id: str, state_root: Path) -> dic
 def _aggregate(strategy, round_: int, current: dict, updates: list) -> dict:
     """What the engine does when a round closes: hold every update, or fold them into an exact weighted mean."""
     layout = Layout.of(current)
-    update_layout = Layout.build([(t.name, t.dtype, t.shape) for t in layout.tensors]
-                                 + list(strategy.update_extras(layout)))
-    if strategy.holds_updates:
+    rule = strategy.rule
+    if isinstance(rule, UpdatesRule):
         held = [Update(site, n, update) for site, n, update in sorted(updates, key=lambda u: u[0])]
-        return strategy.aggregate_updates(round_, current, held)
+        return rule.combine(round_, current, held)
+    update_layout = Layout.build([(t.name, t.dtype, t.shape) for t in layout.tensors]
+                                 + list(rule.update_extras(layout)))
     total = WeightedSum(update_layout)
     for _, n, update in updates:
         got, blob = encode(update)
         update_layout.require_same(got)
         max_abs = max(float(np.abs(a).max()) if a.size else 0.0 for a in update.values())
-        total.fold([blob], 1 if strategy.uniform_weights else n, max_abs, nbytes=len(blob))
+        total.fold([blob], 1 if rule.weighting == "uniform" else n, max_abs, nbytes=len(blob))
     mean = total.mean()
     contributors = sorted(site for site, _, _ in updates)
-    return strategy.aggregate(round_, current if strategy.uses_current else None, mean, contributors)
+    return rule.step(round_, current if rule.reads_current else None, mean, contributors,
+                     population=strategy.population)
 
 
 def run_method(task: Task, method: str, seed: int, state_root: Path) -> dict[str, dict[str, float]]:

@@ -32,7 +32,7 @@ import numpy as np
 from coordinator.aggregate import Fold, WeightedSum
 from coordinator.secure_round import SecureRound
 from coordinator.store import TERMINAL, JobRow, Store
-from coordinator.strategies import Update, make_strategy
+from coordinator.strategies import MeanRule, Update, UpdatesRule, keeps_mean, make_strategy
 from plexus.config import (MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_config, ensemble_members,
                            parse_round_config)
 from coordinator.events import admin_actor
@@ -159,8 +159,8 @@ class ActiveJob:
     @property
     def in_memory(self) -> bool:
         """Whether the engine itself reads the global model (else sites stream it from the checkpoint file)."""
-        s = self.strategy
-        return bool(s.uses_current or s.holds_updates or self.cfg.privacy.dp is not None
+        rule = self.strategy.rule
+        return bool(isinstance(rule, UpdatesRule) or rule.reads_current or self.cfg.privacy.dp is not None
                     or self.cfg.privacy.secure_aggregation or self.update_layout != self.layout)
 
     def round_sum(self, sites: int) -> WeightedSum:
@@ -177,13 +177,15 @@ class ActiveJob:
         """The new global model; what sites fetch is it plus whatever the strategy serves with it."""
         self.layout, self.blob, self.source = layout, blob, None
         self.state = decode(layout, blob)
-        extra = self.strategy.served(self.state)
+        rule = self.strategy.rule
+        extra = rule.served(self.state) if isinstance(rule, MeanRule) else {}
         if extra:
             self.served_layout, self.served_blob = encode({**self.state, **extra})
         else:
             self.served_layout, self.served_blob = layout, blob
         self.update_layout = Layout.build(
-            [(t.name, t.dtype, t.shape) for t in layout.tensors] + list(self.strategy.update_extras(layout)))
+            [(t.name, t.dtype, t.shape) for t in layout.tensors]
+            + (list(rule.update_extras(layout)) if isinstance(rule, MeanRule) else []))
 
 
 def site_seed(job_seed: int, round_: int, site: str) -> int:
@@ -552,7 +554,7 @@ class Engine:
                 fold = None
                 if not masked and rs.total is not None:
                     # DP-FedAvg and some strategies (SCAFFOLD) weigh each site the same
-                    uniform = dp is not None or job.strategy.uniform_weights
+                    uniform = dp is not None or job.strategy.rule.weighting == "uniform"
                     fold = rs.total.begin(1 if uniform else weight)
                     rs.folding[site] = (fold, spool)
             except IntegrityError as exc:
@@ -584,7 +586,7 @@ class Engine:
                 try:
                     if dp is not None:
                         _check_clipped(spool, layout, job.state, dp.clip_norm)
-                    if job.strategy.holds_updates:   # robust rules and ensembles need every update at once
+                    if isinstance(job.strategy.rule, UpdatesRule):   # robust rules and ensembles: every update
                         held = spool.with_suffix(".held")
                         spool.rename(held)
                         rs.held.append((site, weight, held))
@@ -714,7 +716,8 @@ class Engine:
             return None
         if site not in grants:
             remaining = rs.deadline - self._mono()
-            steps = job.strategy.local_steps(site, self._sizes(job)) if kind in ("train", "secagg_advertise") else 0
+            schedule = job.strategy.schedule
+            steps = schedule.local_steps(site, self._sizes(job)) if kind in ("train", "secagg_advertise") else 0
             grant = TaskGrant(kind=kind, task_id=uuid.uuid4().hex, job_id=job.row.id, round=rs.round,
                               model_round=rs.model_round, config_yaml=job.row.config_yaml,
                               nonce=secrets.token_bytes(16), deadline_unix_s=self._clock() + remaining,
@@ -815,7 +818,8 @@ class Engine:
         """Open the next round if its sites are there; how long until the engine should look again."""
         cfg = job.cfg
         dp = cfg.privacy.dp
-        evaluating = job.model_round >= cfg.rounds or bool(job.budget_stop) or job.strategy.done(job.model_round)
+        evaluating = (job.model_round >= cfg.rounds or bool(job.budget_stop)
+                      or job.strategy.schedule.done(job.model_round))
         declined = self.store.declines(job.row.id)
         online = self._eligible_online(declined)
         known = sorted({row[0] for row in self.store.sites()} - set(declined))   # registered, online or not
@@ -830,7 +834,7 @@ class Engine:
             return 0.5
         if dp is not None and not job.budget_stop and job.model_round < cfg.rounds:
             # ε of the cohort drawn now, before the round opens: its q is known only once it is drawn.
-            cohort = job.strategy.configure(job.model_round + 1, online, known)
+            cohort = job.strategy.schedule.configure(job.model_round + 1, online, known)
             at_random = cfg.sites.fraction is not None or cfg.sites.count is not None
             q = round_sampling_rate(len(cohort), len(online), at_random=at_random)
             after = self._epsilon_if(job, q)
@@ -840,7 +844,7 @@ class Engine:
                                    f"round {job.model_round}")
                 self.store.event(job.row.id, "privacy_budget_reached", job.model_round, "", job.budget_stop)
                 evaluating = True
-        participants = online if evaluating else job.strategy.configure(job.model_round + 1, online, known)
+        participants = online if evaluating else job.strategy.schedule.configure(job.model_round + 1, online, known)
         if len(participants) < (1 if evaluating else cfg.sites.min):
             self._waiting(job, f"waiting for sites: {len(participants)} of {cfg.sites.min} needed are online")
             return 0.5
@@ -853,7 +857,7 @@ class Engine:
         secure = None
         if cfg.privacy.secure_aggregation and not evaluating:
             secure = SecureRound(job.row.id, round_, job.layout, cfg.privacy.secagg, cfg.sites.min)
-        summing = not (evaluating or secure or job.strategy.holds_updates)
+        summing = not (evaluating or secure or isinstance(job.strategy.rule, UpdatesRule))
         evaluators = [] if evaluating or cfg.sites.evaluate != "all" else sorted(set(online) - set(participants))
         sizes, share = self._sizes(job), cfg.sites.max_weight_share
         rows = {s: sizes[s] for s in participants + evaluators if s in sizes}
@@ -910,22 +914,24 @@ class Engine:
             self._active = None
         elif len(rs.contributors) >= (needed := max(job.cfg.sites.min, job.strategy.min_contributors)):
             try:
-                if job.strategy.holds_updates:
+                rule = job.strategy.rule
+                if isinstance(rule, UpdatesRule):
                     updates = [Update(site, samples, decode(job.update_layout, np.memmap(path, mode="r")))
                                for site, samples, path in sorted(rs.held)]
-                    state = job.strategy.aggregate_updates(rs.round, job.state, updates)
+                    state = rule.combine(rs.round, job.state, updates)
                     del updates
                     rs.drop_held()
                     self._close_training_round(job, rs, state)
-                elif not job.in_memory and job.strategy.mean_is_model:
+                elif not job.in_memory and keeps_mean(rule):
                     # Plain FedAvg: the mean goes block by block into the checkpoint sites then stream.
                     self._close_training_round(job, rs, None, rs.total.mean_blocks())
                 else:
-                    if not job.strategy.uses_current:
+                    if not rule.reads_current:
                         job.state = job.blob = job.served_blob = None   # the old model goes before the new one
                     blob = rs.total.mean_blob(release=True)
                     mean = self._central_noise(job, rs, decode(job.update_layout, blob))
-                    state = job.strategy.aggregate(rs.round, job.state, mean, sorted(rs.contributors))
+                    state = rule.step(rs.round, job.state, mean, sorted(rs.contributors),
+                                      population=job.strategy.population)
                     reuse = state is mean and job.cfg.privacy.dp is None
                     self._close_training_round(job, rs, state, blob if reuse else None)
             except IntegrityError as exc:
@@ -995,8 +1001,8 @@ class Engine:
                 for name, current in job.state.items():
                     mean[name] = (current.astype(np.float64) + delta[name]).astype(current.dtype)
                 rs.contributors, rs.samples = list(sec.u3), weight
-                self._close_training_round(job, rs, job.strategy.aggregate(rs.round, job.state, mean,
-                                                                           sorted(rs.contributors)))
+                self._close_training_round(job, rs, job.strategy.rule.step(
+                    rs.round, job.state, mean, sorted(rs.contributors), population=job.strategy.population))
                 return
         except PlexusError as exc:   # too few sites answered a phase, or too few honest shares
             self._fail_round(job, rs, str(exc), retry=True)

@@ -1,29 +1,25 @@
 """Typed Plexus configuration: YAML validated into frozen dataclasses, loaded once.
 
 Every problem raises ConfigError reading ``<source>:<line>: <key.path>: <problem>; <fix>``.
-One generic walker reads any config dataclass from its type hints; per-field
-range checks live in field metadata, cross-field checks in ``_CROSS_CHECKS``.
+The schema lives here; plexus.typed_yaml reads any of its dataclasses from their type hints. Per-field
+range checks live in field metadata, cross-field checks in ``_CROSS_CHECKS``, strategy arguments in
+``STRATEGY_ARGS`` (read after strategy.name, so their errors carry the line too).
 """
 
 from __future__ import annotations
 
 import codecs
 import dataclasses
-import difflib
-import functools
-import math
-import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import yaml
-from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from plexus import typed_yaml
 from plexus.errors import ConfigError
+from plexus.typed_yaml import Cell, in_range, matching, non_empty, one_of
 
 __all__ = [
     "AdminConfig", "Cell", "CoordinatorConfig", "DPSGDSpec", "DPSpec", "DataSpec", "DatasetSpec", "FeatureSpec",
@@ -54,21 +50,7 @@ def split_address(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-# Field checks: metadata={"check": fn}, fn(value) -> "<problem>; <fix>" or None.
-def _range(lo: float, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False) -> dict:
-    if hi is None:
-        wanted = f"> {lo}" if lo_open else f">= {lo}"
-    else:
-        wanted = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-
-    def check(value: float) -> str | None:
-        too_low = value <= lo if lo_open else value < lo
-        too_high = hi is not None and (value >= hi if hi_open else value > hi)
-        return f"{value!r} is out of range; use a value {wanted}" if too_low or too_high else None
-
-    return {"check": check}
-
-
+# Field checks beyond typed_yaml's: metadata={"check": fn}, fn(value) -> "<problem>; <fix>" or None.
 def _window() -> dict:
     def check(value: int) -> str | None:
         if value == 0 or 1 << 14 <= value <= 1 << 30:
@@ -117,24 +99,6 @@ def _rejoin_grace() -> dict:
     return {"check": check}
 
 
-def _one_of(*choices: str) -> dict:
-    def check(value: str) -> str | None:
-        if value in choices:
-            return None
-        return f"{value!r} is not allowed; use one of: {', '.join(sorted(choices))}"
-
-    return {"check": check}
-
-
-def _matching(pattern: str, rule: str) -> dict:
-    regex = re.compile(pattern)
-
-    def check(value: str) -> str | None:
-        return None if regex.fullmatch(value) else f"{value!r} is not a valid name; use {rule}"
-
-    return {"check": check}
-
-
 def _address(min_port: int) -> dict:
     def check(value: str) -> str | None:
         try:
@@ -159,10 +123,6 @@ def _sha256_values() -> dict:
     return {"check": check}
 
 
-def _non_empty() -> dict:
-    return {"check": lambda value: None if value else "is empty; list at least one item or remove the key"}
-
-
 # Secure aggregation over fewer sites than this is refused (job config: sites.min; site: policy.min_secure_cohort).
 MIN_SECURE_COHORT = 3
 
@@ -178,16 +138,12 @@ class ModelSpec:
 _OMIT_NONE = {"omit_none": True}   # dump_round_config leaves the field out while it is None
 
 
-class Cell(str):
-    """Marks a field that holds a CSV cell's text: YAML's `0`, `yes` and `1.5` read as "0", "yes", "1.5"."""
-
-
 @dataclass(frozen=True, slots=True)
 class LabelSpec:
     """A CSV dataset's label column and its classes, in the order that gives class indices 0..K-1."""
 
     column: str
-    classes: tuple[Cell, ...] = field(metadata=_non_empty())
+    classes: tuple[Cell, ...] = field(metadata=non_empty())
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,10 +152,10 @@ class FeatureSpec:
 
     name: str
     # Set: a categorical column, one-hot over exactly these values in this order (one model input each).
-    categories: tuple[Cell, ...] | None = field(default=None, metadata=_non_empty())
+    categories: tuple[Cell, ...] | None = field(default=None, metadata=non_empty())
     impute: Cell | None = None     # an empty cell reads as this value (a number, or one of the categories)
     center: float = 0.0            # numeric columns: (value - center) / scale
-    scale: float = field(default=1.0, metadata=_range(0, lo_open=True))
+    scale: float = field(default=1.0, metadata=in_range(0, lo_open=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,57 +165,60 @@ class DataSpec:
     dataset: str
     # Left out of the dumped config when unset, so that agents older than the CSV schema still read it.
     label: LabelSpec | None = field(default=None, metadata=_OMIT_NONE)
-    features: tuple[FeatureSpec, ...] | None = field(default=None, metadata={**_non_empty(), **_OMIT_NONE})
+    features: tuple[FeatureSpec, ...] | None = field(default=None, metadata={**non_empty(), **_OMIT_NONE})
 
 
 @dataclass(frozen=True, slots=True)
 class StrategySpec:
-    """An aggregation strategy registry name and its arguments."""
+    """An aggregation strategy registry name and its arguments, as written (`strategy_args` types them)."""
 
     name: str = "fedavg"
-    args: dict = field(default_factory=dict)
+    args: dict = field(default_factory=dict)   # dumped as written, so a job's canonical config never changes
+    # The args read into the strategy's dataclass (STRATEGY_ARGS) when parsed from YAML, so their errors
+    # carry the line; not a YAML key, never dumped. None when built in code: strategy_args() reads them then.
+    typed: Any = field(default=None, compare=False, repr=False, metadata={"derived": True})
 
 
 @dataclass(frozen=True, slots=True)
 class SitesSpec:
     """How many sites a round needs and how long it waits for them."""
 
-    min: int = field(default=1, metadata=_range(1))
-    deadline_s: float = field(default=300.0, metadata=_range(0, lo_open=True))
+    min: int = field(default=1, metadata=in_range(1))
+    deadline_s: float = field(default=300.0, metadata=in_range(0, lo_open=True))
     # Client sampling (seeded by the job seed and round): train on ceil(fraction × online) sites,
     # at most `count`, never fewer than `min`. Neither set: every online site trains.
-    fraction: float | None = field(default=None, metadata=_range(0, 1, lo_open=True))
-    count: int | None = field(default=None, metadata=_range(1))
+    fraction: float | None = field(default=None, metadata=in_range(0, 1, lo_open=True))
+    count: int | None = field(default=None, metadata=in_range(1))
     # Who evaluates the incoming global model each round: every online site ("all"), or only
     # the sites that train this round ("participants").
-    evaluate: str = field(default="all", metadata=_one_of("all", "participants"))
+    evaluate: str = field(default="all", metadata=one_of("all", "participants"))
     # The most of a round's total weight any one site may carry, should every other site weigh in with the
     # rows it reported at Join: a site reporting more samples than that counts with that cap, so no one site
     # (however many rows it claims) can take the global model over. 1: no cap.
-    max_weight_share: float = field(default=0.75, metadata=_range(0, 1, lo_open=True))
+    max_weight_share: float = field(default=0.75, metadata=in_range(0, 1, lo_open=True))
     # How many times a training round that misses its quorum (fewer than `min` updates by deadline_s) is
     # opened again, from the same global model, before the job fails. Left out of the dumped config at 0,
     # so that agents older than this key still read it.
-    retries: int = field(default=0, metadata={**_range(0, 1000), "omit_default": True})
+    retries: int = field(default=0, metadata={**in_range(0, 1000), "omit_default": True})
 
 
 @dataclass(frozen=True, slots=True)
 class OptimizerSpec:
     """The local optimizer each site trains with."""
 
-    name: str = field(default="sgd", metadata=_one_of("sgd", "adam"))
-    lr: float = field(default=0.01, metadata=_range(0, lo_open=True))
-    momentum: float = field(default=0.0, metadata=_range(0, 1, hi_open=True))
-    weight_decay: float = field(default=0.0, metadata=_range(0))
+    name: str = field(default="sgd", metadata=one_of("sgd", "adam"))
+    lr: float = field(default=0.01, metadata=in_range(0, lo_open=True))
+    momentum: float = field(default=0.0, metadata=in_range(0, 1, hi_open=True))
+    weight_decay: float = field(default=0.0, metadata=in_range(0))
 
 
 @dataclass(frozen=True, slots=True)
 class TrainSpec:
     """Local training per round."""
 
-    epochs: int = field(default=1, metadata=_range(1))
-    steps: int | None = field(default=None, metadata=_range(1))   # set: exactly this many minibatch steps, not epochs
-    batch_size: int = field(default=32, metadata=_range(1))
+    epochs: int = field(default=1, metadata=in_range(1))
+    steps: int | None = field(default=None, metadata=in_range(1))   # set: exactly this many minibatch steps, not epochs
+    batch_size: int = field(default=32, metadata=in_range(1))
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
 
 
@@ -267,11 +226,11 @@ class TrainSpec:
 class DPSpec:
     """Differential privacy: where noise is added and how much."""
 
-    mode: str = field(metadata=_one_of("central", "distributed"))
-    noise_multiplier: float = field(metadata=_range(0))
-    clip_norm: float = field(metadata=_range(0, lo_open=True))
-    delta: float = field(default=1e-5, metadata=_range(0, 1, lo_open=True, hi_open=True))
-    target_epsilon: float | None = field(default=None, metadata=_range(0, lo_open=True))
+    mode: str = field(metadata=one_of("central", "distributed"))
+    noise_multiplier: float = field(metadata=in_range(0))
+    clip_norm: float = field(metadata=in_range(0, lo_open=True))
+    delta: float = field(default=1e-5, metadata=in_range(0, 1, lo_open=True, hi_open=True))
+    target_epsilon: float | None = field(default=None, metadata=in_range(0, lo_open=True))
     # Central mode: derive the coordinator's noise from the job seed, so a rerun is bit-for-bit the same.
     # NOT private: anyone who can read the job's config can regenerate the noise and remove it. Tests only.
     reproducible_noise: bool = False
@@ -281,9 +240,9 @@ class DPSpec:
 class DPSGDSpec:
     """Sample-level DP-SGD at each site (Opacus): per-example clipping and noise σ·C."""
 
-    noise_multiplier: float = field(metadata=_range(0))
-    max_grad_norm: float = field(metadata=_range(0, lo_open=True))
-    delta: float = field(default=1e-5, metadata=_range(0, 1, lo_open=True, hi_open=True))
+    noise_multiplier: float = field(metadata=in_range(0))
+    max_grad_norm: float = field(metadata=in_range(0, lo_open=True))
+    delta: float = field(default=1e-5, metadata=in_range(0, 1, lo_open=True, hi_open=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,9 +250,9 @@ class SecAggSpec:
     """Secure aggregation tuning: threshold t, the per-coordinate clip of Δ, and each phase's deadline."""
 
     # None: a majority of the sites. Never 1: one share would rebuild a site's secret on its own.
-    threshold: int | None = field(default=None, metadata=_range(2))
-    clip: float = field(default=4.0, metadata=_range(0, 2 ** 20, lo_open=True))
-    phase_timeout_s: float = field(default=30.0, metadata=_range(0, 3600, lo_open=True))
+    threshold: int | None = field(default=None, metadata=in_range(2))
+    clip: float = field(default=4.0, metadata=in_range(0, 2 ** 20, lo_open=True))
+    phase_timeout_s: float = field(default=30.0, metadata=in_range(0, 3600, lo_open=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,35 +269,35 @@ class PrivacySpec:
 class RoundConfig:
     """One training job, as submitted with `plexus job submit`."""
 
-    name: str = field(metadata=_matching(
+    name: str = field(metadata=matching(
         r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}",
         "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"))
     model: ModelSpec
     data: DataSpec
-    rounds: int = field(metadata=_range(1, 100_000))
+    rounds: int = field(metadata=in_range(1, 100_000))
     strategy: StrategySpec = field(default_factory=StrategySpec)
     sites: SitesSpec = field(default_factory=SitesSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
     privacy: PrivacySpec = field(default_factory=PrivacySpec)
-    seed: int = field(default=0, metadata=_range(0, 2**63 - 1))
+    seed: int = field(default=0, metadata=in_range(0, 2**63 - 1))
 
 
 @dataclass(frozen=True, slots=True)
 class DatasetSpec:
     """Where a site finds one named dataset; which keys it needs depends on `kind`."""
 
-    kind: str = field(metadata=_one_of("csv", "npz", "heart-disease", "fashion-mnist"))
+    kind: str = field(metadata=one_of("csv", "npz", "heart-disease", "fashion-mnist"))
     path: Path | None = None
     label: str | None = None
-    hospital: str | None = field(default=None, metadata=_one_of(*HOSPITALS))
-    features: tuple[str, ...] | None = field(default=None, metadata=_non_empty())
-    test_fraction: float = field(default=0.34, metadata=_range(0, 1, lo_open=True, hi_open=True))
+    hospital: str | None = field(default=None, metadata=one_of(*HOSPITALS))
+    features: tuple[str, ...] | None = field(default=None, metadata=non_empty())
+    test_fraction: float = field(default=0.34, metadata=in_range(0, 1, lo_open=True, hi_open=True))
     split_seed: int = 43
     # fashion-mnist: this site is share `index` of a Dirichlet(alpha) label-skew split over `sites` sites.
-    sites: int | None = field(default=None, metadata=_range(1, 10_000))
-    index: int | None = field(default=None, metadata=_range(0, 9_999))
-    alpha: float | None = field(default=None, metadata=_range(0, lo_open=True))
-    limit: int | None = field(default=None, metadata=_range(1))  # first N training rows, before splitting
+    sites: int | None = field(default=None, metadata=in_range(1, 10_000))
+    index: int | None = field(default=None, metadata=in_range(0, 9_999))
+    alpha: float | None = field(default=None, metadata=in_range(0, lo_open=True))
+    limit: int | None = field(default=None, metadata=in_range(1))  # first N training rows, before splitting
     # csv: how the file is written (default UTF-8, with or without a byte-order mark, and commas).
     encoding: str | None = field(default=None, metadata=_encoding())
     delimiter: str | None = field(default=None, metadata=_delimiter())
@@ -350,26 +309,154 @@ class PolicySpec:
 
     allowed_models: tuple[str, ...] = ()
     require_secure_aggregation: bool = False
-    max_epsilon: float | None = field(default=None, metadata=_range(0, lo_open=True))
-    min_dp_noise: float | None = field(default=None, metadata=_range(0))
-    max_rounds: int | None = field(default=None, metadata=_range(1))
+    max_epsilon: float | None = field(default=None, metadata=in_range(0, lo_open=True))
+    min_dp_noise: float | None = field(default=None, metadata=in_range(0))
+    max_rounds: int | None = field(default=None, metadata=in_range(1))
     allowed_datasets: tuple[str, ...] | None = None
     # Plug-in model name -> SHA-256 (hex) of its source, as `plexus.models.plugin_source_sha256` computes it.
     plugin_sha256: dict[str, str] = field(default_factory=dict, metadata=_sha256_values())
     # Secure aggregation: the fewest sites this site masks its update with, shares secrets among and reveals
     # shares for. A sum over fewer sites tells the coordinator too much (over one site: that site's update).
-    min_secure_cohort: int = field(default=MIN_SECURE_COHORT, metadata=_range(2, 10_000))
+    min_secure_cohort: int = field(default=MIN_SECURE_COHORT, metadata=in_range(2, 10_000))
 
 
 SITE_NAME = r"[a-z0-9][a-z0-9_-]{0,62}"
 SITE_NAME_RULE = "1-63 lowercase letters, digits, '_' or '-', starting with a letter or digit"
 
 
+# Strategy arguments (strategy.args), one frozen dataclass per strategy: the coordinator's rule and the
+# site's local training read the same ones. ----------------------------------------------------------
+
+
+def _members() -> dict:
+    site = re.compile(SITE_NAME)
+
+    def check(value: tuple[str, ...]) -> str | None:
+        bad = next((s for s in value if not site.fullmatch(s)), None)
+        if bad is not None:
+            return f"{bad!r} is not a site name ({SITE_NAME_RULE})"
+        if len(value) < 2:
+            return f"lists {len(value)} site(s); list at least 2 member sites, one per ensemble model"
+        if len(set(value)) != len(value):
+            twice = sorted({s for s in value if value.count(s) > 1})
+            return f"lists {', '.join(twice)} more than once; list each member site once"
+        return None
+
+    return {"check": check}
+
+
+_RATE = in_range(0, lo_open=True)
+_DECAY = in_range(0, 1, hi_open=True)
+
+
+@dataclass(frozen=True, slots=True)
+class NoArgs:
+    """fedavg, median: no arguments."""
+
+
+@dataclass(frozen=True, slots=True)
+class FedProxArgs:
+    mu: float = field(default=0.01, metadata=_RATE)   # weight of the proximal term (mu/2)‖w − x‖²
+
+
+@dataclass(frozen=True, slots=True)
+class FedAvgMArgs:
+    eta: float = field(default=1.0, metadata=_RATE)
+    momentum: float = field(default=0.9, metadata=_DECAY)
+
+
+@dataclass(frozen=True, slots=True)
+class FedAdamArgs:
+    """fedadam, fedyogi."""
+
+    eta: float = field(default=0.01, metadata=_RATE)
+    beta1: float = field(default=0.9, metadata=_DECAY)
+    beta2: float = field(default=0.99, metadata=_DECAY)
+    tau: float = field(default=1e-3, metadata=_RATE)
+
+
+@dataclass(frozen=True, slots=True)
+class FedAdagradArgs:
+    eta: float = field(default=0.01, metadata=_RATE)
+    beta1: float = field(default=0.9, metadata=_DECAY)
+    tau: float = field(default=1e-3, metadata=_RATE)
+
+
+@dataclass(frozen=True, slots=True)
+class ScaffoldArgs:
+    eta_g: float = field(default=1.0, metadata=_RATE)   # the server's step along the mean model change
+
+
+@dataclass(frozen=True, slots=True)
+class TrimmedMeanArgs:
+    beta: float = field(default=0.1, metadata=in_range(0, 0.5, hi_open=True))   # share trimmed at each end
+
+
+@dataclass(frozen=True, slots=True)
+class KrumArgs:
+    f: int = field(default=1, metadata=in_range(0))   # Byzantine sites tolerated
+
+
+@dataclass(frozen=True, slots=True)
+class MultiKrumArgs:
+    f: int = field(default=1, metadata=in_range(0))
+    m: int | None = field(default=None, metadata=in_range(1))   # updates averaged; None: n − f
+
+
+@dataclass(frozen=True, slots=True)
+class CWTArgs:
+    shuffle: bool = False        # a seeded new order every cycle, not sorted site names
+    proportional: bool = False   # each site's steps ∝ its sample count (train.steps for a site of mean size)
+
+
+@dataclass(frozen=True, slots=True)
+class SWTArgs:
+    shuffle: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EnsembleArgs:
+    members: tuple[str, ...] = field(metadata=_members())   # member i is trained by site members[i]
+    weighted: bool = True                                   # weights ∝ each member's sample count, else uniform
+
+
+STRATEGY_ARGS: dict[str, type] = {
+    "fedavg": NoArgs, "fedprox": FedProxArgs, "fedavgm": FedAvgMArgs, "fedadam": FedAdamArgs,
+    "fedyogi": FedAdamArgs, "fedadagrad": FedAdagradArgs, "scaffold": ScaffoldArgs, "median": NoArgs,
+    "trimmed_mean": TrimmedMeanArgs, "krum": KrumArgs, "multi_krum": MultiKrumArgs, "cwt": CWTArgs,
+    "swt": SWTArgs, "ensemble": EnsembleArgs}
+
+
+def strategy_args(spec: StrategySpec) -> Any:
+    """The strategy's arguments as its STRATEGY_ARGS dataclass, checked; ConfigError naming the key otherwise."""
+    if spec.typed is not None:
+        return spec.typed
+    return typed_yaml.parse_value(spec.args, _args_class(spec.name, "<strategy config>:1: strategy.name: "),
+                                  source="<strategy config>", path="strategy.args",
+                                  arguments_of=f"strategy {spec.name!r}")
+
+
+def _args_class(name: str, where: str) -> type:
+    if name not in STRATEGY_ARGS:
+        raise ConfigError(f"{where}unknown strategy {name!r}; known strategies: {sorted(STRATEGY_ARGS)}")
+    return STRATEGY_ARGS[name]
+
+
+def _read_strategy_args(reader: typed_yaml.Reader, spec: StrategySpec, entries: dict, path: str) -> StrategySpec:
+    """After reading strategy.name: read strategy.args (with its lines) as that strategy's dataclass."""
+    if spec.name not in STRATEGY_ARGS:
+        reader.fail(entries["name"][1], f"{path}.name",
+                    f"unknown strategy {spec.name!r}; known strategies: {sorted(STRATEGY_ARGS)}")
+    node = entries["args"][1] if "args" in entries else typed_yaml.empty_mapping(entries.get("name", (None,))[0])
+    args_reader = typed_yaml.Reader(reader.source, arguments_of=f"strategy {spec.name!r}")   # its own alias marks
+    return dataclasses.replace(spec, typed=args_reader.read(STRATEGY_ARGS[spec.name], node, f"{path}.args"))
+
+
 @dataclass(frozen=True, slots=True)
 class SiteConfig:
     """A hospital's site agent; relative paths are relative to the config file."""
 
-    site: str = field(metadata=_matching(SITE_NAME, SITE_NAME_RULE))
+    site: str = field(metadata=matching(SITE_NAME, SITE_NAME_RULE))
     coordinator: str = field(metadata=_address(1))
     kit: Path
     state_dir: Path = Path("state")
@@ -381,8 +468,8 @@ class SiteConfig:
 class CheckpointsSpec:
     """Checkpoint retention: which closed rounds keep their checkpoint once newer ones exist."""
 
-    keep_last: int | None = field(default=None, metadata=_range(1))    # None: keep every round's checkpoint
-    keep_every: int | None = field(default=None, metadata=_range(1))   # also keep rounds 0, M, 2M, ...
+    keep_last: int | None = field(default=None, metadata=in_range(1))    # None: keep every round's checkpoint
+    keep_every: int | None = field(default=None, metadata=in_range(1))   # also keep rounds 0, M, 2M, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,13 +480,13 @@ class CoordinatorConfig:
     kit: Path
     state_dir: Path = Path("state")
     crl: Path | None = None
-    poll_timeout_s: float = field(default=20.0, metadata=_range(0, 300, lo_open=True))
+    poll_timeout_s: float = field(default=20.0, metadata=in_range(0, 300, lo_open=True))
     # When a job starts or resumes, wait this long for its sites (a new job: every registered site) to
     # (re)connect before its first round, so a coordinator restart does not leave out (or, for cwt, skip)
     # sites still reconnecting. Longer than a site's longest backoff wait, or 0.
     rejoin_grace_s: float = field(default=15.0, metadata=_rejoin_grace())
-    chunk_bytes: int = field(default=1 << 20, metadata=_range(1 << 16, 1 << 22))
-    max_workers: int = field(default=128, metadata=_range(8, 4096))
+    chunk_bytes: int = field(default=1 << 20, metadata=in_range(1 << 16, 1 << 22))
+    max_workers: int = field(default=128, metadata=in_range(8, 4096))
     # Per-stream HTTP/2 flow-control window: what a site may send before the coordinator reads it, so
     # the most an upload waiting for a transfer slot buffers. One stream then carries at most
     # window / round-trip time (1 MiB at 20 ms: ~50 MB/s); raise it for long fat links. 0: gRPC's
@@ -408,7 +495,7 @@ class CoordinatorConfig:
     # Model downloads and update uploads in progress at once; more wait their turn, holding no data.
     # Each costs a few chunks of buffers, so this keeps the coordinator's memory flat in the number
     # of sites; on a CPU-bound coordinator, fewer concurrent streams also contend less.
-    max_transfers: int = field(default=4, metadata=_range(1, 1024))
+    max_transfers: int = field(default=4, metadata=in_range(1, 1024))
     # Prometheus metrics over plain HTTP (off unless set; keep it on 127.0.0.1 or a private network).
     metrics_listen: str | None = field(default=None, metadata=_address(0))
     # grpc.health.v1 only, plaintext, for probes that cannot present a client certificate (off unless set).
@@ -417,17 +504,17 @@ class CoordinatorConfig:
     # Calls one identity (a site's or an admin's certificate) may have in progress at once; more are refused
     # with RESOURCE_EXHAUSTED. Below max_workers, so that no one certificate can hold every worker thread
     # with idle streams: a site needs about 2 (its long poll and one transfer), the admin CLI 1 or 2.
-    max_calls_per_identity: int = field(default=16, metadata=_range(1, 4096))
+    max_calls_per_identity: int = field(default=16, metadata=in_range(1, 4096))
     # A stream whose next message does not arrive (an upload's next chunk), or is not taken (a download's),
     # within this is dropped: its thread and transfer slot come back, a part-way update is taken back out
     # of the sum, and the site is recorded late. Uploads also end when their round closes.
-    stream_idle_timeout_s: float = field(default=30.0, metadata=_range(0, 3600, lo_open=True))
+    stream_idle_timeout_s: float = field(default=30.0, metadata=in_range(0, 3600, lo_open=True))
     # The model worker process (coordinator.model_worker) that builds each submitted job's initial model:
     # a build taking longer is stopped and the job refused; the worker's address space is capped at
     # model_build_memory_bytes (torch itself takes about 1 GiB of it), so a model too large for the
     # coordinator's memory is refused at submit instead of taking the machine down.
-    model_build_timeout_s: float = field(default=300.0, metadata=_range(0, 86400, lo_open=True))
-    model_build_memory_bytes: int = field(default=8 << 30, metadata=_range(1 << 30, 1 << 40))
+    model_build_timeout_s: float = field(default=300.0, metadata=in_range(0, 86400, lo_open=True))
+    model_build_memory_bytes: int = field(default=8 << 30, metadata=in_range(1 << 30, 1 << 40))
 
 
 @dataclass(frozen=True, slots=True)
@@ -574,247 +661,33 @@ _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
     DatasetSpec: _dataset_problem, DPSpec: _dp_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
     RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem,
     CheckpointsSpec: _checkpoints_problem, CoordinatorConfig: _coordinator_problem}
+# Post-read steps: fn(reader, obj, entries, path) -> obj.
+_AFTER_READ = {StrategySpec: _read_strategy_args}
 
-_TAG = "tag:yaml.org,2002:"
-_TAG_NAMES = {"bool": "a boolean", "int": "an integer", "float": "a number", "null": "null",
-              "str": "a string", "timestamp": "a date"}
-_SCALARS = {  # type -> (accepted YAML tags, name, fix)
-    bool: ({"bool"}, "a boolean", "write true or false"),
-    int: ({"int"}, "an integer", "write a whole number, e.g. 3"),
-    float: ({"int", "float"}, "a number", "write a number, e.g. 0.5"),
-    str: ({"str"}, "a string", "write a string (quote it if it looks like a number, date or boolean)"),
-    Path: ({"str"}, "a path", "write a file path"),
-    Cell: ({"str", "int", "float", "bool"}, "a value", "write the value as it appears in the CSV file"),
-}
-# PyYAML (YAML 1.1) reads an unquoted 1e-5 as a string; a float field accepts it anyway.
-PLAIN_EXP_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-_CONSTRUCTOR = yaml.constructor.SafeConstructor()
 # Bounds on a config's size, checked before and while it is read: a round config arrives from any operator
 # over the network and is parsed again by every site. Nothing real comes near them (a job with 500
 # one-hot features is ~40 KiB).
 MAX_ROUND_CONFIG_BYTES = 256 << 10
 MAX_CONFIG_BYTES = 1 << 20          # site, coordinator and admin configs: local files
-MAX_ITEMS = 4096                    # entries of any one list or mapping (features, classes, categories, ...)
 
 
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _describe(node: Node) -> str:
-    if isinstance(node, MappingNode):
-        return "a mapping"
-    if isinstance(node, SequenceNode):
-        return "a list"
-    name = _TAG_NAMES.get(node.tag.removeprefix(_TAG), f"a value tagged {node.tag}")
-    return name if name == "null" else f"{name} ({node.value})"
-
-
-def _expected(tp: Any) -> str:
-    if dataclasses.is_dataclass(tp) or tp is dict or typing.get_origin(tp) is dict:
-        return "a mapping"
-    if typing.get_origin(tp) is tuple:
-        return "a list"
-    if typing.get_origin(tp) in (types.UnionType, typing.Union):
-        return _expected(_optional_inner(tp))
-    return _SCALARS[tp][1]
-
-
-def _optional_inner(tp: Any) -> Any:
-    (inner,) = [arg for arg in typing.get_args(tp) if arg is not type(None)]
-    return inner
-
-
-def _is_null(node: Node) -> bool:
-    return isinstance(node, ScalarNode) and node.tag == _TAG + "null"
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-class _Reader:
-    """Reads a composed YAML node tree into the type a dataclass field declares."""
-
-    def __init__(self, source: str, base: Path | None) -> None:
-        self.source = source
-        self.base = base
-        self._seen: set[int] = set()
-
-    def fail(self, node: Node, path: str, problem: str) -> NoReturn:
-        raise ConfigError(f"{self.source}:{node.start_mark.line + 1}: {path or '(top level)'}: {problem}")
-
-    def read(self, tp: Any, node: Node, path: str) -> Any:
-        origin, args = typing.get_origin(tp), typing.get_args(tp)
-        if dataclasses.is_dataclass(tp):
-            return self.read_dataclass(tp, node, path)
-        if origin in (types.UnionType, typing.Union):  # only `X | None` is used
-            return None if _is_null(node) else self.read(_optional_inner(tp), node, path)
-        if origin is tuple:
-            return tuple(self.read(args[0], item, f"{path}[{i}]")
-                         for i, item in enumerate(self.items(node, path)))
-        if origin is dict:
-            return {key: self.read(args[1], value, _join(path, key))
-                    for key, (_, value) in self.entries(node, path).items()}
-        if tp is dict:
-            return {key: self.plain(value, _join(path, key))
-                    for key, (_, value) in self.entries(node, path).items()}
-        return self.scalar(tp, node, path)
-
-    def read_dataclass(self, cls: type, node: Node, path: str) -> Any:
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        allowed = ", ".join(sorted(fields))
-        entries = self.entries(node, path, fix=f"write a mapping with keys: {allowed}")
-        for key, (key_node, _) in entries.items():
-            if key not in fields:
-                close = difflib.get_close_matches(key, fields, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                self.fail(key_node, _join(path, key), f"unknown key; allowed keys: {allowed}{hint}")
-        hints, values = _hints(cls), {}
-        for name, f in fields.items():
-            if name in entries:
-                value_node = entries[name][1]
-                values[name] = self.read(hints[name], value_node, _join(path, name))
-                check = f.metadata.get("check")
-                problem = check(values[name]) if check and values[name] is not None else None
-                if problem:
-                    self.fail(value_node, _join(path, name), problem)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                self.fail(node, _join(path, name),
-                          f"missing required key; add '{name}:' with {_expected(hints[name])}")
-            elif isinstance(f.default, Path):
-                values[name] = self.path(f.default)
-        obj = cls(**values)
-        problem = _CROSS_CHECKS[cls](obj) if cls in _CROSS_CHECKS else None
-        if problem:
-            key, text = problem
-            self.fail(entries[key][1] if key in entries else node, _join(path, key), text)
-        return obj
-
-    def entries(
-        self, node: Node, path: str, fix: str = "write key: value pairs"
-    ) -> dict[str, tuple[Node, Node]]:
-        """The mapping's string keys to (key node, value node); rejects duplicates."""
-        if not isinstance(node, MappingNode):
-            self.fail(node, path, f"expected a mapping, got {_describe(node)}; {fix}")
-        self.once(node, path)
-        self.count(node, path, "keys")
-        entries: dict[str, tuple[Node, Node]] = {}
-        for key_node, value_node in node.value:
-            if key_node.tag == _TAG + "merge":
-                self.fail(key_node, path, "merge keys (<<) are not supported; write the keys out")
-            if not (isinstance(key_node, ScalarNode) and key_node.tag == _TAG + "str"):
-                self.fail(key_node, path, f"keys must be strings, got {_describe(key_node)}; quote the key")
-            key = key_node.value
-            if key in entries:
-                first = entries[key][0].start_mark.line + 1
-                self.fail(key_node, _join(path, key), f"duplicate key (first at line {first}); keep only one")
-            entries[key] = (key_node, value_node)
-        return entries
-
-    def items(self, node: Node, path: str) -> list[Node]:
-        if not isinstance(node, SequenceNode):
-            self.fail(node, path, f"expected a list, got {_describe(node)}; write a list, e.g. [a, b]")
-        self.once(node, path)
-        self.count(node, path, "items")
-        return node.value
-
-    def count(self, node: Node, path: str, what: str) -> None:
-        if len(node.value) > MAX_ITEMS:
-            self.fail(node, path, f"has {len(node.value)} {what}; at most {MAX_ITEMS} are allowed, so list fewer")
-
-    def once(self, node: Node, path: str) -> None:
-        # An alias re-uses its anchor's node: refusing repeats stops recursive
-        # documents and exponential "billion laughs" expansion in submitted configs.
-        if id(node) in self._seen:
-            self.fail(node, path,
-                      "repeats a mapping or list through a YAML alias; write the value out in full")
-        self._seen.add(id(node))
-
-    def scalar(self, tp: type, node: Node, path: str) -> Any:
-        tags, name, fix = _SCALARS[tp]
-        tag = node.tag.removeprefix(_TAG) if isinstance(node, ScalarNode) else None
-        if tag in tags:
-            try:
-                value = _CONSTRUCTOR.yaml_constructors[node.tag](_CONSTRUCTOR, node)
-            except ValueError:
-                self.fail(node, path, f"{node.value!r} is not {name}; {fix}")
-        elif tp is float and tag == "str" and node.style is None and PLAIN_EXP_FLOAT.fullmatch(node.value):
-            value = node.value
-        else:
-            self.fail(node, path, f"expected {name}, got {_describe(node)}; {fix}")
-        if tp is Cell:
-            value = node.value   # the text as written: `007` stays "007", `yes` stays "yes"
-        if tp is float:
-            value = float(value)
-            if not math.isfinite(value):
-                self.fail(node, path, f"{value!r} is not a finite number; {fix}")
-        if tp in (str, Path, Cell) and not value:
-            self.fail(node, path, f"is empty; {fix}")
-        return self.path(value) if tp is Path else value
-
-    def plain(self, node: Node, path: str) -> Any:
-        """A free-form value (model args): strings, numbers, booleans, null, lists, mappings."""
-        if isinstance(node, MappingNode):
-            return self.read(dict, node, path)
-        if isinstance(node, SequenceNode):
-            return [self.plain(item, f"{path}[{i}]") for i, item in enumerate(self.items(node, path))]
-        if node.tag.removeprefix(_TAG) not in ("str", "int", "float", "bool", "null"):
-            self.fail(node, path, f"unsupported value, {_describe(node)}; "
-                                  "use a string, number, boolean, list or mapping (quote dates)")
-        return _CONSTRUCTOR.yaml_constructors[node.tag](_CONSTRUCTOR, node)
-
-    def path(self, value: str | Path) -> Path:
-        path = Path(value).expanduser()
-        return self.base / path if self.base is not None and not path.is_absolute() else path
-
-
-def _parse(text: str, cls: type, source: str, base: Path | None) -> Any:
-    keys = ", ".join(sorted(f.name for f in dataclasses.fields(cls)))
-    _check_size(len(text.encode("utf-8", "replace")), cls, source)
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        problem = ", ".join(part for part in (e.context, e.problem) if part)
-        raise ConfigError(f"{source}:{mark.line + 1 if mark else 1}: (yaml): {problem}; "
-                          "fix the YAML syntax") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}:1: (yaml): {e}; fix the YAML syntax") from None
-    except RecursionError:
-        raise ConfigError(f"{source}:1: (yaml): nested too deeply; flatten the document") from None
-    if root is None or _is_null(root):
-        raise ConfigError(f"{source}:1: (top level): the document is empty; "
-                          f"write a mapping with keys: {keys}")
-    try:
-        return _Reader(source, base).read(cls, root, "")
-    except RecursionError:
-        raise ConfigError(f"{source}:1: (top level): nested too deeply; flatten the document") from None
-
-
-def _check_size(size: int, cls: type, source: str) -> None:
-    cap = MAX_ROUND_CONFIG_BYTES if cls is RoundConfig else MAX_CONFIG_BYTES
-    if size > cap:
-        raise ConfigError(f"{source}: the config is {size} bytes, over the limit of {cap} bytes ({cap >> 10} KiB) "
-                          "that is read at all; shorten it (fewer or shorter lists)")
+def _parse(text: str, cls: type, source: str) -> Any:
+    return typed_yaml.parse(text, cls, source=source, max_bytes=_max_bytes(cls), checks=_CROSS_CHECKS,
+                            after=_AFTER_READ)
 
 
 def _load(path: Path, cls: type) -> Any:
-    path = Path(path)
-    try:
-        _check_size(path.stat().st_size, cls, str(path))   # before reading a file of any size
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config file ({e.strerror or e}); check the path") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: config file is not UTF-8 text; save it as UTF-8") from None
-    return _parse(text, cls, str(path), Path(os.path.abspath(path)).parent)
+    return typed_yaml.load(path, cls, max_bytes=_max_bytes(cls), checks=_CROSS_CHECKS, after=_AFTER_READ)
+
+
+def _max_bytes(cls: type) -> int:
+    return MAX_ROUND_CONFIG_BYTES if cls is RoundConfig else MAX_CONFIG_BYTES
+
 
 
 def parse_round_config(text: str, *, source: str = "<round config>") -> RoundConfig:
     """Parse a round config from YAML text; `source` labels error messages."""
-    return _parse(text, RoundConfig, source, None)
+    return _parse(text, RoundConfig, source)
 
 
 def load_round_config(path: Path) -> RoundConfig:
@@ -830,7 +703,7 @@ def dump_round_config(cfg: RoundConfig) -> str:
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if not (f.metadata.get("omit_none") and getattr(obj, f.name) is None)
+                if not f.metadata.get("derived") and not (f.metadata.get("omit_none") and getattr(obj, f.name) is None)
                 and not (f.metadata.get("omit_default") and getattr(obj, f.name) == f.default)}
     if isinstance(obj, (list, tuple)):
         return [_to_plain(item) for item in obj]

@@ -1,4 +1,9 @@
-"""A site's part of each strategy: what it fetches, how it trains, what its update carries."""
+"""A site's half of each strategy: what it fetches, how it trains, what its update carries, what it keeps.
+
+`LOCAL` maps each strategy name to its local training; nothing on the site switches on a
+strategy's name beyond that one lookup. A strategy whose site half is plain minibatch
+training maps to `PLAIN`.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +17,14 @@ import torch
 from safetensors.numpy import load_file, save
 from torch import nn
 
+from plexus.config import strategy_args
 from plexus.files import write_atomically
 from plexus.models import Ensemble, state_views
 from plexus.wire import SCAFFOLD_C as C_PREFIX, SCAFFOLD_DC as DC_PREFIX, Layout, dtype_name
 from site_agent.state import job_path
 from site_agent.training import TrainResult, train_local
 
+Spec = tuple[str, str, tuple[int, ...]]   # (tensor name, wire dtype, shape)
 
 
 @dataclass
@@ -29,18 +36,121 @@ class LocalResult:
     commit: Callable[[], None]       # call once the coordinator accepted the update
 
 
+@dataclass(frozen=True)
+class Run:
+    """One round's local training as the agent asks for it."""
+
+    job: Any                          # the job's RoundConfig
+    model: nn.Module                  # already holding the served global weights
+    served: Mapping[str, np.ndarray]  # everything FetchModel delivered (see served_layout)
+    data: Any                         # the site's Split
+    site: str
+    job_id: str
+    seed: int
+    steps: int | None                 # None: train.steps/epochs
+    state_dir: Path
+
+
+class Plain:
+    """Plain minibatch training: the update is the trained model; nothing extra served, sent or kept."""
+
+    reads_served = False   # whether train() reads the served tensors (else the site may free them once loaded)
+
+    def served_extras(self, state: Mapping[str, np.ndarray]) -> list[Spec]:
+        """The tensors besides the model that FetchModel must deliver."""
+        return []
+
+    def train(self, run: Run) -> LocalResult:
+        """Train run.model in place; the update and how to keep site state once it is accepted."""
+        result = train_local(run.model, run.data.x_train, run.data.y_train, run.job.train, seed=run.seed,
+                             steps=run.steps)
+        return LocalResult(result=result, update=state_views(run.model), commit=lambda: None)
+
+
+class FedProx(Plain):
+    """Li et al. 2020: (mu/2)‖w − x‖² over the trainable parameters (x: the served model) added to the loss."""
+
+    reads_served = True
+
+    def train(self, run: Run) -> LocalResult:
+        anchor = {n: torch.as_tensor(_served(run.served, n)).reshape(p.shape)
+                  for n, p in _trainable(run.model).items()}
+        term = proximal_term(run.model, anchor, strategy_args(run.job.strategy).mu)
+        result = train_local(run.model, run.data.x_train, run.data.y_train, run.job.train, seed=run.seed,
+                             steps=run.steps, loss_term=term)
+        return LocalResult(result=result, update=state_views(run.model), commit=lambda: None)
+
+
+class Scaffold(Plain):
+    """SCAFFOLD option II: step along g − c_k + c, then c_k⁺ = c_k − c + (x − y)/(Kη); the update adds Δc."""
+
+    reads_served = True
+
+    def served_extras(self, state: Mapping[str, np.ndarray]) -> list[Spec]:
+        return [(C_PREFIX + name, "F32", shape) for name, shape in _float_shapes(state).items()]
+
+    def train(self, run: Run) -> LocalResult:
+        model, served = run.model, run.served
+        path = scaffold_path(Path(run.state_dir), run.job_id)
+        shapes = _float_shapes(state_views(model))
+        params = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+        c = {n: np.asarray(_served(served, C_PREFIX + n), dtype=np.float64) for n in shapes}
+        c_k = _load_control_variate(path, shapes)
+        x = {n: np.asarray(_served(served, n), dtype=np.float64) for n in shapes}
+
+        correction = {n: torch.from_numpy(c[n] - c_k[n]).reshape(shape) for n, shape in params.items()}
+        result = train_local(model, run.data.x_train, run.data.y_train, run.job.train, seed=run.seed,
+                             steps=run.steps, grad_hook=gradient_correction(model, correction))
+        trained = state_views(model)
+
+        scale = 1.0 / (result.steps * run.job.train.optimizer.lr)
+        c_new, update = {}, dict(trained)
+        for n in shapes:
+            if n in params:
+                value = c_k[n] - c[n] + (x[n] - trained[n].astype(np.float64)) * scale
+            else:  # buffers (e.g. BatchNorm running stats) are not optimised: their c_k stays as it was
+                value = c_k[n]
+            c_new[n] = value.astype(np.float32)
+            update[DC_PREFIX + n] = (c_new[n].astype(np.float64) - c_k[n]).astype(np.float32)
+        return LocalResult(result=result, update=update, commit=lambda: _keep(path, save(c_new)))
+
+
+class EnsembleMember(Plain):
+    """Ensembling: the site trains only its own member of the ensemble; the update is the whole ensemble."""
+
+    def train(self, run: Run) -> LocalResult:
+        member = _ensemble_member(run.job, run.model, run.site)
+        result = train_local(member, run.data.x_train, run.data.y_train, run.job.train, seed=run.seed,
+                             steps=run.steps)
+        return LocalResult(result=result, update=state_views(run.model), commit=lambda: None)
+
+
+PLAIN = Plain()
+LOCAL: dict[str, Plain] = {
+    "fedavg": PLAIN, "fedprox": FedProx(), "fedavgm": PLAIN, "fedadam": PLAIN, "fedyogi": PLAIN,
+    "fedadagrad": PLAIN, "scaffold": Scaffold(), "median": PLAIN, "trimmed_mean": PLAIN, "krum": PLAIN,
+    "multi_krum": PLAIN, "cwt": PLAIN, "swt": PLAIN, "ensemble": EnsembleMember()}
+
+
+def local_training(job: Any) -> Plain:
+    """The job's strategy's site half; ValueError for a strategy this site does not know."""
+    try:
+        return LOCAL[job.strategy.name]
+    except KeyError:
+        raise ValueError(f"strategy {job.strategy.name!r} is unknown to this site (known: {sorted(LOCAL)}); "
+                         "upgrade the site agent to the coordinator's version") from None
+
+
 def needs_served(job: Any) -> bool:
     """Whether local_update reads the served tensors (else the site may free them once loaded)."""
-    return job.strategy.name in ("fedprox", "scaffold")
+    return local_training(job).reads_served
 
 
 def served_layout(job: Any, model: nn.Module) -> Layout:
     """What FetchModel must deliver for this job: the model's tensors plus the strategy's served extras."""
     state = state_views(model)  # the shapes exactly as the wire carries them (0-d tensors travel as [1])
     specs = [(name, dtype_name(a.dtype), a.shape) for name, a in state.items()]
-    if job.strategy.name == "scaffold":
-        specs += [(C_PREFIX + name, "F32", shape) for name, shape in _float_shapes(state).items()]
-    return Layout.build(specs)
+    return Layout.build(specs + local_training(job).served_extras(state))
 
 
 def local_update(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], data: Any, *, site: str,
@@ -50,52 +160,59 @@ def local_update(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], d
     ``served`` is everything FetchModel delivered (see served_layout); ``local_steps`` 0 means
     train.steps/epochs. Nothing is written to ``state_dir`` until ``commit`` is called.
     """
-    steps = local_steps or None
-    name = job.strategy.name
-    if name == "fedprox":
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        anchor = {n: torch.as_tensor(_served(served, n)).reshape(p.shape) for n, p in params.items()}
-        result = train_local(model, data.x_train, data.y_train, job.train, seed=seed, steps=steps,
-                             prox_mu=job.strategy.args.get("mu", 0.01), anchor=anchor)
-    elif name == "scaffold":
-        return _scaffold(job, model, served, data, job_id=job_id, seed=seed, steps=steps, state_dir=Path(state_dir))
-    elif name == "ensemble":
-        member = _ensemble_member(job, model, site)
-        result = train_local(member, data.x_train, data.y_train, job.train, seed=seed, steps=steps)
-    else:
-        result = train_local(model, data.x_train, data.y_train, job.train, seed=seed, steps=steps)
-    return LocalResult(result=result, update=state_views(model), commit=lambda: None)
+    run = Run(job=job, model=model, served=served, data=data, site=site, job_id=job_id, seed=seed,
+              steps=local_steps or None, state_dir=Path(state_dir))
+    return local_training(job).train(run)
+
+
+def proximal_term(model: nn.Module, anchor: Mapping[str, torch.Tensor | np.ndarray] | None,
+                  mu: float) -> Callable[[], torch.Tensor]:
+    """A train_local loss_term: (mu/2)·Σ‖w − anchor[name]‖² over the trainable parameters (any optimizer)."""
+    if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not np.isfinite(mu) or mu <= 0:
+        raise ValueError(f"mu must be a finite number > 0, got {mu!r}")
+    if anchor is None:
+        raise ValueError("the proximal term needs an anchor: pass the global model's parameters")
+    params = _trainable(model)
+    anchor_t = _per_parameter(anchor, params, "anchor")
+    return lambda: mu / 2 * sum(((p - anchor_t[name]) ** 2).sum() for name, p in params.items())
+
+
+def gradient_correction(model: nn.Module, correction: Mapping[str, torch.Tensor | np.ndarray]) -> Callable[[], None]:
+    """A train_local grad_hook: add correction[name] to each trainable parameter's gradient (SCAFFOLD's c − c_k)."""
+    params = _trainable(model)
+    correction_t = _per_parameter(correction, params, "correction")
+
+    def hook() -> None:
+        for name, c in correction_t.items():
+            p = params[name]
+            if p.grad is None:  # unused in this forward pass: its gradient is zero
+                p.grad = c.clone()
+            else:
+                p.grad.add_(c)
+
+    return hook
+
+
+def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _per_parameter(values: Mapping[str, Any], params: dict[str, nn.Parameter], what: str) -> dict[str, torch.Tensor]:
+    """One tensor per trainable parameter, on its device and in its dtype."""
+    if missing := sorted(set(params) - set(values)):
+        raise ValueError(f"{what} lacks parameter(s) {missing[:5]}; give one tensor per trainable parameter")
+    out = {}
+    for name, p in params.items():
+        value = torch.as_tensor(values[name]).detach().to(device=p.device, dtype=p.dtype)
+        if value.shape != p.shape:
+            raise ValueError(f"{what}[{name!r}] has shape {tuple(value.shape)}, the parameter has {tuple(p.shape)}")
+        out[name] = value
+    return out
 
 
 def scaffold_path(state_dir: Path, job_id: str) -> Path:
     """Where a site keeps its SCAFFOLD control variate c_k for one job."""
     return job_path(state_dir, "scaffold", job_id, ".safetensors")
-
-
-def _scaffold(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], data: Any, *, job_id: str, seed: int,
-              steps: int | None, state_dir: Path) -> LocalResult:
-    """SCAFFOLD option II: step along g − c_k + c, then c_k⁺ = c_k − c + (x − y)/(Kη)."""
-    path = scaffold_path(state_dir, job_id)
-    shapes = _float_shapes(state_views(model))
-    params = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
-    c = {n: np.asarray(_served(served, C_PREFIX + n), dtype=np.float64) for n in shapes}
-    c_k = _load_control_variate(path, shapes)
-    x = {n: np.asarray(_served(served, n), dtype=np.float64) for n in shapes}
-
-    correction = {n: torch.from_numpy(c[n] - c_k[n]).reshape(shape) for n, shape in params.items()}
-    result = train_local(model, data.x_train, data.y_train, job.train, seed=seed, steps=steps, correction=correction)
-    trained = state_views(model)
-
-    scale = 1.0 / (result.steps * job.train.optimizer.lr)
-    c_new, update = {}, dict(trained)
-    for n in shapes:
-        if n in params:
-            value = c_k[n] - c[n] + (x[n] - trained[n].astype(np.float64)) * scale
-        else:  # buffers (e.g. BatchNorm running stats) are not optimised: their c_k stays as it was
-            value = c_k[n]
-        c_new[n] = value.astype(np.float32)
-        update[DC_PREFIX + n] = (c_new[n].astype(np.float64) - c_k[n]).astype(np.float32)
-    return LocalResult(result=result, update=update, commit=lambda: _keep(path, save(c_new)))
 
 
 def _load_control_variate(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
@@ -121,7 +238,7 @@ def _keep(path: Path, data: bytes) -> None:
 
 
 def _ensemble_member(job: Any, model: nn.Module, site: str) -> nn.Module:
-    members = list(job.strategy.args["members"])
+    members = list(strategy_args(job.strategy).members)
     if site not in members:
         raise ValueError(f"site {site!r} is not a member of this ensemble job (members: {members}); "
                          "only member sites train in an ensemble job")

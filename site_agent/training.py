@@ -8,7 +8,7 @@ import math
 import secrets
 import warnings
 from dataclasses import dataclass
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -60,32 +60,23 @@ def _prepare(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any):
 
 
 def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, seed: int,
-                steps: int | None = None, prox_mu: float = 0.0,
-                anchor: Mapping[str, torch.Tensor | np.ndarray] | None = None,
-                correction: Mapping[str, torch.Tensor | np.ndarray] | None = None) -> TrainResult:
+                steps: int | None = None, loss_term: Callable[[], torch.Tensor] | None = None,
+                grad_hook: Callable[[], None] | None = None) -> TrainResult:
     """Train ``model`` in place with cross-entropy; the same seed and inputs give the same bits.
 
     Length: exactly `steps` minibatch steps if given (else ``train.steps`` if set), drawing a
     fresh seeded permutation each time a pass over the data runs out; otherwise
     ``train.epochs`` passes. metrics["train_loss"] is the sample-weighted mean cross-entropy
-    (without the proximal term) over the last pass, or over every step taken in steps mode.
+    (without any loss_term) over the last pass, or over every step taken in steps mode.
 
-    FedProx: with ``prox_mu`` > 0 the loss gets (prox_mu/2)·Σ‖w − anchor[name]‖² over the
-    trainable parameters, added before backward so it is exact for any optimizer.
-    SCAFFOLD: ``correction[name]`` is added to each trainable parameter's gradient after
-    backward and before the optimizer step (pass c − c_k to step along g − c_k + c).
+    A strategy's site half (site_agent.local) changes the step through two callables:
+    ``loss_term()`` returns an extra loss tensor added to the cross-entropy before backward
+    (FedProx's proximal term); ``grad_hook()`` runs after backward and before the optimizer
+    step (SCAFFOLD's gradient correction).
     """
     make_optimizer, xt, yt, n = _prepare(model, x, y, train)
     steps = _step_budget(train, steps)
     device = xt.device
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    if isinstance(prox_mu, bool) or not isinstance(prox_mu, (int, float)) or not math.isfinite(prox_mu) \
-            or prox_mu < 0:
-        raise ValueError(f"prox_mu must be a finite number >= 0, got {prox_mu!r}")
-    if prox_mu and anchor is None:
-        raise ValueError("prox_mu > 0 needs an anchor: pass the global model's parameters as anchor=")
-    anchor_t = _per_parameter(anchor, params, "anchor", device) if prox_mu else {}
-    correction_t = _per_parameter(correction, params, "correction", device) if correction is not None else {}
     optimizer = make_optimizer(model.parameters(), train.optimizer)
 
     per_pass = math.ceil(n / train.batch_size)
@@ -106,18 +97,11 @@ def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, s
                 if taken == 0:
                     _check_labels(yt, logits)
                 loss = F.cross_entropy(logits, yt[batch])
-                objective = loss
-                if anchor_t:
-                    objective = loss + prox_mu / 2 * sum(((p - anchor_t[name]) ** 2).sum()
-                                                         for name, p in params.items())
+                objective = loss if loss_term is None else loss + loss_term()
                 optimizer.zero_grad(set_to_none=True)
                 objective.backward()
-                for name, c in correction_t.items():
-                    p = params[name]
-                    if p.grad is None:  # unused in this forward pass: its gradient is zero
-                        p.grad = c.clone()
-                    else:
-                        p.grad.add_(c)
+                if grad_hook is not None:
+                    grad_hook()
                 optimizer.step()
                 taken += 1
                 loss_sum += loss.item() * len(batch)
@@ -147,20 +131,6 @@ def _step_budget(train: Any, steps: int | None) -> int | None:
     if steps < 1:
         raise ValueError(f"steps must be >= 1 (or None to use train.steps/epochs), got {steps}")
     return steps
-
-
-def _per_parameter(values: Mapping[str, Any], params: dict[str, nn.Parameter], what: str,
-                   device: torch.device) -> dict[str, torch.Tensor]:
-    """One tensor per trainable parameter, on the model's device and in its dtype."""
-    if missing := sorted(set(params) - set(values)):
-        raise ValueError(f"{what} lacks parameter(s) {missing[:5]}; give one tensor per trainable parameter")
-    out = {}
-    for name, p in params.items():
-        value = torch.as_tensor(values[name]).detach().to(device=device, dtype=p.dtype)
-        if value.shape != p.shape:
-            raise ValueError(f"{what}[{name!r}] has shape {tuple(value.shape)}, the parameter has {tuple(p.shape)}")
-        out[name] = value
-    return out
 
 
 def train_local_dp_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, dp_sgd: Any, *, seed: int,

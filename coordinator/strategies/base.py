@@ -1,22 +1,20 @@
-"""The strategy interface, client sampling, argument checking and the two plain-mean rules (FedAvg, FedProx)."""
+"""The strategy interface: a rule (MeanRule or UpdatesRule) plus a schedule; client sampling; FedAvg, FedProx."""
 
 from __future__ import annotations
 
 import hashlib
 import math
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from plexus.config import PLAIN_EXP_FLOAT, SITE_NAME, SITE_NAME_RULE, RoundConfig
+from plexus.config import RoundConfig
 from plexus.errors import ConfigError
 from plexus.wire import Layout
 
 State = dict[str, np.ndarray]
-
 
 
 @dataclass(frozen=True)
@@ -26,16 +24,6 @@ class Update:
     site: str
     num_samples: int
     state: Mapping[str, np.ndarray]   # read-only, possibly np.memmap; model tensors (+ extras)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Client sampling settings (sites.fraction/count/min) and the job seed that draws them."""
-
-    fraction: float | None = None
-    count: int | None = None
-    minimum: int = 1
-    seed: int = 0
 
 
 def seeded_rng(purpose: str, *values: int) -> np.random.Generator:
@@ -61,7 +49,7 @@ def sample_sites(available: list[str], *, fraction: float | None, count: int | N
     return sorted(pool[i] for i in picked)
 
 
-def refuse_sampling(cfg, name: str, chooses: str) -> None:
+def refuse_sampling(cfg: RoundConfig, name: str, chooses: str) -> None:
     """ConfigError for sites.fraction / sites.count with a strategy that picks its own trainers."""
     for key in ("fraction", "count"):
         if getattr(cfg.sites, key) is not None:
@@ -81,122 +69,118 @@ def cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return values.astype(dtype)
 
 
-# Strategy arguments -----------------------------------------------------------------------
+# Update codecs -----------------------------------------------------------------------------
 
-REQUIRED = object()
-_KINDS = {"number": "write a number, e.g. 0.5", "integer": "write a whole number, e.g. 1",
-          "boolean": "write true or false", "sites": "write a list of site names, e.g. [site-a, site-b]"}
-_SITE_NAME = re.compile(SITE_NAME)
+class DenseCodec:
+    """How an update travels: the identity, every tensor dense as the update layout says.
 
+    The contract for a codec (a later issue adds compressing ones): the site calls
+    `encode(update)` on the tensors it would upload and sends what it returns; the
+    coordinator turns what arrives back into update tensors with `decode` before folding
+    them into the round's sum or handing them to an UpdatesRule (a codec whose encoding is
+    linear may instead fold encoded updates and decode the sum once). decode(encode(u))
+    must equal u bit for bit for a lossless codec; a lossy one documents its error.
+    """
 
-@dataclass(frozen=True)
-class Param:
-    """One accepted key of strategy.args: its kind, default and range check (value -> problem or None)."""
+    name: ClassVar[str] = "dense"
 
-    kind: str
-    default: Any = REQUIRED
-    check: Callable[[Any], str | None] | None = None
-    nullable: bool = False
+    def encode(self, update: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        return update
 
-
-def in_range(lo: float, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False):
-    """A range check for Param.check."""
-    wanted = (f"> {lo}" if lo_open else f">= {lo}") if hi is None else \
-        f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-
-    def check(value: float) -> str | None:
-        low = value <= lo if lo_open else value < lo
-        high = hi is not None and (value >= hi if hi_open else value > hi)
-        return f"{value!r} is out of range; use a value {wanted}" if low or high else None
-
-    return check
+    def decode(self, encoded: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        return encoded
 
 
-def _typed(kind: str, value: Any) -> tuple[Any, str | None]:
-    """(converted value, problem) for one argument value of the given kind."""
-    if kind == "boolean":
-        return value, None if isinstance(value, bool) else "expected true or false"
-    if kind == "integer":
-        return value, None if isinstance(value, int) and not isinstance(value, bool) else "expected a whole number"
-    if kind == "number":
-        if isinstance(value, str) and PLAIN_EXP_FLOAT.fullmatch(value):   # YAML 1.1 reads plain 1e-3 as a string
-            value = float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return value, "expected a number"
-        if not math.isfinite(value):
-            return value, "expected a finite number"
-        return float(value), None
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        return value, "expected a list of site names"
-    bad = next((s for s in value if not _SITE_NAME.fullmatch(s)), None)
-    if bad is not None:
-        return value, f"{bad!r} is not a site name ({SITE_NAME_RULE})"
-    return value, None
+DENSE = DenseCodec()
 
 
-def read_args(strategy: str, params: Mapping[str, Param], args: Mapping[str, Any]) -> dict[str, Any]:
-    """strategy.args checked against `params`, defaults filled in; ConfigError naming the key otherwise."""
-    accepted = ", ".join(sorted(params)) or "none"
-    for key in args:
-        if key not in params:
-            fix = "remove it" if not params else f"accepted arguments: {accepted}"
-            raise ConfigError(f"strategy.args.{key}: unknown argument for strategy {strategy!r}; {fix}")
-    out = {}
-    for key, param in params.items():
-        if key not in args:
-            if param.default is REQUIRED:
-                raise ConfigError(f"strategy.args.{key}: required by strategy {strategy!r} but not set; "
-                                  f"add it ({_KINDS[param.kind]})")
-            out[key] = param.default
-            continue
-        value = args[key]
-        if value is None and param.nullable:
-            out[key] = None
-            continue
-        value, problem = _typed(param.kind, value)
-        if problem is None and param.check is not None:
-            problem = param.check(value)
-        elif problem is not None:
-            problem = f"{problem}, got {value!r}; {_KINDS[param.kind]}"
-        if problem:
-            raise ConfigError(f"strategy.args.{key}: {problem}")
-        out[key] = value
-    return out
+# Rules ------------------------------------------------------------------------------------
 
+class Rule:
+    """How a round's results become the next global model; no I/O. Subclass MeanRule or UpdatesRule."""
 
-# The interface ----------------------------------------------------------------------------
-
-class Strategy:
-    """Picks each round's sites and folds their results into the next global model; no I/O."""
-
-    name: ClassVar[str] = ""
-    params: ClassVar[dict[str, Param]] = {}
-    secure_aggregation: ClassVar[bool] = True   # the rule needs only Σ w_k x_k (secure aggregation can compute it)
-    dp_compatible: ClassVar[bool] = True        # DP-FedAvg (clip + noise on the mean) keeps its meaning
-    uses_current: ClassVar[bool] = False        # aggregate reads the current global model
-    holds_updates: ClassVar[bool] = False       # needs every update at once: engine calls aggregate_updates
-    uniform_weights: ClassVar[bool] = False     # fold every update with weight 1 instead of num_samples
-    mean_is_model: ClassVar[bool] = False       # aggregate returns the mean itself (the engine may skip the call)
-    min_contributors: int = 1                   # the rule is undefined below this many updates in a round
-    # Why the rule needs updates in the clear / why DP-FedAvg would lose its meaning (for config errors).
+    name: ClassVar[str] = ""          # the strategy.name it answers to
+    codec: ClassVar[DenseCodec] = DENSE
+    # Why secure aggregation (which shows the coordinator only Σ w_k x_k) cannot compute the rule, and why
+    # DP-FedAvg (clip + noise on the weighted mean) would lose its meaning; empty: it can, it would not.
     clear_reason: ClassVar[str] = ""
     dp_reason: ClassVar[str] = ""
     # How the site's training differs from plain minibatch training, if it does (Opacus DP-SGD runs
-    # plain training only, so such strategies refuse privacy.dp_sgd).
+    # plain training only, so such strategies refuse privacy.dp_sgd); the site half is site_agent.local.
     local_training: ClassVar[str] = ""
 
-    sampling: Sampling = Sampling()   # make_strategy sets the job's
-
     @classmethod
-    def from_config(cls, args: dict[str, Any], cfg: RoundConfig) -> Strategy:
-        """Build from checked args; override to cross-check the rest of the round config."""
-        return cls(**args)
+    def from_config(cls, args: Any, cfg: RoundConfig) -> tuple[Rule, Schedule]:
+        """The rule and its schedule from the checked args (plexus.config.STRATEGY_ARGS) and the whole config."""
+        return cls(**_fields(args)), Sampling.of(cfg)
+
+    def state_arrays(self) -> State:
+        """Optimizer / control-variate arrays to checkpoint with the model."""
+        return {}
+
+    def state_meta(self) -> dict:
+        """JSON-able rule state to checkpoint with the model."""
+        return {}
+
+    def load_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None:
+        """Restore what state_arrays/state_meta saved (crash-resume)."""
+
+
+class MeanRule(Rule):
+    """The next global model from the round's weighted mean of updates (a sum: secure aggregation can make it).
+
+    This base class keeps the mean itself (FedAvg): the engine may then write the mean straight
+    into the checkpoint without calling `step`.
+    """
+
+    weighting: ClassVar[str] = "samples"   # "samples": weigh each update by num_samples; "uniform": by 1
+    reads_current: ClassVar[bool] = False  # step reads the current model (else the engine frees it first)
+
+    def served(self, current: State) -> State:
+        """Extra tensors served with the model (SCAFFOLD's c)."""
+        return {}
+
+    def update_extras(self, model: Layout) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, wire dtype, shape) of the extra tensors every update carries (SCAFFOLD's Δc)."""
+        return []
+
+    def step(self, round_: int, current: State | None, mean: State, contributors: list[str], *,
+             population: int) -> State:
+        """The next global model from the mean; `population`: the sites the round's trainers were drawn from."""
+        return mean
+
+
+class UpdatesRule(Rule):
+    """The next global model from every update at once (robust rules, ensembling): updates in the clear.
+
+    Never under secure aggregation or DP-FedAvg: the rule takes no sum or no mean. Subclasses
+    say why in clear_reason and dp_reason.
+    """
+
+    min_contributors: int = 1   # the rule is undefined below this many updates in a round
+
+    def combine(self, round_: int, current: State, updates: list[Update]) -> State:
+        """The next global model from every update of the round."""
+        raise NotImplementedError
+
+
+def keeps_mean(rule: Rule) -> bool:
+    """Whether the rule's next model is the round's mean itself (it does not override MeanRule.step)."""
+    return isinstance(rule, MeanRule) and type(rule).step is MeanRule.step
+
+
+def _fields(args: Any) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in args.__dataclass_fields__}
+
+
+# Schedules --------------------------------------------------------------------------------
+
+class Schedule:
+    """Who trains each round, and how long; its state is checkpointed with the model."""
 
     def configure(self, round_: int, available: list[str], known: list[str]) -> list[str]:
         """The sites that train this round (pure: the engine may call it repeatedly)."""
-        s = self.sampling
-        return sample_sites(available, fraction=s.fraction, count=s.count, minimum=s.minimum, seed=s.seed,
-                            round_=round_)
+        raise NotImplementedError
 
     def opened(self, round_: int, participants: list[str], known: list[str]) -> list[str]:
         """The round opened with these trainers: commit schedule state; return notes for the event log."""
@@ -210,51 +194,78 @@ class Strategy:
         """Minibatch steps `site` takes this round; 0 means train.steps/epochs."""
         return 0
 
-    def served(self, current: State) -> State:
-        """Extra tensors served with the model."""
-        return {}
-
-    def update_extras(self, model: Layout) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, wire dtype, shape) of the extra tensors every update carries."""
-        return []
-
-    def aggregate(self, round_: int, current: State, mean: State, contributors: list[str]) -> State:
-        """The next global model from the weighted mean of the round's updates."""
-        raise NotImplementedError(f"strategy {self.name!r} holds updates; the engine calls aggregate_updates")
-
-    def aggregate_updates(self, round_: int, current: State, updates: list[Update]) -> State:
-        """The next global model from every update of the round (holds_updates rules)."""
-        raise NotImplementedError(f"strategy {self.name!r} folds a weighted mean; the engine calls aggregate")
-
-    def state_arrays(self) -> State:
-        """Optimizer / control-variate arrays to checkpoint with the model."""
-        return {}
-
     def state_meta(self) -> dict:
         """JSON-able schedule state to checkpoint with the model."""
         return {}
 
+    def load_state(self, meta: Mapping) -> None:
+        """Restore what state_meta saved (crash-resume)."""
+
+
+@dataclass(frozen=True)
+class Sampling(Schedule):
+    """Client sampling (sites.fraction/count/min) seeded by the job seed: every online site when neither is set."""
+
+    fraction: float | None = None
+    count: int | None = None
+    minimum: int = 1
+    seed: int = 0
+
+    @classmethod
+    def of(cls, cfg: RoundConfig) -> Sampling:
+        return cls(cfg.sites.fraction, cfg.sites.count, cfg.sites.min, cfg.seed)
+
+    def configure(self, round_: int, available: list[str], known: list[str]) -> list[str]:
+        return sample_sites(available, fraction=self.fraction, count=self.count, minimum=self.minimum,
+                            seed=self.seed, round_=round_)
+
+
+# The strategy -----------------------------------------------------------------------------
+
+class Strategy:
+    """A rule and a schedule, built by make_strategy; no I/O. The engine dispatches on the rule's type."""
+
+    def __init__(self, name: str, rule: MeanRule | UpdatesRule, schedule: Schedule) -> None:
+        self.name, self.rule, self.schedule = name, rule, schedule
+        self.population = 0   # known sites ∪ trainers when the latest round opened (MeanRule.step's population)
+
+    @property
+    def min_contributors(self) -> int:
+        """The fewest updates the rule is defined for."""
+        return self.rule.min_contributors if isinstance(self.rule, UpdatesRule) else 1
+
+    def opened(self, round_: int, participants: list[str], known: list[str]) -> list[str]:
+        """The round opened: the schedule commits its state; notes for the event log."""
+        self.population = len(set(known) | set(participants))
+        return self.schedule.opened(round_, participants, known)
+
+    def state_arrays(self) -> State:
+        """The rule's arrays to checkpoint (schedules keep JSON only)."""
+        return self.rule.state_arrays()
+
+    def state_meta(self) -> dict:
+        """Rule and schedule state together (their keys never overlap), as one JSON object."""
+        return {**self.rule.state_meta(), **self.schedule.state_meta()}
+
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None:
-        """Restore what state_arrays/state_meta saved (crash-resume)."""
+        """Restore rule and schedule from a checkpoint (crash-resume)."""
+        self.rule.load_state(arrays, meta)
+        self.schedule.load_state(meta)
 
 
-class FedAvg(Strategy):
+class FedAvg(MeanRule):
     """McMahan et al. 2017: the next model is Σ n_k x_k / Σ n_k over the round's sites."""
 
     name = "fedavg"
-    secure_aggregation = True  # a weighted sum: secure aggregation can compute it without seeing any update
-    uses_current = False       # the next model is the mean alone: the engine may free the old one first
-    mean_is_model = True
 
-    def aggregate(self, round_: int, current: State, mean: State, contributors: list[str]) -> State:
-        return mean
+    def __init__(self) -> None:
+        pass
 
 
 class FedProx(FedAvg):
-    """Li et al. 2020: FedAvg at the server; each site adds (mu/2)‖w − x‖² to its loss."""
+    """Li et al. 2020: FedAvg at the server; each site adds (mu/2)‖w − x‖² to its loss (site_agent.local)."""
 
     name = "fedprox"
-    params = {"mu": Param("number", 0.01, in_range(0, lo_open=True))}
     local_training = "adds a proximal term to each site's loss"
 
     def __init__(self, *, mu: float = 0.01) -> None:

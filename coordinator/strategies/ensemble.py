@@ -6,30 +6,26 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from coordinator.strategies.base import Param, State, Strategy, Update, cast, refuse_sampling
+from coordinator.strategies.base import Schedule, State, Update, UpdatesRule, cast, refuse_sampling
 from plexus.config import RoundConfig
 from plexus.errors import ConfigError, IntegrityError
 
 
-def _members(value: list[str]) -> str | None:
-    if len(value) < 2:
-        return f"lists {len(value)} site(s); list at least 2 member sites, one per ensemble model"
-    if len(set(value)) != len(value):
-        twice = sorted({s for s in value if value.count(s) > 1})
-        return f"lists {', '.join(twice)} more than once; list each member site once"
-    return None
+class Members(Schedule):
+    """Every online member site trains every round."""
+
+    def __init__(self, members: list[str]) -> None:
+        self.members = list(members)
+
+    def configure(self, round_: int, available: list[str], known: list[str]) -> list[str]:
+        return sorted(set(self.members) & set(available))
 
 
-class Ensemble(Strategy):
+class Ensemble(UpdatesRule):
     """Member i (site members[i]) trains `members.<i>.*`; `weights` ∝ its latest sample count (or uniform)."""
 
     name = "ensemble"
     local_training = "trains only the site's own member of the ensemble"
-    params = {"members": Param("sites", check=_members), "weighted": Param("boolean", True)}
-    holds_updates = True
-    uses_current = True
-    secure_aggregation = False
-    dp_compatible = False
     clear_reason = "each member's model is taken from its own site's update, never from a sum"
     dp_reason = ("each member model is one site's result, not a mean over sites, so noise calibrated to a "
                  "clipped mean would not protect it")
@@ -39,18 +35,15 @@ class Ensemble(Strategy):
         self._sizes: dict[str, int] = {}   # latest num_samples per member that has trained
 
     @classmethod
-    def from_config(cls, args, cfg: RoundConfig) -> Ensemble:
-        k = len(args["members"])
+    def from_config(cls, args, cfg: RoundConfig) -> tuple[Ensemble, Members]:
+        k = len(args.members)
         if cfg.sites.min > k:
             raise ConfigError(f"sites.min: is {cfg.sites.min} but only the {k} member sites train; "
                               f"set sites.min to at most {k}")
         refuse_sampling(cfg, cls.name, "every online member site")
-        return cls(**args)
+        return cls(members=list(args.members), weighted=args.weighted), Members(args.members)
 
-    def configure(self, round_: int, available: list[str], known: list[str]) -> list[str]:
-        return sorted(set(self.members) & set(available))
-
-    def aggregate_updates(self, round_: int, current: State, updates: list[Update]) -> State:
+    def combine(self, round_: int, current: State, updates: list[Update]) -> State:
         if "weights" not in current:
             raise IntegrityError("the global model has no 'weights' tensor; strategy ensemble needs the "
                                  "Ensemble model that build_job_model makes")

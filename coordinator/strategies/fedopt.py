@@ -6,24 +6,20 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from coordinator.strategies.base import Param, State, Strategy, cast, in_range, is_float
-
-_ETA = {"eta": Param("number", 0.01, in_range(0, lo_open=True))}
-_BETA1 = {"beta1": Param("number", 0.9, in_range(0, 1, hi_open=True))}
-_BETA2 = {"beta2": Param("number", 0.99, in_range(0, 1, hi_open=True))}
-_TAU = {"tau": Param("number", 1e-3, in_range(0, lo_open=True))}
+from coordinator.strategies.base import MeanRule, State, cast, is_float
 
 
-class ServerOptimizer(Strategy):
+class ServerOptimizer(MeanRule):
     """x ← step(x, Δ) per float tensor (float64 math, state kept as float32); integer tensors take the mean."""
 
-    uses_current = True
+    reads_current = True
     slots: tuple[str, ...] = ()   # optimizer state per tensor, saved as "<slot>/<tensor>"
 
     def __init__(self) -> None:
         self._state: dict[str, dict[str, np.ndarray]] = {slot: {} for slot in self.slots}
 
-    def aggregate(self, round_: int, current: State, mean: State, contributors: list[str]) -> State:
+    def step(self, round_: int, current: State, mean: State, contributors: list[str], *,
+             population: int) -> State:
         out = {}
         for name, x in current.items():
             if not is_float(x.dtype):
@@ -32,13 +28,13 @@ class ServerOptimizer(Strategy):
             x64 = x.astype(np.float64)
             slots = {slot: self._state[slot].get(name, np.zeros(x.shape, np.float32)).astype(np.float64)
                      for slot in self.slots}
-            step = self.step(np.asarray(mean[name], np.float64) - x64, slots)
+            change = self.change(np.asarray(mean[name], np.float64) - x64, slots)
             for slot in self.slots:
                 self._state[slot][name] = slots[slot].astype(np.float32)
-            out[name] = (x64 + step).astype(x.dtype)
+            out[name] = (x64 + change).astype(x.dtype)
         return out
 
-    def step(self, delta: np.ndarray, slots: dict[str, np.ndarray]) -> np.ndarray:
+    def change(self, delta: np.ndarray, slots: dict[str, np.ndarray]) -> np.ndarray:
         """The change to x; updates `slots` (float64) in place or by reassignment."""
         raise NotImplementedError
 
@@ -57,15 +53,13 @@ class FedAvgM(ServerOptimizer):
     """Server momentum (Hsu et al. 2019): v ← momentum·v + Δ; x ← x + eta·v."""
 
     name = "fedavgm"
-    params = {"eta": Param("number", 1.0, in_range(0, lo_open=True)),
-              "momentum": Param("number", 0.9, in_range(0, 1, hi_open=True))}
     slots = ("v",)
 
     def __init__(self, *, eta: float = 1.0, momentum: float = 0.9) -> None:
         super().__init__()
         self.eta, self.momentum = eta, momentum
 
-    def step(self, delta, slots):
+    def change(self, delta, slots):
         slots["v"] = self.momentum * slots["v"] + delta
         return self.eta * slots["v"]
 
@@ -74,14 +68,13 @@ class FedAdam(ServerOptimizer):
     """m ← β1 m + (1−β1)Δ; v ← β2 v + (1−β2)Δ²; x ← x + η m/(√v + τ); no bias correction."""
 
     name = "fedadam"
-    params = {**_ETA, **_BETA1, **_BETA2, **_TAU}
     slots = ("m", "v")
 
     def __init__(self, *, eta: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3) -> None:
         super().__init__()
         self.eta, self.beta1, self.beta2, self.tau = eta, beta1, beta2, tau
 
-    def step(self, delta, slots):
+    def change(self, delta, slots):
         slots["m"] = self.beta1 * slots["m"] + (1 - self.beta1) * delta
         slots["v"] = self.second_moment(slots["v"], delta * delta)
         return self.eta * slots["m"] / (np.sqrt(slots["v"]) + self.tau)
@@ -103,7 +96,6 @@ class FedAdagrad(FedAdam):
     """As FedAdam with v ← v + Δ²."""
 
     name = "fedadagrad"
-    params = {**_ETA, **_BETA1, **_TAU}
 
     def __init__(self, *, eta: float = 0.01, beta1: float = 0.9, tau: float = 1e-3) -> None:
         super().__init__(eta=eta, beta1=beta1, tau=tau)

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from coordinator.strategies.base import Param, State, Strategy, Update, cast, in_range, is_float
+from coordinator.strategies.base import Schedule, State, Update, UpdatesRule, cast, is_float
 from plexus.config import RoundConfig
 from plexus.errors import ConfigError
 
@@ -23,24 +23,22 @@ def _stack(updates: list[Update], name: str) -> np.ndarray:
     return np.stack([np.asarray(u.state[name], np.float64) for u in updates])
 
 
-class Robust(Strategy):
+class Robust(UpdatesRule):
     """Shared plumbing: site-ordered updates, the output layout, integer tensors from the first update."""
 
-    holds_updates = True
-    secure_aggregation = False
-    dp_compatible = False
     clear_reason = _CLEAR
     dp_reason = _NO_DP
 
-    def aggregate_updates(self, round_: int, current: State, updates: list[Update]) -> State:
+    def combine(self, round_: int, current: State, updates: list[Update]) -> State:
         if len(updates) < max(1, self.min_contributors):
             raise ValueError(f"{self.name} needs at least {max(1, self.min_contributors)} updates, got "
                              f"{len(updates)}; the engine must not close a round below min_contributors")
         updates = sorted(updates, key=lambda u: u.site)
         template = current or updates[0].state
-        return self.combine(updates, {name: np.asarray(a).dtype for name, a in template.items()})
+        return self.pick(updates, {name: np.asarray(a).dtype for name, a in template.items()})
 
-    def combine(self, updates: list[Update], dtypes: dict[str, np.dtype]) -> State:
+    def pick(self, updates: list[Update], dtypes: dict[str, np.dtype]) -> State:
+        """The next model's tensors (of these dtypes) from the site-ordered updates."""
         out = {}
         for name, dtype in dtypes.items():
             if is_float(dtype):
@@ -67,7 +65,6 @@ class TrimmedMean(Robust):
     """Drop the floor(beta·n) largest and smallest values per coordinate, mean the rest (Yin et al. 2018)."""
 
     name = "trimmed_mean"
-    params = {"beta": Param("number", 0.1, in_range(0, 0.5, hi_open=True))}
 
     def __init__(self, *, beta: float = 0.1) -> None:
         self.beta = beta
@@ -94,15 +91,14 @@ class Krum(Robust):
     """Blanchard et al. 2017: the update closest to its n − f − 2 nearest neighbours; needs n ≥ 2f + 3."""
 
     name = "krum"
-    params = {"f": Param("integer", 1, in_range(0))}
 
     def __init__(self, *, f: int = 1) -> None:
         self.f = f
         self.min_contributors = 2 * f + 3
 
     @classmethod
-    def from_config(cls, args, cfg: RoundConfig) -> Krum:
-        f, need = args["f"], 2 * args["f"] + 3
+    def from_config(cls, args, cfg: RoundConfig) -> tuple[Krum, Schedule]:
+        f, need = args.f, 2 * args.f + 3
         fix = f"set sites.min: {need} (or more) or lower strategy.args.f"
         if cfg.sites.min < need:
             raise ConfigError(f"sites.min: {cls.name} with f={f} needs n > 2f+2, at least {need} updates per "
@@ -111,14 +107,14 @@ class Krum(Robust):
             raise ConfigError(f"sites.count: {cls.name} with f={f} needs n > 2f+2, at least {need} updates per "
                               f"round, but sites.count samples only {cfg.sites.count}; raise sites.count to "
                               f"{need} or lower strategy.args.f")
-        return cls(**args)
+        return super().from_config(args, cfg)
 
     def ranking(self, updates: list[Update], dtypes: dict[str, np.dtype]) -> list[int]:
         """Update indices from the lowest Krum score up; ties go to the lower site name."""
         scores = krum_scores(updates, [name for name, dt in dtypes.items() if is_float(dt)], self.f)
         return sorted(range(len(updates)), key=lambda i: (scores[i], updates[i].site))
 
-    def combine(self, updates, dtypes):
+    def pick(self, updates, dtypes):
         best = updates[self.ranking(updates, dtypes)[0]]
         return {name: cast(best.state[name], dtype) for name, dtype in dtypes.items()}
 
@@ -127,23 +123,22 @@ class MultiKrum(Krum):
     """The unweighted mean of the m updates with the lowest Krum scores (m defaults to n − f)."""
 
     name = "multi_krum"
-    params = {"f": Param("integer", 1, in_range(0)), "m": Param("integer", None, in_range(1), nullable=True)}
 
     def __init__(self, *, f: int = 1, m: int | None = None) -> None:
         super().__init__(f=f)
         self.m = m
 
     @classmethod
-    def from_config(cls, args, cfg: RoundConfig) -> MultiKrum:
-        strategy = super().from_config(args, cfg)
-        most = cfg.sites.min - args["f"]
-        if args["m"] is not None and args["m"] > most:
-            raise ConfigError(f"strategy.args.m: {args['m']} is out of range; with sites.min {cfg.sites.min} and "
-                              f"f={args['f']} a round may have only {cfg.sites.min} updates, so use m in 1..{most} "
+    def from_config(cls, args, cfg: RoundConfig) -> tuple[MultiKrum, Schedule]:
+        built = super().from_config(args, cfg)
+        most = cfg.sites.min - args.f
+        if args.m is not None and args.m > most:
+            raise ConfigError(f"strategy.args.m: {args.m} is out of range; with sites.min {cfg.sites.min} and "
+                              f"f={args.f} a round may have only {cfg.sites.min} updates, so use m in 1..{most} "
                               "(or raise sites.min)")
-        return strategy
+        return built
 
-    def combine(self, updates, dtypes):
+    def pick(self, updates, dtypes):
         order = self.ranking(updates, dtypes)
         m = len(updates) - self.f if self.m is None else min(self.m, len(updates))
         chosen = [updates[i] for i in order[:m]]

@@ -6,43 +6,40 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from coordinator.strategies.base import Param, State, Strategy, cast, in_range, is_float
+from coordinator.strategies.base import MeanRule, Sampling, Schedule, State, cast, is_float
 from plexus.config import RoundConfig
 from plexus.errors import ConfigError, IntegrityError
 from plexus.wire import FLOAT_DTYPES, SCAFFOLD_C as C, SCAFFOLD_DC as DC, Layout
 
 
-class Scaffold(Strategy):
+class Scaffold(MeanRule):
     """x ← x + eta_g (mean y − x); c ← c + (|S|/N) mean Δc; sites get c with the model and return Δc."""
 
     name = "scaffold"
     local_training = "corrects every gradient step with the control variates"
-    params = {"eta_g": Param("number", 1.0, in_range(0, lo_open=True))}
-    uses_current = True
-    uniform_weights = True   # the paper's mean(Δy) and mean(Δc) are unweighted
+    reads_current = True
+    weighting = "uniform"   # the paper's mean(Δy) and mean(Δc) are unweighted
     # Both means are sums divided by |S|, but the secure-aggregation protocol carries the model update
     # only, not the Δc that every SCAFFOLD update adds.
-    secure_aggregation = False
     clear_reason = ("every update also carries the control-variate change Δc, which the secure-aggregation "
                     "protocol does not carry")
-    dp_compatible = False
     dp_reason = ("DP-FedAvg clips and noises the model update only, while every update also carries Δc, which "
                  "would reach the coordinator unclipped and un-noised")
 
     def __init__(self, *, eta_g: float = 1.0) -> None:
         self.eta_g = eta_g
         self._c: dict[str, np.ndarray] = {}
-        self._known = 0
+        self._known = 0   # N of the latest round (checkpointed; step is given it afresh every round)
 
     @classmethod
-    def from_config(cls, args, cfg: RoundConfig) -> Scaffold:
+    def from_config(cls, args, cfg: RoundConfig) -> tuple[Scaffold, Schedule]:
         opt = cfg.train.optimizer
         if opt.name != "sgd" or opt.momentum != 0:
             raise ConfigError(f"train.optimizer: scaffold needs plain SGD (name: sgd, momentum: 0), got name: "
                               f"{opt.name}, momentum: {opt.momentum}, because each site's control-variate update "
                               "(x − y)/(K·lr) assumes the plain SGD step size; set train.optimizer.name: sgd and "
                               "momentum: 0")
-        return cls(**args)
+        return cls(eta_g=args.eta_g), Sampling.of(cfg)
 
     def _control(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self._c:
@@ -56,11 +53,9 @@ class Scaffold(Strategy):
         # float32 whatever the tensor's float dtype, as c is (and as site_agent.local sends Δc)
         return [(DC + t.name, "F32", t.shape) for t in model.tensors if t.dtype in FLOAT_DTYPES]
 
-    def opened(self, round_: int, participants: list[str], known: list[str]) -> list[str]:
-        self._known = len(set(known) | set(participants))
-        return []
-
-    def aggregate(self, round_: int, current: State, mean: State, contributors: list[str]) -> State:
+    def step(self, round_: int, current: State, mean: State, contributors: list[str], *,
+             population: int) -> State:
+        self._known = population
         share = len(contributors) / max(self._known, len(contributors))   # |S| / N
         out = {}
         for name, x in current.items():

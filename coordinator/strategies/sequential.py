@@ -1,10 +1,13 @@
-"""Sequential weight transfer (Chang et al. 2018): one site trains per round and hands the model on."""
+"""Sequential weight transfer (Chang et al. 2018): one site trains per round and hands the model on.
+
+The rule is the plain mean (of one update: that site's model); the schedules say whose turn it is.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from coordinator.strategies.base import Param, State, Strategy, refuse_sampling, seeded_rng
+from coordinator.strategies.base import MeanRule, Schedule, refuse_sampling, seeded_rng
 from plexus.config import RoundConfig
 from plexus.errors import ConfigError
 
@@ -29,23 +32,39 @@ def _order(purpose: str, shuffle: bool, seed: int, cycle: int, known: list[str])
     return order
 
 
-class SequentialStrategy(Strategy):
-    """One trainer per round: the round's mean is its model, which becomes the global model."""
-
-    secure_aggregation = False
-    clear_reason = _CLEAR
-    params = {"shuffle": Param("boolean", False)}
-    mean_is_model = True
-
-    def aggregate(self, round_: int, current: State, mean: State, contributors: list[str]) -> State:
-        return mean
-
-
-class CWT(SequentialStrategy):
-    """Cyclical weight transfer: visit every known site in turn, cycle after cycle; offline sites are skipped."""
+class CWT(MeanRule):
+    """Cyclical weight transfer: the plain mean (one site's model) over the Cyclic schedule."""
 
     name = "cwt"
-    params = {"shuffle": Param("boolean", False), "proportional": Param("boolean", False)}
+    clear_reason = _CLEAR
+
+    @classmethod
+    def from_config(cls, args, cfg: RoundConfig) -> tuple[CWT, Cyclic]:
+        _check_one_site(cls.name, cfg)
+        if args.proportional and cfg.train.steps is None:
+            raise ConfigError("strategy.args.proportional: needs train.steps, the local steps of a site of mean "
+                              "size, which each site's steps are scaled from; set train.steps or "
+                              "proportional: false")
+        return cls(), Cyclic(shuffle=args.shuffle, proportional=args.proportional, steps=cfg.train.steps,
+                             seed=cfg.seed)
+
+
+class SWT(MeanRule):
+    """Single weight transfer: the plain mean (one site's model) over the Single schedule."""
+
+    name = "swt"
+    clear_reason = _CLEAR
+
+    @classmethod
+    def from_config(cls, args, cfg: RoundConfig) -> tuple[SWT, Single]:
+        _check_one_site(cls.name, cfg)
+        return cls(), Single(shuffle=args.shuffle, seed=cfg.seed)
+
+
+class Cyclic(Schedule):
+    """CWT's schedule: visit every known site in turn, cycle after cycle; offline sites are skipped."""
+
+    name = "cwt"
 
     def __init__(self, *, shuffle: bool = False, proportional: bool = False, steps: int | None = None,
                  seed: int = 0) -> None:
@@ -53,15 +72,6 @@ class CWT(SequentialStrategy):
             raise ValueError("proportional cwt needs steps (the local steps of a site of mean size)")
         self.shuffle, self.proportional, self.steps, self.seed = shuffle, proportional, steps, seed
         self._cycle, self._order, self._pos = 0, [], 0   # cycle 0 is empty: the first round starts cycle 1
-
-    @classmethod
-    def from_config(cls, args, cfg: RoundConfig) -> CWT:
-        _check_one_site(cls.name, cfg)
-        if args["proportional"] and cfg.train.steps is None:
-            raise ConfigError("strategy.args.proportional: needs train.steps, the local steps of a site of mean "
-                              "size, which each site's steps are scaled from; set train.steps or "
-                              "proportional: false")
-        return cls(**args, steps=cfg.train.steps, seed=cfg.seed)
 
     def _due(self, known: list[str]) -> Iterator[tuple[int, list[str], int]]:
         """(cycle, order, position) from the current position: the rest of this cycle, then all of the next."""
@@ -97,13 +107,13 @@ class CWT(SequentialStrategy):
     def state_meta(self) -> dict:
         return {"cycle": self._cycle, "order": list(self._order), "pos": self._pos}
 
-    def load_state(self, arrays, meta: Mapping) -> None:
+    def load_state(self, meta: Mapping) -> None:
         self._cycle, self._pos = int(meta.get("cycle", 0)), int(meta.get("pos", 0))
         self._order = [str(s) for s in meta.get("order", [])]
 
 
-class SWT(SequentialStrategy):
-    """Single weight transfer: every known site trains once, in a fixed order, and the job is done."""
+class Single(Schedule):
+    """SWT's schedule: every known site trains once, in a fixed order, and the job is done."""
 
     name = "swt"
 
@@ -112,11 +122,6 @@ class SWT(SequentialStrategy):
         self._order: list[str] | None = None   # fixed by the first round that opens
         self._pos = 0
         self._last_round = 0
-
-    @classmethod
-    def from_config(cls, args, cfg: RoundConfig) -> SWT:
-        _check_one_site(cls.name, cfg)
-        return cls(**args, seed=cfg.seed)
 
     def _remaining(self, known: list[str]) -> list[str]:
         if self._order is None:
@@ -147,7 +152,7 @@ class SWT(SequentialStrategy):
     def state_meta(self) -> dict:
         return {"order": self._order, "pos": self._pos, "last_round": self._last_round}
 
-    def load_state(self, arrays, meta: Mapping) -> None:
+    def load_state(self, meta: Mapping) -> None:
         order = meta.get("order")
         self._order = None if order is None else [str(s) for s in order]
         self._pos, self._last_round = int(meta.get("pos", 0)), int(meta.get("last_round", 0))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from coordinator.aggregate import FRAC_BITS, MAX_WEIGHT, WeightedSum
-from coordinator.strategies import FedAvg
+from coordinator.strategies import FedAvg, Sampling
 from plexus.errors import IntegrityError, RoundClosed
 from plexus.wire import encode
 
@@ -231,8 +231,8 @@ def test_pieces_that_break_their_declared_length_poison_the_sum(delivered):
 # strategies --------------------------------------------------------------------------------
 
 def test_fedavg_trains_every_available_site_in_sorted_order():
-    assert FedAvg().configure(3, ["site-c", "site-a", "site-b"], []) == ["site-a", "site-b", "site-c"]
-    assert FedAvg().configure(1, [], []) == []
+    assert Sampling().configure(3, ["site-c", "site-a", "site-b"], []) == ["site-a", "site-b", "site-c"]
+    assert Sampling().configure(1, [], []) == []
 
 
 def test_fedavg_aggregate_returns_the_weighted_mean():
@@ -240,7 +240,7 @@ def test_fedavg_aggregate_returns_the_weighted_mean():
     sites = [({"w": np.array([1.0, 2.0, 3.0], np.float32)}, 1), ({"w": np.array([3.0, 2.0, 1.0], np.float32)}, 3)]
     mean = _mean(sites)
 
-    nxt = FedAvg().aggregate(1, current, mean, ["a", "b"])
+    nxt = FedAvg().step(1, current, mean, ["a", "b"], population=2)
 
     assert nxt["w"].tolist() == [2.5, 2.0, 1.5]
     assert _bits(nxt) == _bits(mean)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from coordinator.strategies import REGISTRY, Strategy, Update, make_strategy, sample_sites
+from coordinator.strategies import (
+    REGISTRY, Strategy, Update, UpdatesRule, keeps_mean, make_strategy, refuses_dp, refuses_secure_aggregation,
+    sample_sites,
+)
 from coordinator.strategies.robust import krum_scores
-from plexus.config import parse_round_config
+from plexus.config import STRATEGY_ARGS, parse_round_config
 from plexus.errors import ConfigError, IntegrityError
 from plexus.wire import Layout
 
@@ -34,6 +38,11 @@ def f32(*values: float) -> np.ndarray:
     return np.array(values, np.float32)
 
 
+def step(s: Strategy, round_: int, current, mean, contributors):
+    """The MeanRule's next model, with the population the strategy recorded when the round opened."""
+    return s.rule.step(round_, current, mean, contributors, population=s.population)
+
+
 def restored(strategy: Strategy, config: str, *extra: str) -> Strategy:
     """A fresh strategy loaded from `strategy`'s saved state, meta through JSON as a checkpoint would."""
     fresh = build(config, *extra)
@@ -49,13 +58,13 @@ def test_fedavgm_two_rounds_by_hand():
     x0 = {"w": f32(1, 2), "n": np.array([5], np.int64)}
 
     # Δ = [2, 0] − [1, 2] = [1, −2]; v = Δ; x = x + 0.5 v
-    x1 = s.aggregate(1, x0, {"w": f32(2, 0), "n": np.array([7], np.int64)}, ["a", "b"])
+    x1 = step(s, 1, x0, {"w": f32(2, 0), "n": np.array([7], np.int64)}, ["a", "b"])
     assert x1["w"].tolist() == [1.5, 1.0] and x1["w"].dtype == np.float32
     assert x1["n"].tolist() == [7] and x1["n"].dtype == np.int64
     assert s.state_arrays()["v/w"].tolist() == [1.0, -2.0]
 
     # Δ = [2.5, 1] − [1.5, 1] = [1, 0]; v = 0.5·[1, −2] + [1, 0] = [1.5, −1]; x = [1.5 + 0.75, 1 − 0.5]
-    x2 = s.aggregate(2, x1, {"w": f32(2.5, 1.0), "n": np.array([7], np.int64)}, ["a"])
+    x2 = step(s, 2, x1, {"w": f32(2.5, 1.0), "n": np.array([7], np.int64)}, ["a"])
     assert x2["w"].tolist() == [2.25, 0.5]
     assert s.state_arrays()["v/w"].tolist() == [1.5, -1.0]
 
@@ -78,7 +87,7 @@ def test_fedopt_two_rounds_by_hand(name, v1, v2):
     x0 = {"w": np.array([1.0, 2.0]), "n": np.array([3], np.int32)}
 
     # m = 0.5 Δ = [1, −2]; x = x + 0.3 m / (√v + 1)
-    x1 = s.aggregate(1, x0, {"w": np.array([3.0, -2.0]), "n": np.array([4], np.int32)}, ["a"])
+    x1 = step(s, 1, x0, {"w": np.array([3.0, -2.0]), "n": np.array([4], np.int32)}, ["a"])
     assert x1["w"] == pytest.approx([1 + 0.3 * 1 / (math.sqrt(v1[0]) + 1), 2 + 0.3 * -2 / (math.sqrt(v1[1]) + 1)])
     assert x1["w"].dtype == np.float64 and x1["n"].tolist() == [4] and x1["n"].dtype == np.int32
     state = s.state_arrays()
@@ -86,7 +95,7 @@ def test_fedopt_two_rounds_by_hand(name, v1, v2):
 
     # m = 0.5 [1, −2] + 0.5 [0, 4] = [0.5, 1]
     mean = {"w": x1["w"] + np.array([0.0, 4.0]), "n": np.array([4], np.int32)}
-    x2 = s.aggregate(2, x1, mean, ["a"])
+    x2 = step(s, 2, x1, mean, ["a"])
     assert x2["w"] == pytest.approx(x1["w"] + 0.3 * np.array([0.5, 1.0]) / (np.sqrt(v2) + 1), rel=1e-6)
     state = s.state_arrays()
     assert state["m/w"].tolist() == [0.5, 1.0] and state["v/w"] == pytest.approx(v2)
@@ -94,7 +103,7 @@ def test_fedopt_two_rounds_by_hand(name, v1, v2):
 
 def test_fedopt_casts_to_the_current_dtype_and_keeps_only_model_names():
     s = build("fedadam")
-    out = s.aggregate(1, {"w": f32(0, 0)}, {"w": f32(1, 1)}, ["a"])
+    out = step(s, 1, {"w": f32(0, 0)}, {"w": f32(1, 1)}, ["a"])
     assert set(out) == {"w"} and out["w"].dtype == np.float32
 
 
@@ -102,37 +111,38 @@ def test_fedopt_casts_to_the_current_dtype_and_keeps_only_model_names():
 
 def test_scaffold_x_and_c_over_two_rounds_with_partial_participation():
     s = build("{name: scaffold, args: {eta_g: 0.5}}")
-    assert s.uniform_weights and s.uses_current and not s.secure_aggregation and not s.dp_compatible
+    assert s.rule.weighting == "uniform" and s.rule.reads_current and not keeps_mean(s.rule)
+    assert refuses_secure_aggregation(type(s.rule)) and refuses_dp(type(s.rule))
     x0 = {"w": f32(1, 2), "n": np.array([1], np.int64)}
-    assert {k: v.tolist() for k, v in s.served(x0).items()} == {"scaffold/c/w": [0.0, 0.0]}
-    assert s.served(x0)["scaffold/c/w"].dtype == np.float32
+    assert {k: v.tolist() for k, v in s.rule.served(x0).items()} == {"scaffold/c/w": [0.0, 0.0]}
+    assert s.rule.served(x0)["scaffold/c/w"].dtype == np.float32
 
     # |S|/N = 2/4. x = [1, 2] + 0.5 ([3, 0] − [1, 2]) = [2, 1]; c = 0 + 0.5 [0.4, −0.2] = [0.2, −0.1]
     assert s.opened(1, ["a", "b"], ["a", "b", "c", "d"]) == []
-    x1 = s.aggregate(1, x0, {"w": f32(3, 0), "n": np.array([3], np.int64), "scaffold/dc/w": f32(0.4, -0.2)},
+    x1 = step(s, 1, x0, {"w": f32(3, 0), "n": np.array([3], np.int64), "scaffold/dc/w": f32(0.4, -0.2)},
                      ["a", "b"])
     assert x1["w"].tolist() == [2.0, 1.0] and x1["n"].tolist() == [3] and set(x1) == {"w", "n"}
-    assert s.served(x1)["scaffold/c/w"] == pytest.approx([0.2, -0.1])
+    assert s.rule.served(x1)["scaffold/c/w"] == pytest.approx([0.2, -0.1])
 
     # |S|/N = 3/4. x = [2, 1] + 0.5 ([2, 3] − [2, 1]) = [2, 2]; c = [0.2, −0.1] + 0.75 [0.4, 0.4] = [0.5, 0.2]
     s.opened(2, ["a", "b", "c"], ["a", "b", "c", "d"])
-    x2 = s.aggregate(2, x1, {"w": f32(2, 3), "n": np.array([3], np.int64), "scaffold/dc/w": f32(0.4, 0.4)},
+    x2 = step(s, 2, x1, {"w": f32(2, 3), "n": np.array([3], np.int64), "scaffold/dc/w": f32(0.4, 0.4)},
                      ["a", "b", "c"])
     assert x2["w"].tolist() == [2.0, 2.0]
-    assert s.served(x2)["scaffold/c/w"] == pytest.approx([0.5, 0.2])
+    assert s.rule.served(x2)["scaffold/c/w"] == pytest.approx([0.5, 0.2])
     assert s.state_arrays()["c/w"] == pytest.approx([0.5, 0.2])
 
 
 def test_scaffold_update_extras_cover_the_float_tensors():
     layout = Layout.build([("w", "F32", (2, 3)), ("steps", "I64", ()), ("h", "F16", (4,))])
-    assert build("scaffold").update_extras(layout) == [("scaffold/dc/h", "F32", (4,)),
+    assert build("scaffold").rule.update_extras(layout) == [("scaffold/dc/h", "F32", (4,)),
                                                        ("scaffold/dc/w", "F32", (2, 3))]
 
 
 def test_scaffold_refuses_a_mean_without_dc():
     s = build("scaffold")
     with pytest.raises(IntegrityError, match="scaffold/dc/w"):
-        s.aggregate(1, {"w": f32(1)}, {"w": f32(2)}, ["a"])
+        step(s, 1, {"w": f32(1)}, {"w": f32(2)}, ["a"])
 
 
 # state round-trip -------------------------------------------------------------------------
@@ -148,13 +158,13 @@ def test_restored_strategy_continues_identically(config):
     known = ["a", "b", "c"]
     s = build(config)
     s.opened(1, ["a", "b"], known)
-    x1 = s.aggregate(1, x0, means[0], ["a", "b"])
+    x1 = step(s, 1, x0, means[0], ["a", "b"])
     twin = restored(s, config)
 
     outs = []
     for strategy in (s, twin):
         strategy.opened(2, ["a"], known)
-        outs.append((strategy.aggregate(2, x1, means[1], ["a"]), strategy.served(x1)))
+        outs.append((step(strategy, 2, x1, means[1], ["a"]), strategy.rule.served(x1)))
     (a, served_a), (b, served_b) = outs
     assert {k: v.tobytes() for k, v in a.items()} == {k: v.tobytes() for k, v in b.items()}
     assert {k: v.tobytes() for k, v in served_a.items()} == {k: v.tobytes() for k, v in served_b.items()}
@@ -173,11 +183,11 @@ def test_median_and_trimmed_mean_by_hand():
     updates = points()[::-1]   # order of arrival must not matter
     current = {"w": f32(0), "b": f32(0), "n": np.array([0], np.int64)}
 
-    med = build("median").aggregate_updates(1, current, updates)
+    med = build("median").rule.combine(1, current, updates)
     # w: [0, 3, 0, 1, 9] → 1; b: [0, 0, 1, 1, 9] → 1; n from the first site (a)
     assert med["w"].tolist() == [1.0] and med["b"].tolist() == [1.0] and med["n"].tolist() == [0]
 
-    tm = build("{name: trimmed_mean, args: {beta: 0.2}}").aggregate_updates(1, current, updates)
+    tm = build("{name: trimmed_mean, args: {beta: 0.2}}").rule.combine(1, current, updates)
     # floor(0.2·5) = 1 per side. w sorted [0, 0, 1, 3, 9] → mean(0, 1, 3); b [0, 0, 1, 1, 9] → mean(0, 1, 1)
     assert tm["w"] == pytest.approx([4 / 3]) and tm["b"] == pytest.approx([2 / 3])
     assert tm["w"].dtype == np.float32 and tm["n"].tolist() == [0]
@@ -191,7 +201,7 @@ def test_krum_scores_by_hand_over_all_tensors_together():
 
 def test_krum_picks_the_lowest_score_using_every_tensor():
     current = {"w": f32(0), "b": f32(0), "n": np.array([0], np.int64)}
-    out = build("krum", "sites: {min: 5}\n").aggregate_updates(1, current, points()[::-1])
+    out = build("krum", "sites: {min: 5}\n").rule.combine(1, current, points()[::-1])
     # c wins (score 2); with w alone a and c would tie and a would win
     assert out["w"].tolist() == [0.0] and out["b"].tolist() == [1.0] and out["n"].tolist() == [2]
 
@@ -199,7 +209,7 @@ def test_krum_picks_the_lowest_score_using_every_tensor():
 def test_krum_ties_go_to_the_lowest_site_name():
     updates = [Update(s, 1, {"w": f32(x)}) for s, x in [("e", 1), ("d", 0), ("c", 0), ("b", 1), ("a", 5)]]
     # scores (2 nearest): d 0+1, c 0+1, e 0+1, b 0+1, a 16+16 → d, c, e, b all 1 → b
-    out = build("krum", "sites: {min: 5}\n").aggregate_updates(1, {}, updates)
+    out = build("krum", "sites: {min: 5}\n").rule.combine(1, {}, updates)
     assert out["w"].tolist() == [1.0]
 
 
@@ -207,7 +217,7 @@ def test_krum_ties_go_to_the_lowest_site_name():
 def test_multi_krum_means_the_m_best(m, w, b):
     # ranking: c (2), a (3), d (3, after a by name), b (14), e (245); default m = n − f = 4
     args = "" if m is None else f", args: {{m: {m}}}"
-    out = build(f"{{name: multi_krum{args}}}", "sites: {min: 5}\n").aggregate_updates(1, {}, points())
+    out = build(f"{{name: multi_krum{args}}}", "sites: {min: 5}\n").rule.combine(1, {}, points())
     assert out["w"] == pytest.approx([w]) and out["b"] == pytest.approx([b]) and out["n"].tolist() == [2]
 
 
@@ -222,14 +232,14 @@ def test_a_planted_outlier_does_not_move_robust_rules(config):
         u.num_samples for u in updates)
     assert np.linalg.norm(weighted - honest_mean) > 100
 
-    out = build(config, "sites: {min: 5}\n").aggregate_updates(1, {"w": f32(0, 0, 0)}, updates)
+    out = build(config, "sites: {min: 5}\n").rule.combine(1, {"w": f32(0, 0, 0)}, updates)
     assert np.linalg.norm(out["w"] - honest_mean) < 0.05
 
 
 def test_robust_rules_need_the_updates_in_the_clear():
     for name in ("median", "trimmed_mean", "krum", "multi_krum"):
         s = REGISTRY[name]
-        assert s.holds_updates and not s.secure_aggregation and not s.dp_compatible
+        assert issubclass(s, UpdatesRule) and refuses_secure_aggregation(s) and refuses_dp(s)
 
 
 @pytest.mark.parametrize("name", ["krum", "multi_krum"])
@@ -247,7 +257,7 @@ def test_multi_krum_m_must_fit_the_smallest_round():
         build("{name: multi_krum, args: {m: 5}}", "sites: {min: 5}\n")
     with pytest.raises(ConfigError, match="strategy.args.m: 0 is out of range"):
         build("{name: multi_krum, args: {m: 0}}", "sites: {min: 5}\n")
-    assert build("{name: multi_krum, args: {m: 4}}", "sites: {min: 5}\n").m == 4
+    assert build("{name: multi_krum, args: {m: 4}}", "sites: {min: 5}\n").rule.m == 4
 
 
 # client sampling --------------------------------------------------------------------------
@@ -276,9 +286,9 @@ def test_sampling_is_seeded_and_varies_by_round_and_seed():
 
 def test_configure_samples_with_the_job_settings():
     s = build("fedavg", "seed: 9\nsites: {fraction: 0.3}\n")
-    assert s.configure(2, SITES, SITES) == sample_sites(SITES, fraction=0.3, count=None, minimum=1, seed=9,
+    assert s.schedule.configure(2, SITES, SITES) == sample_sites(SITES, fraction=0.3, count=None, minimum=1, seed=9,
                                                         round_=2)
-    assert build("fedadam").configure(1, ["b", "a"], ["a", "b", "c"]) == ["a", "b"]
+    assert build("fedadam").schedule.configure(1, ["b", "a"], ["a", "b", "c"]) == ["a", "b"]
 
 
 # cwt and swt ------------------------------------------------------------------------------
@@ -289,7 +299,7 @@ CWT = "sites: {min: 1}\n"
 def run_cwt(s: Strategy, rounds: int, known: list[str], available: list[str] | None = None):
     visits, notes = [], []
     for r in range(1, rounds + 1):
-        chosen = s.configure(r, known if available is None else available, known)
+        chosen = s.schedule.configure(r, known if available is None else available, known)
         notes += s.opened(r, chosen, known)
         visits += chosen
     return visits, notes
@@ -313,15 +323,15 @@ def test_cwt_shuffle_is_seeded_and_differs_per_cycle():
 def test_cwt_skips_missing_sites_with_a_note_and_configure_is_pure():
     s = build("cwt")
     known = ["a", "b", "c"]
-    assert s.configure(1, known, known) == ["a"]
+    assert s.schedule.configure(1, known, known) == ["a"]
     s.opened(1, ["a"], known)
     meta = s.state_meta()
-    assert s.configure(2, ["a", "c"], known) == ["c"] == s.configure(2, ["a", "c"], known)
+    assert s.schedule.configure(2, ["a", "c"], known) == ["c"] == s.schedule.configure(2, ["a", "c"], known)
     assert s.state_meta() == meta
     assert s.opened(2, ["c"], known) == ["cwt: skipped b (not online when its turn came)"]
     # the cycle is spent: the next one starts at a; looking ahead runs into it when the rest is offline
-    assert s.configure(3, ["b"], known) == ["b"]
-    assert s.configure(3, [], known) == []
+    assert s.schedule.configure(3, ["b"], known) == ["b"]
+    assert s.schedule.configure(3, [], known) == []
     assert s.opened(3, ["b"], known) == ["cwt: skipped a (not online when its turn came)"]
 
 
@@ -329,9 +339,9 @@ def test_cwt_looks_ahead_into_the_next_cycle():
     s = build("cwt")
     known = ["a", "b", "c"]
     run_cwt(s, 2, known)                         # a, b visited; c is due
-    assert s.configure(3, ["a"], known) == ["a"]
+    assert s.schedule.configure(3, ["a"], known) == ["a"]
     assert s.opened(3, ["a"], known) == ["cwt: skipped c (not online when its turn came)"]
-    assert s.configure(4, known, known) == ["b"]
+    assert s.schedule.configure(4, known, known) == ["b"]
 
 
 def test_cwt_state_round_trip():
@@ -346,9 +356,10 @@ def test_cwt_proportional_local_steps():
     s = build("{name: cwt, args: {proportional: true}}", "train: {steps: 10}\n")
     sizes = {"a": 100, "b": 300}
     # mean size 200: a 10·100/200 = 5, b 10·300/200 = 15
-    assert (s.local_steps("a", sizes), s.local_steps("b", sizes), s.local_steps("z", sizes)) == (5, 15, 0)
-    assert s.local_steps("a", {"a": 1, "b": 1000}) == 1       # never below one step
-    assert build("cwt").local_steps("a", sizes) == 0
+    steps = s.schedule.local_steps
+    assert (steps("a", sizes), steps("b", sizes), steps("z", sizes)) == (5, 15, 0)
+    assert s.schedule.local_steps("a", {"a": 1, "b": 1000}) == 1       # never below one step
+    assert build("cwt").schedule.local_steps("a", sizes) == 0
 
 
 def test_cwt_and_swt_config_checks():
@@ -359,7 +370,7 @@ def test_cwt_and_swt_config_checks():
             build(name, "sites: {fraction: 0.5}\n")
         with pytest.raises(ConfigError, match="sites.count: "):
             build(name, "sites: {count: 1}\n")
-        assert not REGISTRY[name].secure_aggregation
+        assert refuses_secure_aggregation(REGISTRY[name])
     with pytest.raises(ConfigError, match="strategy.args.proportional: needs train.steps"):
         build("{name: cwt, args: {proportional: true}}")
 
@@ -367,16 +378,16 @@ def test_cwt_and_swt_config_checks():
 def test_swt_visits_each_site_once_then_is_done():
     s = build("swt")
     known = ["c", "a", "b"]
-    assert s.configure(1, known, known) == ["a"] and not s.done(0)
+    assert s.schedule.configure(1, known, known) == ["a"] and not s.schedule.done(0)
     assert s.opened(1, ["a"], known) == []
-    assert not s.done(1)
-    assert s.configure(2, ["a", "c"], known) == ["c"]
+    assert not s.schedule.done(1)
+    assert s.schedule.configure(2, ["a", "c"], known) == ["c"]
     assert s.opened(2, ["c"], ["a", "b", "c", "d"]) == ["swt: skipped b (not online when its turn came)"]
-    assert not s.done(1)          # round 2, the last visit, has not closed yet
-    assert s.done(2)
-    assert s.configure(3, known + ["d"], known + ["d"]) == []   # the order was fixed at the first round
+    assert not s.schedule.done(1)          # round 2, the last visit, has not closed yet
+    assert s.schedule.done(2)
+    assert s.schedule.configure(3, known + ["d"], known + ["d"]) == []   # the order was fixed at the first round
     twin = restored(s, "swt")
-    assert twin.done(2) and twin.state_meta() == s.state_meta()
+    assert twin.schedule.done(2) and twin.state_meta() == s.state_meta()
 
 
 # ensemble ---------------------------------------------------------------------------------
@@ -390,10 +401,10 @@ def ensemble_model(value: float) -> dict[str, np.ndarray]:
 
 def test_ensemble_copies_each_members_own_tensors_and_weights_by_samples():
     s = build(ENSEMBLE % "")
-    assert s.configure(1, ["h3", "h1", "x"], ["h1", "h2", "h3", "x"]) == ["h1", "h3"]
+    assert s.schedule.configure(1, ["h3", "h1", "x"], ["h1", "h2", "h3", "x"]) == ["h1", "h3"]
     current = ensemble_model(0.0)
     updates = [Update("h2", 30, ensemble_model(20.0)), Update("h1", 10, ensemble_model(10.0))]
-    out = s.aggregate_updates(1, current, updates)
+    out = s.rule.combine(1, current, updates)
     assert out["members.0.w"].tolist() == [10.0, 10.0]     # h1's member 0
     assert out["members.1.w"].tolist() == [21.0, 21.0]     # h2's member 1
     assert out["members.2.w"].tolist() == [2.0, 2.0]       # untouched
@@ -401,26 +412,27 @@ def test_ensemble_copies_each_members_own_tensors_and_weights_by_samples():
 
     twin = restored(s, ENSEMBLE % "")
     for strategy in (s, twin):
-        nxt = strategy.aggregate_updates(2, out, [Update("h3", 60, ensemble_model(30.0))])
+        nxt = strategy.rule.combine(2, out, [Update("h3", 60, ensemble_model(30.0))])
         assert nxt["members.2.w"].tolist() == [32.0, 32.0] and nxt["members.0.w"].tolist() == [10.0, 10.0]
         assert nxt["weights"] == pytest.approx([0.1, 0.3, 0.6])
 
 
 def test_ensemble_unweighted_and_non_members():
     s = build(ENSEMBLE % ", weighted: false")
-    out = s.aggregate_updates(1, ensemble_model(0.0), [Update("h1", 10, ensemble_model(1.0)),
+    out = s.rule.combine(1, ensemble_model(0.0), [Update("h1", 10, ensemble_model(1.0)),
                                                        Update("h3", 90, ensemble_model(1.0))])
     assert out["weights"] == pytest.approx([0.5, 0.0, 0.5])
     with pytest.raises(IntegrityError, match="'x' is not an ensemble member"):
-        s.aggregate_updates(2, out, [Update("x", 5, ensemble_model(1.0))])
+        s.rule.combine(2, out, [Update("x", 5, ensemble_model(1.0))])
 
 
 @pytest.mark.parametrize("members, problem", [
-    ("[h1]", "lists 1 site"), ("[h1, h1]", "lists h1 more than once"), ("h1", "expected a list of site names"),
-    ("[h1, 3]", "expected a list of site names"), ("[h1, Bad]", "'Bad' is not a site name"),
+    ("[h1]", ": lists 1 site"), ("[h1, h1]", ": lists h1 more than once"),
+    ("h1", r": expected a list, got a string \(h1\)"),
+    ("[h1, 3]", r"\[1\]: expected a string, got an integer \(3\)"), ("[h1, Bad]", ": 'Bad' is not a site name"),
 ])
 def test_ensemble_members_are_checked(members, problem):
-    with pytest.raises(ConfigError, match=f"strategy.args.members: {problem}"):
+    with pytest.raises(ConfigError, match=f"strategy.args.members{problem}"):
         build(f"{{name: ensemble, args: {{members: {members}}}}}")
     with pytest.raises(ConfigError, match="strategy.args.members: required"):
         build("ensemble")
@@ -443,15 +455,16 @@ def test_unknown_argument_lists_the_accepted_ones():
 
 @pytest.mark.parametrize("strategy, key, problem", [
     ("{name: fedadam, args: {eta: -1}}", "eta", "-1.0 is out of range; use a value > 0"),
-    ("{name: fedadam, args: {eta: true}}", "eta", "expected a number, got True"),
-    ("{name: fedadam, args: {eta: .inf}}", "eta", "expected a finite number"),
-    ("{name: fedadam, args: {eta: fast}}", "eta", "expected a number, got 'fast'"),
+    ("{name: fedadam, args: {eta: true}}", "eta", r"expected a number, got a boolean \(true\)"),
+    ("{name: fedadam, args: {eta: .inf}}", "eta", "inf is not a finite number"),
+    ("{name: fedadam, args: {eta: fast}}", "eta", r"expected a number, got a string \(fast\)"),
     ("{name: fedadam, args: {beta1: 1.0}}", "beta1", r"1.0 is out of range; use a value in \[0, 1\)"),
     ("{name: fedprox, args: {mu: 0}}", "mu", "0.0 is out of range; use a value > 0"),
     ("{name: trimmed_mean, args: {beta: 0.5}}", "beta", "0.5 is out of range"),
-    ("{name: krum, args: {f: 1.5}}", "f", "expected a whole number"),
+    ("{name: krum, args: {f: 1.5}}", "f", r"expected an integer, got a number \(1.5\); write a whole number"),
     ("{name: krum, args: {f: -1}}", "f", "-1 is out of range"),
-    ("{name: cwt, args: {shuffle: 'yes'}}", "shuffle", "expected true or false"),
+    ("{name: cwt, args: {shuffle: 'yes'}}", "shuffle",
+     r"expected a boolean, got a string \(yes\); write true or false"),
 ])
 def test_bad_argument_values_name_the_key(strategy, key, problem):
     with pytest.raises(ConfigError, match=f"strategy.args.{key}: {problem}"):
@@ -459,7 +472,31 @@ def test_bad_argument_values_name_the_key(strategy, key, problem):
 
 
 def test_plain_exponent_numbers_are_read_as_numbers():
-    assert build("{name: fedadam, args: {tau: 1e-3}}").tau == 1e-3
+    assert build("{name: fedadam, args: {tau: 1e-3}}").rule.tau == 1e-3
+    assert build("{name: fedadam, args: {tau: '1e-3'}}").rule.tau == 1e-3   # as free-form args always were
+
+
+def test_argument_errors_carry_the_file_and_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^<round config>:5: strategy.args.eta: -1.0 is out of range"):
+        build("{name: fedadam, args: {eta: -1}}")
+    path = tmp_path / "job.yaml"
+    path.write_text(BASE + "strategy:\n  name: fedprox\n  args:\n    mu: 0\n")
+    from plexus.config import load_round_config
+
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:8: strategy.args.mu: 0.0 is out of range"):
+        load_round_config(path)
+    with pytest.raises(ConfigError, match=r"^<round config>:5: strategy.name: unknown strategy 'fedsgd'"):
+        build("fedsgd")
+
+
+def test_args_built_in_code_are_checked_by_the_same_rules():
+    from plexus.config import StrategySpec, strategy_args
+
+    assert strategy_args(StrategySpec("fedprox", {"mu": 3.0})).mu == 3.0
+    with pytest.raises(ConfigError, match=r"strategy.args.mu: 0.0 is out of range; use a value > 0"):
+        strategy_args(StrategySpec("fedprox", {"mu": 0}))
+    with pytest.raises(ConfigError, match="strategy.name: unknown strategy 'nope'"):
+        strategy_args(StrategySpec("nope"))
 
 
 @pytest.mark.parametrize("strategy", ["median", "trimmed_mean", "krum", "multi_krum", "scaffold",
@@ -480,9 +517,9 @@ def test_secure_aggregation_is_refused_where_it_cannot_compute_the_rule(strategy
 
 def test_sum_based_strategies_accept_secure_aggregation_and_dp():
     for name in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad"):
-        assert build(name, "sites: {min: 3}\n", SECAGG).secure_aggregation
+        assert not refuses_secure_aggregation(type(build(name, "sites: {min: 3}\n", SECAGG).rule))
     for name in ("fedavg", "fedadam", "cwt"):
-        assert build(name, DP).dp_compatible
+        assert not refuses_dp(type(build(name, DP).rule))
 
 
 def test_scaffold_needs_plain_sgd():
@@ -500,6 +537,7 @@ def test_ensemble_config_cross_checks():
 
 
 def test_registry_names():
+    assert sorted(REGISTRY) == sorted(STRATEGY_ARGS)   # the config schema and the rules name the same strategies
     assert sorted(REGISTRY) == sorted(["fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "scaffold",
                                        "median", "trimmed_mean", "krum", "multi_krum", "cwt", "swt", "ensemble"])
     assert all(REGISTRY[name].name == name for name in REGISTRY)
@@ -520,3 +558,36 @@ def test_dp_sgd_is_refused_where_the_site_trains_differently(strategy):
     with pytest.raises(ConfigError, match=r"privacy.dp_sgd: strategy '\w+' .* which Opacus's DP-SGD training loop"):
         build(strategy, dp_sgd)
     assert build("fedadam", dp_sgd).name == "fedadam"
+
+
+# what the engine reads from a rule ----------------------------------------------------------
+
+# name: (every update at once, the current model kept until the next is built, uniform weights, the mean is
+#        the model, secure aggregation can compute it, DP-FedAvg keeps its meaning), as the engine relied on them
+ENGINE_VIEW = {
+    "fedavg": (False, False, False, True, True, True), "fedprox": (False, False, False, True, True, True),
+    **{name: (False, True, False, False, True, True) for name in ("fedavgm", "fedadam", "fedyogi", "fedadagrad")},
+    "scaffold": (False, True, True, False, False, False),
+    **{name: (True, True, False, False, False, False) for name in ("median", "trimmed_mean", "krum", "multi_krum")},
+    "cwt": (False, False, False, True, False, True), "swt": (False, False, False, True, False, True),
+    "ensemble": (True, True, False, False, False, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_VIEW))
+def test_the_rule_type_and_its_few_attributes_say_what_the_engine_needs(name):
+    args = {"ensemble": "{name: ensemble, args: {members: [h1, h2]}}"}.get(name, name)
+    rule = build(args, "sites: {min: 5}\n" if "krum" in name else "").rule
+    every = isinstance(rule, UpdatesRule)
+    view = (every, every or rule.reads_current,
+            not every and rule.weighting == "uniform", keeps_mean(rule),
+            not refuses_secure_aggregation(type(rule)), not refuses_dp(type(rule)))
+    assert view == ENGINE_VIEW[name]
+
+
+def test_every_rule_sends_its_updates_dense_for_now():
+    update = {"w": f32(1.5, -2.0), "n": np.array([3], np.int64)}
+    for cls in REGISTRY.values():
+        assert cls.codec.name == "dense"
+        decoded = cls.codec.decode(cls.codec.encode(update))
+        assert {k: v.tobytes() for k, v in decoded.items()} == {k: v.tobytes() for k, v in update.items()}

@@ -658,3 +658,22 @@ def test_site_policy_privacy_errors(tmp_path, text, prefix, detail):
     message = site_error(tmp_path, SITE + text)
     assert message.startswith(prefix), message
     assert detail in message
+
+
+def test_strategy_args_are_typed_at_parse_and_dumped_as_written():
+    from plexus.config import FedAdamArgs, strategy_args
+
+    text = DESIGN_ROUND.replace("strategy: {name: fedavg}", "strategy: {name: fedadam, args: {tau: 1e-3, eta: 1}}")
+    assert "fedadam" in text
+    cfg = parse_round_config(text)
+    assert strategy_args(cfg.strategy) == FedAdamArgs(eta=1.0, tau=1e-3)
+    assert cfg.strategy.args == {"tau": "1e-3", "eta": 1}   # as written (YAML 1.1 reads plain 1e-3 as a string)
+    dumped = dump_round_config(cfg)
+    assert "typed" not in dumped and parse_round_config(dumped) == cfg
+    assert strategy_args(parse_round_config(dumped).strategy) == strategy_args(cfg.strategy)
+
+
+def test_strategy_args_are_not_a_yaml_key():
+    text = DESIGN_ROUND.replace("strategy: {name: fedavg}", "strategy: {name: fedavg, typed: 1}")
+    with pytest.raises(ConfigError, match=r":\d+: strategy.typed: unknown key; allowed keys: args, name"):
+        parse_round_config(text)

@@ -9,7 +9,10 @@ from plexus.datasets import Split
 from plexus.errors import ConfigError
 from plexus.models import build_job_model, build_model, load_numpy_state, state_to_numpy
 from plexus.wire import Layout
-from site_agent.local import LocalResult, local_update, scaffold_path, served_layout
+from plexus.config import STRATEGY_ARGS
+from site_agent.local import (
+    LOCAL, PLAIN, LocalResult, gradient_correction, local_update, proximal_term, scaffold_path, served_layout,
+)
 from site_agent.training import train_local
 
 
@@ -145,7 +148,8 @@ def test_fedprox_large_mu_keeps_weights_near_the_anchor():
 
     def distance(mu):
         model = _model(job)
-        train_local(model, data.x_train, data.y_train, job.train, seed=0, steps=40, prox_mu=mu, anchor=anchor)
+        term = proximal_term(model, anchor, mu) if mu else None
+        train_local(model, data.x_train, data.y_train, job.train, seed=0, steps=40, loss_term=term)
         return sum(((p - anchor[n]) ** 2).sum().item() for n, p in model.named_parameters()) ** 0.5
 
     free, held = distance(0.0), distance(50.0)
@@ -162,7 +166,8 @@ def test_fedprox_step_matches_hand_computation():
     aw, ab = w0 + np.array([[0.5], [-1.0]]), b0 + np.array([0.25, 2.0])
     anchor = {"linear.weight": torch.tensor(aw, dtype=torch.float32), "linear.bias": torch.tensor(ab)}
     mu = 0.7
-    train_local(model, data.x_train, data.y_train, job.train, seed=0, steps=1, prox_mu=mu, anchor=anchor)
+    train_local(model, data.x_train, data.y_train, job.train, seed=0, steps=1,
+                loss_term=proximal_term(model, anchor, mu))
     w1, b1 = _logistic_step(w0, b0, data.x_train.astype(np.float64), data.y_train, 0.3,
                             extra_w=mu * (w0 - aw), extra_b=mu * (b0 - ab))
     np.testing.assert_allclose(model.linear.weight.detach().numpy(), w1, rtol=0, atol=1e-6)
@@ -170,16 +175,17 @@ def test_fedprox_step_matches_hand_computation():
 
 
 def test_fedprox_needs_a_complete_anchor():
-    data = _data()
     job = _job()
     model = _model(job)
     with pytest.raises(ValueError, match="anchor"):
-        train_local(model, data.x_train, data.y_train, job.train, seed=0, prox_mu=0.1)
+        proximal_term(model, None, 0.1)
     with pytest.raises(ValueError, match=r"anchor lacks parameter\(s\) \['linear.weight'\]"):
-        train_local(model, data.x_train, data.y_train, job.train, seed=0, prox_mu=0.1,
-                    anchor={"linear.bias": torch.zeros(2)})
-    with pytest.raises(ValueError, match="prox_mu"):
-        train_local(model, data.x_train, data.y_train, job.train, seed=0, prox_mu=-1.0, anchor={})
+        proximal_term(model, {"linear.bias": torch.zeros(2)}, 0.1)
+    for mu in (-1.0, 0.0, float("nan"), True):
+        with pytest.raises(ValueError, match="mu must be a finite number > 0"):
+            proximal_term(model, {}, mu)
+    with pytest.raises(ValueError, match=r"correction\['linear.bias'\] has shape \(3,\)"):
+        gradient_correction(model, {"linear.weight": torch.zeros(2, 3), "linear.bias": torch.zeros(3)})
 
 
 # train_local: SCAFFOLD correction
@@ -193,20 +199,47 @@ def test_correction_step_matches_hand_computation():
     b0 = model.linear.bias.detach().double().numpy().copy()
     cw, cb = np.array([[0.3], [-0.6]]), np.array([1.5, -0.5])
     correction = {"linear.weight": torch.tensor(cw), "linear.bias": torch.tensor(cb)}
-    train_local(model, data.x_train, data.y_train, job.train, seed=0, steps=1, correction=correction)
+    train_local(model, data.x_train, data.y_train, job.train, seed=0, steps=1,
+                grad_hook=gradient_correction(model, correction))
     w1, b1 = _logistic_step(w0, b0, data.x_train.astype(np.float64), data.y_train, 0.2, extra_w=cw, extra_b=cb)
     np.testing.assert_allclose(model.linear.weight.detach().numpy(), w1, rtol=0, atol=1e-6)
     np.testing.assert_allclose(model.linear.bias.detach().numpy(), b1, rtol=0, atol=1e-6)
 
 
-def test_zero_correction_and_zero_mu_change_nothing():
+def test_zero_correction_and_a_zero_loss_term_change_nothing():
     data = _data()
     job = _job(steps=4)
     plain, other = _model(job), _model(job)
     train_local(plain, data.x_train, data.y_train, job.train, seed=2)
     zeros = {n: torch.zeros_like(p) for n, p in other.named_parameters()}
-    train_local(other, data.x_train, data.y_train, job.train, seed=2, correction=zeros, prox_mu=0.0, anchor=zeros)
+    train_local(other, data.x_train, data.y_train, job.train, seed=2, grad_hook=gradient_correction(other, zeros),
+                loss_term=lambda: torch.zeros(()))
     assert _same_bits(state_to_numpy(plain), state_to_numpy(other))
+
+
+def test_the_hooks_run_once_per_step_in_order():
+    data = _data()
+    job = _job(steps=3)
+    model, calls = _model(job), []
+
+    def term():
+        calls.append("loss_term")
+        return torch.zeros(())
+
+    def hook():
+        assert model.linear.weight.grad is not None   # after backward
+        calls.append("grad_hook")
+
+    train_local(model, data.x_train, data.y_train, job.train, seed=2, loss_term=term, grad_hook=hook)
+    assert calls == ["loss_term", "grad_hook"] * 3
+
+
+def test_every_strategy_has_a_site_half_and_only_those_that_need_served_tensors_keep_them():
+    assert sorted(LOCAL) == sorted(STRATEGY_ARGS)   # site and coordinator know the same strategies
+    assert {name for name, half in LOCAL.items() if half.reads_served} == {"fedprox", "scaffold"}
+    assert {name for name, half in LOCAL.items() if half is not PLAIN} == {"fedprox", "scaffold", "ensemble"}
+    with pytest.raises(ValueError, match=r"strategy 'fedsgd' is unknown to this site \(known: \['cwt', "):
+        served_layout(_job("fedsgd"), _model(_job()))
 
 
 # served_layout
@@ -258,7 +291,7 @@ def test_fedprox_local_update_uses_mu_and_the_served_anchor(tmp_path):
         model, plain = _model(job), _model(job)
         anchor = {n: p.detach().clone() for n, p in plain.named_parameters()}
         out = _update(job, model, _served(job, model), data, tmp_path)
-        train_local(plain, data.x_train, data.y_train, job.train, seed=7, prox_mu=mu, anchor=anchor)
+        train_local(plain, data.x_train, data.y_train, job.train, seed=7, loss_term=proximal_term(plain, anchor, mu))
         assert _same_bits(out.update, state_to_numpy(plain))
 
 
