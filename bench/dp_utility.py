@@ -19,8 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.server import Coordinator  # noqa: E402
@@ -30,6 +28,7 @@ from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig
 from plexus.datasets import HOSPITALS, heart_disease  # noqa: E402
 from plexus.models import build_model, load_numpy_state  # noqa: E402
 from site_agent.agent import SiteAgent  # noqa: E402
+from site_agent.baselines import pooled  # noqa: E402
 from site_agent.training import evaluate  # noqa: E402
 
 JOB = """\
@@ -88,8 +87,8 @@ def pooled_test_metrics(state: dict, job_yaml: str) -> dict:
     job = parse_round_config(job_yaml)
     model = build_model(job.model.name, job.model.args, seed=job.seed)
     load_numpy_state(model, state)
-    splits = [heart_disease(h) for h in HOSPITALS]
-    return evaluate(model, np.concatenate([s.x_test for s in splits]), np.concatenate([s.y_test for s in splits]))
+    together = pooled(heart_disease(h) for h in HOSPITALS)
+    return evaluate(model, together.x_test, together.y_test)
 
 
 def main(argv=None) -> int:
