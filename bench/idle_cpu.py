@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
-from plexus import pki, transport  # noqa: E402
+from plexus import identity, pki, transport  # noqa: E402
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -56,7 +56,7 @@ def context_switches(pid: int) -> int:
 
 def poll_forever(kit: Path, address: str, stop: threading.Event, joined: threading.Event) -> None:
     """One idle site: Join, then long-poll NextTask until stopped (the coordinator says how long to wait)."""
-    with transport.channel(pki.load_kit(kit), address) as channel:
+    with transport.channel(identity.load_kit(kit), address) as channel:
         stub = federation_pb2_grpc.FederationStub(channel)
         wait_s = stub.Join(fpb.JoinRequest(agent_version="bench-idle"), timeout=30).poll_timeout_s
         joined.set()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plexus import crypto, errors, pki
+from plexus import crypto, errors, identity
 from plexus.config import MIN_SECURE_COHORT
 
 PRIME = 2**521 - 1  # a Mersenne prime above every 32-byte secret
@@ -479,7 +479,7 @@ class SiteSession:
         if _not_int(advert.num_samples) or advert.num_samples < 1:
             raise errors.IntegrityError(f"the advert of site {advert.site!r} has an invalid sample count")
         try:
-            pki.verify_issued(advert.cert_pem, ca_pem, name=advert.site, kind="site", now=now)
+            identity.verify_issued(advert.cert_pem, ca_pem, name=advert.site, kind="site", now=now)
             crypto.verify(
                 advert.cert_pem,
                 advert_message(self.job_id, self.round, advert.site, advert.c_pk, advert.s_pk, advert.num_samples,

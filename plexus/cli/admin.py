@@ -325,7 +325,7 @@ def _audit_against(entries: list[dict], path: Path, kit: Path) -> str:
     """What checking the log's entries against the signed head in `path` found wrong, or ""."""
     from plexus.audit import GENESIS, Entry, SignedHead, verify_against
     from plexus.errors import IntegrityError
-    from plexus.pki import load_kit
+    from plexus.identity import load_kit
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -346,7 +346,7 @@ def _audit_against(entries: list[dict], path: Path, kit: Path) -> str:
 def _audit_export_head(args) -> int:
     from plexus.audit import SignedHead
     from plexus.files import write_atomically
-    from plexus.pki import load_kit
+    from plexus.identity import load_kit
 
     with _client(args) as client:
         reply = client.audit(sign_head=True, limit=1)

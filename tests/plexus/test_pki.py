@@ -14,7 +14,7 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from plexus import errors, pki
+from plexus import errors, identity, pki
 from plexus.config import DatasetSpec, load_admin_config, load_coordinator_config, load_site_config
 
 NOW = dt.datetime(2025, 1, 15, 12, 0, tzinfo=dt.timezone.utc)
@@ -167,14 +167,14 @@ def test_site_san_is_its_name(fed):
 def test_identity_from_site_admin_and_coordinator_certs(fed):
     site_pem = (pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes()
     admin_pem = (pki.add_admin(fed, "alice", role="admin", now=NOW) / "cert.pem").read_bytes()
-    site = pki.identity_from_cert(site_pem)
-    assert site == pki.Identity("cleveland", "site", None, _cert_serial(site_pem))
-    assert pki.identity_from_cert(admin_pem) == pki.Identity("alice", "admin", "admin", _cert_serial(admin_pem))
+    site = identity.identity_from_cert(site_pem)
+    assert site == identity.Identity("cleveland", "site", None, _cert_serial(site_pem))
+    assert identity.identity_from_cert(admin_pem) == identity.Identity("alice", "admin", "admin", _cert_serial(admin_pem))
     bob_pem = (pki.add_admin(fed, "bob", now=NOW) / "cert.pem").read_bytes()
-    assert pki.identity_from_cert(bob_pem).role == "viewer"  # the default role is the least powerful
-    coord = pki.identity_from_cert((fed / "coordinator" / "cert.pem").read_bytes())
+    assert identity.identity_from_cert(bob_pem).role == "viewer"  # the default role is the least powerful
+    coord = identity.identity_from_cert((fed / "coordinator" / "cert.pem").read_bytes())
     assert (coord.name, coord.kind, coord.role) == ("coordinator", "coordinator", None)
-    assert pki.identity_from_cert(ssl.PEM_cert_to_DER_cert(site_pem.decode())) == site
+    assert identity.identity_from_cert(ssl.PEM_cert_to_DER_cert(site_pem.decode())) == site
 
 
 def _cert_serial(pem):
@@ -183,11 +183,11 @@ def _cert_serial(pem):
 
 def test_identity_rejects_garbage_and_certs_without_a_kind(fed):
     with pytest.raises(errors.Unauthenticated):
-        pki.identity_from_cert(b"not a certificate")
+        identity.identity_from_cert(b"not a certificate")
     with pytest.raises(errors.Unauthenticated):
-        pki.identity_from_cert(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+        identity.identity_from_cert(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
     with pytest.raises(errors.Unauthenticated, match="OU"):
-        pki.identity_from_cert((fed / "ca" / "ca.pem").read_bytes())  # the CA has no OU
+        identity.identity_from_cert((fed / "ca" / "ca.pem").read_bytes())  # the CA has no OU
 
 
 # --- issuing errors ----------------------------------------------------------------
@@ -202,7 +202,7 @@ def test_duplicate_name_refused_until_revoked(fed):
     with pytest.raises(errors.ConfigError, match="revoke it first"):
         pki.add_site(fed, "coordinator", now=NOW)
     old = pki.revoke(fed, "cleveland", now=NOW)
-    new = pki.identity_from_cert((pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes())
+    new = identity.identity_from_cert((pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes())
     assert new.serial != old
 
 
@@ -234,17 +234,17 @@ def test_revoke_is_seen_by_an_existing_revocation_list(fed):
     bad_pem = (pki.add_site(fed, "mallory", now=NOW) / "cert.pem").read_bytes()
     good_pem = (pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes()
     ca_pem = (fed / "ca" / "ca.pem").read_bytes()
-    crl = pki.RevocationList(fed / "coordinator" / "crl.pem", ca_pem, clock=NOW.timestamp)
+    crl = identity.RevocationList(fed / "coordinator" / "crl.pem", ca_pem, clock=NOW.timestamp)
     crl.check(bad_pem)
     crl.check(good_pem)
 
     serial = pki.revoke(fed, "mallory", now=NOW + dt.timedelta(hours=1))
 
-    assert serial == pki.identity_from_cert(bad_pem).serial
+    assert serial == identity.identity_from_cert(bad_pem).serial
     with pytest.raises(errors.Unauthenticated, match=rf"site 'mallory' \(serial {serial}\) has been revoked"):
         crl.check(bad_pem)
     crl.check(good_pem)
-    fresh = pki.RevocationList(fed / "crl.pem", ca_pem, clock=NOW.timestamp)
+    fresh = identity.RevocationList(fed / "crl.pem", ca_pem, clock=NOW.timestamp)
     with pytest.raises(errors.Unauthenticated):
         fresh.check(bad_pem)
     fresh.check(good_pem)
@@ -287,13 +287,13 @@ def test_crl_from_another_federation_is_rejected(fed, tmp_path):
     other = pki.init_federation(tmp_path / "other", "Other Fed", now=NOW)
     ca_pem = (fed / "ca" / "ca.pem").read_bytes()
     with pytest.raises(errors.IntegrityError, match="fails verification against this federation's CA"):
-        pki.RevocationList(other / "crl.pem", ca_pem)
+        identity.RevocationList(other / "crl.pem", ca_pem)
 
 
 def test_crl_from_a_same_named_federation_is_rejected(fed, tmp_path):
     twin = pki.init_federation(tmp_path / "twin", "Test Fed", now=NOW)
     with pytest.raises(errors.IntegrityError):
-        pki.RevocationList(twin / "crl.pem", (fed / "ca" / "ca.pem").read_bytes())
+        identity.RevocationList(twin / "crl.pem", (fed / "ca" / "ca.pem").read_bytes())
 
 
 def test_tampered_crl_is_rejected(fed, tmp_path):
@@ -308,20 +308,20 @@ def test_tampered_crl_is_rejected(fed, tmp_path):
     path.write_bytes(_der_to_pem(bytes(der), "X509 CRL"))
     ca_pem = (fed / "ca" / "ca.pem").read_bytes()
     with pytest.raises(errors.IntegrityError):
-        pki.RevocationList(path, ca_pem)
+        identity.RevocationList(path, ca_pem)
     # Flipping any byte of the signature is caught too.
     der = bytearray(_pem_to_der((fed / "crl.pem").read_bytes()))
     der[-1] ^= 0x01
     path.write_bytes(_der_to_pem(bytes(der), "X509 CRL"))
     with pytest.raises(errors.IntegrityError):
-        pki.RevocationList(path, ca_pem)
+        identity.RevocationList(path, ca_pem)
 
 
 def test_crl_tampered_after_load_fails_closed(fed):
     site_pem = (pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes()
     ca_pem = (fed / "ca" / "ca.pem").read_bytes()
     crl_path = fed / "coordinator" / "crl.pem"
-    crl = pki.RevocationList(crl_path, ca_pem, clock=NOW.timestamp)
+    crl = identity.RevocationList(crl_path, ca_pem, clock=NOW.timestamp)
     der = bytearray(_pem_to_der(crl_path.read_bytes()))
     der[-1] ^= 0x01
     crl_path.write_bytes(_der_to_pem(bytes(der), "X509 CRL"))
@@ -334,7 +334,7 @@ def test_older_crl_cannot_replace_a_newer_one(fed):
     ca_pem = (fed / "ca" / "ca.pem").read_bytes()
     old = (fed / "crl.pem").read_bytes()
     pki.revoke(fed, "mallory", now=NOW)
-    crl = pki.RevocationList(fed / "crl.pem", ca_pem, clock=NOW.timestamp)
+    crl = identity.RevocationList(fed / "crl.pem", ca_pem, clock=NOW.timestamp)
     (fed / "crl.pem").write_bytes(old)
     with pytest.raises(errors.IntegrityError, match="older"):
         crl.check((fed / "sites" / "mallory" / "cert.pem").read_bytes())
@@ -342,7 +342,7 @@ def test_older_crl_cannot_replace_a_newer_one(fed):
 
 def test_missing_crl_is_a_config_error(fed):
     with pytest.raises(errors.ConfigError, match="does not exist"):
-        pki.RevocationList(fed / "nope.pem", (fed / "ca" / "ca.pem").read_bytes())
+        identity.RevocationList(fed / "nope.pem", (fed / "ca" / "ca.pem").read_bytes())
 
 
 # --- kits ----------------------------------------------------------------------------
@@ -350,19 +350,19 @@ def test_missing_crl_is_a_config_error(fed):
 
 def test_load_kit_reads_a_valid_kit(fed):
     kit_dir = pki.add_site(fed, "cleveland", now=NOW)
-    kit = pki.load_kit(kit_dir)
+    kit = identity.load_kit(kit_dir)
     assert kit.path == kit_dir
     assert kit.cert_pem == (kit_dir / "cert.pem").read_bytes()
     assert kit.ca_pem == (fed / "ca" / "ca.pem").read_bytes()
     assert kit.key_pem.startswith(b"-----BEGIN PRIVATE KEY-----")
-    pki.load_kit(fed / "coordinator")
+    identity.load_kit(fed / "coordinator")
 
 
 def test_load_kit_missing_file(fed):
     kit_dir = pki.add_site(fed, "cleveland", now=NOW)
     (kit_dir / "cert.pem").unlink()
     with pytest.raises(errors.ConfigError, match=r"cert\.pem is missing.*plexus pki add-site") as err:
-        pki.load_kit(kit_dir)
+        identity.load_kit(kit_dir)
     assert str((kit_dir / "cert.pem").resolve()) in str(err.value)
 
 
@@ -370,7 +370,7 @@ def test_load_kit_rejects_a_readable_key(fed):
     kit_dir = pki.add_site(fed, "cleveland", now=NOW)
     os.chmod(kit_dir / "key.pem", 0o644)
     with pytest.raises(errors.ConfigError, match=r"chmod 600 .*key\.pem"):
-        pki.load_kit(kit_dir)
+        identity.load_kit(kit_dir)
 
 
 def test_load_kit_rejects_cert_from_another_ca(fed, tmp_path):
@@ -379,7 +379,7 @@ def test_load_kit_rejects_cert_from_another_ca(fed, tmp_path):
     for name in ("cert.pem", "key.pem"):
         (kit_dir / name).write_bytes((other / name).read_bytes())
     with pytest.raises(errors.IntegrityError, match="not issued by the CA"):
-        pki.load_kit(kit_dir)
+        identity.load_kit(kit_dir)
 
 
 def test_load_kit_rejects_a_key_of_another_cert(fed):
@@ -387,7 +387,7 @@ def test_load_kit_rejects_a_key_of_another_cert(fed):
     other = pki.add_site(fed, "boston", now=NOW)
     (kit_dir / "key.pem").write_bytes((other / "key.pem").read_bytes())
     with pytest.raises(errors.IntegrityError, match="does not belong"):
-        pki.load_kit(kit_dir)
+        identity.load_kit(kit_dir)
 
 
 # --- ready configs ---------------------------------------------------------------------
