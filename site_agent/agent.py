@@ -22,7 +22,7 @@ from plexus.config import SITE_BACKOFF_CAP_S, SITE_BACKOFF_JITTER, DataSpec, Rou
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition
 from plexus.secagg import SiteSession
-from plexus.secagg_proto import advert_from_proto, advert_to_proto
+from plexus.secagg import advert_from_proto, advert_to_proto
 from plexus.datasets import DataError, Split, csv_train_rows, load_for_job
 from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.identity import load_kit
