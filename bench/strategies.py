@@ -46,8 +46,8 @@ from plexus.config import DatasetSpec, RoundConfig, parse_round_config  # noqa: 
 from plexus.datasets import HOSPITALS, Split, load_dataset  # noqa: E402
 from plexus.models import build_job_model, load_numpy_state, state_to_numpy  # noqa: E402
 from plexus.wire import Layout, encode  # noqa: E402
-from site_agent.local import local_update  # noqa: E402
 from site_agent.baselines import pooled, train_centrally  # noqa: E402
+from site_agent.local import local_update  # noqa: E402
 from site_agent.training import evaluate  # noqa: E402
 
 METHODS = ("pooled", "local", "fedavg", "fedprox", "fedadam", "fedyogi", "scaffold", "cwt", "ensemble")

@@ -175,9 +175,9 @@ def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float
                 info = next(r for r in detail.rounds if r.round == event.round)
                 round_times.append(info.closed_unix_s - info.opened_unix_s)
                 ev = mean_eval(detail).get(event.round - 1, {})
-                say(f"  round {event.round:>3}/{rounds}  {len(info.contributors)} sites  {info.total_samples:>4} samples"
-                    f"  {round_times[-1]:6.3f}s   global model before it: acc {ev.get('accuracy', float('nan')):.3f}"
-                    f"  auc {ev.get('auc', float('nan')):.3f}")
+                say(f"  round {event.round:>3}/{rounds}  {len(info.contributors)} sites"
+                    f"  {info.total_samples:>4} samples  {round_times[-1]:6.3f}s   global model before it:"
+                    f" acc {ev.get('accuracy', float('nan')):.3f}  auc {ev.get('auc', float('nan')):.3f}")
             elif event.kind in ("site_declined", "site_failed", "site_rejected", "job_failed", "job_aborted"):
                 say(printable(f"  {event.kind} {event.site} {event.message}"))
             fed.check_alive()

@@ -260,7 +260,8 @@ def verify_issued(cert_pem: bytes, ca_pem: bytes, *, name: str, kind: str, now: 
         cert = _parse_cert(cert_pem)
         ca = x509.load_pem_x509_certificate(ca_pem)
     except (errors.Unauthenticated, ValueError):
-        raise errors.IntegrityError(f"the certificate presented for {kind} {name!r} (or the CA) cannot be parsed") from None
+        raise errors.IntegrityError(
+            f"the certificate presented for {kind} {name!r} (or the CA) cannot be parsed") from None
     try:
         cert.verify_directly_issued_by(ca)
     except (ValueError, TypeError, InvalidSignature):
@@ -279,7 +280,8 @@ def verify_issued(cert_pem: bytes, ca_pem: bytes, *, name: str, kind: str, now: 
     try:
         ident = identity_from_cert(cert_pem)
     except errors.Unauthenticated as exc:
-        raise errors.IntegrityError(f"the certificate presented for {kind} {name!r} has no valid identity: {exc}") from None
+        raise errors.IntegrityError(
+            f"the certificate presented for {kind} {name!r} has no valid identity: {exc}") from None
     if ident.name != name or ident.kind != kind:
         raise errors.IntegrityError(
             f"the certificate presented for {kind} {name!r} belongs to {ident.kind} {ident.name!r}"
@@ -359,5 +361,6 @@ def _load_cert_file(data: bytes, path: Path) -> x509.Certificate:
 def _single_attr(subject: x509.Name, oid: x509.ObjectIdentifier, label: str) -> str:
     attrs = subject.get_attributes_for_oid(oid)
     if len(attrs) != 1 or not isinstance(attrs[0].value, str):
-        raise errors.Unauthenticated(f"certificate subject must hold exactly one {label}; got {subject.rfc4514_string()}")
+        raise errors.Unauthenticated(
+            f"certificate subject must hold exactly one {label}; got {subject.rfc4514_string()}")
     return attrs[0].value

@@ -14,8 +14,17 @@ from plexus.datasets.checks import cell_number
 from plexus.datasets.fashion import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR, fashion_mnist
 from plexus.datasets.heart import HEART_DISEASE_CSV, HOSPITALS, heart_disease
 from plexus.datasets.split import Split, dirichlet_partition, stratified_split
-from plexus.datasets.tables import (BAD_CELLS_SHOWN, REMOTE_REASON_MAX, DataError, Table, csv_train_rows,
-                                    feature_inputs, load_with_schema, read_table, schema_differences)
+from plexus.datasets.tables import (
+    BAD_CELLS_SHOWN,
+    REMOTE_REASON_MAX,
+    DataError,
+    Table,
+    csv_train_rows,
+    feature_inputs,
+    load_with_schema,
+    read_table,
+    schema_differences,
+)
 from plexus.errors import ConfigError
 
 __all__ = ["BAD_CELLS_SHOWN", "FASHION_MNIST_CLASSES", "FASHION_MNIST_DIR", "HEART_DISEASE_CSV", "HOSPITALS", "KINDS",

@@ -37,8 +37,8 @@ def advert_message(job_id: str, round_: int, site: str, c_pk: bytes, s_pk: bytes
     check_int(round_, "round_")
     check_str(site, "site")
     check_int(num_samples, "num_samples")
-    return ADVERT_LABEL + encode_fields(job_id, round_, site, key_bytes(c_pk, "c_pk"), key_bytes(s_pk, "s_pk"), num_samples,
-                                   key_bytes(b_commitment, "b_commitment"))
+    return ADVERT_LABEL + encode_fields(job_id, round_, site, key_bytes(c_pk, "c_pk"), key_bytes(s_pk, "s_pk"),
+                                        num_samples, key_bytes(b_commitment, "b_commitment"))
 
 
 def b_commitment(b: bytes, job_id: str, round_: int, site: str) -> bytes:

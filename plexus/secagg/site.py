@@ -12,8 +12,17 @@ from plexus import crypto, errors, identity
 from plexus.config import MIN_SECURE_COHORT
 from plexus.secagg.checks import check_int, check_str, not_int, site_set
 from plexus.secagg.fixed_point import frac_bits, quantize
-from plexus.secagg.messages import (SHARE_AAD_LABEL, SHARE_LABEL, Advert, advert_message, b_commitment, decode_fields,
-                                    encode_fields, mask_sign, round_salt)
+from plexus.secagg.messages import (
+    SHARE_AAD_LABEL,
+    SHARE_LABEL,
+    Advert,
+    advert_message,
+    b_commitment,
+    decode_fields,
+    encode_fields,
+    mask_sign,
+    round_salt,
+)
 from plexus.secagg.shamir import PRIME, SHARE_BYTES, default_threshold, shamir_split
 
 

@@ -40,7 +40,8 @@ def test_identity_from_site_admin_and_coordinator_certs(fed):
     admin_pem = (pki.add_admin(fed, "alice", role="admin", now=NOW) / "cert.pem").read_bytes()
     site = identity.identity_from_cert(site_pem)
     assert site == identity.Identity("cleveland", "site", None, _cert_serial(site_pem))
-    assert identity.identity_from_cert(admin_pem) == identity.Identity("alice", "admin", "admin", _cert_serial(admin_pem))
+    assert identity.identity_from_cert(admin_pem) == identity.Identity("alice", "admin", "admin",
+                                                                       _cert_serial(admin_pem))
     bob_pem = (pki.add_admin(fed, "bob", now=NOW) / "cert.pem").read_bytes()
     assert identity.identity_from_cert(bob_pem).role == "viewer"  # the default role is the least powerful
     coord = identity.identity_from_cert((fed / "coordinator" / "cert.pem").read_bytes())

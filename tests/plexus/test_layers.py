@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import tomllib
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -48,6 +47,7 @@ def test_the_upward_import_check_catches_each_form(tmp_path):
 
 
 def test_the_installed_command_groups_are_the_declared_ones():
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"][COMMANDS_GROUP]
     installed = {ep.name: ep.value for ep in entry_points(group=COMMANDS_GROUP)}
     assert installed == declared, "the installed entry points are stale: run `pip install -e '.[dev]'` again"
