@@ -9,6 +9,7 @@ adds its group to the top-level subparsers). After changing them, reinstall (`pi
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from importlib.metadata import entry_points
@@ -24,6 +25,9 @@ COMMANDS_GROUP = "plexus.commands"
 def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:]); return the exit code (argument errors exit 2)."""
     top = parser()
+    if not installed_commands():   # a checkout whose install predates the entry points, or a broken one
+        print(f"warning: no {COMMANDS_GROUP} entry points are installed, so the coordinator and site commands are "
+              "missing; reinstall plexus (`pip install -e .` in a checkout)", file=sys.stderr)
     args = top.parse_args(argv)
     if not hasattr(args, "run"):
         top.print_help()
@@ -72,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@functools.cache
 def installed_commands() -> dict:
     """Name -> the function that adds that command group, for every `plexus.commands` entry point, by name."""
     found = {}
