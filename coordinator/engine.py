@@ -39,6 +39,7 @@ from coordinator.events import admin_actor
 from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PermissionDenied,
                            PlexusError, Reason, RoundClosed, TimedOut)
 from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
+from plexus.accounting import client_epsilon, load_client_accountant, round_sampling_rate
 from plexus.dp import NOT_PRIVATE, add_noise, noise_key
 from plexus.text import bounded
 from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, Receiver, decode, encode
@@ -152,8 +153,8 @@ class ActiveJob:
     opened_any: bool = False                 # a round has opened since then
     total: WeightedSum | None = None         # the running sum, kept from round to round (round_sum)
     retried: dict[int, int] = field(default_factory=dict)   # round -> times it was opened again (sites.retries)
-    epsilons: dict[int, float] = field(default_factory=dict)   # DP: ε after round n, from the model worker
-    accounting_error: str = ""               # why ε could not be computed (the job fails with it)
+    epsilons: dict[int, float] = field(default_factory=dict)   # DP: ε after round n, computed as it opened
+    rates: dict[int, float] | None = None    # DP: round n's sampling rate q (read from the ledger once)
 
     @property
     def in_memory(self) -> bool:
@@ -164,8 +165,8 @@ class ActiveJob:
 
     def round_sum(self, sites: int) -> WeightedSum:
         """An empty running sum for the next round's `sites` sites: the job's one sum, zeroed in place.
-        Faulting in a fresh model-sized array every round cost more than folding an update into it (50M
-        parameters: ~0.8 s)."""
+        Faulting in a fresh model-sized array every round cost more than folding an update into it
+        (docs/performance.md)."""
         if self.total is None or self.total.layout != self.update_layout:
             self.total = WeightedSum(self.update_layout, sites=sites)
         else:
@@ -258,7 +259,7 @@ class Engine:
                  rejoin_grace_s: float = 0.0, clock=time.time, monotonic=time.monotonic, on_death=lambda: None,
                  models: ModelWorker | None = None, model_limits: ModelLimits = ModelLimits()):
         self.store = store
-        self.models = models or shared_worker()   # builds initial models and computes ε, never under the lock
+        self.models = models or shared_worker()   # builds initial models, never under the lock
         self.model_limits = model_limits
         self.federation = federation
         self.poll_timeout_s = poll_timeout_s
@@ -327,17 +328,23 @@ class Engine:
                 self._cv.wait(timeout)
 
     def _account(self) -> None:
-        """ε after the active DP job's next round, computed ahead, outside the engine lock: the model worker
-        may be busy with a slow build (or hung, until model_build_timeout_s) and that holds up this job's
-        next round only, never the lock every NextTask and admin call takes. A round opens once its ε is in."""
-        job = self._active   # read without the lock: at worst ε is computed for a job just set aside
-        dp = job.cfg.privacy.dp if job is not None else None
-        if dp is None or job.accounting_error or (n := job.model_round + 1) > job.cfg.rounds or n in job.epsilons:
-            return
-        try:
-            job.epsilons[n] = self.models.epsilon_after(n, dp.noise_multiplier, 1.0, dp.delta, limits=self.model_limits)
-        except (PlexusError, OSError) as exc:
-            job.accounting_error = f"privacy accounting failed for round {n}: {exc}"
+        """Load the ε accountant outside the engine lock while a DP job is active: the import (dp-accounting
+        and scipy) is paid once per process, so the first ε, computed when a round opens, is milliseconds."""
+        job = self._active   # read without the lock: at worst it is loaded for a job just set aside
+        if job is not None and job.cfg.privacy.dp is not None:
+            load_client_accountant()
+
+    def _epsilon_if(self, job: ActiveJob, q: float) -> float:
+        """ε after the job's next round if it runs at sampling rate q, kept (with q) for its ledger: every
+        closed round's q (from the privacy ledger; 1 where none is recorded) composed with this one."""
+        dp, n = job.cfg.privacy.dp, job.model_round + 1
+        if job.rates is None:
+            job.rates = {m.round: m.value for m in self.store.metrics(job.row.id)
+                         if m.site == "" and m.kind == "privacy" and m.name == "sampling_rate"}
+        if job.rates.get(n) != q or n not in job.epsilons:   # a round waiting for its quorum asks again
+            rates = [job.rates.get(r, 1.0) for r in range(1, n)]
+            job.rates[n], job.epsilons[n] = q, client_epsilon(dp.noise_multiplier, [*rates, q], dp.delta)
+        return job.epsilons[n]
 
     def _storage_failed(self, exc: Exception) -> None:
         """The state dir cannot be written (a full disk) or read: fail nothing. The round in progress is
@@ -808,18 +815,6 @@ class Engine:
         """Open the next round if its sites are there; how long until the engine should look again."""
         cfg = job.cfg
         dp = cfg.privacy.dp
-        if dp is not None and not job.budget_stop and job.model_round < cfg.rounds:
-            if job.accounting_error:
-                self._fail_active(job.accounting_error)
-                return 0.0
-            after = job.epsilons.get(job.model_round + 1)
-            if after is None:
-                return 0.0   # _account computes it, outside the lock, first
-            if dp.target_epsilon is not None and after > dp.target_epsilon:
-                job.budget_stop = (f"privacy budget reached: round {job.model_round + 1} would bring ε to "
-                                   f"{after:.3f} > target {dp.target_epsilon} (δ={dp.delta}); stopped after "
-                                   f"round {job.model_round}")
-                self.store.event(job.row.id, "privacy_budget_reached", job.model_round, "", job.budget_stop)
         evaluating = job.model_round >= cfg.rounds or bool(job.budget_stop) or job.strategy.done(job.model_round)
         declined = self.store.declines(job.row.id)
         online = self._eligible_online(declined)
@@ -833,6 +828,18 @@ class Engine:
             self._waiting(job, f"waiting up to {self.rejoin_grace_s:g}s for the job's sites to connect: "
                                + ", ".join(missing))
             return 0.5
+        if dp is not None and not job.budget_stop and job.model_round < cfg.rounds:
+            # ε of the cohort drawn now, before the round opens: its q is known only once it is drawn.
+            cohort = job.strategy.configure(job.model_round + 1, online, known)
+            at_random = cfg.sites.fraction is not None or cfg.sites.count is not None
+            q = round_sampling_rate(len(cohort), len(online), at_random=at_random)
+            after = self._epsilon_if(job, q)
+            if dp.target_epsilon is not None and after > dp.target_epsilon:
+                job.budget_stop = (f"privacy budget reached: round {job.model_round + 1} would bring ε to "
+                                   f"{after:.3f} > target {dp.target_epsilon} (δ={dp.delta}); stopped after "
+                                   f"round {job.model_round}")
+                self.store.event(job.row.id, "privacy_budget_reached", job.model_round, "", job.budget_stop)
+                evaluating = True
         participants = online if evaluating else job.strategy.configure(job.model_round + 1, online, known)
         if len(participants) < (1 if evaluating else cfg.sites.min):
             self._waiting(job, f"waiting for sites: {len(participants)} of {cfg.sites.min} needed are online")
@@ -1035,9 +1042,11 @@ class Engine:
             self._storage_trouble = ""
         job.row = self.store.job(job.row.id)
         dp = job.cfg.privacy.dp
-        if dp is not None:  # q = 1: every online site takes part, the conservative accounting
-            epsilon = job.epsilons[rs.round]   # computed before the round opened (_account)
+        if dp is not None:
+            epsilon = job.epsilons[rs.round]   # computed for this round's cohort as it opened (_epsilon_if)
             ledger = {(rs.round, "", "privacy", "epsilon"): epsilon, (rs.round, "", "privacy", "delta"): dp.delta}
+            if job.cfg.sites.fraction is not None or job.cfg.sites.count is not None:   # q < 1 possible
+                ledger[(rs.round, "", "privacy", "sampling_rate")] = job.rates[rs.round]
             if dp.reproducible_noise:   # ε holds only against whoever cannot read the config: flag every round
                 ledger[(rs.round, "", "privacy", "noise_reproducible")] = 1.0
             self.store.record_metrics(job.row.id, ledger)

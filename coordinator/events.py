@@ -1,5 +1,5 @@
-"""What a committed job event tells its listeners (the audit trail, the metrics): who acted and, for a
-refused update, why, as fields set where the event happens. Messages are free text for people; nothing
+"""What a committed job event tells its listeners (the audit trail, the metrics): who acted, for a
+refused update why, and for an opened round its kind, as fields set where the event happens. Messages are free text for people; nothing
 is ever parsed back out of them (a site could write "aborted by adam" into its own failure message)."""
 
 from __future__ import annotations
@@ -37,3 +37,4 @@ class Event:
     message: str = ""
     actor: str = COORDINATOR   # "coordinator", "site:NAME" or "admin:NAME"
     reason: Reason | None = None   # set for site_rejected: why the update was refused
+    round_kind: str = ""   # set for round_opened: "train" or "evaluate"

@@ -3,7 +3,8 @@
 Each coordinator owns a private CollectorRegistry, so several coordinators in one
 process (tests, hierarchical setups) never share or clash on counters. Labels are
 bounded: no site names, no free text (a rejection is labelled with its Reason code,
-set where it was refused), and per-job series only for the few jobs that matter now.
+a round with its kind, both set where they happened: never read from a message), and
+per-job series only for the few jobs that matter now.
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ class CoordinatorMetrics:
 
     # fed by Store.subscribe ---------------------------------------------------------------
     def on_event(self, event: Event) -> None:
-        job_id, kind, round_, message = event.job_id, event.kind, event.round, event.message
+        job_id, kind, round_ = event.job_id, event.kind, event.round
         if kind == "round_opened":
+            round_kind = event.round_kind or "train"
             with self._lock:
-                self._open[job_id] = (round_, message or "train", self._mono())
-            self.rounds_opened.labels(message or "train").inc()
+                self._open[job_id] = (round_, round_kind, self._mono())
+            self.rounds_opened.labels(round_kind).inc()
         elif kind == "round_closed":
             self._finish(job_id, "closed")
         elif kind == "round_failed":

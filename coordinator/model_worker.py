@@ -1,10 +1,10 @@
 """Build models in a separate worker process, so the coordinator never imports torch.
 
-torch alone costs the coordinator ~240 MB of resident memory, more than the
-whole of its own working set, and model plug-ins are code the coordinator
-need not host. The worker reads one JSON request per line on stdin, writes the
-initial weights as a safetensors file, and answers one JSON line. Nothing is
-pickled across the boundary.
+torch alone would cost the coordinator more resident memory than the whole
+of its own working set (docs/performance.md), and model plug-ins are code the
+coordinator need not host. The worker reads one JSON request per line on
+stdin, writes the initial weights as a safetensors file, and answers one JSON
+line. Nothing is pickled across the boundary.
 
 Every call has a time limit and the worker's address space a cap while it
 serves it: a build that takes too long is stopped (the worker is killed and
@@ -54,6 +54,12 @@ class ModelWorker:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
+    @property
+    def pid(self) -> int | None:
+        """The worker process's id while one is started (the first call starts it), else None."""
+        proc = self._proc
+        return None if proc is None else proc.pid
+
     def build(self, name: str, args: dict, *, seed: int, out: Path, members: int = 0,
               limits: ModelLimits = ModelLimits()) -> dict[str, np.ndarray]:
         """Initial weights of model `name` (an ensemble of `members` copies when ≥ 2) written to `out`
@@ -61,12 +67,6 @@ class ModelWorker:
         self._call({"op": "build", "name": name, "args": args, "seed": seed, "out": str(out), "members": members},
                    what=f"building model {name!r}", limits=limits)
         return load_file(str(out))
-
-    def epsilon_after(self, rounds: int, noise_multiplier: float, sample_rate: float, delta: float, *,
-                      limits: ModelLimits = ModelLimits()) -> float:
-        """plexus.accounting.epsilon_after (Opacus's RDP accountant), computed where torch may live."""
-        return self._call({"op": "epsilon", "rounds": rounds, "noise_multiplier": noise_multiplier,
-                           "sample_rate": sample_rate, "delta": delta}, what="computing ε", limits=limits)["epsilon"]
 
     def _call(self, message: dict, *, what: str, limits: ModelLimits) -> dict:
         timeout_s, memory_bytes = limits.timeout_s, limits.memory_bytes
@@ -182,12 +182,8 @@ def _address_space(limit: int):
 def _answer(request: dict) -> dict:
     from safetensors.numpy import save_file
 
-    from plexus.accounting import epsilon_after
     from plexus.models import build_model, state_to_numpy
 
-    if request["op"] == "epsilon":
-        return {"epsilon": epsilon_after(request["rounds"], request["noise_multiplier"], request["sample_rate"],
-                                         request["delta"])}
     out = Path(request["out"])
     tmp = out.with_suffix(".building")
     try:

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -73,6 +74,8 @@ _NO_DIGEST = "0" * 64   # the header's checksum while the data is still being wr
 
 @dataclass(frozen=True)
 class JobRow:
+    """One job: its config as submitted, where it stands (status, current round) and its last message."""
+
     id: str
     name: str
     config_yaml: str
@@ -86,8 +89,84 @@ class JobRow:
     updated: float
 
 
+class RoundRow(NamedTuple):
+    """One round of a job; `contributors` is the JSON list of the sites whose updates it used."""
+
+    round: int
+    kind: str
+    status: str
+    opened: float
+    closed: float | None
+    contributors: str
+    total_samples: int
+    message: str
+
+
+class TaskRow(NamedTuple):
+    """One task granted to a site."""
+
+    task_id: str
+    job_id: str
+    round: int
+    site: str
+    kind: str
+    nonce: bytes
+    status: str
+
+
+class SiteEventRow(NamedTuple):
+    """A task's outcome for a site (submitted, rejected, late, ...) and why, as `plexus job show` lists it."""
+
+    site: str
+    status: str
+    round: int
+    reason: str
+
+
+class MetricRow(NamedTuple):
+    """One metric value; site "" for the federation as a whole (e.g. kind "privacy", name "epsilon")."""
+
+    round: int
+    site: str
+    kind: str
+    name: str
+    value: float
+
+
+class SiteRow(NamedTuple):
+    """A site that joined; `models` and `datasets` are JSON lists of what it reported at its last Join."""
+
+    name: str
+    last_seen: float
+    agent_version: str
+    policy_digest: str
+    models: str
+    datasets: str
+
+
+class EventRow(NamedTuple):
+    """One recorded job event, as WatchJob streams it."""
+
+    id: int
+    at: float
+    kind: str
+    round: int
+    site: str
+    message: str
+
+
+class SubmissionRow(NamedTuple):
+    """The job an admin's request id made, and the SHA-256 of the config it was made from."""
+
+    job_id: str
+    config_sha256: str
+
+
 class Store:
-    """All SQL lives here; callers get rows and plain values back. Thread-safe."""
+    """The coordinator's durable state: jobs, rounds, tasks, metrics, sites and events in SQLite (WAL),
+    checkpoints and strategy state as safetensors files. All SQL lives here; callers get named rows
+    (NamedTuples, so tuple unpacking still works) and plain values back. Thread-safe; one process per
+    state dir. Every change that is an event commits with it and is then published to `subscribe`rs."""
 
     def __init__(self, state_dir: Path, *, clock=time.time, retention: CheckpointsSpec = CheckpointsSpec()):
         self.state_dir = Path(state_dir)
@@ -136,6 +215,7 @@ class Store:
         self._db.executescript(SCHEMA)
 
     def close(self) -> None:
+        """Close the database and release the state dir for another process."""
         with self._lock:
             self._db.close()
         os.close(self._lock_fd)
@@ -186,19 +266,21 @@ class Store:
                                (who, request_id, job_id, digest, now)))
         self._tx(statements, Event(job_id, "job_submitted", 0, "", f"submitted by {who}", actor=admin_actor(who)))
 
-    def submission(self, who: str, request_id: str) -> tuple[str, str] | None:
+    def submission(self, who: str, request_id: str) -> SubmissionRow | None:
         """(job id, config SHA-256) of the job admin `who` submitted under `request_id`, or None."""
         rows = self._all("SELECT job_id, config_sha256 FROM submissions WHERE submitted_by = ? AND request_id = ?",
                          (who, request_id))
-        return rows[0] if rows else None
+        return SubmissionRow(*rows[0]) if rows else None
 
     def job(self, job_id: str) -> JobRow:
+        """The job `job_id`; NotFound if this coordinator has none."""
         rows = self._all("SELECT * FROM jobs WHERE id = ?", (job_id,))
         if not rows:
             raise NotFound(f"no job {job_id!r}; `plexus job list` shows the jobs this coordinator knows")
         return JobRow(*rows[0])
 
     def jobs(self) -> list[JobRow]:
+        """Every job, oldest first."""
         return [JobRow(*r) for r in self._all("SELECT * FROM jobs ORDER BY created, id")]
 
     def set_job(self, job_id: str, *, status: str | None = None, current_round: int | None = None,
@@ -215,12 +297,13 @@ class Store:
 
     # rounds and tasks --------------------------------------------------------------------
     def open_round(self, job_id: str, round_: int, kind: str) -> None:
+        """Open (or reopen, for a retry) a round: an earlier attempt's row goes and its unanswered tasks turn stale."""
         self._tx([("DELETE FROM rounds WHERE job_id = ? AND round = ?", (job_id, round_)),
                   ("UPDATE tasks SET status = 'stale' WHERE job_id = ? AND round = ? AND status = 'issued'",
                    (job_id, round_)),
                   ("INSERT INTO rounds (job_id, round, kind, status, opened) VALUES (?, ?, ?, 'open', ?)",
                    (job_id, round_, kind, self.clock()))],
-                 Event(job_id, "round_opened", round_, "", kind))
+                 Event(job_id, "round_opened", round_, "", kind, round_kind=kind))
 
     def close_round(self, job_id: str, round_: int, *, status: str, contributors: list[str], total_samples: int,
                     message: str, job_update: dict | None = None, event: tuple[str, str] | None = None,
@@ -247,18 +330,22 @@ class Store:
         self._tx([("UPDATE tasks SET status = 'stale' WHERE status = 'issued'", ()),
                   ("UPDATE rounds SET status = 'interrupted', closed = ? WHERE status = 'open'", (self.clock(),))])
 
-    def rounds(self, job_id: str) -> list[tuple]:
-        return self._all("SELECT round, kind, status, opened, closed, contributors, total_samples, message"
-                         " FROM rounds WHERE job_id = ? ORDER BY round", (job_id,))
+    def rounds(self, job_id: str) -> list[RoundRow]:
+        """The job's rounds in order."""
+        return [RoundRow(*r) for r in self._all(
+            "SELECT round, kind, status, opened, closed, contributors, total_samples, message"
+            " FROM rounds WHERE job_id = ? ORDER BY round", (job_id,))]
 
     def add_task(self, task_id: str, job_id: str, round_: int, site: str, kind: str, nonce: bytes) -> None:
+        """Record a task granted to a site, issued now."""
         self._tx([("INSERT INTO tasks (task_id, job_id, round, site, kind, nonce, status, issued)"
                    " VALUES (?, ?, ?, ?, ?, ?, 'issued', ?)", (task_id, job_id, round_, site, kind, nonce, self.clock()))])
 
-    def task(self, task_id: str) -> tuple | None:
+    def task(self, task_id: str) -> TaskRow | None:
+        """The task `task_id`, or None if there is none."""
         rows = self._all("SELECT task_id, job_id, round, site, kind, nonce, status FROM tasks WHERE task_id = ?",
                          (task_id,))
-        return rows[0] if rows else None
+        return TaskRow(*rows[0]) if rows else None
 
     def finish_task(self, task_id: str, status: str, reason: str = "", *, job_id: str = "", round_: int = 0,
                     site: str = "", metrics: Mapping[tuple[int, str, str], float] | None = None,
@@ -283,22 +370,30 @@ class Store:
         """Every site that was given a task of the job, whatever became of it."""
         return {site for (site,) in self._all("SELECT DISTINCT site FROM tasks WHERE job_id = ?", (job_id,))}
 
-    def site_events(self, job_id: str) -> list[tuple]:
-        return self._all("SELECT site, status, round, reason FROM tasks WHERE job_id = ?"
-                         " AND status NOT IN ('issued', 'stale') ORDER BY round, site", (job_id,))
+    def site_events(self, job_id: str) -> list[SiteEventRow]:
+        """The outcomes of the job's tasks (not those still issued or void), by round and site."""
+        return [SiteEventRow(*r) for r in self._all(
+            "SELECT site, status, round, reason FROM tasks WHERE job_id = ?"
+            " AND status NOT IN ('issued', 'stale') ORDER BY round, site", (job_id,))]
 
     def decline(self, job_id: str, site: str, reason: str) -> None:
+        """Record that a site's policy declines the job (replacing an earlier reason)."""
         self._tx([("INSERT OR REPLACE INTO declines VALUES (?, ?, ?, ?)", (job_id, site, reason, self.clock()))])
 
     def declines(self, job_id: str) -> dict[str, str]:
+        """site -> why it declines the job."""
         return dict(self._all("SELECT site, reason FROM declines WHERE job_id = ?", (job_id,)))
 
-    def metrics(self, job_id: str) -> list[tuple]:
-        return self._all("SELECT round, site, kind, name, value FROM metrics WHERE job_id = ?"
-                         " ORDER BY round, site, kind, name", (job_id,))
+    def metrics(self, job_id: str) -> list[MetricRow]:
+        """The job's metrics, by round, site, kind and name."""
+        return [MetricRow(*r) for r in self._all(
+            "SELECT round, site, kind, name, value FROM metrics WHERE job_id = ?"
+            " ORDER BY round, site, kind, name", (job_id,))]
 
     # sites and events --------------------------------------------------------------------
     def site_seen(self, name: str, **info) -> None:
+        """Note that a site was seen now; at a Join, `info` (agent_version, policy_digest, models, datasets)
+        replaces what it reported before."""
         now = self.clock()
         with self._lock:
             self._db.execute("INSERT INTO sites (name, first_seen, last_seen) VALUES (?, ?, ?)"
@@ -309,17 +404,21 @@ class Store:
                     (info["agent_version"], info["policy_digest"], json.dumps(info["models"]),
                      json.dumps(info["datasets"]), name))
 
-    def sites(self) -> list[tuple]:
-        return self._all("SELECT name, last_seen, agent_version, policy_digest, models, datasets FROM sites"
-                         " ORDER BY name")
+    def sites(self) -> list[SiteRow]:
+        """Every site that ever joined, by name."""
+        return [SiteRow(*r) for r in self._all(
+            "SELECT name, last_seen, agent_version, policy_digest, models, datasets FROM sites ORDER BY name")]
 
     def event(self, job_id: str, kind: str, round_: int = 0, site: str = "", message: str = "", *,
               actor: str = COORDINATOR) -> None:
+        """Record a job event on its own, attributed to `actor`, and publish it."""
         self._tx([], Event(job_id, kind, round_, site, message, actor=actor))
 
-    def events_after(self, job_id: str, after_id: int) -> list[tuple]:
-        return self._all("SELECT id, at, kind, round, site, message FROM events WHERE job_id = ? AND id > ?"
-                         " ORDER BY id", (job_id, after_id))
+    def events_after(self, job_id: str, after_id: int) -> list[EventRow]:
+        """The job's events with an id above `after_id`, in order (0: all of them)."""
+        return [EventRow(*r) for r in self._all(
+            "SELECT id, at, kind, round, site, message FROM events WHERE job_id = ? AND id > ? ORDER BY id",
+            (job_id, after_id))]
 
     def _event_sql(self, event: Event) -> tuple[str, tuple]:
         return ("INSERT INTO events (job_id, at, kind, round, site, message) VALUES (?, ?, ?, ?, ?, ?)",
@@ -327,6 +426,7 @@ class Store:
 
     # checkpoints -------------------------------------------------------------------------
     def checkpoint_path(self, job_id: str, round_: int) -> Path:
+        """Where the model after round `round_` is (or would be) saved."""
         return self.checkpoints / job_id / f"{round_}.safetensors"
 
     def save_checkpoint(self, job_id: str, round_: int, state: Mapping[str, np.ndarray]) -> Path:
@@ -341,6 +441,7 @@ class Store:
                                        {"job": job_id, "round": str(round_)})
 
     def strategy_state_path(self, job_id: str, round_: int) -> Path:
+        """Where the strategy's state after round `round_` is (or would be) saved."""
         return self.checkpoints / job_id / f"{round_}.strategy.safetensors"
 
     def save_strategy_state(self, job_id: str, round_: int, arrays: Mapping[str, np.ndarray], meta: dict) -> Path:
@@ -351,6 +452,7 @@ class Store:
                                        {"job": job_id, "round": str(round_), "strategy": json.dumps(meta)})
 
     def load_strategy_state(self, job_id: str, round_: int) -> tuple[dict[str, np.ndarray], dict]:
+        """(arrays, meta) that save_strategy_state wrote, checksummed; NotFound if there are none."""
         path = self.strategy_state_path(job_id, round_)
         if not path.exists():
             raise NotFound(f"job {job_id} has no strategy state for round {round_} ({path} is missing); "
@@ -455,6 +557,7 @@ class Store:
         return layout, blob
 
     def load_checkpoint(self, job_id: str, round_: int) -> dict[str, np.ndarray]:
+        """The model after round `round_` as arrays, checksummed; NotFound if it is not (or no longer) kept."""
         layout, path, start, _, metadata = self._checkpoint_header(job_id, round_)
         self._verify(path, layout, start, metadata)
         with _readable(path):

@@ -53,7 +53,7 @@ def test_round_counters_and_durations_follow_the_events():
     for event, advance in ((("j", "round_opened", 1, "", "train"), 2.0), (("j", "round_closed", 1, "", "ok"), 0),
                            (("j", "round_opened", 2, "", "train"), 0.5), (("j", "job_failed", 2, "", "quorum"), 0),
                            (("k", "round_opened", 3, "", "evaluate"), 1.0), (("k", "job_completed", 3, "", ""), 0)):
-        m.on_event(Event(*event))
+        m.on_event(Event(*event, round_kind=event[4]) if event[1] == "round_opened" else Event(*event))
         now[0] += advance
     assert _value(m, "plexus_rounds_opened_total", kind="train") == 2
     assert _value(m, "plexus_rounds_closed_total", kind="train") == 1
@@ -67,6 +67,10 @@ def test_round_counters_and_durations_follow_the_events():
     # A job event with no round open (abort of a queued job) counts no round.
     m.on_event(Event("q", "job_aborted", 0, "", "by ops"))
     assert _value(m, "plexus_rounds_failed_total", kind="train") == 1
+    # The round's kind is its field, never its message.
+    m.on_event(Event("x", "round_opened", 4, "", "evaluate", round_kind="train"))
+    assert _value(m, "plexus_rounds_opened_total", kind="train") == 3
+    assert _value(m, "plexus_rounds_opened_total", kind="evaluate") == 1
 
 
 @pytest.mark.parametrize(("message", "code", "reason"), [

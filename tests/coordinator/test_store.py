@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from coordinator.store import Store
-from plexus.errors import IntegrityError, NotFound
+from plexus.errors import IntegrityError, NotFound, Reason
 from plexus.wire import encode
 
 
@@ -171,6 +171,40 @@ def test_a_job_lifecycle_is_recorded(store):
     assert _kinds(store, "j2") == ["job_submitted"]
     assert store.metrics("j2") == [] and store.rounds("j2") == []
     assert [j.id for j in store.jobs()] == ["j1", "j2"]
+
+
+def test_rows_come_back_named(store):
+    heard = []
+    store.subscribe(heard.append)
+    store.add_job("j1", "heart", "x", "fedavg", 2, "alice", request=("req-1", "ab" * 32))
+    store.open_round("j1", 1, "evaluate")
+    store.add_task("t-a", "j1", 1, "site-a", "evaluate", b"n")
+    store.finish_task("t-a", "rejected", "bad metrics", job_id="j1", round_=1, site="site-a",
+                      metrics={(1, "eval", "accuracy"): 0.5}, code=Reason.METRICS)
+    store.site_seen("site-a", agent_version="1.2", policy_digest="d" * 64, models=["mlp"], datasets=["heart"])
+
+    assert store.submission("alice", "req-1").config_sha256 == "ab" * 32
+    [round_] = store.rounds("j1")
+    assert (round_.round, round_.kind, round_.status, round_.closed) == (1, "evaluate", "open", None)
+    task = store.task("t-a")
+    assert (task.task_id, task.site, task.kind, task.nonce, task.status) == ("t-a", "site-a", "evaluate", b"n",
+                                                                             "rejected")
+    [outcome] = store.site_events("j1")
+    assert (outcome.site, outcome.status, outcome.round, outcome.reason) == ("site-a", "rejected", 1, "bad metrics")
+    [metric] = store.metrics("j1")
+    assert (metric.round, metric.site, metric.kind, metric.name, metric.value) == (1, "site-a", "eval", "accuracy",
+                                                                                   0.5)
+    [site] = store.sites()
+    assert (site.name, site.agent_version, json.loads(site.models), json.loads(site.datasets)) == \
+        ("site-a", "1.2", ["mlp"], ["heart"])
+    events = store.events_after("j1", 0)
+    assert [(e.kind, e.round, e.site) for e in events] == [("job_submitted", 0, ""), ("round_opened", 1, ""),
+                                                           ("site_rejected", 1, "site-a")]
+    assert events[2].message == "bad metrics" and events[0].id < events[1].id < events[2].id
+    # What listeners hear carries the structure the rows leave out: who acted, why, which kind of round.
+    assert [(e.kind, e.actor, e.reason, e.round_kind) for e in heard] == [
+        ("job_submitted", "admin:alice", None, ""), ("round_opened", "coordinator", None, "evaluate"),
+        ("site_rejected", "coordinator", Reason.METRICS, "")]
 
 
 def test_close_round_can_finish_the_job_with_a_custom_event(store):

@@ -66,8 +66,9 @@ def _open_gate(lib) -> None:
 
 def test_sites_and_admins_are_served_while_a_slow_model_builds(pki_root, tmp_path, gated):
     """Reported: building a slow model at submit blocked sites' NextTask for 34 s. The build runs outside the
-    engine lock, and a running DP job's ε is computed ahead of each round, outside the lock as well: while
-    the worker is busy, the job's round closes, its site's NextTask and the admin's calls are answered."""
+    engine lock, and a running DP job's ε is computed in-process as each round opens, not in the worker:
+    while the worker is busy, the job's round closes, its next round opens and is handed to its site, and
+    the admin's calls are answered."""
     fed = Federation(pki_root, tmp_path / "state", models=gated)
     submitted, released = {}, False
     try:
@@ -89,7 +90,8 @@ def test_sites_and_admins_are_served_while_a_slow_model_builds(pki_root, tmp_pat
 
         site.submit(task, state, num_samples=100, timeout=10)       # unchanged model: within clip_norm
         wait_until(lambda: fed.store.job(private).current_round == 1, 20, "round 1 to close during the build")
-        assert site.stub.NextTask(fpb.NextTaskRequest(wait_s=0.2), timeout=scaled(5)).kind == fpb.TASK_NONE
+        following = site.stub.NextTask(fpb.NextTaskRequest(wait_s=scaled(5)), timeout=scaled(10))
+        assert (following.kind, following.round) == (fpb.TASK_TRAIN, 2)   # round 2 does not wait for the worker
         assert {j.job_id: j.current_round for j in admin.jobs()}[private] == 1
         assert slow.is_alive() and not submitted   # the build is still in progress all along
 
@@ -154,7 +156,7 @@ def test_a_worker_killed_while_it_builds_is_reported_as_out_of_memory_and_replac
     thread.start()
     wait_until(lambda: (gated.lib / "building").exists(), 60, "the build to start")
     (gated.lib / "building").unlink()
-    os.kill(gated._proc.pid, signal.SIGKILL)
+    os.kill(gated.pid, signal.SIGKILL)
     thread.join(scaled(10))
 
     assert outcome["error"] == (

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from opacus.accountants import RDPAccountant
 
-from plexus.accounting import epsilon_after
+from plexus.accounting import client_epsilon, epsilon_after
 from plexus.audit import AuditLog
 from plexus.cli import main as cli
 
-from integration.harness import heart_job
+from integration.harness import Federation, heart_job, wait_until
 
 Z, S, DELTA = 1.1, 0.5, 1e-5
 
@@ -64,6 +64,64 @@ def test_target_epsilon_stops_the_job_cleanly_before_exceeding_it(federation):
     # the final model was evaluated; under DP the sites keep their metrics to themselves (docs/privacy.md)
     assert {e.status for e in detail.site_events if e.round == 3} == {"evaluated"}
     assert not [m for m in detail.metrics if m.site]
+
+
+def _sampled(job: str, count: int) -> str:
+    return job.replace("sites: {min: 2,", f"sites: {{min: 2, count: {count},")
+
+
+def _ledger(detail) -> tuple[dict[int, float], dict[int, float]]:
+    privacy = [m for m in detail.metrics if m.kind == "privacy" and not m.site]
+    return ({m.round: m.value for m in privacy if m.name == "epsilon"},
+            {m.round: m.value for m in privacy if m.name == "sampling_rate"})
+
+
+def test_sampled_sites_account_each_rounds_q_and_stop_at_the_target_later(federation):
+    """2 of 4 sites a round: q = 1/2, recorded next to ε, and ε composes it; the target that q = 1 would
+    reach after one round is reached only after three."""
+    for name in "abcd":
+        federation.start_site(name)
+    federation.wait_online("a", "b", "c", "d")
+    target = 6.0
+    assert client_epsilon(Z, [1.0] * 2, DELTA) > target > client_epsilon(Z, [0.5] * 3, DELTA)
+    assert client_epsilon(Z, [0.5] * 4, DELTA) > target
+    job_id = federation.admin().submit(_sampled(dp_job(rounds=10, target=target), 2)).job_id
+    assert federation.wait_job(job_id) == "budget_reached", federation.store.job(job_id).message
+    detail = federation.admin().job(job_id)
+    assert detail.summary.current_round == 3 and "privacy budget reached" in detail.summary.message
+    eps, rates = _ledger(detail)
+    assert rates == {1: 0.5, 2: 0.5, 3: 0.5}
+    for r, value in eps.items():
+        assert abs(value - client_epsilon(Z, [0.5] * r, DELTA)) < 1e-12
+    assert [r.total_samples for r in detail.rounds if r.round <= 3] == [2, 2, 2]   # a DP round counts updates
+
+
+def test_a_resumed_sampled_job_composes_the_rates_of_the_rounds_before_the_restart(pki_root, tmp_path):
+    state, rounds = tmp_path / "state", 12
+    first = Federation(pki_root, state)
+    try:
+        for name in "abc":
+            first.start_site(name)
+        first.wait_online("a", "b", "c")
+        job_id = first.admin().submit(_sampled(dp_job(rounds=rounds), 2)).job_id
+        wait_until(lambda: first.store.job(job_id).current_round >= 2, 60, "round 2 to close")
+    finally:
+        first.close()
+    second = Federation(pki_root, state)
+    try:
+        before = second.store.job(job_id).current_round
+        assert 2 <= before < rounds, "the job finished before the restart; the test did not test resuming"
+        for name in "abc":
+            second.start_site(name)
+        assert second.wait_job(job_id, timeout=120) == "completed", second.store.job(job_id).message
+        eps, rates = _ledger(second.admin().job(job_id))
+        assert sorted(eps) == sorted(rates) == list(range(1, rounds + 1))
+        assert {rates[r] for r in range(1, before + 1)} == {2 / 3}   # all three sites were online then
+        assert set(rates.values()) <= {2 / 3, 1.0}   # 1.0 if a site was not back yet when a round opened
+        for r in range(1, rounds + 1):   # after the restart too: the rounds before it keep their q
+            assert abs(eps[r] - client_epsilon(Z, [rates[i] for i in range(1, r + 1)], DELTA)) < 1e-12
+    finally:
+        second.close()
 
 
 def test_unclipped_update_is_refused_in_a_dp_job(federation):

@@ -1,23 +1,106 @@
-"""Tests for plexus.accounting: every ε equals Opacus's own RDP accountant for the same schedule."""
+"""Tests for plexus.accounting: every ε equals Opacus's own RDP accountant for the same schedule and orders."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 from opacus.accountants import RDPAccountant
 
-from plexus.accounting import (PrivacyLedger, dp_sgd_epsilon, dp_sgd_schedule, epsilon_after,
-                               rounds_within)
+from plexus.accounting import (RDP_ORDERS, PrivacyLedger, client_epsilon, dp_sgd_epsilon, dp_sgd_schedule,
+                               epsilon_after, round_sampling_rate, rounds_within)
 from plexus.errors import IntegrityError
 
 
-def _opacus(schedule, delta):
+def _opacus(schedule, delta, alphas=None):
     accountant = RDPAccountant()
     for z, q, steps in schedule:
         for _ in range(steps):
             accountant.step(noise_multiplier=z, sample_rate=q)
-    return accountant.get_epsilon(delta=delta)
+    return accountant.get_epsilon(delta=delta, alphas=alphas)
+
+
+def _close(ours, theirs):
+    return abs(ours - theirs) <= 1e-6 * max(1.0, abs(theirs))
+
+
+INTEGER_ORDERS = list(range(2, 64))
+
+
+def test_rdp_orders_are_opacus_defaults():
+    assert list(RDP_ORDERS) == RDPAccountant.DEFAULT_ALPHAS
+
+
+@pytest.mark.parametrize("z", [0.5, 0.8, 1.0, 1.1, 2.0, 4.0])
+@pytest.mark.parametrize("delta", [1e-3, 1e-5, 1e-7])
+def test_client_epsilon_with_every_site_equals_opacus(z, delta):
+    """q = 1 (no sampling): the figures the coordinator reported through Opacus before, to 1e-6."""
+    for rounds in (1, 3, 10, 100):
+        assert _close(client_epsilon(z, [1.0] * rounds, delta), _opacus([(z, 1.0, rounds)], delta))
+        assert _close(client_epsilon(z, [1.0] * rounds, delta), epsilon_after(rounds, z, 1.0, delta))
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order:UserWarning")
+@pytest.mark.parametrize("z", [0.8, 1.0, 1.5, 3.0])
+@pytest.mark.parametrize("q", [0.05, 0.3, 0.5, 0.9])
+def test_client_epsilon_equals_opacus_at_the_same_orders(z, q):
+    for rounds, delta in ((1, 1e-5), (20, 1e-6), (200, 1e-3)):
+        assert _close(client_epsilon(z, [q] * rounds, delta, orders=INTEGER_ORDERS),
+                      _opacus([(z, q, rounds)], delta, INTEGER_ORDERS))
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order:UserWarning")
+def test_client_epsilon_composes_each_rounds_rate():
+    rates = [0.5, 0.5, 1.0, 0.25, 0.5]
+    schedule = [(1.2, 0.5, 2), (1.2, 1.0, 1), (1.2, 0.25, 1), (1.2, 0.5, 1)]
+    assert _close(client_epsilon(1.2, rates, 1e-5, orders=INTEGER_ORDERS),
+                  _opacus(schedule, 1e-5, INTEGER_ORDERS))
+    assert client_epsilon(1.2, rates, 1e-5) == client_epsilon(1.2, sorted(rates), 1e-5)   # RDP adds up
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order:UserWarning")
+@pytest.mark.parametrize(("z", "q"), [(0.8, 0.1), (1.1, 0.3), (2.0, 0.5), (1.0, 0.9), (4.0, 0.75)])
+def test_client_epsilon_with_sampling_is_a_bound_between_opacus_orders(z, q):
+    """At Opacus's orders dp-accounting's fractional-order RDP for q < 1 is an upper bound: ε is no less
+    than Opacus's, no more than Opacus's over integer orders only, and never more than with q = 1."""
+    for rounds, delta in ((1, 1e-5), (50, 1e-5), (300, 1e-6)):
+        ours = client_epsilon(z, [q] * rounds, delta)
+        assert _opacus([(z, q, rounds)], delta) - 1e-9 <= ours
+        assert ours <= _opacus([(z, q, rounds)], delta, INTEGER_ORDERS) + 1e-9
+        assert ours <= client_epsilon(z, [1.0] * rounds, delta)
+
+
+def test_client_epsilon_edges_and_bad_input():
+    assert client_epsilon(1.0, [], 1e-5) == 0.0
+    assert math.isinf(client_epsilon(0.0, [1.0, 0.5], 1e-5))
+    for rates in ([0.0], [1.5], [True]):
+        with pytest.raises(ValueError, match="sample_rate must be in"):
+            client_epsilon(1.0, rates, 1e-5)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        client_epsilon(-1.0, [1.0], 1e-5)
+    with pytest.raises(ValueError, match="delta"):
+        client_epsilon(1.0, [1.0], 0.0)
+
+
+def test_client_epsilon_runs_without_torch():
+    code = ("import sys, plexus.accounting as a; e = a.client_epsilon(1.1, [0.5, 1.0], 1e-5); "
+            "assert e > 0 and 'torch' not in sys.modules and 'opacus' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_round_sampling_rate_is_sampled_over_eligible_only_for_random_draws():
+    assert round_sampling_rate(3, 10, at_random=True) == 0.3
+    assert round_sampling_rate(10, 10, at_random=True) == 1.0
+    assert round_sampling_rate(1, 4, at_random=False) == 1.0   # cwt, swt, ensemble: no amplification
+    assert round_sampling_rate(4, 4, at_random=False) == 1.0
+    with pytest.raises(ValueError, match="cannot sample 5 of 4"):
+        round_sampling_rate(5, 4, at_random=True)
+    with pytest.raises(ValueError, match="sample_rate"):
+        round_sampling_rate(0, 4, at_random=True)
+    with pytest.raises(ValueError, match="eligible must be"):
+        round_sampling_rate(1, -1, at_random=True)
 
 
 @pytest.mark.parametrize(("z", "q", "rounds", "delta"), [
