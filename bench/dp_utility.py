@@ -19,8 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from coordinator.server import Coordinator
 from plexus import pki
 from plexus.admin_client import AdminClient
@@ -28,6 +26,7 @@ from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig
 from plexus.datasets import HOSPITALS, heart_disease
 from plexus.models import build_model, load_numpy_state
 from site_agent.agent import SiteAgent
+from site_agent.baselines import pooled
 from site_agent.training import evaluate
 
 JOB = """\
@@ -86,8 +85,8 @@ def pooled_test_metrics(state: dict, job_yaml: str) -> dict:
     job = parse_round_config(job_yaml)
     model = build_model(job.model.name, job.model.args, seed=job.seed)
     load_numpy_state(model, state)
-    splits = [heart_disease(h) for h in HOSPITALS]
-    return evaluate(model, np.concatenate([s.x_test for s in splits]), np.concatenate([s.y_test for s in splits]))
+    together = pooled(heart_disease(h) for h in HOSPITALS)
+    return evaluate(model, together.x_test, together.y_test)
 
 
 def main(argv=None) -> int:

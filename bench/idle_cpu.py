@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from plexus import pki, transport
+from plexus import identity, pki, transport
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def context_switches(pid: int) -> int:
 
 def poll_forever(kit: Path, address: str, stop: threading.Event, joined: threading.Event) -> None:
     """One idle site: Join, then long-poll NextTask until stopped (the coordinator says how long to wait)."""
-    with transport.channel(pki.load_kit(kit), address) as channel:
+    with transport.channel(identity.load_kit(kit), address) as channel:
         stub = federation_pb2_grpc.FederationStub(channel)
         wait_s = stub.Join(fpb.JoinRequest(agent_version="bench-idle"), timeout=30).poll_timeout_s
         joined.set()

@@ -44,8 +44,9 @@ from plexus.config import DatasetSpec, RoundConfig, parse_round_config
 from plexus.datasets import HOSPITALS, Split, load_dataset
 from plexus.models import build_job_model, load_numpy_state, state_to_numpy
 from plexus.wire import Layout, encode
+from site_agent.baselines import pooled, train_centrally
 from site_agent.local import local_update
-from site_agent.training import evaluate, train_local
+from site_agent.training import evaluate
 
 METHODS = ("pooled", "local", "fedavg", "fedprox", "fedadam", "fedyogi", "scaffold", "cwt", "ensemble")
 # FLamby (NeurIPS 2022) Fed-Heart-Disease accuracy, same compute as pooled, mean of 5 seeds.
@@ -87,10 +88,9 @@ def heart_task(quick: bool) -> Task:
     sites = {h: load_dataset(DatasetSpec(kind="heart-disease", hospital=h)) for h in HOSPITALS}
     rounds, epochs = (5, 1) if quick else (50, 1)   # 50 epochs of compute, like FLamby's pooled baseline
     fedopt = {"eta": 0.1, "tau": 1e-3}
+    together = pooled(sites.values())
     return Task(
-        name="heart", sites=sites,
-        x_test=np.concatenate([s.x_test for s in sites.values()]),
-        y_test=np.concatenate([s.y_test for s in sites.values()]),
+        name="heart", sites=sites, x_test=together.x_test, y_test=together.y_test,
         model={"name": "logistic", "args": {"in_features": 13, "num_classes": 2}},
         optimizer={"name": "sgd", "lr": 0.05}, batch_size=16, rounds=rounds, epochs=epochs,
         strategy_args={"fedprox": {"mu": 0.01}, "fedadam": fedopt, "fedyogi": fedopt, "scaffold": {"eta_g": 1.0}},
@@ -148,15 +148,12 @@ def scores(model: torch.nn.Module, task: Task) -> dict[str, float]:
 def centralised(task: Task, seed: int, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
     """Train the job's initial model on (x, y) for R×E epochs."""
     job = job_config(task, "fedavg", rounds=1, epochs=task.rounds * task.epochs, seed=seed)
-    model = build_job_model(job)
-    train_local(model, x, y, job.train, seed=seed)
-    return scores(model, task)
+    return scores(train_centrally(job, x, y, seeds=[seed]), task)
 
 
 def run_pooled(task: Task, seed: int) -> dict[str, float]:
-    sites = task.sites.values()
-    return centralised(task, seed, np.concatenate([s.x_train for s in sites]),
-                       np.concatenate([s.y_train for s in sites]))
+    together = pooled(task.sites.values())
+    return centralised(task, seed, together.x_train, together.y_train)
 
 
 def run_local(task: Task, seed: int) -> dict[str, dict[str, float]]:

@@ -21,7 +21,7 @@ from plexus import transport
 from plexus.audit import AuditLog
 from plexus.config import CoordinatorConfig
 from plexus.errors import FailedPrecondition
-from plexus.pki import RevocationList, federation_of, load_kit
+from plexus.identity import RevocationList, federation_of, load_kit
 from plexus.proto.plexus.v1 import admin_pb2_grpc, federation_pb2_grpc
 from plexus.rpc import Authenticator, SendWatchdog
 from plexus.shutdown import StopSignals

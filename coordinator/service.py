@@ -13,7 +13,7 @@ from coordinator.store import TERMINAL, JobRow
 from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, SendWatchdog, guarded
-from plexus.secagg_proto import advert_to_proto, advert_from_proto
+from plexus.secagg import advert_from_proto, advert_to_proto
 from plexus.wire import chunk_size, iter_chunks
 
 _KINDS = {"train": fpb.TASK_TRAIN, "evaluate": fpb.TASK_EVALUATE, "secagg_advertise": fpb.TASK_SECAGG_ADVERTISE,

@@ -14,7 +14,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from plexus import transport
-from plexus.pki import load_kit
+from plexus.identity import load_kit
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc
 from plexus.wire import Layout, assemble, decode
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from plexus import crypto, pki
+from plexus import crypto, identity
 from plexus.errors import IntegrityError
 
 GENESIS = "0" * 64
@@ -90,7 +90,7 @@ class SignedHead:
     def verify(self, ca_pem: bytes) -> None:
         """Raise IntegrityError unless the federation's coordinator signed exactly this head."""
         when = dt.datetime.fromtimestamp(self.at, dt.timezone.utc)
-        pki.verify_issued(self.cert_pem, ca_pem, name=pki.COORDINATOR_NAME, kind="coordinator", now=when)
+        identity.verify_issued(self.cert_pem, ca_pem, name=identity.COORDINATOR_NAME, kind="coordinator", now=when)
         crypto.verify(self.cert_pem, self.message(), self.signature)
 
     def to_json(self) -> str:

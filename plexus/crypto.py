@@ -1,6 +1,6 @@
 """Plexus's one crypto module: X25519, HKDF, AES-GCM, an AES-CTR stream and ECDSA.
 
-Only this module (and plexus.pki, for X.509) imports `cryptography.hazmat`.
+Only this module (and plexus.pki and plexus.identity, for X.509) imports `cryptography.hazmat`.
 Keys are always derived with HKDF and a purpose label; verification raises
 plexus.errors.IntegrityError, it never returns a bool. Randomness comes from
 the OS (`os.urandom` inside pyca), never from numpy.
@@ -158,7 +158,7 @@ def verify(cert_pem: bytes, message: bytes, signature: bytes) -> None:
     """Check an ECDSA P-256 / SHA-256 signature by the certificate's key; IntegrityError if it fails.
 
     This checks the signature only; whether the certificate itself is trusted is
-    plexus.pki.verify_issued's job.
+    plexus.identity.verify_issued's job.
     """
     cert_pem = _check_bytes(cert_pem, "certificate PEM")
     message = _check_bytes(message, "message")

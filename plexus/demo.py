@@ -9,6 +9,7 @@ its folder (PKI, state, logs), also a temporary one, and says where it is.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,10 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from plexus.config import MIN_SECURE_COHORT
-from plexus.datasets import HOSPITALS, Split, heart_disease
+from plexus.datasets import HOSPITALS
 from plexus.errors import ConfigError, PlexusError
 from plexus.text import printable
 
@@ -176,16 +175,17 @@ def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float
                 info = next(r for r in detail.rounds if r.round == event.round)
                 round_times.append(info.closed_unix_s - info.opened_unix_s)
                 ev = mean_eval(detail).get(event.round - 1, {})
-                say(f"  round {event.round:>3}/{rounds}  {len(info.contributors)} sites  {info.total_samples:>4} samples"
-                    f"  {round_times[-1]:6.3f}s   global model before it: acc {ev.get('accuracy', float('nan')):.3f}"
-                    f"  auc {ev.get('auc', float('nan')):.3f}")
+                say(f"  round {event.round:>3}/{rounds}  {len(info.contributors)} sites"
+                    f"  {info.total_samples:>4} samples  {round_times[-1]:6.3f}s   global model before it:"
+                    f" acc {ev.get('accuracy', float('nan')):.3f}  auc {ev.get('auc', float('nan')):.3f}")
             elif event.kind in ("site_declined", "site_failed", "site_rejected", "job_failed", "job_aborted"):
                 say(printable(f"  {event.kind} {event.site} {event.message}"))
             fed.check_alive()
         if status != "completed":
             say(f"\njob ended {status}: {printable(client.job(job_id).summary.message)}")
             return 1
-        final_round, state = client.download(job_id)
+        model = workdir / "model.safetensors"
+        final_round = client.download_to(job_id, model)
         if plot is not None:
             from plexus.plot import plot_metrics
 
@@ -195,48 +195,31 @@ def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float
             say(f"wrote {', '.join(panels)} to {plot}")
     coordinator_rss = fed.peak_rss_mb("coordinator")
     say(f"\njob {job_id} completed; downloaded the round-{final_round} global model")
-    _compare(state, hospitals, rounds, say)
+    _compare(DEMO_ROUND_CONFIG.format(rounds=rounds, sites=sites), model, hospitals, rounds, say)
     say(f"\nwall time {time.monotonic() - started:.1f}s; median round {statistics.median(round_times):.3f}s; "
         f"coordinator peak RSS {coordinator_rss:.0f} MiB")
     return 0
 
 
-def _compare(federated_state: dict, hospitals: tuple[str, ...], rounds: int, say) -> None:
-    """The federated model vs pooled (ceiling) and each site alone, at equal local compute."""
-    import torch
+def _compare(job_yaml: str, model: Path, hospitals: tuple[str, ...], rounds: int, say) -> None:
+    """The federated model vs pooled (ceiling) and each site alone, at equal local compute.
 
-    from plexus.config import parse_round_config
-    from plexus.models import build_model, load_numpy_state
-    from site_agent.training import evaluate, train_local
-
-    job = parse_round_config(DEMO_ROUND_CONFIG.format(rounds=rounds, sites=len(hospitals)))
-    splits = {h: heart_disease(h) for h in hospitals}
-    pooled = Split(np.concatenate([s.x_train for s in splits.values()]),
-                   np.concatenate([s.y_train for s in splits.values()]),
-                   np.concatenate([s.x_test for s in splits.values()]),
-                   np.concatenate([s.y_test for s in splits.values()]), 2, next(iter(splits.values())).feature_names)
-
-    def fresh():
-        return build_model(job.model.name, job.model.args, seed=job.seed)
-
-    def trained(x, y):
-        model = fresh()
-        for r in range(rounds):  # the same number of local epochs as the federation ran
-            train_local(model, x, y, job.train, seed=r)
-        return model
-
-    federated = fresh()
-    load_numpy_state(federated, federated_state)
-    models = {"federated (FedAvg)": federated, "pooled (ceiling)": trained(pooled.x_train, pooled.y_train)}
-    for h, s in splits.items():
-        models[f"{h} alone"] = trained(s.x_train, s.y_train)
+    The site's training code computes them in a process of its own (site_agent.baselines), as the demo runs
+    every other part of the federation: the kernel imports no site code."""
+    job = model.with_name("job.yaml")
+    job.write_text(job_yaml)
+    done = subprocess.run([sys.executable, "-m", "site_agent.baselines", "--job", str(job), "--model", str(model),
+                           "--hospitals", ",".join(hospitals), "--rounds", str(rounds)],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise PlexusError(f"the baselines exited with code {done.returncode}; they printed:\n{done.stderr[-2000:]}")
+    scores = json.loads(done.stdout)
+    labels = {"federated": "federated (FedAvg)", "pooled": "pooled (ceiling)", **{h: f"{h} alone" for h in hospitals}}
 
     columns = [*hospitals, "pooled test"]
     say("\naccuracy on held-out rows (each site's test split, and all of them pooled):")
     say(f"  {'model':<22}" + "".join(f"{c:>13}" for c in columns) + f"{'pooled AUC':>12}")
-    with torch.no_grad():
-        for name, model in models.items():
-            accs = [evaluate(model, splits[h].x_test, splits[h].y_test)["accuracy"] for h in hospitals]
-            pooled_eval = evaluate(model, pooled.x_test, pooled.y_test)
-            say(f"  {name:<22}" + "".join(f"{a:>13.3f}" for a in accs)
-                + f"{pooled_eval['accuracy']:>13.3f}{pooled_eval.get('auc', float('nan')):>12.3f}")
+    for key, name in labels.items():
+        got = scores[key]
+        say(f"  {name:<22}" + "".join(f"{got[h]:>13.3f}" for h in hospitals)
+            + f"{got['pooled']:>13.3f}{got['pooled_auc']:>12.3f}")

@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from plexus import transport
-from plexus.pki import load_kit
+from plexus.identity import load_kit
 
 log = logging.getLogger("plexus.health")
 

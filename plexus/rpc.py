@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import grpc
 
 from plexus import errors
-from plexus.pki import Identity, RevocationList, check_leaf, identity_from_cert
+from plexus.identity import Identity, RevocationList, check_leaf, identity_from_cert
 from plexus.text import bounded
 
 log = logging.getLogger("plexus.rpc")

@@ -6,7 +6,7 @@ from concurrent import futures
 
 import grpc
 
-from plexus.pki import Kit
+from plexus.identity import Kit
 
 MAX_MESSAGE_BYTES = 16 << 20   # chunks are ≤ 4 MiB; anything bigger is refused by gRPC itself
 

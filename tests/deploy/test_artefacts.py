@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from plexus import pki
+from plexus import identity, pki
 from plexus.config import load_coordinator_config, load_site_config, split_address
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +106,8 @@ def test_compose_file_validates_with_kits_from_plexus_pki(tools, tmp_path):
         config_file = Path(mounts.get("/etc/plexus/site.yaml") or mounts["/etc/plexus/coordinator.yaml"])
         assert config_file.is_file() and service["read_only"] is True and service["cap_drop"] == ["ALL"]
         if name != "coordinator":
-            assert pki.identity_from_cert((kit / "cert.pem").read_bytes()).name == load_site_config(config_file).site
+            cert_pem = (kit / "cert.pem").read_bytes()
+            assert identity.identity_from_cert(cert_pem).name == load_site_config(config_file).site
             assert split_address(load_site_config(config_file).coordinator) == ("coordinator", 8443)
             assert service["depends_on"]["coordinator"]["condition"] == "service_healthy"
     assert "127.0.0.1:9100:9100" in str(config["services"]["coordinator"]["ports"])

@@ -13,7 +13,7 @@ import grpc
 
 from coordinator.server import Coordinator
 from coordinator.store import TERMINAL
-from plexus import pki, transport
+from plexus import identity, transport
 from plexus.admin_client import AdminClient
 from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
@@ -111,7 +111,7 @@ class RawSite:
     """A site speaking the protocol by hand, to send what an honest agent never would."""
 
     def __init__(self, kit_dir: Path, address: str):
-        self.channel = transport.channel(pki.load_kit(kit_dir), address)
+        self.channel = transport.channel(identity.load_kit(kit_dir), address)
         self.stub = federation_pb2_grpc.FederationStub(self.channel)
 
     def close(self) -> None:

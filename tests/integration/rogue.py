@@ -19,8 +19,8 @@ from pathlib import Path
 
 from plexus import pki, transport
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig, parse_round_config
+from plexus.identity import load_kit
 from plexus.models import build_job_model, state_views
-from plexus.pki import load_kit
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.wire import encode, iter_chunks
 from site_agent.agent import SiteAgent

@@ -13,7 +13,7 @@ from coordinator.audit import CoordinatorAudit
 from coordinator.engine import Engine
 from coordinator.service import AdminService
 from coordinator.store import Store
-from plexus import pki, transport
+from plexus import identity, transport
 from plexus.audit import AuditLog
 from plexus.cli import main as cli
 from plexus.proto.plexus.v1 import admin_pb2_grpc
@@ -24,13 +24,13 @@ class AuditServer:
     """Just the Admin service, with or without an audit log, on 127.0.0.1:0."""
 
     def __init__(self, pki_root, state_dir, *, with_audit: bool):
-        kit = pki.load_kit(pki_root / "coordinator")
+        kit = identity.load_kit(pki_root / "coordinator")
         self.store = Store(state_dir)
         self.log = AuditLog(state_dir / "audit.db") if with_audit else None
         if self.log is not None:
             CoordinatorAudit(self.log, self.store)
         engine = Engine(self.store, federation="test-federation", poll_timeout_s=1.0)
-        auth = Authenticator(pki.RevocationList(pki_root / "coordinator" / "crl.pem", kit.ca_pem))
+        auth = Authenticator(identity.RevocationList(pki_root / "coordinator" / "crl.pem", kit.ca_pem))
         self.executor = futures.ThreadPoolExecutor(max_workers=8)
         self.server, port = transport.server(kit, "127.0.0.1:0", executor=self.executor)
         admin_pb2_grpc.add_AdminServicer_to_server(

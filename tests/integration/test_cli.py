@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from plexus.cli import _parser, main as cli
+from plexus.cli import main as cli, parser
 from plexus.config import DatasetSpec, load_site_config
 
 from integration.harness import heart_job
@@ -72,13 +72,16 @@ def test_version_is_the_installed_packages(capsys):
     assert capsys.readouterr().out == f"plexus {version('plexus-fl')}\n"
 
 
-@pytest.mark.parametrize("command", [["job", "submit", "x.yaml"], ["job", "list"], ["job", "show", "j"],
+@pytest.mark.parametrize("command", [["job", "submit", "JOB"], ["job", "list"], ["job", "show", "j"],
                                      ["job", "watch", "j"], ["job", "abort", "j"], ["job", "resume", "j"],
                                      ["job", "download", "j", "-o", "m"], ["job", "metrics", "j"],
                                      ["job", "plot", "j", "-o", "p"], ["sites", "list"], ["audit"]])
-def test_every_admin_command_takes_a_timeout(command):
-    assert _parser().parse_args([*command, "--timeout", "7.5"]).timeout == 7.5
-    assert _parser().parse_args(command).timeout is None   # the client's defaults
+def test_every_admin_command_takes_a_timeout(command, tmp_path):
+    job = tmp_path / "x.yaml"   # `job submit` refuses a file that is not there while parsing
+    job.write_text("name: x\n")
+    command = [str(job) if arg == "JOB" else arg for arg in command]
+    assert parser().parse_args([*command, "--timeout", "7.5"]).timeout == 7.5
+    assert parser().parse_args(command).timeout is None   # the client's defaults
 
 
 def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
@@ -151,3 +154,52 @@ def test_abort_and_role_errors_read_clearly(federation, tmp_path, capsys):
     assert "NOT_FOUND" in capsys.readouterr().err
     assert cli(["job", "list", "--coordinator", federation.address, "--kit", str(tmp_path / "none")]) == 1
     assert "ca.pem is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["demo", "--sites", "9"], "argument --sites: 9 is out of range: it must be between 1 and 4"),
+    (["demo", "--sites", "0"], "argument --sites: 0 is out of range"),
+    (["demo", "--sites", "four"], "argument --sites: 'four' is not a whole number"),
+    (["demo", "--rounds", "0"], "argument --rounds: 0 is out of range: it must be at least 1"),
+    (["demo", "--sites", "2", "--secure-aggregation"], "--secure-aggregation needs --sites 3 or more"),
+    (["pki", "init", "DIR", "--federation", "f", "--port", "70000"], "argument --port: 70000 is out of range"),
+    (["coordinator", "run", "--config", "MISSING"], "argument --config: MISSING: no such file; check the path"),
+    (["site", "run", "--config", "MISSING"], "argument --config: MISSING: no such file"),
+    (["site", "check", "--config", "MISSING"], "argument --config: MISSING: no such file"),
+    (["site", "run", "--config", "TMP"], "argument --config: TMP is a directory; give the file in it"),
+    (["job", "submit", "MISSING", "--kit", "TMP"], "argument file: MISSING: no such file"),
+    (["job", "metrics", "j", "--format", "xml"], "argument --format: invalid choice: 'xml'"),
+    (["job", "list", "--timeout", "-1"], "argument --timeout: '-1' is not a number of seconds above 0"),
+    (["job", "list", "--coordinator", "127.0.0.1:1"], "no admin kit: pass --kit DIR or set PLEXUS_KIT"),
+    (["audit", "--against", "HEAD", "--kit", "TMP", "--coordinator", "127.0.0.1:1"],
+     "--against HEAD_FILE checks the log: use it with --verify"),
+    (["health"], "no address: pass HOST:PORT or --site-config FILE"),
+    (["bogus"], "argument COMMAND: invalid choice: 'bogus'"),
+    (["job", "frobnicate"], "argument ACTION: invalid choice: 'frobnicate'"),
+])
+def test_argument_errors_end_with_one_line_and_exit_2(argv, says, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PLEXUS_KIT", raising=False)
+    head = tmp_path / "head.json"
+    head.write_text("{}")
+    where = {"MISSING": str(tmp_path / "missing.yaml"), "TMP": str(tmp_path), "HEAD": str(head),
+             "DIR": str(tmp_path / "fed")}
+    argv = [where.get(arg, arg) for arg in argv]
+    says = says.replace("MISSING", where["MISSING"]).replace("TMP", where["TMP"])
+    with pytest.raises(SystemExit) as exit_:
+        cli(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert err.startswith("usage: plexus") and "Traceback" not in err
+    *_, last = err.rstrip("\n").split("\n")
+    assert last.startswith("plexus") and ": error: " in last and says in last, err
+    assert not (tmp_path / "fed").exists()   # refused before anything was made
+
+
+def test_demo_with_too_many_sites_ends_with_one_line_as_a_process(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "plexus", "demo", "--sites", "9", "--workdir", str(tmp_path / "d")],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.rstrip("\n").split("\n")[-1] == (
+        "plexus demo: error: argument --sites: 9 is out of range: it must be between 1 and 4 (one site per "
+        "hospital in the data)"), done.stderr
+    assert not (tmp_path / "d").exists()

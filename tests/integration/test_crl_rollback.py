@@ -13,7 +13,7 @@ import pytest
 from cryptography import x509
 
 from coordinator.server import Coordinator
-from plexus import errors, pki
+from plexus import errors, identity, pki
 from plexus.cli import main as cli
 from plexus.config import CoordinatorConfig
 
@@ -127,21 +127,21 @@ def test_the_highest_crl_number_survives_in_the_floor_file(tmp_path):
     pki.revoke(root, "mallory", now=NOW)
     floor = tmp_path / "state" / "crl-number"
     floor.parent.mkdir()
-    pki.RevocationList(root / "crl.pem", ca_pem, floor_file=floor, clock=NOW.timestamp)
+    identity.RevocationList(root / "crl.pem", ca_pem, floor_file=floor, clock=NOW.timestamp)
     assert floor.read_text() == "2\n" and floor.stat().st_mode & 0o777 == 0o600
     (root / "crl.pem").write_bytes(old)
     with pytest.raises(errors.IntegrityError, match=rf"number 1, older than number 2 .*{floor.name}"):
-        pki.RevocationList(root / "crl.pem", ca_pem, floor_file=floor, clock=NOW.timestamp)
+        identity.RevocationList(root / "crl.pem", ca_pem, floor_file=floor, clock=NOW.timestamp)
     floor.write_text("garbage\n")
     with pytest.raises(errors.IntegrityError, match="highest CRL number"):
-        pki.RevocationList(root / "crl.pem", ca_pem, floor_file=floor, clock=NOW.timestamp)
+        identity.RevocationList(root / "crl.pem", ca_pem, floor_file=floor, clock=NOW.timestamp)
 
 
 def test_a_crl_that_expires_while_loaded_refuses_calls_until_a_fresh_one_arrives(tmp_path):
     root = pki.init_federation(tmp_path / "pki", "crl-test", now=NOW)
     site_pem = (pki.add_site(root, "a", now=NOW) / "cert.pem").read_bytes()
     now = [NOW.timestamp()]
-    crl = pki.RevocationList(root / "coordinator" / "crl.pem", (root / "ca" / "ca.pem").read_bytes(),
+    crl = identity.RevocationList(root / "coordinator" / "crl.pem", (root / "ca" / "ca.pem").read_bytes(),
                              clock=lambda: now[0])
     crl.check(site_pem)
     now[0] += pki.CRL_VALIDITY.total_seconds()

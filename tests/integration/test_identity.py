@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from plexus import pki
+from plexus import identity
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 
 REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAILABLE)
@@ -122,5 +122,5 @@ def test_every_certificate_pki_issues_is_a_leaf_with_client_auth(pki_root):
         usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
         assert usage.digital_signature and not usage.key_cert_sign and not usage.crl_sign, path
         assert ExtendedKeyUsageOID.CLIENT_AUTH in cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-        pki.check_leaf(cert.public_bytes(serialization.Encoding.PEM),
+        identity.check_leaf(cert.public_bytes(serialization.Encoding.PEM),
                        (pki_root / "ca" / "ca.pem").read_bytes())

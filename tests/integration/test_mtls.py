@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from plexus import pki
+from plexus import identity, pki
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 
 from integration.harness import Federation, heart_job
@@ -33,7 +33,7 @@ def test_plaintext_is_refused(federation):
 def test_certificate_from_another_ca_is_refused(federation, tmp_path):
     other = tmp_path / "other"
     pki.init_federation(other, "other-federation", hosts=["127.0.0.1"])
-    foreign = pki.load_kit(pki.add_admin(other, "mallory", role="admin"))
+    foreign = identity.load_kit(pki.add_admin(other, "mallory", role="admin"))
     ca = (federation.root / "ca" / "ca.pem").read_bytes()  # the attacker even trusts the right server
     credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=foreign.key_pem,
                                                certificate_chain=foreign.cert_pem)

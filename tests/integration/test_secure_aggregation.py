@@ -142,8 +142,7 @@ def test_too_many_dropouts_fail_the_round_and_keep_the_model(federation):
 
 
 def test_malformed_masked_input_is_excluded_with_a_reason(federation):
-    from plexus.secagg import SiteSession
-    from plexus.secagg_proto import advert_from_proto, advert_to_proto
+    from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto
 
     for name in "abc":
         start_agent(federation, name)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from plexus import pki
+from plexus import identity, pki
 from plexus.audit import AuditLog, SignedHead, verify_against
 from plexus.errors import IntegrityError
 
@@ -20,7 +20,7 @@ def federation(tmp_path_factory):
 
 @pytest.fixture
 def log(tmp_path, federation):
-    kit = pki.load_kit(federation / "coordinator")
+    kit = identity.load_kit(federation / "coordinator")
     start = int(time.time())   # the signer's certificate is valid from now
     clock = iter(range(start, start + 1000))
     with AuditLog(tmp_path / "audit.db", clock=lambda: float(next(clock)), signer=(kit.key_pem, kit.cert_pem),

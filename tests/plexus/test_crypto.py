@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plexus import crypto, errors, pki
+from plexus import crypto, errors, identity, pki
 
 SEED = bytes(range(32))
 NOW = dt.datetime(2025, 1, 15, 12, 0, tzinfo=dt.timezone.utc)
@@ -19,9 +19,9 @@ def kits(tmp_path_factory):
     pki.init_federation(base / "pki", "Crypto Fed", now=NOW)
     pki.init_federation(base / "other", "Other Fed", now=NOW)
     return (
-        pki.load_kit(pki.add_site(base / "pki", "alpha", now=NOW)),
-        pki.load_kit(pki.add_site(base / "pki", "beta", now=NOW)),
-        pki.load_kit(pki.add_site(base / "other", "alpha", now=NOW)),
+        identity.load_kit(pki.add_site(base / "pki", "alpha", now=NOW)),
+        identity.load_kit(pki.add_site(base / "pki", "beta", now=NOW)),
+        identity.load_kit(pki.add_site(base / "other", "alpha", now=NOW)),
     )
 
 
@@ -200,20 +200,20 @@ def test_sign_verify_with_a_federation_kit(kits):
         crypto.sign(b"not a key", message)
 
 
-# --- certificates of relayed messages (plexus.pki.verify_issued) ----------------
+# --- certificates of relayed messages (plexus.identity.verify_issued) ----------------
 
 
 def test_verify_issued_checks_issuer_validity_and_identity(kits):
     alpha, beta, foreign = kits
-    pki.verify_issued(alpha.cert_pem, alpha.ca_pem, name="alpha", kind="site", now=NOW)
+    identity.verify_issued(alpha.cert_pem, alpha.ca_pem, name="alpha", kind="site", now=NOW)
     with pytest.raises(errors.IntegrityError, match="not issued by this federation's CA"):
-        pki.verify_issued(foreign.cert_pem, alpha.ca_pem, name="alpha", kind="site", now=NOW)
+        identity.verify_issued(foreign.cert_pem, alpha.ca_pem, name="alpha", kind="site", now=NOW)
     with pytest.raises(errors.IntegrityError, match="belongs to site 'beta'"):
-        pki.verify_issued(beta.cert_pem, alpha.ca_pem, name="alpha", kind="site", now=NOW)
+        identity.verify_issued(beta.cert_pem, alpha.ca_pem, name="alpha", kind="site", now=NOW)
     with pytest.raises(errors.IntegrityError, match="belongs to site"):
-        pki.verify_issued(alpha.cert_pem, alpha.ca_pem, name="alpha", kind="coordinator", now=NOW)
+        identity.verify_issued(alpha.cert_pem, alpha.ca_pem, name="alpha", kind="coordinator", now=NOW)
     for when in (NOW - dt.timedelta(days=1), NOW + pki.LEAF_VALIDITY + dt.timedelta(days=1)):
         with pytest.raises(errors.IntegrityError, match="not valid at"):
-            pki.verify_issued(alpha.cert_pem, alpha.ca_pem, name="alpha", kind="site", now=when)
+            identity.verify_issued(alpha.cert_pem, alpha.ca_pem, name="alpha", kind="site", now=when)
     with pytest.raises(errors.IntegrityError, match="cannot be parsed"):
-        pki.verify_issued(b"garbage", alpha.ca_pem, name="alpha", kind="site", now=NOW)
+        identity.verify_issued(b"garbage", alpha.ca_pem, name="alpha", kind="site", now=NOW)

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from plexus.datasets import HEART_DISEASE_CSV, HOSPITALS, KINDS, Split, heart_disease, load_dataset, stratified_split
 from plexus.errors import ConfigError, IntegrityError

@@ -6,11 +6,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from plexus import crypto, errors, pki, secagg
+from plexus import crypto, errors, identity, pki, secagg
 
 JOB, ROUND = "job-1", 3
 NAMES = ["alder", "birch", "cedar", "daisy", "elm", "fir"]
@@ -23,12 +22,12 @@ def fed(tmp_path_factory):
     base = tmp_path_factory.mktemp("secagg")
     pki.init_federation(base / "fed", "Secagg Fed")
     pki.init_federation(base / "other", "Other Fed")
-    kits = {name: pki.load_kit(pki.add_site(base / "fed", name)) for name in NAMES}
+    kits = {name: identity.load_kit(pki.add_site(base / "fed", name)) for name in NAMES}
     return SimpleNamespace(
         kits=kits,
         ca_pem=kits["alder"].ca_pem,
-        coordinator=pki.load_kit(base / "fed" / "coordinator"),
-        impostor=pki.load_kit(pki.add_site(base / "other", "birch")),
+        coordinator=identity.load_kit(base / "fed" / "coordinator"),
+        impostor=identity.load_kit(pki.add_site(base / "other", "birch")),
     )
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from plexus import errors, pki, secagg
+from plexus import errors, identity, pki, secagg
 from plexus.config import PolicySpec, load_site_config, parse_round_config
 from plexus.errors import ConfigError
 from site_agent.policy import refusal
@@ -21,7 +21,7 @@ MINIMAL = "name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 3\n"
 def fed(tmp_path_factory):
     base = tmp_path_factory.mktemp("cohort")
     pki.init_federation(base / "fed", "Cohort Fed")
-    kits = {name: pki.load_kit(pki.add_site(base / "fed", name)) for name in NAMES}
+    kits = {name: identity.load_kit(pki.add_site(base / "fed", name)) for name in NAMES}
     return SimpleNamespace(kits=kits, ca_pem=kits["alder"].ca_pem)
 
 

@@ -1,0 +1,80 @@
+"""Datasets a site trains on: Fed-Heart-Disease, a Fashion-MNIST label-skew split, local CSV / NPZ files.
+
+One module per kind (heart, fashion, tables for CSV, npz), each a `load(spec) -> Split` in the KINDS registry;
+the checks they share live once in checks, the splits in split. `load_dataset` and `load_for_job` are the
+front door.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from plexus.datasets import fashion, heart, npz, tables
+from plexus.datasets.checks import cell_number
+from plexus.datasets.fashion import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR, fashion_mnist
+from plexus.datasets.heart import HEART_DISEASE_CSV, HOSPITALS, heart_disease
+from plexus.datasets.split import Split, dirichlet_partition, stratified_split
+from plexus.datasets.tables import (
+    BAD_CELLS_SHOWN,
+    REMOTE_REASON_MAX,
+    DataError,
+    Table,
+    csv_train_rows,
+    feature_inputs,
+    load_with_schema,
+    read_table,
+    schema_differences,
+)
+from plexus.errors import ConfigError
+
+__all__ = ["BAD_CELLS_SHOWN", "FASHION_MNIST_CLASSES", "FASHION_MNIST_DIR", "HEART_DISEASE_CSV", "HOSPITALS", "KINDS",
+           "REMOTE_REASON_MAX", "DataError", "Split", "Table", "cell_number", "csv_train_rows", "dirichlet_partition",
+           "fashion_mnist", "feature_inputs", "heart_disease", "load_dataset", "load_for_job", "read_table",
+           "schema_differences", "stratified_split"]
+
+KINDS: dict[str, Callable[[Any], Split]] = {
+    "csv": tables.load,
+    "npz": npz.load,
+    "heart-disease": heart.load,
+    "fashion-mnist": fashion.load,
+}
+
+
+def load_dataset(spec: Any) -> Split:
+    """Load the dataset a DatasetSpec describes (dispatch on ``spec.kind``)."""
+    try:
+        loader = KINDS[spec.kind]
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"unknown dataset kind {spec.kind!r}; expected one of {sorted(KINDS)}"
+        ) from None
+    return loader(spec)
+
+
+def load_for_job(spec: Any, data: Any) -> Split:
+    """The split a job trains and evaluates on at this site.
+
+    ``spec`` is the site's dataset entry, ``data`` the job's data section. A CSV dataset
+    needs the job's declared schema (label classes and features by name); the other kinds
+    take none. Any problem raises DataError, whose ``remote`` text is the reason the site
+    declines the job with.
+    """
+    name = data.dataset
+    try:
+        if spec.kind != "csv":
+            if data.label is not None:
+                raise DataError(f"dataset {name!r} is of kind {spec.kind!r} at this site",
+                                f"it is a {spec.kind} dataset at this site; data.label and data.features "
+                                "describe CSV datasets only")
+            return load_dataset(spec)
+        if data.label is None:
+            raise DataError(f"dataset {name!r} is a CSV file and the job declares no schema",
+                            "it is a CSV file at this site and the job declares no schema: add data.label "
+                            "(column and classes) and data.features (columns by name) to the round config, so "
+                            "that every site encodes the same classes and the same columns")
+        return load_with_schema(spec, data)
+    except DataError as e:
+        raise DataError(str(e), f"dataset {name!r}: {e.remote}") from None
+    except (ValueError, OSError) as e:   # the other kinds' errors name files: those stay at the site
+        raise DataError(str(e), f"dataset {name!r} cannot be loaded at this site ({type(e).__name__}); "
+                                "the site's log says why") from None
