@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.aggregate import WeightedSum  # noqa: E402
-from coordinator.engine import site_seed  # noqa: E402
+from coordinator.tasks import site_seed  # noqa: E402
 from coordinator.strategies import Update, make_strategy  # noqa: E402
 from plexus.config import DatasetSpec, RoundConfig, parse_round_config  # noqa: E402
 from plexus.datasets import HOSPITALS, Split, load_dataset  # noqa: E402

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from coordinator import aggregate
-from coordinator.engine import site_seed
+from coordinator.tasks import site_seed
 from plexus.config import parse_round_config
 from plexus.datasets import heart_disease
 from plexus.models import build_model, load_numpy_state, state_to_numpy
