@@ -40,6 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.aggregate import WeightedSum  # noqa: E402
+from coordinator.drivers import sync as rules  # noqa: E402
+from coordinator.drivers.rounds import Action, RoundView, can_open, decide, training_over  # noqa: E402
 from coordinator.tasks import site_seed  # noqa: E402
 from coordinator.strategies import Update, make_strategy  # noqa: E402
 from plexus.config import DatasetSpec, RoundConfig, parse_round_config  # noqa: E402
@@ -176,31 +178,39 @@ def run_federated(task: Task, strategy_name: str, seed: int, state_root: Path) -
 
 
 def simulate(task: Task, job: RoundConfig, job_id: str, state_root: Path) -> dict[str, np.ndarray]:
-    """The round engine's loop over one job, in process, every site online: the final global model.
+    """The engine's round cycle over one job, in process, every site online and answering: the final model.
 
-    tests/integration/test_bench_fidelity.py checks that a real federation over gRPC ends with the
-    same bits for the same job, so this loop stays the engine's."""
+    It runs by the same decisions (coordinator.drivers.rounds) and the same strategy calls
+    (coordinator.drivers.sync) as the engine's SyncRounds driver; tests/integration/test_bench_fidelity.py
+    checks that a real federation over gRPC ends with the same bits for the same job."""
     names = sorted(task.sites)
     strategy = make_strategy(job)
     current = state_to_numpy(build_job_model(job))
     sizes = {s: len(task.sites[s].y_train) for s in names}
     closed = 0
-    while closed < job.rounds and not strategy.done(closed):
+    while not training_over(model_round=closed, rounds=job.rounds, budget_stop=False,
+                            strategy_done=rules.strategy_done(strategy, closed)):
         round_ = closed + 1
-        participants = strategy.configure(round_, names, names)
-        if not participants:
+        participants = rules.choose(strategy, round_, names, names)
+        if not can_open(participants, evaluating=False, sites_min=1):
             raise RuntimeError(f"{job.strategy.name}: round {round_} chose no sites out of {names}")
-        strategy.opened(round_, participants, names)
-        served = {**current, **strategy.served(current)}
+        rules.opened(strategy, round_, participants, names)
+        served = {**current, **rules.served_extras(strategy, current)}
         updates = []
         for site in participants:
             model = build_job_model(job)
             load_numpy_state(model, {k: served[k] for k in current})
             local = local_update(job, model, served, task.sites[site], site=site, job_id=job_id,
                                  seed=site_seed(job.seed, round_, site),
-                                 local_steps=strategy.local_steps(site, sizes), state_dir=state_root / site)
+                                 local_steps=rules.local_steps(strategy, site, sizes), state_dir=state_root / site)
             local.commit()   # the coordinator accepted the update
             updates.append((site, local.result.num_samples, local.update))
+        view = RoundView(kind="train", participants=participants, outcomes={s: "submitted" for s in participants},
+                         contributors=len(updates), needed=max(1, rules.min_contributors(strategy)))
+        decision = decide(view, 0.0)
+        if decision.action != Action.CLOSE:
+            raise RuntimeError(f"{job.strategy.name}: round {round_} would not close ({decision.action}) with "
+                               f"{len(updates)} update(s)")
         current = _aggregate(strategy, round_, current, updates)
         closed += 1
     return current
@@ -210,19 +220,20 @@ def _aggregate(strategy, round_: int, current: dict, updates: list) -> dict:
     """What the engine does when a round closes: hold every update, or fold them into an exact weighted mean."""
     layout = Layout.of(current)
     update_layout = Layout.build([(t.name, t.dtype, t.shape) for t in layout.tensors]
-                                 + list(strategy.update_extras(layout)))
-    if strategy.holds_updates:
+                                 + rules.update_extras(strategy, layout))
+    if rules.holds_updates(strategy):
         held = [Update(site, n, update) for site, n, update in sorted(updates, key=lambda u: u[0])]
-        return strategy.aggregate_updates(round_, current, held)
+        return rules.aggregate_held(strategy, round_, current, held)
     total = WeightedSum(update_layout)
     for _, n, update in updates:
         got, blob = encode(update)
         update_layout.require_same(got)
         max_abs = max(float(np.abs(a).max()) if a.size else 0.0 for a in update.values())
-        total.fold([blob], 1 if strategy.uniform_weights else n, max_abs, nbytes=len(blob))
+        total.fold([blob], 1 if rules.uniform_weights(strategy, None) else n, max_abs, nbytes=len(blob))
     mean = total.mean()
     contributors = sorted(site for site, _, _ in updates)
-    return strategy.aggregate(round_, current if strategy.uses_current else None, mean, contributors)
+    return rules.aggregate_mean(strategy, round_, current if rules.reads_current(strategy) else None, mean,
+                                contributors)
 
 
 def run_method(task: Task, method: str, seed: int, state_root: Path) -> dict[str, dict[str, float]]:

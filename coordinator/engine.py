@@ -48,10 +48,10 @@ _SECAGG_KIND = {"advert": TaskKind.SECAGG_ADVERTISE, "shares": TaskKind.SECAGG_S
 
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_NOT_RESUMABLE = {"queued": "it has not started yet", "running": "it is running",
-                  "completed": "it has ended; submit it again to train more",
-                  "budget_reached": "it spent its privacy budget (dp.target_epsilon)",
-                  "aborted": "an aborted job stays aborted; submit it again"}
+_NOT_RESUMABLE = {JobStatus.QUEUED: "it has not started yet", JobStatus.RUNNING: "it is running",
+                  JobStatus.COMPLETED: "it has ended; submit it again to train more",
+                  JobStatus.BUDGET_REACHED: "it spent its privacy budget (dp.target_epsilon)",
+                  JobStatus.ABORTED: "an aborted job stays aborted; submit it again"}
 
 
 def check_request_id(request_id: str) -> None:

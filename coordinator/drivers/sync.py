@@ -345,7 +345,7 @@ class SyncRounds:
         if rs is None:
             return None
         if site in rs.participants and site not in rs.outcomes:
-            grants, kind = rs.grants, TaskKind(rs.secure.task_kind) if rs.secure else TaskKind(rs.kind)
+            grants, kind = rs.grants, rs.secure.task_kind if rs.secure else TaskKind(rs.kind)
         elif site in rs.evaluators and site not in rs.eval_outcomes:
             grants, kind = rs.eval_grants, TaskKind.EVALUATE
         else:
