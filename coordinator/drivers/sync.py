@@ -363,7 +363,7 @@ class SyncRounds:
             grants[site] = grant
         return grants[site]   # a site that restarted mid-task gets the same task back
 
-    def current(self, site: str, task_id: str, round_: int, status: str = TaskStatus.ISSUED) -> TaskGrant:
+    def current(self, site: str, task_id: str, round_: int, status: str) -> TaskGrant:
         rs = self.round
         grant = rs.grant_of(site) if rs is not None and rs.round == round_ else None
         grant = check_current(grant, task_id, self.job_id, round_)
@@ -494,7 +494,8 @@ class SyncRounds:
             return "failure recorded"
         if grant.kind != TaskKind.EVALUATE:
             raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
-        self._record(rs, grant, site, TaskStatus.EVALUATED, "", _kept(job, _site_metrics(rs, site, result.eval_metrics)))
+        metrics = _kept(job, _site_metrics(rs, site, result.eval_metrics))
+        self._record(rs, grant, site, TaskStatus.EVALUATED, "", metrics)
         return "evaluation recorded"
 
     def stop(self, why: str, *, dropped: bool = False) -> None:
