@@ -1,7 +1,7 @@
 """Aggregation speed: coordinator.aggregate.WeightedSum.fold on one 50M-float32 update vs a plain memcpy
 (np.copyto of the same bytes) in the same process. Goal: fold ≥ 0.5 × memcpy.
 
-    python bench/aggregate_speed.py [--size 50000000] [--repeats 3]
+    python -m bench.aggregate_speed [--size 50000000] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -9,14 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from coordinator.aggregate import WeightedSum  # noqa: E402
-from plexus.wire import encode, iter_chunks  # noqa: E402
+from coordinator.aggregate import WeightedSum
+from plexus.wire import encode, iter_chunks
 
 
 def measure(size: int = 50_000_000, repeats: int = 3, chunks: int = 4) -> dict:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import signal
-import ssl
 import socket
+import ssl
 import subprocess
 import threading
 import time

@@ -1,6 +1,6 @@
 """Accuracy against ε on the heart-disease federation (4 hospitals), over real gRPC + mTLS.
 
-    python bench/dp_utility.py [--rounds 20] [--seeds 0,1,2] [--noise 0.6,1.0,2.0] [--out dp.json]
+    python -m bench.dp_utility [--rounds 20] [--seeds 0,1,2] [--noise 0.6,1.0,2.0] [--out dp.json]
 
 Rows: the non-private FedAvg run, central DP-FedAvg at each noise multiplier z (sites clip Δ to
 S, the coordinator adds N(0, (zS)²) to the sum; ε from Opacus's RDP accountant, q = 1, δ = 1e-5),
@@ -21,16 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from coordinator.server import Coordinator  # noqa: E402
-from plexus import pki  # noqa: E402
-from plexus.admin_client import AdminClient  # noqa: E402
-from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig, parse_round_config  # noqa: E402
-from plexus.datasets import HOSPITALS, heart_disease  # noqa: E402
-from plexus.models import build_model, load_numpy_state  # noqa: E402
-from site_agent.agent import SiteAgent  # noqa: E402
-from site_agent.training import evaluate  # noqa: E402
+from coordinator.server import Coordinator
+from plexus import pki
+from plexus.admin_client import AdminClient
+from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig, parse_round_config
+from plexus.datasets import HOSPITALS, heart_disease
+from plexus.models import build_model, load_numpy_state
+from site_agent.agent import SiteAgent
+from site_agent.training import evaluate
 
 JOB = """\
 name: dp-utility

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import Fleet, lo_counters, payload, wait_until
+from bench.common import Fleet, lo_counters, payload, wait_until
 
 VENV = Path(os.environ.get("PLEXUS_BENCH_FLWR_VENV", "/tmp/plexus-bench-flwr-venv"))
 APP = Path(__file__).resolve().parent / "flower_app"

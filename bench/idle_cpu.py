@@ -2,7 +2,7 @@
 (`python -m plexus coordinator run`, mTLS on 127.0.0.1) while N sites are connected and long-polling
 NextTask with no job to run. The goal is at most 1 % of a core for every N.
 
-    python bench/idle_cpu.py [--sites 0,4,32] [--window 10] [--out idle.json]
+    python -m bench.idle_cpu [--sites 0,4,32] [--window 10] [--out idle.json]
 
 The pollers are raw gRPC clients in this process (one thread and one channel per site, each with its own
 site certificate), as cheap as a site can be, so only the coordinator's own cost is measured: its process
@@ -23,13 +23,12 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
+
+from plexus import pki, transport
+from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import grpc  # noqa: E402
-
-from plexus import pki, transport  # noqa: E402
-from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -70,13 +69,13 @@ def poll_forever(kit: Path, address: str, stop: threading.Event, joined: threadi
 
 def measure(root: Path, sites: int, window_s: float) -> dict:
     coord_yaml = root / "coordinator" / "coordinator.yaml"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PLEXUS_LOG="WARNING")
+    env = dict(os.environ, PLEXUS_LOG="WARNING")
     state = root / "coordinator" / "state"
     (state / "coordinator.addr").unlink(missing_ok=True)
     log = open(root / f"coordinator-{sites}.log", "wb")
+    # cwd: `python -m` puts it first on sys.path, so the coordinator runs this checkout's code.
     coordinator = subprocess.Popen([sys.executable, "-m", "plexus", "coordinator", "run", "--config", str(coord_yaml)],
-                                   env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+                                   env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     stop, threads = threading.Event(), []
     try:
         addr_file = state / "coordinator.addr"
@@ -89,8 +88,8 @@ def measure(root: Path, sites: int, window_s: float) -> dict:
         joined = []
         for i in range(sites):
             event = threading.Event()
-            thread = threading.Thread(target=poll_forever, args=(root / "sites" / f"site-{i:02d}", address, stop, event),
-                                      daemon=True)
+            kit = root / "sites" / f"site-{i:02d}"
+            thread = threading.Thread(target=poll_forever, args=(kit, address, stop, event), daemon=True)
             thread.start()
             threads.append(thread)
             joined.append(event)

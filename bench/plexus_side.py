@@ -8,10 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from common import Fleet, lo_counters, payload, wait_until
+from bench.common import Fleet, lo_counters, payload, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
 
 JOB = """\
 name: bench-{size}-{sites}
@@ -49,14 +48,16 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
     coord_yaml, admin_kit, kits = make_pki(root, sites, settings=settings)
     site_chunk = ["--chunk-bytes", str((settings or {})["chunk_bytes"])] if "chunk_bytes" in (settings or {}) else []
     fleet = Fleet(workdir / "logs")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PLEXUS_LOG=os.environ.get("PLEXUS_LOG", "WARNING"),
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PLEXUS_LOG=os.environ.get("PLEXUS_LOG", "WARNING"))
     result: dict = {"system": "plexus", "size": size, "sites": sites, "rounds": rounds, "chunks": chunks,
                     "model_bytes": size * 4, "secure": secure}
     try:
+        # cwd: `python -m` puts it first on sys.path, so every process runs this checkout's code
+        # (bench/run.py --at-commit: the archived one), not the caller's cwd nor the editable install.
         fleet.spawn("coordinator", "coordinator",
                     [sys.executable, "-m", "plexus", "coordinator", "run", "--config", str(coord_yaml)], env=env,
-                    cwd=workdir)   # not the caller's cwd: `python -m` puts the cwd first on sys.path
+                    cwd=REPO)
         fleet.start_sampling()
         addr_file = root / "coordinator" / "state" / "coordinator.addr"
         address = wait_until(lambda: addr_file.exists() and addr_file.read_text().strip(), 120,
@@ -65,9 +66,10 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
         for kit in kits:
             (kit / "site.yaml").write_text(
                 f'site: "{kit.name}"\ncoordinator: "{address}"\nkit: "."\nstate_dir: "./state"\n'
-                "datasets: {bench: {kind: npz, path: unused.npz}}\npolicy:\n  allowed_models: [vector]\n  require_secure_aggregation: false\n")
-            fleet.spawn(kit.name, "site", [sys.executable, str(HERE / "plexus_site.py"),
-                                           "--config", str(kit / "site.yaml"), *site_chunk], env=env, cwd=workdir)
+                "datasets: {bench: {kind: npz, path: unused.npz}}\n"
+                "policy:\n  allowed_models: [vector]\n  require_secure_aggregation: false\n")
+            fleet.spawn(kit.name, "site", [sys.executable, "-m", "bench.plexus_site",
+                                           "--config", str(kit / "site.yaml"), *site_chunk], env=env, cwd=REPO)
         with AdminClient(address, admin_kit, timeout_s=60) as client:
             wait_until(lambda: sum(s.online for s in client.sites()) >= sites, 300,
                        f"{sites} sites to join", fleet, every_s=0.25)

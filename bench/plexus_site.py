@@ -2,7 +2,7 @@
 FetchModel / SubmitUpdate), with local training replaced by "add a constant to every parameter,
 num_samples 100". Runs only the built-in `vector` model.
 
-    python bench/plexus_site.py --config site.yaml
+    python -m bench.plexus_site --config site.yaml
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from plexus.config import load_site_config, parse_round_config
+from plexus.models import build_model, installed_models
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
+from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, dtype_name, iter_chunks
+from site_agent.agent import SiteAgent, call_timeout
+from site_agent.local import LocalResult
+from site_agent.policy import refusal
+from site_agent.training import TrainResult
 
-from plexus.config import load_site_config, parse_round_config  # noqa: E402
-from plexus.models import build_model, installed_models  # noqa: E402
-from plexus.proto.plexus.v1 import federation_pb2 as fpb  # noqa: E402
-from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, dtype_name, iter_chunks  # noqa: E402
-from site_agent.agent import SiteAgent, _remaining, log  # noqa: E402
-from site_agent.local import LocalResult  # noqa: E402
-from site_agent.training import TrainResult  # noqa: E402
-from site_agent.policy import refusal  # noqa: E402
+log = logging.getLogger("plexus.site")
 
 DELTA = 0.001
 NUM_SAMPLES = 100
@@ -59,18 +59,18 @@ class BenchSiteAgent(SiteAgent):
         try:
             job = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
         except ValueError as exc:
-            return self._report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
+            return self.report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
         reason = refusal(self.config.policy, job, installed_models())
         if reason is None and job.model.name != "vector":
             reason = "the bench site only runs the 'vector' model"
         if reason:
-            return self._report(stub, task, fpb.RESULT_DECLINED, reason)
+            return self.report(stub, task, fpb.RESULT_DECLINED, reason)
         if task.kind == fpb.TASK_EVALUATE:   # nothing to evaluate on a bare vector
-            return self._report(stub, task, fpb.RESULT_EVALUATED, "", {})
+            return self.report(stub, task, fpb.RESULT_EVALUATED, "", {})
         if task.kind != fpb.TASK_TRAIN:      # secure aggregation: the stock protocol code, trivial training
             return super().handle(stub, task)
         layout = self._layout(job)
-        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_remaining(task))
+        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=call_timeout(task))
         first = next(stream)
         got = Layout.from_proto(first.header.manifest)
         layout.require_same(got, what="the coordinator's model")
@@ -88,15 +88,15 @@ class BenchSiteAgent(SiteAgent):
             for offset, piece in iter_chunks(blob, chunk_size(len(blob), self.chunk_bytes)):
                 yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(piece)})
 
-        reply = stub.SubmitUpdate(messages(), timeout=_remaining(task))
+        reply = stub.SubmitUpdate(messages(), timeout=call_timeout(task))
         log.info("job %s round %d: %s", task.job_id, task.round, reply.message)
 
 
     # Hooks the stock handler uses on the secure-aggregation path.
-    def _dataset(self, name: str):
+    def load_data(self, data):
         return None
 
-    def _dataset_rows(self) -> dict:
+    def advertised_rows(self) -> dict:
         return {name: NUM_SAMPLES for name in self.config.datasets}   # an update weighs at most these rows
 
     def evaluate(self, model, data) -> dict:
@@ -114,7 +114,8 @@ class BenchSiteAgent(SiteAgent):
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--config", type=Path, required=True)
-    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="update chunk size (as the coordinator's)")
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                   help="update chunk size (as the coordinator's)")
     args = p.parse_args()
     logging.basicConfig(level=os.environ.get("PLEXUS_LOG", "INFO").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

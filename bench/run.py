@@ -1,6 +1,6 @@
 """Plexus vs Flower, side by side, one command.
 
-    python bench/run.py [--quick] [--sizes 1M,10M,50M] [--sites 2,8] [--rounds 5] [--out results.json]
+    python -m bench.run [--quick] [--sizes 1M,10M,50M] [--sites 2,8] [--rounds 5] [--out results.json]
                         [--scale] [--large] [--no-flower] [--chunks 4]
 
 Each case (system, P, N) runs in a child process inside its own network namespace (`unshare -n`), so the
@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent))
+from plexus.config import MIN_SECURE_COHORT
 
-from plexus.config import MIN_SECURE_COHORT  # noqa: E402
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
 MARK = "@@BENCH-RESULT@@"
 MB = 1 << 20
@@ -46,7 +45,7 @@ def child(spec: dict) -> dict:
     kind = spec["kind"]
     workdir = Path(spec["workdir"])
     if kind == "tls":
-        from common import tls_loopback_throughput
+        from bench.common import tls_loopback_throughput
         from plexus import pki
 
         root = workdir / "tls-pki"
@@ -58,16 +57,16 @@ def child(spec: dict) -> dict:
                  for _ in range(spec.get("repeats", 3))]
         return {"tls_bytes_per_s": max(rates), "all": rates}
     if kind == "plexus":
-        import plexus_side
+        from bench import plexus_side
 
         return plexus_side.run_case(spec["size"], spec["sites"], spec["rounds"], workdir, chunks=spec["chunks"],
                                     secure=spec.get("secure", False), settings=spec.get("settings"))
     if kind == "flower":
-        import flower_side
+        from bench import flower_side
 
         return flower_side.run_case(spec["size"], spec["sites"], spec["rounds"], workdir, chunks=spec["chunks"])
     if kind == "aggregate":
-        import aggregate_speed
+        from bench import aggregate_speed
 
         return aggregate_speed.measure(spec["size"], repeats=spec.get("repeats", 3))
     raise ValueError(kind)
@@ -85,10 +84,10 @@ def netns_available() -> bool:
 
 
 def run_child(spec: dict, *, netns: bool, timeout_s: float) -> dict:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--_child", json.dumps(spec)]
+    argv = [sys.executable, "-m", "bench.run", "--case", json.dumps(spec)]
     if netns:
         argv = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -144,13 +143,13 @@ def main(argv=None) -> int:
     ap.add_argument("--at-commit", metavar="REV",
                     help="benchmark the product as committed at REV (git archive into a temp folder, plus this "
                          "bench/), not the working tree: stable numbers while others edit the tree")
-    ap.add_argument("--_child", help=argparse.SUPPRESS)
+    ap.add_argument("--case", help=argparse.SUPPRESS)   # one case's spec (JSON), in a child process
     args = ap.parse_args(argv)
     if args.at_commit:
         return rerun_at_commit(args.at_commit, argv if argv is not None else sys.argv[1:])
 
-    if args._child:
-        result = child(json.loads(args._child))
+    if args.case:
+        result = child(json.loads(args.case))
         print(MARK + json.dumps(result), flush=True)
         return 0
 
@@ -172,7 +171,7 @@ def main(argv=None) -> int:
 
     flower_ok, flower_info = False, "--no-flower given"
     if not args.no_flower:
-        import flower_side
+        from bench import flower_side
 
         flower_ok, flower_info = flower_side.ensure_venv(say)
         say(f"flower: {'flwr ' + flower_info if flower_ok else 'SKIPPED: ' + flower_info}")
@@ -226,7 +225,8 @@ def main(argv=None) -> int:
                     say(f"  {system} FAILED: {res['error']}\n{res.get('stderr', '')[-1500:]}")
                 else:
                     say(f"  median round {fmt_s(res['median_round_s'])}, coordinator peak "
-                        f"{fmt_mb(res['coordinator_peak_rss_mb'])}, total {fmt_mb(res['federation_peak_total_rss_mb'])}, "
+                        f"{fmt_mb(res['coordinator_peak_rss_mb'])}, "
+                        f"total {fmt_mb(res['federation_peak_total_rss_mb'])}, "
                         f"{fmt_bytes(res['bytes_per_round'])}/round  ({res['wall_s']:.0f}s wall)")
                 report["cases"].append(res)
             args.out.write_text(json.dumps(report, indent=2))
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
 
 
 def rerun_at_commit(rev: str, argv: list[str]) -> int:
-    repo = HERE.parent
+    repo = REPO
     src = Path(tempfile.mkdtemp(prefix="plexus-bench-src-"))
     archive = subprocess.run(["git", "-C", str(repo), "archive", rev], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
@@ -269,6 +269,8 @@ def rerun_at_commit(rev: str, argv: list[str]) -> int:
             skip = False
         elif a == "--at-commit":
             skip = True
+        elif a.startswith("--out="):   # the rerun's cwd is src: results still land where the caller said
+            rest += ["--out", a.removeprefix("--out=")]
         elif not a.startswith("--at-commit="):
             rest.append(a)
     out = [i for i, a in enumerate(rest) if a == "--out"]
@@ -276,9 +278,10 @@ def rerun_at_commit(rev: str, argv: list[str]) -> int:
         rest += ["--out", str(Path("bench-results.json").resolve())]
     else:
         rest[out[0] + 1] = str(Path(rest[out[0] + 1]).resolve())
-    print(f"benchmarking {rev} ({subprocess.run(['git', '-C', str(repo), 'rev-parse', '--short', rev], capture_output=True, text=True).stdout.strip()}) from {src}", flush=True)
-    env = dict(os.environ, PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, str(src / "bench" / "run.py"), *rest], env=env).returncode
+    short = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", rev], capture_output=True,
+                           text=True).stdout.strip()
+    print(f"benchmarking {rev} ({short}) from {src}", flush=True)
+    return subprocess.run([sys.executable, "-m", "bench.run", *rest], cwd=src).returncode   # src's product first
 
 
 def goals(p: dict, f: dict | None, tls_rate: float | None) -> dict:
@@ -298,7 +301,8 @@ def print_tables(report: dict, tls_rate, say) -> None:
     for c in report["cases"]:
         by.setdefault((c["size"], c["sites"]), {})[c["system"]] = c
     say("\n" + "=" * 118)
-    say(f"Plexus vs Flower ({'flwr ' + report['flower'] if report['flower'] else 'Flower skipped: ' + str(report['flower_skipped'])}); "
+    flower = f"flwr {report['flower']}" if report["flower"] else f"Flower skipped: {report['flower_skipped']}"
+    say(f"Plexus vs Flower ({flower}); "
         f"{report['rounds']} rounds, trivial training, {report['chunks']} tensors; median round after the first; "
         f"loopback TLS {tls_rate / 1e9:.2f} GB/s" if tls_rate else "")
     head = f"{'case':<9}{'system':<10}{'round':>10}{'coord peak':>12}{'fed total':>11}{'bytes/round':>14}" \

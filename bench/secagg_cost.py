@@ -1,6 +1,6 @@
 """Secure aggregation's cost: one federation round with and without it, side by side.
 
-    python bench/secagg_cost.py [--sizes 1M,10M] [--sites 4,8,16] [--rounds 3] [--out secagg.json]
+    python -m bench.secagg_cost [--sizes 1M,10M] [--sites 4,8,16] [--rounds 3] [--out secagg.json]
 
 Each (P, N) case runs plain and secure alternately, each in its own network namespace so loopback
 byte counts are that federation's alone (see README.md). Round time = time between consecutive
@@ -15,10 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from run import label, netns_available, parse_size, run_child  # noqa: E402
+from bench.run import label, netns_available, parse_size, run_child
 
 
 def main(argv=None) -> int:

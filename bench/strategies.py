@@ -1,6 +1,6 @@
 """Strategy benchmark: pooled, local-only and every FL strategy on Fed-Heart-Disease and Fashion-MNIST.
 
-    python bench/strategies.py [--quick] [--seeds 3] [--datasets heart,fmnist] [--out results.json]
+    python -m bench.strategies [--quick] [--seeds 3] [--datasets heart,fmnist] [--out results.json]
 
 An in-process simulation of the round engine: the coordinator's own strategy objects
 (`coordinator.strategies.make_strategy`), the site's own training code (`site_agent.local.local_update`),
@@ -37,19 +37,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from coordinator.aggregate import WeightedSum  # noqa: E402
-from coordinator.drivers import sync as rules  # noqa: E402
-from coordinator.drivers.rounds import Action, RoundView, can_open, decide, training_over  # noqa: E402
-from coordinator.tasks import site_seed  # noqa: E402
-from coordinator.strategies import Update, make_strategy  # noqa: E402
-from plexus.config import DatasetSpec, RoundConfig, parse_round_config  # noqa: E402
-from plexus.datasets import HOSPITALS, Split, load_dataset  # noqa: E402
-from plexus.models import build_job_model, load_numpy_state, state_to_numpy  # noqa: E402
-from plexus.wire import Layout, encode  # noqa: E402
-from site_agent.local import local_update  # noqa: E402
-from site_agent.training import evaluate, train_local  # noqa: E402
+from coordinator.aggregate import WeightedSum
+from coordinator.drivers import sync as rules
+from coordinator.drivers.rounds import Action, RoundView, can_open, decide, training_over
+from coordinator.strategies import Update, make_strategy
+from coordinator.tasks import site_seed
+from plexus.config import DatasetSpec, RoundConfig, parse_round_config
+from plexus.datasets import HOSPITALS, Split, load_dataset
+from plexus.models import build_job_model, load_numpy_state, state_to_numpy
+from plexus.wire import Layout, encode
+from site_agent.local import local_update
+from site_agent.training import evaluate, train_local
 
 METHODS = ("pooled", "local", "fedavg", "fedprox", "fedadam", "fedyogi", "scaffold", "cwt", "ensemble")
 # FLamby (NeurIPS 2022) Fed-Heart-Disease accuracy, same compute as pooled, mean of 5 seeds.
@@ -329,10 +327,12 @@ def ratios(results: dict, datasets: list[str]) -> list[str]:
             if not fl or "pooled" not in rows:
                 continue
             best = max(fl, key=fl.get)
-            pooled, local = rows["pooled"][metric]["mean"], rows["local (best)"][metric]["mean"]
+            pooled = rows["pooled"][metric]["mean"]
+            local = rows.get("local (best)", {}).get(metric, {}).get("mean")   # None: --methods without local
+            versus = "" if local is None else \
+                f"; best single site {local:.3f} ({'beaten' if fl[best] > local else 'not beaten'})"
             out.append(f"{d} {metric}: best strategy {best} {fl[best]:.3f} / pooled {pooled:.3f} = "
-                       f"{fl[best] / pooled:.3f}; best single site {local:.3f} "
-                       f"({'beaten' if fl[best] > local else 'not beaten'})")
+                       f"{fl[best] / pooled:.3f}{versus}")
             results[d]["best_strategy"][metric] = {"name": best, "value": fl[best],
                                                    "ratio_to_pooled": fl[best] / pooled, "best_local": local}
     if "heart" in datasets:

@@ -117,6 +117,11 @@ class WeightedSum:
             raise
 
     @property
+    def parts(self) -> tuple[np.ndarray | None, ...]:
+        """The int64 sum of each tensor (the memory itself, not a copy); None where mean_blob released it."""
+        return tuple(self._parts)
+
+    @property
     def acc(self) -> np.ndarray:
         """The whole fixed-point sum as one array (a copy, for inspection)."""
         self._require_clean()

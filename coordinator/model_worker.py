@@ -1,10 +1,10 @@
 """Build models in a separate worker process, so the coordinator never imports torch.
 
-torch alone costs the coordinator ~240 MB of resident memory, more than the
-whole of its own working set, and model plug-ins are code the coordinator
-need not host. The worker reads one JSON request per line on stdin, writes the
-initial weights as a safetensors file, and answers one JSON line. Nothing is
-pickled across the boundary.
+torch alone would cost the coordinator more resident memory than the whole
+of its own working set (docs/performance.md), and model plug-ins are code the
+coordinator need not host. The worker reads one JSON request per line on
+stdin, writes the initial weights as a safetensors file, and answers one JSON
+line. Nothing is pickled across the boundary.
 
 Every call has a time limit and the worker's address space a cap while it
 serves it: a build that takes too long is stopped (the worker is killed and
@@ -53,6 +53,12 @@ class ModelWorker:
     def __init__(self):
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        """The worker process's id while one is started (the first call starts it), else None."""
+        proc = self._proc
+        return None if proc is None else proc.pid
 
     def build(self, name: str, args: dict, *, seed: int, out: Path, members: int = 0,
               limits: ModelLimits = ModelLimits()) -> dict[str, np.ndarray]:

@@ -17,9 +17,8 @@ def limit_malloc_arenas(arenas: int = 2) -> bool:
     glibc gives busy threads their own arenas (up to 8 per core), and a freed megabyte-sized
     buffer (a gRPC message, a chunk) stays in the arena of the thread that freed it. In a gRPC
     server whose many handler threads each pass model chunks through, that retained memory grows
-    with the number of sites. Measured with bench/run.py (10M parameters, 8 sites), the coordinator's
-    peak RSS fell from 581 to 362–395 MB with 2 arenas, for a round time within ~10%. Call it
-    before the process starts threads. A no-op (False) where the C library is not glibc.
+    with the number of sites; 2 arenas bound it at little cost in round time (docs/performance.md).
+    Call it before the process starts threads. A no-op (False) where the C library is not glibc.
     """
     name = ctypes.util.find_library("c")
     try:

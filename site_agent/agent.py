@@ -48,9 +48,19 @@ _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.S
 
 
 class SiteAgent:
+    """One site's agent: dials the coordinator, long-polls for tasks and runs each one on local data.
+
+    Raw rows never leave the site: only updates (or masked inputs), the metrics `to_report` lets
+    through and the row counts `advertised_rows` sends at Join. Every task ends with an update, a
+    secure-aggregation message or a `report` (declined, failed, evaluated).
+    Subclasses may override `handle`, `local_update`, `evaluate`, `to_report`, `load_data` and
+    `advertised_rows` (the benchmarks and the adversarial tests do).
+    """
+
     def __init__(self, config: SiteConfig, *, stop: threading.Event | None = None,
                  backoff_cap_s: float = BACKOFF_CAP_S, refused_retry_s: float = REFUSED_RETRY_S,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        """`stop` ends `run`; `chunk_bytes` is the largest update chunk this site sends."""
         self.config = config
         self.kit = load_kit(config.kit)
         self.stop = stop or threading.Event()
@@ -72,7 +82,7 @@ class SiteAgent:
                 with transport.channel(self.kit, self.config.coordinator) as channel:
                     self._channel = channel
                     stub = federation_pb2_grpc.FederationStub(channel)
-                    rows = self._dataset_rows()   # a dataset that does not load is not advertised
+                    rows = self.advertised_rows()   # a dataset that does not load is not advertised
                     reply = stub.Join(fpb.JoinRequest(
                         agent_version=__version__, models=sorted(installed_models()),
                         datasets=sorted(rows), policy_digest=policy_digest(self.config.policy),
@@ -114,25 +124,25 @@ class SiteAgent:
         try:
             job = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
         except ValueError as exc:
-            return self._report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
+            return self.report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
         state = JobState(self.config.state_dir, task.job_id)
         trains = task.kind in TRAINING_KINDS
         try:
             reason = self._refusal(job, state, trains)
             if not reason:
-                self._dataset(job.data)   # the schema check: data that cannot serve the job declines it
+                self.load_data(job.data)   # the schema check: data that cannot serve the job declines it
         except DataError as exc:   # the local detail (file, rows, values) stays in this site's log
             log.warning("dataset %r cannot serve job %s: %s", job.data.dataset, task.job_id, exc)
             reason = exc.remote
         except (ValueError, OSError) as exc:   # the site's own record cannot be read: nothing ran
             log.exception("task %s failed", task.task_id)
-            return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
+            return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         if reason:
             return self._decline(stub, task, reason)
         try:
             if task.kind in SECAGG_LATER_PHASES:
                 return self._secagg_phase(stub, task)
-            data = self._dataset(job.data)
+            data = self.load_data(job.data)
             model = build_job_model(job)
             served = self._fetch(stub, task, served_layout(job, model))
             names = set(model.state_dict())
@@ -144,7 +154,7 @@ class SiteAgent:
             self.audit.ran(task.job_id, task.round, job.data.dataset, job.model.name, kind)
             eval_metrics = self.evaluate(model, data)
             if task.kind == fpb.TASK_EVALUATE:
-                return self._report(stub, task, fpb.RESULT_EVALUATED, "", self.to_report(job, eval_metrics)[0])
+                return self.report(stub, task, fpb.RESULT_EVALUATED, "", self.to_report(job, eval_metrics)[0])
             if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or needs_served(job)):
                 served = incoming = {}   # the model holds the weights now: let the fetched copy go
             if job.privacy.dp_sgd is not None:
@@ -161,7 +171,7 @@ class SiteAgent:
         except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:  # IntegrityError too
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
-            return self._report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
+            return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         update = {**local.update, **state_views(model)}   # the model as it stands (after any DP clipping) + extras
         if self._submit(stub, task, update, result, eval_metrics):
             local.commit()   # e.g. SCAFFOLD's control variate: kept only once the coordinator took the update
@@ -173,7 +183,7 @@ class SiteAgent:
                     f"(configured: {sorted(self.config.datasets)})")
         ledger = state.ledger() if trains and job.privacy.dp_sgd is not None else None
         return refusal(self.config.policy, job, installed_models(), round_=state.rounds_trained() + int(trains),
-                       ledger=ledger, train_size=lambda: len(self._dataset(job.data).y_train))
+                       ledger=ledger, train_size=lambda: len(self.load_data(job.data).y_train))
 
     def _decline(self, stub, task, reason: str) -> None:
         log.warning("declining job %r: %s", task.job_id, reason)
@@ -182,7 +192,7 @@ class SiteAgent:
         except AuditWriteFailed as exc:   # still decline, and say why the site's own record lacks it
             log.error("job %r: %s", task.job_id, exc)
             reason = f"{reason} (and {exc})"
-        self._report(stub, task, fpb.RESULT_DECLINED, reason)
+        self.report(stub, task, fpb.RESULT_DECLINED, reason)
 
     def _audit_sent(self, task, sha256: str, num_samples: int) -> None:
         """Record an update that left the site; it has left, so a failure to record it is only logged."""
@@ -255,7 +265,7 @@ class SiteAgent:
                     yield fpb.UpdateMessage(chunk={"offset": offset, "data": part})
                     offset += len(part)
 
-        stub.SubmitUpdate(messages(), timeout=_remaining(task))
+        stub.SubmitUpdate(messages(), timeout=call_timeout(task))
         self._audit_sent(task, "masked:" + digest.hexdigest(), 0)
         log.info("job %s round %d: sent the masked update", task.job_id, task.round)
 
@@ -277,6 +287,7 @@ class SiteAgent:
                             local_steps=task.local_steps, state_dir=self.config.state_dir)
 
     def evaluate(self, model, data: Split) -> dict[str, float]:
+        """Metrics of `model` on this site's held-out rows."""
         return evaluate(model, data.x_test, data.y_test)
 
     @staticmethod
@@ -299,7 +310,7 @@ class SiteAgent:
             delta = add_noise(delta, std, noise_key(None, task.job_id, task.round, "site"))
         load_numpy_state(model, {k: (incoming[k] + delta[k]).astype(trained[k].dtype) for k in trained})
 
-    def _dataset_rows(self) -> dict[str, int]:
+    def advertised_rows(self) -> dict[str, int]:
         """Training rows per dataset that loads (sent at Join, for steps proportional to site size).
 
         A CSV file is read here without a job's schema (the job's own check comes with its first task).
@@ -307,19 +318,19 @@ class SiteAgent:
         rows = {}
         for name, spec in sorted(self.config.datasets.items()):
             try:
-                rows[name] = csv_train_rows(spec) if spec.kind == "csv" else len(self._dataset(DataSpec(name)).y_train)
+                rows[name] = csv_train_rows(spec) if spec.kind == "csv" else len(self.load_data(DataSpec(name)).y_train)
             except (ValueError, OSError) as exc:   # reported again, with the job, when a task needs it
                 log.warning("dataset %r cannot be loaded, so it is not advertised: %s", name, exc)
         return rows
 
-    def _dataset(self, data: DataSpec) -> Split:
+    def load_data(self, data: DataSpec) -> Split:
         """The job's view of a configured dataset (its data section: name and, for CSV, schema), loaded once."""
         if data not in self._data:
             self._data[data] = load_for_job(self.config.datasets[data.dataset], data)
         return self._data[data]
 
     def _fetch(self, stub, task: fpb.Task, expected: Layout) -> dict:
-        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_remaining(task))
+        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=call_timeout(task))
         first = next(stream)
         if first.WhichOneof("body") != "header":
             raise ValueError("the model stream did not start with a header")
@@ -342,7 +353,7 @@ class SiteAgent:
                 yield fpb.UpdateMessage(chunk={"offset": offset, "data": data})
 
         try:
-            reply = stub.SubmitUpdate(messages(), timeout=_remaining(task))
+            reply = stub.SubmitUpdate(messages(), timeout=call_timeout(task))
         except grpc.RpcError as exc:
             if exc.code() in _RETRY:
                 raise
@@ -355,7 +366,8 @@ class SiteAgent:
                  result.metrics.get("train_loss", float("nan")), reply.message)
         return True
 
-    def _report(self, stub, task, status, reason: str, eval_metrics: dict | None = None) -> None:
+    def report(self, stub, task, status, reason: str, eval_metrics: dict | None = None) -> None:
+        """Tell the coordinator how a task ended that sends no update (declined, failed, evaluated)."""
         try:
             stub.ReportResult(fpb.TaskResult(task_id=task.task_id, job_id=task.job_id, round=task.round,
                                              nonce=task.nonce, status=status, reason=reason,
@@ -382,5 +394,6 @@ def _pieces(arrays: list[np.ndarray], size: int = 1 << 18):
             yield array[start:start + size]
 
 
-def _remaining(task: fpb.Task) -> float:
+def call_timeout(task: fpb.Task) -> float:
+    """Seconds a call serving `task` may take: until the task's deadline plus 5 s, and at least 5 s."""
     return max(5.0, task.deadline_unix_s - time.time() + 5.0)

@@ -253,7 +253,7 @@ def test_mean_with_release_frees_the_sum_and_refuses_reuse():
     total.fold([blob], 2, 4.0, nbytes=len(blob))
     kept = bytes(total.mean_blob())
     assert bytes(total.mean_blob(release=True)) == kept
-    assert total._parts == [None, None]
+    assert total.parts == (None, None)
     with pytest.raises(IntegrityError, match="memory released"):
         total.mean_blob()
     with pytest.raises(IntegrityError, match="memory released"):
@@ -264,11 +264,11 @@ def test_reset_empties_the_sum_in_place_and_brings_released_parts_back():
     layout, blob = encode({"a": np.array([1.0, 2.0], np.float32), "b": np.array([4.0], np.float32)})
     total = WeightedSum(layout)
     total.fold([blob], 3, 4.0, nbytes=len(blob))
-    part = total._parts[0]
+    part = total.parts[0]
 
     total.reset()
 
-    assert total._parts[0] is part and not total.acc.any()   # the same memory, zeroed
+    assert total.parts[0] is part and not total.acc.any()   # the same memory, zeroed
     assert total.count == 0 and total.total_weight == 0
     with pytest.raises(IntegrityError, match="no update was aggregated"):
         total.mean_blob()

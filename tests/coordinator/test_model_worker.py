@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +15,16 @@ from coordinator.model_worker import ModelWorker
 from plexus.accounting import epsilon_after
 from plexus.errors import ConfigError
 from plexus.models import build_model, state_to_numpy
+
+from timing import wait_until
+
+
+def _dead(pid: int) -> bool:
+    """The process has exited: gone, or a zombie its parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 @pytest.fixture
@@ -45,6 +58,7 @@ def test_worker_reports_bad_models_as_config_errors_and_keeps_serving(worker, tm
 
 def test_a_dead_worker_is_replaced(worker, tmp_path):
     worker.build("logistic", {"in_features": 3}, seed=0, out=tmp_path / "a")
-    worker._proc.kill()
-    worker._proc.wait()
+    pid = worker.pid
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: _dead(pid), 30, "the worker to die")
     assert worker.build("logistic", {"in_features": 3}, seed=0, out=tmp_path / "b")["linear.weight"].shape == (2, 3)

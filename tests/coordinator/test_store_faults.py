@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from checkpoint_damage import DAMAGE, bit_flip, data_offset, header
 from coordinator.store import Store
 from plexus.config import CheckpointsSpec
 from plexus.errors import FailedPrecondition, IntegrityError, NotFound
+
+import state_db
+from checkpoint_damage import DAMAGE, bit_flip, data_offset, header
 
 
 @pytest.fixture
@@ -38,7 +40,7 @@ def test_a_checkpoint_carries_its_sha256_in_the_header_and_the_database(store):
     path = store.save_checkpoint("job-1", 1, _model())
 
     digest = header(path)["__metadata__"]["sha256"]
-    rows = store._all("SELECT file, job_id, round, sha256 FROM checkpoints")
+    rows = state_db.query(store.state_dir, "SELECT file, job_id, round, sha256 FROM checkpoints")
 
     assert len(digest) == 64 and digest != "0" * 64
     assert rows == [("checkpoints/job-1/1.safetensors", "job-1", 1, digest)]
@@ -95,7 +97,7 @@ def test_a_checkpoint_from_before_checksums_still_loads(store):
 def test_a_checksum_without_a_database_row_is_checked_against_the_header(store):
     """A database restored from a backup older than the checkpoints beside it (backup-restore.md)."""
     path = store.save_checkpoint("job-1", 4, _model())
-    store._tx([("DELETE FROM checkpoints", ())])
+    state_db.execute(store.state_dir, "DELETE FROM checkpoints")
     store.checkpoint_blob("job-1", 4)
 
     bit_flip(path)
@@ -173,8 +175,8 @@ def test_retention_keeps_the_last_rounds_and_every_mth_and_always_the_latest(tmp
         assert _rounds_on_disk(s, "job-1") == [0, 3, 6, 7]
         assert sorted(p.name for p in (s.checkpoints / "job-1").glob("*.strategy.safetensors")) == [
             "0.strategy.safetensors", "3.strategy.safetensors", "6.strategy.safetensors", "7.strategy.safetensors"]
-        assert [r for (r,) in s._all("SELECT round FROM checkpoints WHERE file NOT LIKE '%strategy%'"
-                                     " ORDER BY round")] == [0, 3, 6, 7]
+        assert [r for (r,) in state_db.query(s.state_dir, "SELECT round FROM checkpoints WHERE file NOT LIKE"
+                                             " '%strategy%' ORDER BY round")] == [0, 3, 6, 7]
         with pytest.raises(NotFound, match="removed by checkpoints.keep_last"):
             s.checkpoint_source("job-1", 5)
     finally:
@@ -300,6 +302,6 @@ def test_an_existing_database_gains_the_checkpoints_table(tmp_path):
     try:
         s.save_checkpoint("j", 2, _model())
         assert s.job("j").current_round == 1
-        assert s._all("SELECT job_id, round FROM checkpoints") == [("j", 2)]
+        assert state_db.query(s.state_dir, "SELECT job_id, round FROM checkpoints") == [("j", 2)]
     finally:
         s.close()

@@ -154,7 +154,7 @@ def test_a_worker_killed_while_it_builds_is_reported_as_out_of_memory_and_replac
     thread.start()
     wait_until(lambda: (gated.lib / "building").exists(), 60, "the build to start")
     (gated.lib / "building").unlink()
-    os.kill(gated._proc.pid, signal.SIGKILL)
+    os.kill(gated.pid, signal.SIGKILL)
     thread.join(scaled(10))
 
     assert outcome["error"] == (

@@ -10,9 +10,10 @@ import pytest
 
 from coordinator.aggregate import WeightedSum
 from plexus.cli import main as cli
-from plexus.wire import encode
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
+from plexus.wire import encode
 
+import state_db
 from integration.harness import heart_job, scaled, wait_until
 
 
@@ -77,8 +78,9 @@ def test_replay_other_site_task_and_closed_round_are_refused(federation):
     task = attacker.next_task()
     _, state = attacker.fetch(task)
 
-    other = wait_until(lambda: [t for t in federation.store._all(
-        "SELECT task_id FROM tasks WHERE site = 'a' AND job_id = ?", (job_id,))], what="a's task")[0][0]
+    other = wait_until(lambda: state_db.query(federation.store.state_dir,
+                                              "SELECT task_id FROM tasks WHERE site = 'a' AND job_id = ?", (job_id,)),
+                       what="a's task")[0][0]
     with pytest.raises(grpc.RpcError) as err:
         attacker.submit(task, state, task_id=other)
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED

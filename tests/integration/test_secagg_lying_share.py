@@ -10,7 +10,7 @@ from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from site_agent.agent import SiteAgent
 
 from integration.harness import HOSPITAL_OF
-from integration.test_secure_aggregation import CLIP, _plain_fedavg, _start, secure_job
+from integration.test_secure_aggregation import CLIP, plain_fedavg, secure_job, start_agent
 
 VICTIM = "a"   # the site whose self-mask seed the liars' altered shares would rebuild wrongly
 
@@ -18,24 +18,30 @@ VICTIM = "a"   # the site whose self-mask seed the liars' altered shares would r
 class RevealsAnAlteredShare(SiteAgent):
     """An agent that adds 1 to the share of VICTIM's secret it reveals at unmasking."""
 
-    def _secagg_phase(self, stub, task):
-        if task.kind == fpb.TASK_SECAGG_UNMASK:
-            session = self._secure[(task.job_id, task.round)].session
-            honest = session.unmask
+    def handle(self, stub, task):
+        return super().handle(_AltersTheReveal(stub) if task.kind == fpb.TASK_SECAGG_UNMASK else stub, task)
 
-            def lying(survivors):
-                reveals = honest(survivors)
-                kind, x, y = reveals[VICTIM]
-                reveals[VICTIM] = (kind, x, (y + 1) % secagg.PRIME)
-                return reveals
 
-            session.unmask = lying
-        return super()._secagg_phase(stub, task)
+class _AltersTheReveal:
+    """The agent's stub, except that the share of VICTIM's secret in a reveal goes out as y + 1 (mod PRIME)."""
+
+    def __init__(self, stub):
+        self.stub = stub
+
+    def __getattr__(self, name):
+        return getattr(self.stub, name)
+
+    def SecAgg(self, message: fpb.SecAggMessage, **kwargs):
+        for reveal in message.reveal.reveals:
+            if reveal.peer == VICTIM:
+                y = int.from_bytes(reveal.y, "big")
+                reveal.y = ((y + 1) % secagg.PRIME).to_bytes(len(reveal.y), "big")
+        return self.stub.SecAgg(message, **kwargs)
 
 
 def _run(federation, liars: str) -> tuple[str, str]:
     for name in "abcde":
-        _start(federation, name, RevealsAnAlteredShare if name in liars else SiteAgent)
+        start_agent(federation, name, RevealsAnAlteredShare if name in liars else SiteAgent)
     federation.wait_online(*"abcde")
     job_yaml = secure_job(rounds=1, min=3, seed=5, phase_timeout=20)   # t = 3 of 5
     job_id = federation.admin().submit(job_yaml).job_id
@@ -51,7 +57,7 @@ def test_one_lying_share_is_rejected_and_the_round_finishes_exactly(federation):
     rejected = [(e.site, e.reason) for e in detail.site_events if e.round == 1 and e.status == "rejected"]
     assert len(rejected) == 1 and rejected[0][0] == "e", rejected
     assert "self-mask seed of 'a'" in rejected[0][1]
-    expected, _ = _plain_fedavg(job_yaml, list("abcde"))
+    expected, _ = plain_fedavg(job_yaml, list("abcde"))
     got = federation.store.load_checkpoint(job_id, 1)
     bound = 5 * 0.5 * 2.0 ** -secagg.frac_bits(CLIP)   # each site's rounding, as in the honest round
     for name, value in expected.items():

@@ -36,14 +36,14 @@ class DropsOut(SiteAgent):
         super().__init__(*args, **kwargs)
         self.vanish_at = vanish_at
 
-    def _secagg_phase(self, stub, task):
+    def handle(self, stub, task):
         if task.kind == self.vanish_at:
             self.stop.set()
             return None
-        return super()._secagg_phase(stub, task)
+        return super().handle(stub, task)
 
 
-def _start(federation, name, agent_cls=SiteAgent, **kwargs):
+def start_agent(federation, name, agent_cls=SiteAgent, **kwargs):
     from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 
     config = SiteConfig(site=name, coordinator=federation.address, kit=federation.root / "sites" / name,
@@ -57,7 +57,7 @@ def _start(federation, name, agent_cls=SiteAgent, **kwargs):
     return agent
 
 
-def _plain_fedavg(job_yaml: str, sites: list[str]) -> tuple[dict, dict]:
+def plain_fedavg(job_yaml: str, sites: list[str]) -> tuple[dict, dict]:
     """Round 1 recomputed in the clear from the sites' deterministic local training."""
     job = parse_round_config(job_yaml)
     initial = state_to_numpy(build_model(job.model.name, job.model.args, seed=job.seed))
@@ -94,9 +94,9 @@ def masked_inputs(monkeypatch):
 
 def test_round_completes_with_the_survivors_sum_when_sites_drop_out(federation, masked_inputs):
     for name in "abc":
-        _start(federation, name)
-    _start(federation, "d", DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)  # shared its keys, never masks
-    _start(federation, "e", DropsOut, vanish_at=fpb.TASK_SECAGG_UNMASK)        # masked, then gone
+        start_agent(federation, name)
+    start_agent(federation, "d", DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)  # shared its keys, never masks
+    start_agent(federation, "e", DropsOut, vanish_at=fpb.TASK_SECAGG_UNMASK)        # masked, then gone
     federation.wait_online(*"abcde")
     job_yaml = secure_job(rounds=1, min=3, seed=11, deadline=scaled(5))  # the final evaluation waits out d and e
     job_id = federation.admin().submit(job_yaml).job_id
@@ -106,7 +106,7 @@ def test_round_completes_with_the_survivors_sum_when_sites_drop_out(federation, 
     round1 = next(r for r in detail.rounds if r.round == 1)
     survivors = ["a", "b", "c", "e"]
     assert list(round1.contributors) == survivors
-    expected, deltas = _plain_fedavg(job_yaml, survivors)
+    expected, deltas = plain_fedavg(job_yaml, survivors)
     assert max(float(np.abs(d).max()) for s in deltas.values() for d in s.values()) < CLIP  # nothing was clipped
     got = federation.store.load_checkpoint(job_id, 1)
     bits = frac_bits(CLIP)
@@ -132,10 +132,10 @@ def test_round_completes_with_the_survivors_sum_when_sites_drop_out(federation, 
 
 
 def test_too_many_dropouts_fail_the_round_and_keep_the_model(federation):
-    _start(federation, "a")
-    _start(federation, "b")
+    start_agent(federation, "a")
+    start_agent(federation, "b")
     for name in "cd":
-        _start(federation, name, DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)
+        start_agent(federation, name, DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)
     federation.wait_online(*"abcd")
     job_id = federation.admin().submit(secure_job(rounds=1, min=3, seed=1)).job_id
     assert federation.wait_job(job_id) == "failed"
@@ -150,7 +150,7 @@ def test_malformed_masked_input_is_excluded_with_a_reason(federation):
     from plexus.secagg_proto import advert_from_proto, advert_to_proto
 
     for name in "abc":
-        _start(federation, name)
+        start_agent(federation, name)
     raw = federation.raw_site("d")
     raw.join()
     federation.wait_online(*"abcd")
@@ -203,7 +203,7 @@ def test_secure_aggregation_with_a_strategy_it_cannot_compute_is_refused_at_subm
 
 
 def test_site_requiring_secure_aggregation_declines_a_plain_job(federation):
-    _start(federation, "a")
+    start_agent(federation, "a")
     federation.start_site("b")
     federation.start_site("c")
     federation.wait_online(*"abc")
