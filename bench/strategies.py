@@ -5,7 +5,7 @@
 An in-process simulation of the round engine: the coordinator's own strategy objects
 (`coordinator.strategies.make_strategy`), the site's own training code (`site_agent.local.local_update`),
 and the coordinator's exact fixed-point `WeightedSum` over `plexus.wire.encode`d updates (weight 1 when
-the rule's `weighting` is "uniform", else num_samples), with the engine's per-site seeds (`site_seed`). There is no
+`strategy.uniform_weights`, else num_samples), with the engine's per-site seeds (`site_seed`). There is no
 gRPC, TLS, spooling or process boundary here: the end-to-end path is covered by the integration tests.
 
 Equal local compute (R rounds, E epochs, K sites): pooled and each site alone train R×E epochs; every
@@ -38,15 +38,16 @@ import numpy as np
 import torch
 
 from coordinator.aggregate import WeightedSum
-from coordinator.engine import site_seed
-from coordinator.strategies import MeanRule, Update, UpdatesRule, make_strategy
+from coordinator.drivers import sync as rules
+from coordinator.drivers.rounds import Action, RoundView, can_open, decide, training_over
+from coordinator.strategies import Update, make_strategy
+from coordinator.tasks import site_seed
 from plexus.config import DatasetSpec, RoundConfig, parse_round_config
 from plexus.datasets import HOSPITALS, Split, load_dataset
 from plexus.models import build_job_model, load_numpy_state, state_to_numpy
 from plexus.wire import Layout, encode
-from site_agent.baselines import pooled, train_centrally
 from site_agent.local import local_update
-from site_agent.training import evaluate
+from site_agent.training import evaluate, train_local
 
 METHODS = ("pooled", "local", "fedavg", "fedprox", "fedadam", "fedyogi", "scaffold", "cwt", "ensemble")
 # FLamby (NeurIPS 2022) Fed-Heart-Disease accuracy, same compute as pooled, mean of 5 seeds.
@@ -88,9 +89,10 @@ def heart_task(quick: bool) -> Task:
     sites = {h: load_dataset(DatasetSpec(kind="heart-disease", hospital=h)) for h in HOSPITALS}
     rounds, epochs = (5, 1) if quick else (50, 1)   # 50 epochs of compute, like FLamby's pooled baseline
     fedopt = {"eta": 0.1, "tau": 1e-3}
-    together = pooled(sites.values())
     return Task(
-        name="heart", sites=sites, x_test=together.x_test, y_test=together.y_test,
+        name="heart", sites=sites,
+        x_test=np.concatenate([s.x_test for s in sites.values()]),
+        y_test=np.concatenate([s.y_test for s in sites.values()]),
         model={"name": "logistic", "args": {"in_features": 13, "num_classes": 2}},
         optimizer={"name": "sgd", "lr": 0.05}, batch_size=16, rounds=rounds, epochs=epochs,
         strategy_args={"fedprox": {"mu": 0.01}, "fedadam": fedopt, "fedyogi": fedopt, "scaffold": {"eta_g": 1.0}},
@@ -148,12 +150,15 @@ def scores(model: torch.nn.Module, task: Task) -> dict[str, float]:
 def centralised(task: Task, seed: int, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
     """Train the job's initial model on (x, y) for R×E epochs."""
     job = job_config(task, "fedavg", rounds=1, epochs=task.rounds * task.epochs, seed=seed)
-    return scores(train_centrally(job, x, y, seeds=[seed]), task)
+    model = build_job_model(job)
+    train_local(model, x, y, job.train, seed=seed)
+    return scores(model, task)
 
 
 def run_pooled(task: Task, seed: int) -> dict[str, float]:
-    together = pooled(task.sites.values())
-    return centralised(task, seed, together.x_train, together.y_train)
+    sites = task.sites.values()
+    return centralised(task, seed, np.concatenate([s.x_train for s in sites]),
+                       np.concatenate([s.y_train for s in sites]))
 
 
 def run_local(task: Task, seed: int) -> dict[str, dict[str, float]]:
@@ -171,32 +176,39 @@ def run_federated(task: Task, strategy_name: str, seed: int, state_root: Path) -
 
 
 def simulate(task: Task, job: RoundConfig, job_id: str, state_root: Path) -> dict[str, np.ndarray]:
-    """The round engine's loop over one job, in process, every site online: the final global model.
+    """The engine's round cycle over one job, in process, every site online and answering: the final model.
 
-    tests/integration/test_bench_fidelity.py checks that a real federation over gRPC ends with the
-    same bits for the same job, so this loop stays the engine's."""
+    It runs by the same decisions (coordinator.drivers.rounds) and the same strategy calls
+    (coordinator.drivers.sync) as the engine's SyncRounds driver; tests/integration/test_bench_fidelity.py
+    checks that a real federation over gRPC ends with the same bits for the same job."""
     names = sorted(task.sites)
     strategy = make_strategy(job)
     current = state_to_numpy(build_job_model(job))
     sizes = {s: len(task.sites[s].y_train) for s in names}
     closed = 0
-    while closed < job.rounds and not strategy.schedule.done(closed):
+    while not training_over(model_round=closed, rounds=job.rounds, budget_stop=False,
+                            strategy_done=rules.strategy_done(strategy, closed)):
         round_ = closed + 1
-        participants = strategy.schedule.configure(round_, names, names)
-        if not participants:
+        participants = rules.choose(strategy, round_, names, names)
+        if not can_open(participants, evaluating=False, sites_min=1):
             raise RuntimeError(f"{job.strategy.name}: round {round_} chose no sites out of {names}")
-        strategy.opened(round_, participants, names)
-        rule = strategy.rule
-        served = {**current, **(rule.served(current) if isinstance(rule, MeanRule) else {})}
+        rules.opened(strategy, round_, participants, names)
+        served = {**current, **rules.served_extras(strategy, current)}
         updates = []
         for site in participants:
             model = build_job_model(job)
             load_numpy_state(model, {k: served[k] for k in current})
             local = local_update(job, model, served, task.sites[site], site=site, job_id=job_id,
                                  seed=site_seed(job.seed, round_, site),
-                                 local_steps=strategy.schedule.local_steps(site, sizes), state_dir=state_root / site)
+                                 local_steps=rules.local_steps(strategy, site, sizes), state_dir=state_root / site)
             local.commit()   # the coordinator accepted the update
             updates.append((site, local.result.num_samples, local.update))
+        view = RoundView(kind="train", participants=participants, outcomes={s: "submitted" for s in participants},
+                         contributors=len(updates), needed=max(1, rules.min_contributors(strategy)))
+        decision = decide(view, 0.0)
+        if decision.action != Action.CLOSE:
+            raise RuntimeError(f"{job.strategy.name}: round {round_} would not close ({decision.action}) with "
+                               f"{len(updates)} update(s)")
         current = _aggregate(strategy, round_, current, updates)
         closed += 1
     return current
@@ -205,22 +217,21 @@ def simulate(task: Task, job: RoundConfig, job_id: str, state_root: Path) -> dic
 def _aggregate(strategy, round_: int, current: dict, updates: list) -> dict:
     """What the engine does when a round closes: hold every update, or fold them into an exact weighted mean."""
     layout = Layout.of(current)
-    rule = strategy.rule
-    if isinstance(rule, UpdatesRule):
-        held = [Update(site, n, update) for site, n, update in sorted(updates, key=lambda u: u[0])]
-        return rule.combine(round_, current, held)
     update_layout = Layout.build([(t.name, t.dtype, t.shape) for t in layout.tensors]
-                                 + list(rule.update_extras(layout)))
+                                 + rules.update_extras(strategy, layout))
+    if rules.holds_updates(strategy):
+        held = [Update(site, n, update) for site, n, update in sorted(updates, key=lambda u: u[0])]
+        return rules.aggregate_held(strategy, round_, current, held)
     total = WeightedSum(update_layout)
     for _, n, update in updates:
         got, blob = encode(update)
         update_layout.require_same(got)
         max_abs = max(float(np.abs(a).max()) if a.size else 0.0 for a in update.values())
-        total.fold([blob], 1 if rule.weighting == "uniform" else n, max_abs, nbytes=len(blob))
+        total.fold([blob], 1 if rules.uniform_weights(strategy, None) else n, max_abs, nbytes=len(blob))
     mean = total.mean()
     contributors = sorted(site for site, _, _ in updates)
-    return rule.step(round_, current if rule.reads_current else None, mean, contributors,
-                     population=strategy.population)
+    return rules.aggregate_mean(strategy, round_, current if rules.reads_current(strategy) else None, mean,
+                                contributors)
 
 
 def run_method(task: Task, method: str, seed: int, state_root: Path) -> dict[str, dict[str, float]]:

@@ -336,28 +336,104 @@ class MaskedSum:
         self.acc = np.zeros(layout.total_elements, dtype=np.uint32)
         self.count = 0
         self._poisoned = ""
+        self._lock = threading.Lock()
+
+    def begin(self) -> MaskedFold:
+        """Start adding one masked input piece by piece (MaskedFold.add), as it arrives."""
+        self._require_clean()
+        return MaskedFold(self)
 
     def fold(self, pieces: Iterable[bytes | memoryview], *, nbytes: int) -> None:
         """Add one masked blob; its declared length is checked before anything is added."""
         if nbytes != self.layout.total_bytes:
             raise IntegrityError(f"masked input has {nbytes} bytes; the layout needs {self.layout.total_bytes}",
                                  reason=Reason.SIZE)
-        if self._poisoned:
-            raise IntegrityError(f"this round's masked sum is unusable: {self._poisoned}")
-        pending, element = bytearray(), 0
+        fold = self.begin()
         try:
             for piece in pieces:
-                pending += piece
-                whole = len(pending) // 4
-                if element + whole > self.acc.size:
-                    break
-                self.acc[element:element + whole] += np.frombuffer(pending, dtype="<u4", count=whole)
-                del pending[:whole * 4]
-                element += whole
+                fold.add(piece)
+            fold.finish()
         except BaseException as exc:
-            self._poisoned = f"folding a masked input failed part-way ({type(exc).__name__})"
+            if not self._poisoned:
+                self._poisoned = ("a masked input broke its declared length" if isinstance(exc, IntegrityError)
+                                  else f"folding a masked input failed part-way ({type(exc).__name__})")
+            self._require_clean()
             raise
-        if pending or element != self.acc.size:
-            self._poisoned = "a masked input broke its declared length"
+
+    def _require_clean(self) -> None:
+        if self._poisoned:
             raise IntegrityError(f"this round's masked sum is unusable: {self._poisoned}")
-        self.count += 1
+
+    def _fold_after(self, element: int, pending: bytearray, data: memoryview, sign: int) -> int:
+        """Add (sign 1) or take back (sign -1) the whole elements of pending + data from `element` on; returns
+        the elements used, leaving a split element in `pending`. Call with the lock held."""
+        if pending:
+            pending += data
+            data = memoryview(bytes(pending))
+            pending.clear()
+        whole = min(len(data) // 4, self.acc.size - element)
+        values = np.frombuffer(data, dtype="<u4", count=whole)
+        target = self.acc[element:element + whole]
+        (np.add if sign > 0 else np.subtract)(target, values, out=target)   # mod 2**32, as the masks need
+        pending += data[whole * 4:]
+        return whole
+
+
+class MaskedFold:
+    """One masked input entering a MaskedSum piece by piece (MaskedSum.begin); like Fold, undo() takes
+    what was added out again from the caller's journal, and it then counts for nothing."""
+
+    def __init__(self, total: MaskedSum):
+        self.total = total
+        self.position = 0        # elements folded so far
+        self.received = 0        # bytes handed to add()
+        self._pending = bytearray()
+        self.state = "open"      # open | done | undone
+
+    def add(self, piece: bytes | memoryview, max_abs: float = 0.0) -> None:
+        """Fold the next piece (max_abs is unused: masked values are uniform mod 2**32)."""
+        total = self.total
+        with total._lock:
+            self._require_open()
+            data = memoryview(piece).cast("B")
+            self.received += len(data)
+            if self.received > total.layout.total_bytes:
+                raise IntegrityError(f"masked input has more than the {total.layout.total_bytes} bytes its layout "
+                                     "needs", reason=Reason.SIZE)
+            self.position += total._fold_after(self.position, self._pending, data, 1)
+
+    def finish(self) -> None:
+        """The masked input is complete: it now counts in the sum."""
+        total = self.total
+        with total._lock:
+            self._require_open()
+            if self._pending or self.position != total.acc.size:
+                raise IntegrityError(f"masked input ended after {self.received} of {total.layout.total_bytes} "
+                                     "bytes", reason=Reason.SIZE)
+            self.state = "done"
+            total.count += 1
+
+    def undo(self, journal) -> None:
+        """Take this masked input back out of the sum, reading the bytes passed to add() again from
+        `journal()` (an iterable of pieces); safe to call any number of times."""
+        total = self.total
+        with total._lock:
+            if self.state == "undone":
+                return
+            pending, position = bytearray(), 0
+            for piece in journal():
+                if position >= self.position:
+                    break
+                data = memoryview(piece).cast("B")[:(self.position - position) * 4 - len(pending)]
+                position += total._fold_after(position, pending, data, -1)
+            if position != self.position:
+                total._poisoned = (f"a masked input could not be taken out again: its journal held {position} of "
+                                   f"the {self.position} elements folded")
+            if self.state == "done":
+                total.count -= 1
+            self.state = "undone"
+
+    def _require_open(self) -> None:
+        if self.state != "open":
+            raise RoundClosed("this masked input was taken out of the round's sum: the round closed while it was "
+                              "arriving, or it was refused")

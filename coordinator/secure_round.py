@@ -17,11 +17,13 @@ from coordinator.aggregate import MaskedSum
 from plexus.config import SecAggSpec
 from plexus.errors import FailedPrecondition, IntegrityError, Reason
 from plexus.secagg import PRIME, Advert, ServerSession, default_threshold, dequantize, frac_bits
+from plexus.vocab import SecaggPhase, TaskKind
 from plexus.wire import Layout
 
-TASK_KIND = {"advertise": "secagg_advertise", "share": "secagg_share", "mask": "secagg_mask",
-             "unmask": "secagg_unmask"}
-NEXT = {"advertise": "share", "share": "mask", "mask": "unmask", "unmask": "done"}
+TASK_KIND = {SecaggPhase.ADVERTISE: TaskKind.SECAGG_ADVERTISE, SecaggPhase.SHARE: TaskKind.SECAGG_SHARE,
+             SecaggPhase.MASK: TaskKind.SECAGG_MASK, SecaggPhase.UNMASK: TaskKind.SECAGG_UNMASK}
+NEXT = {SecaggPhase.ADVERTISE: SecaggPhase.SHARE, SecaggPhase.SHARE: SecaggPhase.MASK,
+        SecaggPhase.MASK: SecaggPhase.UNMASK, SecaggPhase.UNMASK: SecaggPhase.DONE}
 MAX_CIPHERTEXT = 4096
 
 
@@ -36,7 +38,7 @@ class SecureRound:
     layout: Layout                 # the model's layout (float tensors)
     spec: SecAggSpec
     min_sites: int
-    phase: str = "advertise"
+    phase: SecaggPhase = SecaggPhase.ADVERTISE
     adverts: dict[str, Advert] = field(default_factory=dict)
     inbox: dict[str, dict[str, bytes]] = field(default_factory=dict)   # recipient -> sender -> ciphertext
     reveals: dict[str, dict[str, tuple[str, int, int]]] = field(default_factory=dict)
@@ -53,7 +55,7 @@ class SecureRound:
         self.masked = MaskedSum(self.masked_layout)
 
     @property
-    def task_kind(self) -> str:
+    def task_kind(self) -> TaskKind:
         return TASK_KIND[self.phase]
 
     # answers ------------------------------------------------------------------------------
@@ -94,37 +96,38 @@ class SecureRound:
     def advance(self, answered: list[str], participants: list[str]) -> list[str]:
         """Close the current phase with the sites that answered; returns the next phase's sites."""
         answered = sorted(answered)
-        if self.phase == "advertise":
+        if self.phase == SecaggPhase.ADVERTISE:
             self.threshold = max(self.spec.threshold or 0, default_threshold(max(1, len(answered))))
         # sites.min counts contributors (U3); the unmask phase only needs t responders.
-        need = self.threshold if self.phase == "unmask" else max(self.threshold, self.min_sites)
+        need = self.threshold if self.phase == SecaggPhase.UNMASK else max(self.threshold, self.min_sites)
         if len(answered) < need:
             missing = sorted(set(participants) - set(answered))
             raise SecureRoundFailed(
                 f"secure aggregation, {self.phase} phase: {len(answered)} of {len(participants)} sites answered "
                 f"(missing: {', '.join(missing) or 'none'}); at least {need} are needed "
                 f"(threshold t={self.threshold}, sites.min={self.min_sites})")
-        if self.phase == "advertise":
+        if self.phase == SecaggPhase.ADVERTISE:
             self.u1 = answered
             self.adverts = {s: self.adverts[s] for s in answered}
             self.total_weight = sum(a.num_samples for a in self.adverts.values())
-        elif self.phase == "share":
+        elif self.phase == SecaggPhase.SHARE:
             self.u2 = answered
-        elif self.phase == "mask":
+        elif self.phase == SecaggPhase.MASK:
             self.u3 = answered
         self.phase = NEXT[self.phase]
-        return {"share": self.u1, "mask": self.u2, "unmask": self.u3, "done": []}[self.phase]
+        return {SecaggPhase.SHARE: self.u1, SecaggPhase.MASK: self.u2, SecaggPhase.UNMASK: self.u3,
+                SecaggPhase.DONE: []}[self.phase]
 
     def payload(self, site: str) -> dict:
         """What a site's task for the current phase carries."""
         base = {"threshold": self.threshold, "total_weight": self.total_weight, "clip": self.spec.clip,
                 "frac_bits": self.bits}
-        if self.phase == "share":
+        if self.phase == SecaggPhase.SHARE:
             return base | {"adverts": [self.adverts[s] for s in self.u1]}
-        if self.phase == "mask":
+        if self.phase == SecaggPhase.MASK:
             inbox = self.inbox.get(site, {})
             return base | {"shares_for_you": {s: inbox[s] for s in self.u2 if s in inbox}, "u2": self.u2}
-        if self.phase == "unmask":
+        if self.phase == SecaggPhase.UNMASK:
             return base | {"u2": self.u2, "u3": self.u3}
         return base
 

@@ -9,40 +9,31 @@ from contextlib import contextmanager
 
 from coordinator.engine import Engine
 from coordinator.events import admin_actor
+from coordinator.served import ServedModel
 from coordinator.store import TERMINAL, JobRow
+from coordinator.tasks import Binding, JoinInfo, SecaggAnswer, TaskResult, UpdateHeader
 from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, SendWatchdog, guarded
 from plexus.secagg import advert_from_proto, advert_to_proto
-from plexus.wire import chunk_size, iter_chunks
+from plexus.vocab import TaskKind, TaskStatus
+from plexus.wire import Layout
 
-_KINDS = {"train": fpb.TASK_TRAIN, "evaluate": fpb.TASK_EVALUATE, "secagg_advertise": fpb.TASK_SECAGG_ADVERTISE,
-          "secagg_share": fpb.TASK_SECAGG_SHARE, "secagg_mask": fpb.TASK_SECAGG_MASKED_INPUT,
-          "secagg_unmask": fpb.TASK_SECAGG_UNMASK}
+_KINDS = {TaskKind.TRAIN: fpb.TASK_TRAIN, TaskKind.EVALUATE: fpb.TASK_EVALUATE,
+          TaskKind.SECAGG_ADVERTISE: fpb.TASK_SECAGG_ADVERTISE, TaskKind.SECAGG_SHARE: fpb.TASK_SECAGG_SHARE,
+          TaskKind.SECAGG_MASK: fpb.TASK_SECAGG_MASKED_INPUT, TaskKind.SECAGG_UNMASK: fpb.TASK_SECAGG_UNMASK}
 MAX_SHARE_VALUE_BYTES = 80   # a share value mod 2**521 - 1 fits in 66 bytes
 MAX_JOIN_NAMES = 256         # models, datasets (and their row counts) one site may advertise
 MAX_JOIN_NAME_CHARS = 64     # a model or dataset name, and the agent version
-_RESULTS = {fpb.RESULT_EVALUATED: "evaluated", fpb.RESULT_DECLINED: "declined", fpb.RESULT_FAILED: "failed"}
+_RESULTS = {fpb.RESULT_EVALUATED: TaskStatus.EVALUATED, fpb.RESULT_DECLINED: TaskStatus.DECLINED,
+            fpb.RESULT_FAILED: TaskStatus.FAILED}
 
 
-def model_stream(job_id: str, round_: int, layout, source, chunk_bytes: int):
-    """Header, then chunks of the one shared model: slices of its blob, or reads of its checkpoint file
-    (then every stream shares the page cache and the coordinator holds no copy of the model).
-    chunk_bytes caps the chunk size; smaller models go in smaller chunks (plexus.wire.chunk_size)."""
-    yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=job_id, round=round_, manifest=layout.to_proto()))
-    chunk_bytes = chunk_size(layout.total_bytes, chunk_bytes)
-    if isinstance(source, tuple):
-        path, start = source
-        with open(path, "rb") as fh:
-            fh.seek(start)
-            for offset in range(0, layout.total_bytes, chunk_bytes):
-                data = fh.read(min(chunk_bytes, layout.total_bytes - offset))
-                if len(data) != min(chunk_bytes, layout.total_bytes - offset):
-                    raise IntegrityError(f"checkpoint {path} is shorter than its header says")
-                yield fpb.ModelMessage(chunk={"offset": offset, "data": data})
-        return
-    for offset, piece in iter_chunks(source, chunk_bytes):
-        yield fpb.ModelMessage(chunk={"offset": offset, "data": bytes(piece)})
+def model_stream(job_id: str, round_: int, served: ServedModel, chunk_bytes: int):
+    """Header, then chunks of the one shared model, at most chunk_bytes each (ServedModel.chunks)."""
+    yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=job_id, round=round_, manifest=served.layout.to_proto()))
+    for offset, data in served.chunks(chunk_bytes):
+        yield fpb.ModelMessage(chunk={"offset": offset, "data": data})
 
 
 class TransferSlots:
@@ -150,9 +141,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
     @guarded(kind="site")
     def Join(self, request, context, *, who):
         check_join(request)
-        self.engine.join(who.name, agent_version=request.agent_version, models=list(request.models),
-                         datasets=list(request.datasets), policy_digest=request.policy_digest,
-                         dataset_rows={k: int(v) for k, v in request.dataset_rows.items()})
+        self.engine.join(who.name, join_info(request))
         if self.audit is not None:
             self.audit.site_joined(who.name, policy_digest=request.policy_digest,
                                    agent_version=request.agent_version)
@@ -172,9 +161,9 @@ class FederationService(federation_pb2_grpc.FederationServicer):
 
     @guarded(kind="site")
     def FetchModel(self, request, context, *, who):
-        layout, blob, job_id, model_round = self.engine.model_for(who.name, request.task_id)
+        served, job_id, model_round = self.engine.model_for(who.name, request.task_id)
         with self.transfers.slot(context, who.name):
-            yield from self.watchdog.paced(model_stream(job_id, model_round, layout, blob, self.chunk_bytes), context)
+            yield from self.watchdog.paced(model_stream(job_id, model_round, served, self.chunk_bytes), context)
 
     @guarded(kind="site")
     def SubmitUpdate(self, request_iterator, context, *, who):
@@ -184,7 +173,8 @@ class FederationService(federation_pb2_grpc.FederationServicer):
             if first is None or first.WhichOneof("body") != "header":
                 raise IntegrityError("an update stream must start with its header")
             with self.transfers.slot(context, who.name):
-                message = self.engine.submit_update(who.name, first.header, _chunks(inbound), cut=inbound.cut)
+                message = self.engine.submit_update(who.name, update_header(first.header), _chunks(inbound),
+                                                    cut=inbound.cut)
         finally:
             inbound.close()
         return fpb.SubmitReply(accepted=True, message=message)
@@ -204,13 +194,17 @@ class FederationService(federation_pb2_grpc.FederationServicer):
                 value[r.peer] = (r.kind, r.x, int.from_bytes(r.y, "big"))
         else:
             raise IntegrityError("a SecAgg message carries an advert, shares or a reveal")
-        return fpb.ResultReply(message=self.engine.secagg(who.name, request, body, value))
+        answer = SecaggAnswer(task=_binding(request), body=body, value=value, metrics=dict(request.metrics),
+                              eval_metrics=dict(request.eval_metrics))
+        return fpb.ResultReply(message=self.engine.secagg(who.name, answer))
 
     @guarded(kind="site")
     def ReportResult(self, request, context, *, who):
         if request.status not in _RESULTS:
             raise IntegrityError("result status must be EVALUATED, DECLINED or FAILED")
-        return fpb.ResultReply(message=self.engine.report(who.name, request, _RESULTS[request.status]))
+        result = TaskResult(task=_binding(request), status=_RESULTS[request.status], reason=request.reason,
+                            eval_metrics=dict(request.eval_metrics))
+        return fpb.ResultReply(message=self.engine.report(who.name, result))
 
 
 def check_join(request: fpb.JoinRequest) -> None:
@@ -239,6 +233,27 @@ def _check_join_text(what: str, text: str, *, allow_empty: bool) -> None:
                              "in site.yaml (datasets) or in the model plug-in")
 
 
+def join_info(request: fpb.JoinRequest) -> JoinInfo:
+    return JoinInfo(agent_version=request.agent_version, models=tuple(request.models),
+                    datasets=tuple(request.datasets), policy_digest=request.policy_digest,
+                    dataset_rows={k: int(v) for k, v in request.dataset_rows.items()})
+
+
+def update_header(header: fpb.UpdateHeader) -> UpdateHeader:
+    """The header as the engine reads it; a manifest that cannot be read is kept as the error to report,
+    so the update is refused (and recorded) with the task it answers."""
+    try:
+        layout, problem = Layout.from_proto(header.manifest), None
+    except IntegrityError as exc:
+        layout, problem = None, exc
+    return UpdateHeader(task=_binding(header), num_samples=header.num_samples, layout=layout,
+                        metrics=dict(header.metrics), eval_metrics=dict(header.eval_metrics), problem=problem)
+
+
+def _binding(message) -> Binding:
+    return Binding(task_id=message.task_id, job_id=message.job_id, round=message.round, nonce=message.nonce)
+
+
 def _payload_proto(p: dict) -> fpb.SecAggPayload:
     return fpb.SecAggPayload(adverts=[advert_to_proto(a) for a in p.get("adverts", [])], threshold=p["threshold"],
                              total_weight=p["total_weight"], clip=p["clip"], frac_bits=p["frac_bits"],
@@ -246,10 +261,11 @@ def _payload_proto(p: dict) -> fpb.SecAggPayload:
 
 
 def _chunks(messages):
+    """(offset, data) of each chunk message; anything else in the stream is refused."""
     for message in messages:
         if message.WhichOneof("body") != "chunk":
             raise IntegrityError("an update stream carries one header, then only chunks")
-        yield message.chunk
+        yield message.chunk.offset, message.chunk.data
 
 
 def job_summary(row: JobRow) -> admin_pb2.JobSummary:
@@ -320,8 +336,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         with self.store.reading(row.id, round_):   # checkpoint retention leaves it alone until the stream ends
             layout, path, start = self.store.checkpoint_source(row.id, round_)   # streamed from the file
             self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}", actor=admin_actor(who.name))
-            yield from self.watchdog.paced(model_stream(row.id, round_, layout, (path, start), self.chunk_bytes),
-                                           context)
+            yield from self.watchdog.paced(
+                model_stream(row.id, round_, ServedModel.from_file(layout, path, start), self.chunk_bytes), context)
 
     @guarded(kind="admin", min_role="viewer")
     def ListSites(self, request, context, *, who):

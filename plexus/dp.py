@@ -16,7 +16,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from plexus.crypto import KEY_BYTES, hkdf, prg_uint32
-from plexus.errors import IntegrityError
+from plexus.errors import IntegrityError, Reason
+from plexus.wire import DTYPES, Layout
 
 DP_NOISE = b"plexus/v1/dp-noise"
 # What logs, events and `plexus job show/metrics` say about a run with privacy.dp.reproducible_noise.
@@ -127,6 +128,58 @@ def distributed_std(noise_multiplier: float, clip_norm: float, n_sites: int) -> 
     if isinstance(n_sites, bool) or not isinstance(n_sites, numbers.Integral) or n_sites < 1:
         raise ValueError(f"n_sites must be a positive integer, got {n_sites!r}")
     return z * s / math.sqrt(int(n_sites))
+
+
+def central_std(noise_multiplier: float, clip_norm: float, contributors: int) -> float:
+    """Central DP-FedAvg's noise std on the mean of `contributors` clipped updates: N(0, (zS)²) on their
+    sum is std zS/m on their mean."""
+    return noise_multiplier * clip_norm / contributors
+
+
+def check_clipped(norm: float, clip_norm: float) -> None:
+    """Refuse an update farther than clip_norm (with float tolerance 1e-6) from the global model it trained from."""
+    if norm > clip_norm * (1 + 1e-6):
+        raise IntegrityError(f"update is {norm:.6g} from the global model, beyond dp.clip_norm {clip_norm}; "
+                             "differential privacy needs every site to clip its update", reason=Reason.NORM)
+
+
+class Distance:
+    """‖x − current‖₂ over an update blob of `layout` fed in consecutive pieces (split anywhere), so the
+    clip check needs no second pass over the update. Every tensor of the layout must be in `current`."""
+
+    def __init__(self, layout: Layout, current: Mapping[str, np.ndarray]):
+        self._tensors = [(t, DTYPES[t.dtype], np.asarray(current[t.name]).reshape(-1)) for t in layout.tensors]
+        self._position = 0            # blob bytes taken in, whole elements only
+        self._pending = bytearray()   # the bytes of an element split by a piece edge
+        self._tensor = 0
+        self._squared = 0.0
+
+    def add(self, piece: bytes | memoryview) -> None:
+        data = memoryview(piece).cast("B")
+        if self._pending:
+            self._pending += data
+            data = memoryview(bytes(self._pending))
+            self._pending.clear()
+        used = 0
+        while used < len(data) and self._tensor < len(self._tensors):
+            t, dtype, ref = self._tensors[self._tensor]
+            start = self._position - t.offset
+            n = min(t.nbytes - start, len(data) - used) // dtype.itemsize
+            if n == 0 and start < t.nbytes:
+                break
+            if n:
+                x = np.frombuffer(data, dtype=dtype, count=n, offset=used).astype(np.float64)
+                first = start // dtype.itemsize
+                self._squared += float(np.sum((x - ref[first:first + n]) ** 2))
+                used += n * dtype.itemsize
+                self._position += n * dtype.itemsize
+            if self._position == t.offset + t.nbytes:
+                self._tensor += 1
+        self._pending += data[used:]
+
+    @property
+    def norm(self) -> float:
+        return self._squared ** 0.5
 
 
 def _global_norm(arrays: Mapping[str, np.ndarray]) -> float:

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from coordinator.aggregate import FRAC_BITS, MAX_WEIGHT, WeightedSum
+from coordinator.aggregate import FRAC_BITS, MAX_WEIGHT, MaskedSum, WeightedSum
 from coordinator.strategies import FedAvg, Sampling
 from plexus.errors import IntegrityError, RoundClosed
-from plexus.wire import encode
+from plexus.wire import Layout, encode
 
 
 def _mean(updates: list[tuple[dict[str, np.ndarray], int]], *, pieces=None) -> dict[str, np.ndarray]:
@@ -431,3 +431,31 @@ def test_an_incomplete_update_cannot_finish():
         fold.finish()
     with pytest.raises(IntegrityError, match="more than"):
         fold.add(b"\0" * 8, 4.5)
+
+
+def test_a_masked_input_folded_as_it_streams_can_be_taken_out_again_from_its_journal():
+    layout = Layout.build([("a", "U32", (7,)), ("b", "U32", (3, 5))])
+    rng = np.random.default_rng(0)
+    kept, dropped = (rng.integers(0, 2 ** 32, layout.total_elements, dtype=np.uint32) for _ in range(2))
+    total = MaskedSum(layout)
+    fold = total.begin()
+    for i in range(0, kept.nbytes, 3):   # pieces that split elements
+        fold.add(kept.tobytes()[i:i + 3])
+    fold.finish()
+    part = total.begin()
+    data = dropped.tobytes()
+    for i in range(0, 30, 7):            # part-way, then refused
+        part.add(data[i:i + 7])
+    part.undo(lambda: [data[i:i + 11] for i in range(0, len(data), 11)])
+    part.undo(lambda: [])                # a second undo does nothing
+    assert total.count == 1 and (total.acc == kept).all()
+    with pytest.raises(RoundClosed):
+        part.add(data[:4])
+
+
+def test_a_masked_input_ending_short_is_refused():
+    layout = Layout.build([("a", "U32", (4,))])
+    fold = MaskedSum(layout).begin()
+    fold.add(b"\0" * 10)
+    with pytest.raises(IntegrityError, match="ended after 10 of 16 bytes"):
+        fold.finish()

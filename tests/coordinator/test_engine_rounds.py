@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from coordinator.engine import Engine
+from coordinator.service import update_header
 from coordinator.store import Store
+from coordinator.tasks import JoinInfo
 from integration.harness import wait_until
 from plexus.config import dump_round_config, load_coordinator_config, parse_round_config
 from plexus.errors import ConfigError, FailedPrecondition
@@ -38,8 +40,8 @@ def add_job(store: Store, *, sites: str, rounds: int = 1, name: str = "job", str
 
 
 def join(engine: Engine, site: str, rows: int = 100) -> None:
-    engine.join(site, agent_version="test", models=["vector"], datasets=["heart-disease"], policy_digest="",
-                dataset_rows={"heart-disease": rows})
+    engine.join(site, JoinInfo(agent_version="test", models=("vector",), datasets=("heart-disease",),
+                               dataset_rows={"heart-disease": rows}))
 
 
 @pytest.fixture
@@ -57,9 +59,8 @@ class Polls:
         self.threads = [threading.Thread(target=self._poll, args=(s, wait_s), daemon=True) for s in sites]
         for t in self.threads:
             t.start()
-        wait_until(lambda: len(engine._polls) == len(self.threads), 30, "every site to long-poll")
-        with engine._cv:   # each poller registered its condition under the lock and released it only to wait
-            pass
+        # read under the engine lock: each poller registered its condition and released the lock only to wait
+        wait_until(lambda: engine.polling_sites == len(self.threads), 30, "every site to long-poll")
 
     def _poll(self, site: str, wait_s: float) -> None:
         self.got[site] = self.engine.next_task(site, wait_s)
@@ -79,15 +80,13 @@ def test_idle_long_polls_are_not_woken_and_a_round_wakes_only_its_participant(st
     try:
         polls = Polls(engine, sites, 60.0)
         join(engine, "s0")   # a (re)join wakes the round loop, not the sites' polls
-        with engine._cv:
-            assert engine.poll_wakeups == 0
+        assert engine.poll_wakeups == 0
         add_job(store, sites="{min: 1, count: 1, evaluate: participants}")
         chosen = wait_until(lambda: [s for s, task in polls.got.items() if task is not None], 30,
                             "the sampled site to get its task long before its poll times out")
         assert len(chosen) == 1
-        with engine._cv:
-            assert engine.poll_wakeups == 1                     # that site's poll only
-            assert len(polls.got) == 1                          # the others still wait, undisturbed
+        assert engine.poll_wakeups == 1                         # that site's poll only
+        assert len(polls.got) == 1                              # the others still wait, undisturbed
     finally:
         engine.stop()
     polls.join()
@@ -110,8 +109,8 @@ def submit(engine: Engine, store: Store, site: str, task, num_samples: int = 100
     layout, blob = encode(store.load_checkpoint(task.job_id, task.model_round))
     header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                               num_samples=num_samples, manifest=layout.to_proto())
-    chunks = (fpb.UpdateMessage(chunk={"offset": o, "data": bytes(d)}).chunk for o, d in iter_chunks(blob, 64))
-    return engine.submit_update(site, header, chunks)
+    chunks = ((o, bytes(d)) for o, d in iter_chunks(blob, 64))
+    return engine.submit_update(site, update_header(header), chunks)
 
 
 def test_a_site_training_longer_than_the_online_window_is_in_the_next_round(store):
@@ -130,7 +129,7 @@ def test_a_site_training_longer_than_the_online_window_is_in_the_next_round(stor
         for site in ("a", "b"):
             submit(engine, store, site, tasks[site])
         wait_until(lambda: store.job(job_id).current_round == 1, 30, "round 1 to close")
-        round2 = wait_until(lambda: engine._active and engine._active.round, 30, "round 2 to open")
+        round2 = wait_until(lambda: engine.driver and engine.driver.round, 30, "round 2 to open")
         assert round2.round == 2 and round2.participants == ["a", "b"]
     finally:
         engine.stop()
@@ -154,9 +153,9 @@ def test_a_resumed_job_waits_for_its_sites_until_the_last_one_is_back(store):
         join(engine, "b")
         wait_until(lambda: "for the job's sites to connect: c" in store.job(job_id).message, 30, "the wait for c")
         clock.now += 11   # c's backoff: just inside the grace
-        assert engine._active.round is None
+        assert engine.driver.round is None
         join(engine, "c")
-        round2 = wait_until(lambda: engine._active.round, 30, "round 2 to open once c is back")
+        round2 = wait_until(lambda: engine.driver.round, 30, "round 2 to open once c is back")
         assert round2.round == 2 and round2.participants == ["a", "b", "c"]
     finally:
         engine.stop()
@@ -222,7 +221,7 @@ def test_a_retried_round_goes_to_the_site_the_schedule_had_due_not_the_next(stor
         wait_until(lambda: "round_retry" in [e[2] for e in store.events_after(job_id, 0)], 30, "the retry")
         for site in ("a", "b"):
             join(engine, site)
-        again = wait_until(lambda: engine._active and engine._active.round, 30, "round 1 to open again")
+        again = wait_until(lambda: engine.driver and engine.driver.round, 30, "round 1 to open again")
         assert (again.round, again.participants) == (1, ["a"])
     finally:
         engine.stop()

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordinator.aggregate import WeightedSum
-from coordinator.engine import RoundState, weight_caps
+from coordinator.drivers.sync import RoundState, weight_caps
 from plexus.config import parse_round_config
 from plexus.errors import ConfigError, IntegrityError
 from plexus.wire import encode

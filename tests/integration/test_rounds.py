@@ -94,7 +94,7 @@ def test_replay_other_site_task_and_closed_round_are_refused(federation):
         attacker.submit(task, state, num_samples=7)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "replays are refused" in err.value.details()
-    assert federation.coordinator.engine._active.round.contributors.count("c") == 1  # the replay changed nothing
+    assert federation.coordinator.engine.driver.round.contributors.count("c") == 1  # the replay changed nothing
 
     holder.report(held, fpb.RESULT_FAILED, "holding test site")
     stop = threading.Event()
@@ -295,7 +295,7 @@ def test_an_update_still_arriving_at_the_deadline_is_taken_out_before_the_mean(f
             outcome["code"], outcome["details"] = exc.code(), exc.details()
     thread = threading.Thread(target=stalled, daemon=True)
     thread.start()
-    wait_until(lambda: "c" in federation.coordinator.engine._active.round.folding, 10, "c's update to be arriving")
+    wait_until(lambda: "c" in federation.coordinator.engine.driver.round.folding, 10, "c's update to be arriving")
     for name, (update, samples) in sent.items():
         sites[name].submit(tasks[name], update, num_samples=samples)
     wait_until(lambda: federation.store.job(job_id).current_round == 1, 20, "round 1 to close at its deadline")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from coordinator import aggregate
-from coordinator.engine import site_seed
+from coordinator.tasks import site_seed
 from plexus.config import parse_round_config
 from plexus.datasets import heart_disease
 from plexus.models import build_model, load_numpy_state, state_to_numpy
@@ -75,16 +75,20 @@ def plain_fedavg(job_yaml: str, sites: list[str]) -> tuple[dict, dict]:
 
 @pytest.fixture
 def masked_inputs(monkeypatch):
-    """Instrument the aggregation path: record every blob the coordinator's masked sum receives."""
-    seen = []
-    original = aggregate.MaskedSum.fold
+    """Instrument the aggregation path: record every blob the coordinator's masked sum takes in whole."""
+    seen, pieces = [], {}
+    add, finish = aggregate.MaskedFold.add, aggregate.MaskedFold.finish
 
-    def recording(self, pieces, *, nbytes):
-        blob = b"".join(bytes(p) for p in pieces)
-        seen.append(np.frombuffer(blob, dtype="<u4").copy())
-        return original(self, [blob], nbytes=nbytes)
+    def recording_add(self, piece, max_abs=0.0):
+        pieces.setdefault(id(self), []).append(bytes(piece))
+        return add(self, piece, max_abs)
 
-    monkeypatch.setattr(aggregate.MaskedSum, "fold", recording)
+    def recording_finish(self):
+        finish(self)
+        seen.append(np.frombuffer(b"".join(pieces.pop(id(self))), dtype="<u4").copy())
+
+    monkeypatch.setattr(aggregate.MaskedFold, "add", recording_add)
+    monkeypatch.setattr(aggregate.MaskedFold, "finish", recording_finish)
     return seen
 
 

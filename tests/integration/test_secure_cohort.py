@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from coordinator import engine
+from coordinator.drivers import sync
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 from site_agent.agent import SiteAgent
 
@@ -42,7 +42,7 @@ def test_a_secure_job_over_fewer_than_three_sites_is_refused_at_submit(federatio
 
 def test_a_site_will_not_be_unmasked_alone_by_a_coordinator_that_ignores_sites_min(federation, monkeypatch):
     """The job says sites.min 3 (so the site's policy accepts it); the coordinator runs it with one site."""
-    honest_parse = engine.parse_round_config
+    honest_parse = sync.parse_round_config
 
     def lying_parse(text, *, source):
         cfg = honest_parse(text, source=source)
@@ -50,7 +50,7 @@ def test_a_site_will_not_be_unmasked_alone_by_a_coordinator_that_ignores_sites_m
             return cfg
         return dataclasses.replace(cfg, sites=dataclasses.replace(cfg.sites, min=1))
 
-    monkeypatch.setattr(engine, "parse_round_config", lying_parse)
+    monkeypatch.setattr(sync, "parse_round_config", lying_parse)
     _start(federation, "a")
     federation.wait_online("a")
     job_id = federation.admin().submit(heart_job(rounds=1, min=3, deadline=30) + SECURE).job_id

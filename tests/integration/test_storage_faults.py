@@ -127,8 +127,7 @@ def test_an_engine_thread_that_dies_turns_health_to_not_serving(federation, monk
         raise EngineKilled("injected")
 
     monkeypatch.setattr(federation.coordinator.engine, "_tick", die)
-    with federation.coordinator.engine._cv:
-        federation.coordinator.engine._cv.notify_all()
+    federation.coordinator.engine.nudge()
 
     wait_until(lambda: check(federation.address, kit=kit) == "NOT_SERVING", 20, "health to report NOT_SERVING")
     assert check(federation.address, kit=kit, service="plexus.v1.Federation") == "NOT_SERVING"

@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plexus.dp import GaussianNoise, add_noise, clip_update, distributed_std, noise_key
+from plexus.dp import (Distance, GaussianNoise, add_noise, central_std, check_clipped, clip_update, distributed_std,
+                       noise_key)
 from plexus.errors import IntegrityError
+from plexus.wire import encode
 
 KEY = bytes(range(32))
 
@@ -117,3 +119,27 @@ def test_distributed_noise_sums_to_the_central_std():
     assert abs(total.std() - z * s) < 5 * z * s / math.sqrt(2 * n)
     with pytest.raises(ValueError, match="n_sites"):
         distributed_std(1.0, 1.0, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 64), st.integers(0, 2 ** 32 - 1))
+def test_the_streamed_distance_equals_the_whole_update_norm_wherever_the_pieces_split(step, seed):
+    rng = np.random.default_rng(seed)
+    current = {"a": rng.normal(size=7).astype(np.float32), "b": rng.normal(size=(3, 5)).astype(np.float32)}
+    update = {k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in current.items()}
+    layout, blob = encode(update)
+    distance = Distance(layout, current)
+    for i in range(0, len(blob), step):
+        distance.add(blob[i:i + step])
+    whole = math.sqrt(sum(float(np.sum((update[k].astype(np.float64) - current[k]) ** 2)) for k in current))
+    assert distance.norm == pytest.approx(whole, rel=1e-12)
+
+
+def test_the_clip_check_allows_float_slack_and_refuses_beyond_it():
+    check_clipped(1.0 + 0.9e-6, 1.0)
+    with pytest.raises(IntegrityError, match="beyond dp.clip_norm 1.0; differential privacy needs every site"):
+        check_clipped(1.0 + 2e-6, 1.0)
+
+
+def test_central_noise_on_the_mean_is_z_s_over_m():
+    assert central_std(1.5, 2.0, 4) == 0.75

@@ -1,0 +1,51 @@
+"""The model sites fetch: one wire blob, held in memory or read from its checkpoint file.
+
+Either way it is handed out the same way (`ServedModel.chunks`): slices of the blob in memory, or
+reads of the file, in which case every download shares the page cache and the coordinator holds no
+copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from plexus.errors import IntegrityError
+from plexus.wire import Layout, chunk_size, iter_chunks
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A served model: `layout` and its bytes, in `blob` or at `start` in the file `path`."""
+
+    layout: Layout
+    blob: object = None            # a bytes-like wire blob, or None when served from `path`
+    path: Path | None = None
+    start: int = 0
+
+    @classmethod
+    def in_memory(cls, layout: Layout, blob) -> ServedModel:
+        return cls(layout, blob=blob)
+
+    @classmethod
+    def from_file(cls, layout: Layout, path: Path, start: int) -> ServedModel:
+        """A checkpoint file whose blob begins at byte `start`."""
+        return cls(layout, path=Path(path), start=start)
+
+    def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+        """(offset, bytes) of consecutive chunks of at most chunk_bytes (smaller for small models:
+        plexus.wire.chunk_size)."""
+        total = self.layout.total_bytes
+        chunk_bytes = chunk_size(total, chunk_bytes)
+        if self.path is None:
+            for offset, piece in iter_chunks(self.blob, chunk_bytes):
+                yield offset, bytes(piece)
+            return
+        with open(self.path, "rb") as fh:
+            fh.seek(self.start)
+            for offset in range(0, total, chunk_bytes):
+                data = fh.read(min(chunk_bytes, total - offset))
+                if len(data) != min(chunk_bytes, total - offset):
+                    raise IntegrityError(f"checkpoint {self.path} is shorter than its header says")
+                yield offset, data

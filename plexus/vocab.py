@@ -1,0 +1,54 @@
+"""The words the coordinator, its store and the wire mapping share, one string enum per vocabulary.
+
+Each value is exactly the string stored in the state dir's rows and events, so a member compares,
+formats and stores as that string (`enum.StrEnum`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class TaskKind(enum.StrEnum):
+    """What a task asks a site to do."""
+
+    TRAIN = "train"
+    EVALUATE = "evaluate"
+    SECAGG_ADVERTISE = "secagg_advertise"
+    SECAGG_SHARE = "secagg_share"
+    SECAGG_MASK = "secagg_mask"
+    SECAGG_UNMASK = "secagg_unmask"
+
+
+class TaskStatus(enum.StrEnum):
+    """Where a task stands: issued, then one outcome (stale: its round ended with the coordinator)."""
+
+    ISSUED = "issued"
+    SUBMITTED = "submitted"
+    EVALUATED = "evaluated"
+    DECLINED = "declined"
+    FAILED = "failed"
+    REJECTED = "rejected"
+    LATE = "late"
+    STALE = "stale"
+
+
+class JobStatus(enum.StrEnum):
+    """A job's life: queued, running, then one terminal status."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    BUDGET_REACHED = "budget_reached"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+class SecaggPhase(enum.StrEnum):
+    """The phases of one secure-aggregation round, in order."""
+
+    ADVERTISE = "advertise"
+    SHARE = "share"
+    MASK = "mask"
+    UNMASK = "unmask"
+    DONE = "done"

@@ -1,0 +1,210 @@
+"""SyncRounds on its own: a real Store in tmp_path, an injected clock, no gRPC and no engine thread."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+from coordinator.drivers import Context
+from coordinator.drivers.rounds import Action, RoundView, decide
+from coordinator.drivers.sync import SyncRounds
+from coordinator.store import Store
+from coordinator.tasks import Binding, Presence, TaskGrant, UpdateHeader
+from plexus.config import dump_round_config, parse_round_config
+from plexus.errors import IntegrityError, RoundClosed
+from plexus.vocab import TaskKind
+from plexus.wire import encode, iter_chunks
+
+JOB = """\
+name: job
+model: {{name: vector, args: {{size: 4}}}}
+data: {{dataset: heart-disease}}
+rounds: {rounds}
+sites: {sites}
+strategy: {{name: fedavg}}
+seed: 0
+"""
+
+
+class Rig:
+    """A driver over a real store, with a clock that moves only when told."""
+
+    def __init__(self, tmp_path, *, sites: str, rounds: int = 1):
+        self.now = 1000.0
+        self.store = Store(tmp_path / "state")
+        lock = threading.RLock()
+        self.presence = Presence(lock, online_window_s=50.0, monotonic=lambda: self.now)
+        self.ctx = Context(store=self.store, presence=self.presence, clock=lambda: self.now, monotonic=lambda: self.now,
+                           notify=lambda: None, models=None, model_limits=None)
+        cfg = parse_round_config(JOB.format(rounds=rounds, sites=sites), source="test job")
+        self.job_id = f"job-{uuid.uuid4().hex[:8]}"
+        self.store.save_checkpoint(self.job_id, 0, {"w": np.zeros(4, np.float32)})
+        self.store.add_job(self.job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, "test")
+        self.driver = self.take_up()
+
+    def take_up(self) -> SyncRounds:
+        return SyncRounds.take_up(self.ctx, self.store.job(self.job_id))
+
+    def join(self, *sites: str, rows: int = 1000) -> None:
+        for site in sites:
+            self.store.site_seen(site, agent_version="test", models=["vector"], datasets=["heart-disease"],
+                                 policy_digest="")
+            self.presence.joined(site, {"heart-disease": rows})
+
+    def tick(self) -> float:
+        return self.driver.tick(self.now)
+
+    def send(self, site: str, grant: TaskGrant, values, *, num_samples: int = 100, chunks=None) -> str:
+        """What Engine.submit_update does with the driver, the stream given as (offset, data) chunks."""
+        layout, blob = encode({"w": np.asarray(values, np.float32)})
+        header = UpdateHeader(task=Binding(grant.task_id, grant.job_id, grant.round, grant.nonce),
+                              num_samples=num_samples, layout=layout)
+        cuts = []
+        upload = self.driver.upload(site, grant, header, cuts.append)
+        try:
+            try:
+                upload.receive(chunks(blob, cuts) if chunks else ((o, bytes(d)) for o, d in iter_chunks(blob, 4)))
+            except BaseException as exc:
+                self.driver.refused(site, grant, upload, exc)
+                raise
+            return self.driver.accepted(site, grant, header, upload)
+        finally:
+            self.driver.ended_upload(site, upload)
+
+    def model(self, round_: int) -> list[float]:
+        return self.store.load_checkpoint(self.job_id, round_)["w"].tolist()
+
+    def outcome(self, site: str, round_: int = 1) -> tuple[str, str]:
+        return next((status, reason) for s, status, r, reason in self.store.site_events(self.job_id)
+                    if s == site and r == round_)
+
+
+@pytest.fixture
+def rig(tmp_path):
+    rigs = []
+
+    def make(**kwargs) -> Rig:
+        rigs.append(Rig(tmp_path / str(len(rigs)), **kwargs))
+        return rigs[-1]
+    yield make
+    for r in rigs:
+        r.store.close()
+
+
+def test_a_round_closes_on_quorum_with_the_exact_weighted_mean(rig):
+    r = rig(sites="{min: 2, deadline_s: 60}")
+    r.join("a", "b")
+    r.tick()
+    assert r.driver.round.participants == ["a", "b"]
+    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+    assert all(g.kind == TaskKind.TRAIN and g.round == 1 for g in grants.values())
+    assert r.driver.grant("a") is grants["a"]   # asked again, the same task
+    assert "accepted" in r.send("a", grants["a"], [1, 2, 3, 4], num_samples=100)
+    assert r.tick() <= 1.0 and r.driver.round is not None   # b's answer is still due
+    r.send("b", grants["b"], [3, 2, 1, 0], num_samples=300)
+    assert r.tick() == 0.0
+    assert r.driver.round is None and r.store.job(r.job_id).current_round == 1
+    assert r.model(1) == [2.5, 2.0, 1.5, 1.0]   # (100·a + 300·b) / 400
+
+
+def test_the_deadline_closes_a_round_with_the_sites_that_answered_and_the_rest_late(rig):
+    r = rig(sites="{min: 1, deadline_s: 60}")
+    r.join("a", "b")
+    r.tick()
+    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+    r.send("a", grants["a"], [4, 4, 4, 4])
+    r.now += 59.5
+    assert 0 < r.tick() <= 0.5 and r.driver.round is not None   # waits out the deadline, no longer
+    r.now += 1.0
+    r.tick()
+    assert r.store.job(r.job_id).current_round == 1 and r.model(1) == [4.0] * 4
+    assert r.outcome("b") == ("late", "no update by the round deadline (60 s)")
+    with pytest.raises(RoundClosed):   # b's task is no longer current
+        r.driver.current("b", grants["b"].task_id, 1, "issued")
+
+
+def test_an_update_refused_part_way_is_withdrawn_from_the_sum(rig):
+    r = rig(sites="{min: 1, deadline_s: 60}")
+    r.join("a", "b")
+    r.tick()
+    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+
+    def broken(blob, cuts):   # half of b's update is folded, then a non-finite value arrives
+        yield 0, blob[:8]
+        yield 8, np.array([np.nan, 0], np.float32).tobytes()
+    with pytest.raises(IntegrityError):
+        r.send("b", grants["b"], [100, 100, 100, 100], chunks=broken)
+    assert r.outcome("b")[0] == "rejected"
+    r.send("a", grants["a"], [1, 1, 1, 1])
+    r.tick()
+    assert r.model(1) == [1.0] * 4   # nothing of b's first half is left in the mean
+
+
+def test_an_update_still_arriving_at_the_deadline_is_cut_and_taken_out(rig):
+    r = rig(sites="{min: 1, deadline_s: 60}")
+    r.join("a", "b")
+    r.tick()
+    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+    r.send("a", grants["a"], [2, 2, 2, 2])
+
+    def slow(blob, cuts):   # b's first half is in when the deadline passes and the round closes under it
+        yield 0, blob[:8]
+        r.now += 61
+        r.tick()
+        assert len(cuts) == 1 and isinstance(cuts[0], RoundClosed)
+        raise cuts[0]   # as the service's stream reader does once cut
+    with pytest.raises(RoundClosed):
+        r.send("b", grants["b"], [50, 50, 50, 50], chunks=slow)
+    assert r.model(1) == [2.0] * 4
+    assert r.outcome("b") == ("late", "no update by the round deadline (60 s)")
+
+
+def test_a_failed_job_resumes_from_its_last_closed_round(rig):
+    r = rig(sites="{min: 2, deadline_s: 60}", rounds=2)
+    r.join("a", "b")
+    r.tick()
+    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+    for site, grant in grants.items():
+        r.send(site, grant, [1, 1, 1, 1])
+    r.tick()   # round 1 closed
+    r.tick()   # round 2 opens; only a answers
+    r.send("a", r.driver.grant("a"), [5, 5, 5, 5])
+    r.now += 61
+    r.tick()
+    assert r.driver.ended and r.store.job(r.job_id).status == "failed"
+    assert "round 2 failed: 1 update(s), below sites.min=2" in r.store.job(r.job_id).message
+
+    r.store.set_job(r.job_id, status="running", message="resumed")   # what Engine.resume records
+    r.driver = r.take_up()
+    assert r.driver.job.model_round == 1
+    r.join("a", "b")   # the sites, gone past the online window, are back
+    r.tick()
+    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+    assert {g.round for g in grants.values()} == {2} and {g.model_round for g in grants.values()} == {1}
+    for site, grant in grants.items():
+        r.send(site, grant, [3, 3, 3, 3])
+    r.tick()
+    assert r.store.job(r.job_id).current_round == 2 and r.model(2) == [3.0] * 4
+
+
+@pytest.mark.parametrize("view, now, action, late", [
+    (RoundView("train", ["a", "b"], {"a": "submitted"}, deadline=10, contributors=1), 5, Action.WAIT, False),
+    (RoundView("train", ["a", "b"], {"a": "submitted"}, deadline=10, contributors=1), 10, Action.CLOSE, True),
+    (RoundView("train", ["a"], {"a": "submitted"}, receiving=True, deadline=10, contributors=1), 5, Action.WAIT,
+     False),
+    (RoundView("train", ["a", "b"], {"a": "submitted", "b": "failed"}, deadline=10, contributors=1, needed=2), 5,
+     Action.MISSED, False),
+    (RoundView("train", ["a"], {"a": "submitted"}, evaluators=["e"], deadline=10, contributors=1), 5, Action.WAIT,
+     False),
+    (RoundView("train", ["a"], {"a": "submitted"}, evaluators=["e"], deadline=10, secure=True), 5, Action.ADVANCE,
+     False),
+    (RoundView("evaluate", ["a"], {"a": "evaluated"}, deadline=10), 5, Action.FINISH, False),
+])
+def test_the_decision_core(view, now, action, late):
+    decision = decide(view, now)
+    assert (decision.action, decision.by_deadline) == (action, late)
+    if action == Action.WAIT:
+        assert decision.wait_s == min(view.deadline - now, 1.0)
