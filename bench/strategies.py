@@ -4,8 +4,8 @@
 
 An in-process simulation of the round engine: the coordinator's own strategy objects
 (`coordinator.strategies.make_strategy`), the site's own training code (`site_agent.local.local_update`),
-and the coordinator's exact fixed-point `WeightedSum` over `plexus.wire.encode`d updates (weight 1 when
-`strategy.uniform_weights`, else num_samples), with the engine's per-site seeds (`site_seed`). There is no
+and the coordinator's exact fixed-point `WeightedSum` over `plexus.wire.encode`d updates (weight 1 for a
+uniformly weighted rule, else num_samples), with the engine's per-site seeds (`site_seed`). There is no
 gRPC, TLS, spooling or process boundary here: the end-to-end path is covered by the integration tests.
 
 Equal local compute (R rounds, E epochs, K sites): pooled and each site alone train R×E epochs; every
