@@ -30,10 +30,17 @@ from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
 from coordinator.served import ServedModel
 from coordinator.store import TERMINAL, JobRow, Store
 from coordinator.strategies import make_strategy
-from coordinator.tasks import (JoinInfo, Presence, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader, check_binding,
-                               owned_task)
-from plexus.config import (MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_config, ensemble_members,
-                           parse_round_config)
+from coordinator.tasks import (
+    JoinInfo,
+    Presence,
+    SecaggAnswer,
+    TaskGrant,
+    TaskResult,
+    UpdateHeader,
+    check_binding,
+    owned_task,
+)
+from plexus.config import MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_config, ensemble_members, parse_round_config
 from plexus.errors import ConfigError, FailedPrecondition, IntegrityError, NotFound, RoundClosed
 from plexus.text import bounded
 from plexus.vocab import JobStatus, TaskKind
@@ -335,7 +342,8 @@ class Engine:
         if not verify:
             return
         try:
-            strategy_at(self.store, parse_round_config(row.config_yaml, source=f"job {row.id}"), row.id, row.current_round)
+            cfg = parse_round_config(row.config_yaml, source=f"job {row.id}")
+            strategy_at(self.store, cfg, row.id, row.current_round)
             self.store.checkpoint_blob(row.id, row.current_round)
         except (ConfigError, NotFound, IntegrityError) as exc:
             raise FailedPrecondition(f"job {row.id} cannot be resumed: {exc}") from None
@@ -345,7 +353,8 @@ class Engine:
         with self._cv:
             row = self.store.job(job_id)
             if row.status in TERMINAL:
-                raise FailedPrecondition(f"job {job_id} is already {row.status}; only queued or running jobs can be aborted")
+                raise FailedPrecondition(f"job {job_id} is already {row.status}; only queued or running jobs can be "
+                                         "aborted")
             self.store.set_job(job_id, status=JobStatus.ABORTED, message=f"aborted by {who}",
                                event=("job_aborted", row.current_round, "", f"aborted by {who}"),
                                actor=admin_actor(who))

@@ -1,6 +1,7 @@
 """What a committed job event tells its listeners (the audit trail, the metrics): who acted, for a
-refused update why, and for an opened round its kind, as fields set where the event happens. Messages are free text for people; nothing
-is ever parsed back out of them (a site could write "aborted by adam" into its own failure message)."""
+refused update why, and for an opened round its kind, as fields set where the event happens. Messages
+are free text for people; nothing is ever parsed back out of them (a site could write "aborted by adam"
+into its own failure message)."""
 
 from __future__ import annotations
 

@@ -332,7 +332,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         row = self.store.job(request.job_id)
         round_ = row.current_round if request.round < 0 else request.round
         if round_ > row.current_round:
-            raise IntegrityError(f"job {row.id} has closed rounds 0..{row.current_round}; round {round_} has no model yet")
+            raise IntegrityError(f"job {row.id} has closed rounds 0..{row.current_round}; round {round_} has no "
+                                 "model yet")
         with self.store.reading(row.id, round_):   # checkpoint retention leaves it alone until the stream ends
             layout, path, start = self.store.checkpoint_source(row.id, round_)   # streamed from the file
             self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}", actor=admin_actor(who.name))

@@ -184,7 +184,8 @@ class Store:
             raise
 
     def _open(self, clock, retention: CheckpointsSpec) -> None:
-        for leftover in [*self.spool.glob("*.part"), *self.spool.glob("*.held")]:  # half-received updates of a crashed run are void
+        # half-received updates of a crashed run are void
+        for leftover in [*self.spool.glob("*.part"), *self.spool.glob("*.held")]:
             leftover.unlink()
         interrupted = [p for p in self.state_dir.rglob(TMP_PATTERN) if p.is_file()]
         for leftover in interrupted:   # a write that never reached its rename: the old file is intact
@@ -339,7 +340,8 @@ class Store:
     def add_task(self, task_id: str, job_id: str, round_: int, site: str, kind: str, nonce: bytes) -> None:
         """Record a task granted to a site, issued now."""
         self._tx([("INSERT INTO tasks (task_id, job_id, round, site, kind, nonce, status, issued)"
-                   " VALUES (?, ?, ?, ?, ?, ?, 'issued', ?)", (task_id, job_id, round_, site, kind, nonce, self.clock()))])
+                   " VALUES (?, ?, ?, ?, ?, ?, 'issued', ?)",
+                   (task_id, job_id, round_, site, kind, nonce, self.clock()))])
 
     def task(self, task_id: str) -> TaskRow | None:
         """The task `task_id`, or None if there is none."""

@@ -102,7 +102,8 @@ class Authenticator:
     def identify(self, context: grpc.ServicerContext) -> Identity:
         certs = context.auth_context().get("x509_pem_cert")
         if not certs:
-            raise errors.Unauthenticated("no client certificate was presented; connect with your kit's cert.pem/key.pem")
+            raise errors.Unauthenticated("no client certificate was presented; connect with your kit's "
+                                         "cert.pem/key.pem")
         pem = certs[0]
         self._crl.check(pem)
         with self._lock:

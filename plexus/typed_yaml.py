@@ -196,7 +196,8 @@ class Reader:
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 problem = f"missing required key; add '{name}:' with {_expected(hints[name])}"
                 if self.arguments_of:
-                    problem = f"required by {self.arguments_of} but not set; add '{name}:' with {_expected(hints[name])}"
+                    problem = (f"required by {self.arguments_of} but not set; "
+                               f"add '{name}:' with {_expected(hints[name])}")
                 self.fail(node, _join(path, name), problem)
             elif isinstance(f.default, Path):
                 values[name] = self.path(f.default)

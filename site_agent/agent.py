@@ -19,19 +19,18 @@ import numpy as np
 
 from plexus import __version__, transport
 from plexus.config import SITE_BACKOFF_CAP_S, SITE_BACKOFF_JITTER, DataSpec, RoundConfig, SiteConfig, parse_round_config
+from plexus.datasets import DataError, Split, csv_train_rows, load_for_job
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition
-from plexus.secagg import SiteSession
-from plexus.secagg import advert_from_proto, advert_to_proto
-from plexus.datasets import DataError, Split, csv_train_rows, load_for_job
-from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.identity import load_kit
+from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
+from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, decode, encode_chunks
-from site_agent.policy import policy_digest, refusal
 from site_agent.audit import AuditWriteFailed, SiteAudit
-from site_agent.state import JobState, job_id_refusal
 from site_agent.local import LocalResult, local_update, needs_served, served_layout
+from site_agent.policy import policy_digest, refusal
+from site_agent.state import JobState, job_id_refusal
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
 
 log = logging.getLogger("plexus.site")

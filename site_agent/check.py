@@ -11,8 +11,17 @@ import dataclasses
 from collections import Counter
 
 from plexus.config import RoundConfig, SiteConfig
-from plexus.datasets import (DataError, Table, cell_number, csv_train_rows, feature_inputs, load_dataset,
-                             load_for_job, read_table, schema_differences)
+from plexus.datasets import (
+    DataError,
+    Table,
+    cell_number,
+    csv_train_rows,
+    feature_inputs,
+    load_dataset,
+    load_for_job,
+    read_table,
+    schema_differences,
+)
 from plexus.errors import ConfigError
 from plexus.text import listing
 

@@ -7,8 +7,8 @@ import itertools
 import math
 import secrets
 import warnings
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from coordinator.model_worker import ModelLimits, ModelWorker
 from coordinator.intake import Upload
+from coordinator.model_worker import ModelLimits, ModelWorker
 from coordinator.served import ServedModel
 from coordinator.store import Store
 from coordinator.tasks import Presence, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader

@@ -23,13 +23,29 @@ from coordinator.secure_round import SecureRound
 from coordinator.served import ServedModel
 from coordinator.store import JobRow, Store
 from coordinator.strategies import MeanRule, Update, UpdatesRule, keeps_mean, make_strategy
-from coordinator.tasks import (SecaggAnswer, TaskGrant, TaskResult, UpdateHeader, check_current, check_unanswered,
-                               new_grant, site_seed)
+from coordinator.tasks import (
+    SecaggAnswer,
+    TaskGrant,
+    TaskResult,
+    UpdateHeader,
+    check_current,
+    check_unanswered,
+    new_grant,
+    site_seed,
+)
 from plexus.accounting import client_epsilon, load_client_accountant, round_sampling_rate
 from plexus.config import RoundConfig, parse_round_config
 from plexus.dp import NOT_PRIVATE, Distance, add_noise, central_std, check_clipped, noise_key
-from plexus.errors import (ConfigError, FailedPrecondition, IntegrityError, NotFound, PlexusError, Reason,
-                           RoundClosed, TimedOut)
+from plexus.errors import (
+    ConfigError,
+    FailedPrecondition,
+    IntegrityError,
+    NotFound,
+    PlexusError,
+    Reason,
+    RoundClosed,
+    TimedOut,
+)
 from plexus.text import bounded
 from plexus.vocab import JobStatus, SecaggPhase, TaskKind, TaskStatus
 from plexus.wire import Layout, decode, encode

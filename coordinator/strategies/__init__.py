@@ -11,8 +11,20 @@ is fixed in docs/strategies-internals.md.
 from __future__ import annotations
 
 from coordinator.strategies.base import (
-    DENSE, DenseCodec, FedAvg, FedProx, MeanRule, Rule, Sampling, Schedule, State, Strategy, Update, UpdatesRule,
-    keeps_mean, sample_sites,
+    DENSE,
+    DenseCodec,
+    FedAvg,
+    FedProx,
+    MeanRule,
+    Rule,
+    Sampling,
+    Schedule,
+    State,
+    Strategy,
+    Update,
+    UpdatesRule,
+    keeps_mean,
+    sample_sites,
 )
 from coordinator.strategies.ensemble import Ensemble, Members
 from coordinator.strategies.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi

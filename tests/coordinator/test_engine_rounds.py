@@ -13,11 +13,12 @@ from coordinator.engine import Engine
 from coordinator.service import update_header
 from coordinator.store import Store
 from coordinator.tasks import JoinInfo
-from integration.harness import wait_until
 from plexus.config import dump_round_config, load_coordinator_config, parse_round_config
 from plexus.errors import ConfigError, FailedPrecondition
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.wire import encode, iter_chunks
+
+from integration.harness import wait_until
 
 JOB = """\
 name: {name}

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from coordinator.strategies import (
-    REGISTRY, Strategy, Update, UpdatesRule, keeps_mean, make_strategy, refuses_dp, refuses_secure_aggregation,
+    REGISTRY,
+    Strategy,
+    Update,
+    UpdatesRule,
+    keeps_mean,
+    make_strategy,
+    refuses_dp,
+    refuses_secure_aggregation,
     sample_sites,
 )
 from coordinator.strategies.robust import krum_scores

@@ -9,6 +9,7 @@ import pytest
 
 from coordinator.service import TransferSlots
 from plexus.errors import FailedPrecondition
+
 from timing import scaled
 
 

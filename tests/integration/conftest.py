@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness import HOSPITAL_OF, Federation, Processes
 from plexus import pki
+
+from integration.harness import HOSPITAL_OF, Federation, Processes
 
 
 @pytest.fixture(scope="session")

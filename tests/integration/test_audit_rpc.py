@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-
 from concurrent import futures
 
 import pytest

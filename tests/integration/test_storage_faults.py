@@ -13,15 +13,14 @@ import threading
 import grpc
 import pytest
 
-from checkpoint_damage import DAMAGE as DAMAGE_OF
 from coordinator.server import Coordinator
 from plexus import pki
 from plexus.config import CheckpointsSpec, CoordinatorConfig
 from plexus.errors import FailedPrecondition
 from plexus.health import check
 
+from checkpoint_damage import DAMAGE as DAMAGE_OF
 from integration.harness import Federation, heart_job, wait_until
-
 
 DAMAGE = {name: DAMAGE_OF[name] for name in ("truncated", "garbage header", "nan", "bit flip")}
 

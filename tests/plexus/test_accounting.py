@@ -9,8 +9,16 @@ import sys
 import pytest
 from opacus.accountants import RDPAccountant
 
-from plexus.accounting import (RDP_ORDERS, PrivacyLedger, client_epsilon, dp_sgd_epsilon, dp_sgd_schedule,
-                               epsilon_after, round_sampling_rate, rounds_within)
+from plexus.accounting import (
+    RDP_ORDERS,
+    PrivacyLedger,
+    client_epsilon,
+    dp_sgd_epsilon,
+    dp_sgd_schedule,
+    epsilon_after,
+    round_sampling_rate,
+    rounds_within,
+)
 from plexus.errors import IntegrityError
 
 

@@ -7,14 +7,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from plexus.config import (
     AdminConfig,
     CoordinatorConfig,
-    DataSpec,
     DatasetSpec,
+    DataSpec,
     DPSGDSpec,
     DPSpec,
     ModelSpec,
@@ -388,7 +387,8 @@ _TOO_MANY = {
 def test_lists_and_mappings_over_4096_entries_are_refused_with_their_key_path(where):
     old, new, count = _TOO_MANY[where]
     message = round_error(MINIMAL.replace(old, new))
-    assert re.match(rf"job\.yaml:\d: {re.escape(where)}: has {count}; at most 4096 are allowed, so list fewer$", message)
+    assert re.match(rf"job\.yaml:\d: {re.escape(where)}: has {count}; at most 4096 are allowed, so list fewer$",
+                    message)
 
 
 def test_python_tags_are_never_constructed():

@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 
 from plexus.config import DatasetSpec, DataSpec, FeatureSpec, LabelSpec, TrainSpec
-from plexus.datasets import (BAD_CELLS_SHOWN, DataError, csv_train_rows, load_dataset, load_for_job, read_table,
-                             schema_differences)
+from plexus.datasets import (
+    BAD_CELLS_SHOWN,
+    DataError,
+    csv_train_rows,
+    load_dataset,
+    load_for_job,
+    read_table,
+    schema_differences,
+)
 from plexus.models import build_model
 from site_agent.training import train_local
 

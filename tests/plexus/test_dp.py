@@ -6,11 +6,18 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from plexus.dp import (Distance, GaussianNoise, add_noise, central_std, check_clipped, clip_update, distributed_std,
-                       noise_key)
+from plexus.dp import (
+    Distance,
+    GaussianNoise,
+    add_noise,
+    central_std,
+    check_clipped,
+    clip_update,
+    distributed_std,
+    noise_key,
+)
 from plexus.errors import IntegrityError
 from plexus.wire import encode
 

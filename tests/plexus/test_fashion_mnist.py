@@ -3,8 +3,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from plexus.config import DatasetSpec, load_site_config
 from plexus.datasets import FASHION_MNIST_DIR, dirichlet_partition, fashion_mnist, load_dataset

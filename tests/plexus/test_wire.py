@@ -7,14 +7,23 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import tensor_pb2
-from plexus.wire import (DTYPES, Layout, Receiver, assemble, chunk_limit, decode, dtype_name, encode, encode_chunks,
-                         iter_chunks)
+from plexus.wire import (
+    DTYPES,
+    Layout,
+    Receiver,
+    assemble,
+    chunk_limit,
+    decode,
+    dtype_name,
+    encode,
+    encode_chunks,
+    iter_chunks,
+)
 
 
 def _extremes(name: str) -> np.ndarray:

@@ -4,14 +4,20 @@ import torch
 from safetensors.numpy import load_file, save_file
 from torch import nn
 
-from plexus.config import DataSpec, ModelSpec, OptimizerSpec, RoundConfig, StrategySpec, TrainSpec
+from plexus.config import STRATEGY_ARGS, DataSpec, ModelSpec, OptimizerSpec, RoundConfig, StrategySpec, TrainSpec
 from plexus.datasets import Split
 from plexus.errors import ConfigError
 from plexus.models import build_job_model, build_model, load_numpy_state, state_to_numpy
 from plexus.wire import Layout
-from plexus.config import STRATEGY_ARGS
 from site_agent.local import (
-    LOCAL, PLAIN, LocalResult, gradient_correction, local_update, proximal_term, scaffold_path, served_layout,
+    LOCAL,
+    PLAIN,
+    LocalResult,
+    gradient_correction,
+    local_update,
+    proximal_term,
+    scaffold_path,
+    served_layout,
 )
 from site_agent.training import train_local
 

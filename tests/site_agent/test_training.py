@@ -115,7 +115,8 @@ def test_evaluate_without_auc():
     x = np.zeros((4, 3), dtype=np.float32)
     one_class = evaluate(build_model("logistic", {"in_features": 3}, seed=0), x, np.ones(4, dtype=np.int64))
     assert "auc" not in one_class
-    three_way = evaluate(build_model("logistic", {"in_features": 3, "num_classes": 3}, seed=0), x, np.array([0, 1, 2, 1]))
+    three = build_model("logistic", {"in_features": 3, "num_classes": 3}, seed=0)
+    three_way = evaluate(three, x, np.array([0, 1, 2, 1]))
     assert "auc" not in three_way and three_way["num_samples"] == 4.0
 
 
