@@ -138,14 +138,14 @@ class WeightedSum:
         the bytes folded, leaving any new split element in `pending`. Call with the lock held."""
         if pending:   # an element straddled the last edge: fold through the small buffer
             pending += data
-            used = self._fold_bytes(position, memoryview(pending), weight, max_abs, sign)
+            used = self.fold_bytes(position, memoryview(pending), weight, max_abs, sign)
             del pending[:used]
         else:         # the common case: straight from the piece, no copy
-            used = self._fold_bytes(position, data, weight, max_abs, sign)
+            used = self.fold_bytes(position, data, weight, max_abs, sign)
             pending += data[used:]
         return used
 
-    def _fold_bytes(self, position: int, data: memoryview, weight: int, max_abs: float, sign: int) -> int:
+    def fold_bytes(self, position: int, data: memoryview, weight: int, max_abs: float, sign: int) -> int:
         """Add (sign 1) or take back (sign -1) as many whole elements of data, starting at blob byte
         position, as there are; returns the bytes used. Call with the lock held.
 

@@ -193,7 +193,7 @@ class Engine:
                     continue
                 try:
                     try:
-                        timeout = self._tick()
+                        timeout = self.tick()
                     except Exception as exc:  # the loop must survive; the job is failed with the reason
                         if _storage_failure(exc):
                             raise
@@ -207,7 +207,9 @@ class Engine:
                     continue
                 self._cv.wait(timeout)
 
-    def _tick(self) -> float:
+    def tick(self) -> float:
+        """One pass of the engine loop (the engine thread calls it, lock held): take up the next queued job if
+        none is active, let its driver act; the seconds until the loop should look again."""
         if self._driver is None and not self._activate_next():
             return 1.0
         driver = self._driver

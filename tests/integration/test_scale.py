@@ -84,7 +84,7 @@ def test_updates_are_folded_chunk_by_chunk_one_piece_at_a_time(fleet, monkeypatc
     coordinator, admin, kits, stop = fleet
     active, seen = [0], {"max_active": 0, "pieces": 0, "largest_piece": 0, "sums": set(), "finished": 0}
     lock = threading.Lock()
-    fold_bytes, finish = aggregate.WeightedSum._fold_bytes, aggregate.Fold.finish
+    fold_bytes, finish = aggregate.WeightedSum.fold_bytes, aggregate.Fold.finish
 
     def instrumented(self, position, data, weight, max_abs, sign):
         with lock:
@@ -103,7 +103,7 @@ def test_updates_are_folded_chunk_by_chunk_one_piece_at_a_time(fleet, monkeypatc
         finish(self)
         seen["finished"] += 1
 
-    monkeypatch.setattr(aggregate.WeightedSum, "_fold_bytes", instrumented)
+    monkeypatch.setattr(aggregate.WeightedSum, "fold_bytes", instrumented)
     monkeypatch.setattr(aggregate.Fold, "finish", counted)
     size = 3_000_000  # 12 MB per update: twelve 1 MiB chunks each
     job_id = _run(coordinator, admin, kits, stop, sites=8, rounds=1, size=size)

@@ -125,7 +125,7 @@ def test_an_engine_thread_that_dies_turns_health_to_not_serving(federation, monk
     def die():
         raise EngineKilled("injected")
 
-    monkeypatch.setattr(federation.coordinator.engine, "_tick", die)
+    monkeypatch.setattr(federation.coordinator.engine, "tick", die)
     federation.coordinator.engine.nudge()
 
     wait_until(lambda: check(federation.address, kit=kit) == "NOT_SERVING", 20, "health to report NOT_SERVING")
