@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +47,14 @@ class Federation:
         self.logs = workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.interrupted = False   # Ctrl-C arrived (see `interrupt`)
+
+    def interrupt(self, signum: int, frame) -> None:
+        """The demo's SIGINT handler: raise KeyboardInterrupt as Python's does, and remember it. Python drops
+        an exception a signal handler raises while a finalizer runs (gRPC's call objects have them), so a
+        Ctrl-C could vanish; check_alive, run after every job event, raises it again."""
+        self.interrupted = True
+        raise KeyboardInterrupt
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "wb")
@@ -59,6 +68,8 @@ class Federation:
         return proc
 
     def check_alive(self) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
         for name, proc in self.procs.items():
             if proc.poll() is not None:
                 tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
@@ -117,6 +128,8 @@ def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, s
     workdir.mkdir(parents=True, exist_ok=True)
     fed = Federation(workdir)
     outcome = "failed"
+    on_main = threading.current_thread() is threading.main_thread()   # only the main thread sets handlers
+    previous = signal.signal(signal.SIGINT, fed.interrupt) if on_main else None
     try:
         code = _run(fed, workdir, sites, rounds, started, out, secure, plot)
         outcome = "ok" if code == 0 else "failed"
@@ -125,6 +138,8 @@ def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, s
         outcome = "interrupted"
         raise
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         fed.stop()
         if outcome == "failed":   # what went wrong is in there: never remove it
             print(f"plexus demo failed; its PKI, state and logs are kept in {workdir} (logs: {fed.logs})",
