@@ -571,9 +571,11 @@ class SyncRounds:
         if missing and not job.opened_any and now - job.activated < grace:
             self._waiting(f"waiting up to {grace:g}s for the job's sites to connect: " + ", ".join(missing))
             return 0.5
-        if dp is not None and not job.budget_stop and job.model_round < cfg.rounds:
+        accounting = dp is not None and not job.budget_stop and job.model_round < cfg.rounds
+        # The trainers, drawn once per look (the schedule is pure): ε needs the cohort's size before it opens.
+        cohort = choose(job.strategy, job.model_round + 1, online, known) if accounting or not evaluating else []
+        if accounting:
             # ε of the cohort drawn now, before the round opens: its q is known only once it is drawn.
-            cohort = choose(job.strategy, job.model_round + 1, online, known)
             q = round_sampling_rate(len(cohort), len(online), at_random=samples_at_random(cfg))
             after = self._epsilon(q)
             if dp.target_epsilon is not None and after > dp.target_epsilon:
@@ -582,7 +584,7 @@ class SyncRounds:
                                    f"round {job.model_round}")
                 store.event(job.row.id, "privacy_budget_reached", job.model_round, "", job.budget_stop)
                 evaluating = True
-        participants = online if evaluating else choose(job.strategy, job.model_round + 1, online, known)
+        participants = online if evaluating else cohort
         if not can_open(participants, evaluating=evaluating, sites_min=cfg.sites.min):
             self._waiting(f"waiting for sites: {len(participants)} of {cfg.sites.min} needed are online")
             return 0.5
