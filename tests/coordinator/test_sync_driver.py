@@ -57,6 +57,12 @@ class Rig:
     def tick(self) -> float:
         return self.driver.tick(self.now)
 
+    def open_round(self, *sites: str) -> dict[str, TaskGrant]:
+        """The sites join, a tick opens the round, and each takes its task."""
+        self.join(*sites)
+        self.tick()
+        return {s: self.driver.grant(s) for s in sites}
+
     def send(self, site: str, grant: TaskGrant, values, *, num_samples: int = 100, chunks=None) -> str:
         """What Engine.submit_update does with the driver, the stream given as (offset, data) chunks."""
         layout, blob = encode({"w": np.asarray(values, np.float32)})
@@ -112,9 +118,7 @@ def test_a_round_closes_on_quorum_with_the_exact_weighted_mean(rig):
 
 def test_the_deadline_closes_a_round_with_the_sites_that_answered_and_the_rest_late(rig):
     r = rig(sites="{min: 1, deadline_s: 60}")
-    r.join("a", "b")
-    r.tick()
-    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+    grants = r.open_round("a", "b")
     r.send("a", grants["a"], [4, 4, 4, 4])
     r.now += 59.5
     assert 0 < r.tick() <= 0.5 and r.driver.round is not None   # waits out the deadline, no longer
@@ -128,9 +132,7 @@ def test_the_deadline_closes_a_round_with_the_sites_that_answered_and_the_rest_l
 
 def test_an_update_refused_part_way_is_withdrawn_from_the_sum(rig):
     r = rig(sites="{min: 1, deadline_s: 60}")
-    r.join("a", "b")
-    r.tick()
-    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+    grants = r.open_round("a", "b")
 
     def broken(blob, cuts):   # half of b's update is folded, then a non-finite value arrives
         yield 0, blob[:8]
@@ -145,9 +147,7 @@ def test_an_update_refused_part_way_is_withdrawn_from_the_sum(rig):
 
 def test_an_update_still_arriving_at_the_deadline_is_cut_and_taken_out(rig):
     r = rig(sites="{min: 1, deadline_s: 60}")
-    r.join("a", "b")
-    r.tick()
-    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+    grants = r.open_round("a", "b")
     r.send("a", grants["a"], [2, 2, 2, 2])
 
     def slow(blob, cuts):   # b's first half is in when the deadline passes and the round closes under it
@@ -164,9 +164,7 @@ def test_an_update_still_arriving_at_the_deadline_is_cut_and_taken_out(rig):
 
 def test_a_failed_job_resumes_from_its_last_closed_round(rig):
     r = rig(sites="{min: 2, deadline_s: 60}", rounds=2)
-    r.join("a", "b")
-    r.tick()
-    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+    grants = r.open_round("a", "b")
     for site, grant in grants.items():
         r.send(site, grant, [1, 1, 1, 1])
     r.tick()   # round 1 closed
@@ -180,9 +178,7 @@ def test_a_failed_job_resumes_from_its_last_closed_round(rig):
     r.store.set_job(r.job_id, status="running", message="resumed")   # what Engine.resume records
     r.driver = r.take_up()
     assert r.driver.job.model_round == 1
-    r.join("a", "b")   # the sites, gone past the online window, are back
-    r.tick()
-    grants = {s: r.driver.grant(s) for s in ("a", "b")}
+    grants = r.open_round("a", "b")   # the sites, gone past the online window, are back
     assert {g.round for g in grants.values()} == {2} and {g.model_round for g in grants.values()} == {1}
     for site, grant in grants.items():
         r.send(site, grant, [3, 3, 3, 3])
