@@ -324,8 +324,9 @@ class Engine:
         _same_submission(request_id, recorded, digest, f"already submitted job {job_id}")
         return job_id
 
-    def resume(self, job_id: str, who: str) -> None:
-        """Run a failed job again from its last closed round; refused unless that can work."""
+    def resume(self, job_id: str, who: str) -> JobRow:
+        """Run a failed job again from its last closed round; refused unless that can work. The job's row as
+        the resume left it (the engine thread may take the job up and change its message right after)."""
         row = self.store.job(job_id)
         self._check_resumable(row)   # reads the checkpoint through: not under the engine lock
         with self._cv:
@@ -336,6 +337,7 @@ class Engine:
                                event=("job_resume_requested", row.current_round, "", f"{message} (it had failed: "
                                       f"{bounded(row.message)})"), actor=admin_actor(who))
             self._cv.notify_all()
+            return self.store.job(job_id)
 
     def _check_resumable(self, row: JobRow, *, verify: bool = True) -> None:
         if row.status != JobStatus.FAILED:

@@ -324,8 +324,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @guarded(kind="admin", min_role="operator")
     def ResumeJob(self, request, context, *, who):
-        self.engine.resume(request.job_id, who.name)
-        return job_summary(self.store.job(request.job_id))
+        return job_summary(self.engine.resume(request.job_id, who.name))
 
     @guarded(kind="admin", min_role="operator")
     def DownloadModel(self, request, context, *, who):
