@@ -266,6 +266,47 @@ class PrivacySpec:
 
 
 @dataclass(frozen=True, slots=True)
+class StalenessSpec:
+    """s(τ), the weight of an update computed from a model τ versions old (plexus.staleness)."""
+
+    fn: str = field(default="polynomial", metadata=one_of("constant", "polynomial", "hinge"))
+    a: float = field(default=0.5, metadata=in_range(0, 100))   # polynomial: (1+τ)^-a; hinge: 1/(a(τ-b)+1) past b
+    b: float = field(default=4.0, metadata=in_range(0, 1_000_000))   # hinge: full weight up to τ = b
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """Stop once an evaluation of the global model reaches this value of an eval metric."""
+
+    metric: str = field(metadata=matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '.' or '-'"))
+    value: float
+    higher_is_better: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncSpec:
+    """Asynchronous, staleness-aware training (FedBuff / FedAsync): every idle site trains on the newest model
+    version; updates are buffered, each weighted by s(τ)·n, and every `buffer` of them make the next version.
+    The job's `rounds` is the number of versions."""
+
+    buffer: int = field(default=2, metadata=in_range(1, 10_000))           # K updates per version
+    max_staleness: int = field(default=8, metadata=in_range(0, 10_000))    # S: τ > S is refused
+    staleness: StalenessSpec = field(default_factory=StalenessSpec)
+    # FedAsync (Xie et al. 2019), buffer 1 only: x ← x + α·s(τ)·(x_new − x), mixing against the current model.
+    mixing: float | None = field(default=None, metadata={**in_range(0, 1, lo_open=True), "omit_none": True})
+    max_per_buffer: int | None = field(default=None, metadata={**in_range(1), "omit_none": True})
+    evaluate_every: int | None = field(default=None, metadata={**in_range(1), "omit_none": True})   # M versions
+    time_budget_s: float | None = field(default=None, metadata={**in_range(0, lo_open=True), "omit_none": True})
+    target: TargetSpec | None = field(default=None, metadata={"omit_none": True})
+    idle_timeout_s: float = field(default=600.0, metadata=in_range(0, lo_open=True))   # no site answered: fail
+    cohort_timeout_s: float = field(default=60.0, metadata=in_range(0, lo_open=True))  # secure aggregation
+
+
+# Server rules that take a staleness-weighted mean of deltas, so they run asynchronously.
+ASYNC_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
+
+
+@dataclass(frozen=True, slots=True)
 class RoundConfig:
     """One training job, as submitted with `plexus job submit`."""
 
@@ -280,6 +321,8 @@ class RoundConfig:
     train: TrainSpec = field(default_factory=TrainSpec)
     privacy: PrivacySpec = field(default_factory=PrivacySpec)
     seed: int = field(default=0, metadata=in_range(0, 2**63 - 1))
+    # Set: asynchronous training (coordinator/drivers/async_.py) with `rounds` versions; absent: synchronous rounds.
+    asynchronous: AsyncSpec | None = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -613,6 +656,9 @@ def _sites_problem(spec: SitesSpec) -> tuple[str, str] | None:
 
 
 def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
+    problem = _async_problem(cfg)
+    if problem:
+        return problem
     if cfg.train.steps is not None and cfg.privacy.dp_sgd is not None:
         return "train", ("steps cannot be combined with privacy.dp_sgd, whose privacy accounting counts whole "
                          "epochs of Poisson-sampled batches; use train.epochs")
@@ -621,6 +667,31 @@ def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
                          f"{MIN_SECURE_COHORT} sites in every sum (the sum of one site is its update; of two, each "
                          f"learns the other's); set sites.min to {MIN_SECURE_COHORT} or more")
     return _schema_model_problem(cfg)
+
+
+def _async_problem(cfg: RoundConfig) -> tuple[str, str] | None:
+    spec = cfg.asynchronous
+    if spec is None:
+        return None
+    if cfg.strategy.name not in ASYNC_STRATEGIES:
+        return "strategy", (f"{cfg.strategy.name!r} cannot run asynchronously: its server step needs every round's "
+                            f"updates together (or a schedule of rounds); asynchronous jobs take "
+                            f"{', '.join(ASYNC_STRATEGIES)}")
+    if cfg.sites.fraction is not None or cfg.sites.count is not None:
+        return "sites", ("fraction and count sample a round's sites, and asynchronous training has no rounds: "
+                         "every idle site trains; remove them (asynchronous.max_per_buffer caps a fast site)")
+    if spec.mixing is not None and spec.buffer != 1:
+        return "asynchronous", (f"mixing (FedAsync's α) mixes one update into the model at a time, but buffer is "
+                                f"{spec.buffer}; set buffer: 1, or remove mixing for FedBuff")
+    if cfg.privacy.secure_aggregation and spec.buffer < MIN_SECURE_COHORT:
+        return "asynchronous", (f"buffer is {spec.buffer}, and under privacy.secure_aggregation each buffer is one "
+                                f"secure sum, which needs at least {MIN_SECURE_COHORT} sites; set buffer to "
+                                f"{MIN_SECURE_COHORT} or more")
+    if cfg.privacy.dp is not None and (spec.max_per_buffer or 1) != 1:
+        return "asynchronous", (f"max_per_buffer is {spec.max_per_buffer}, but under privacy.dp a site's share of "
+                                "a buffer's sum must be one clipped update for the noise to cover it; set "
+                                "max_per_buffer: 1 (the default under dp)")
+    return None
 
 
 def _schema_model_problem(cfg: RoundConfig) -> tuple[str, str] | None:
