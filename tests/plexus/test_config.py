@@ -245,7 +245,7 @@ def test_dump_parse_round_trip_property(cfg):
     [
         # unknown keys, top level and nested, list the allowed keys
         (MINIMAL + "roundz: 4\n", "job.yaml:5: roundz: unknown key",
-         "allowed keys: data, model, name, privacy, rounds, seed, sites, strategy, train"),
+         "allowed keys: asynchronous, data, model, name, privacy, rounds, seed, sites, strategy, train"),
         (MINIMAL + "train:\n  optimizer:\n    lr: 0.1\n    nesterov: true\n",
          "job.yaml:8: train.optimizer.nesterov: unknown key",
          "allowed keys: lr, momentum, name, weight_decay"),
@@ -320,7 +320,7 @@ def test_dump_parse_round_trip_property(cfg):
         (MINIMAL.replace("{name: mlp}", "{name: mlp, args: [1]}"),
          "job.yaml:2: model.args: expected a mapping, got a list", ""),
         # document shape and syntax
-        ("", "job.yaml:1: (top level): the document is empty", "write a mapping with keys: data, model"),
+        ("", "job.yaml:1: (top level): the document is empty", "write a mapping with keys: asynchronous, data, model"),
         ("# only a comment\n", "job.yaml:1: (top level): the document is empty", ""),
         ("- name: job\n", "job.yaml:1: (top level): expected a mapping, got a list", ""),
         ("name: job\nmodel: {name: mlp\n", "job.yaml:3: (yaml):", "fix the YAML syntax"),
