@@ -80,7 +80,7 @@ class Buffer:
     version: int
     total: WeightedSum
     members: list[Member] = field(default_factory=list)
-    refused_stale: int = 0
+    refused_stale: Counter = field(default_factory=Counter)   # site -> updates refused as stale meanwhile
 
     def count(self, site: str) -> int:
         return sum(1 for m in self.members if m.site == site)
@@ -396,7 +396,7 @@ class AsyncRounds:
         return tau
 
     def _stale(self, site: str, grant: TaskGrant, why: str) -> None:
-        self.buffer.refused_stale += 1
+        self.buffer.refused_stale[site] += 1
         self._refuse(site, grant, TaskStatus.REJECTED, why, Reason.STALE)
 
     def _samples(self, site: str, num_samples: int) -> int:
@@ -513,7 +513,9 @@ class AsyncRounds:
         v = buffer.version
         out = {(v, "", "async", "updates"): float(len(taus)),
                (v, "", "async", "staleness_mean"): float(np.mean(taus)),
-               (v, "", "async", "refused_stale"): float(buffer.refused_stale)}
+               (v, "", "async", "refused_stale"): float(sum(buffer.refused_stale.values()))}
+        for site, count in buffer.refused_stale.items():
+            out[(v, site, "async", "refused_stale")] = float(count)
         for tau, count in Counter(taus).items():
             out[(v, "", "async", f"staleness_{tau}")] = float(count)
         for site, count in Counter(m.site for m in buffer.members).items():

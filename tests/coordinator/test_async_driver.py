@@ -176,8 +176,8 @@ def test_an_update_older_than_max_staleness_is_refused_and_its_site_gets_the_new
     fresh = r.driver.grant("b")
     assert fresh.model_round == 2 and fresh.task_id != g["b"].task_id
     r.send("b", fresh, [3] * 4)
-    metrics = {(m.round, m.name): m.value for m in r.store.metrics(r.job_id) if m.kind == "async"}
-    assert metrics[(3, "refused_stale")] == 1
+    metrics = {(m.round, m.site, m.name): m.value for m in r.store.metrics(r.job_id) if m.kind == "async"}
+    assert metrics[(3, "", "refused_stale")] == 1 and metrics[(3, "b", "refused_stale")] == 1
     events = [e for e in r.store.events_after(r.job_id, 0) if e.kind == "site_rejected"]
     assert events and "max_staleness" in events[0].message
 
