@@ -71,8 +71,8 @@ class WeightedSum:
     def check_fits(self, weight: int, max_abs: float, *, reserved: float = 0.0) -> None:
         """Refuse an update that could overflow the exact range, or take more than its site's part of it;
         call before fold(). `reserved`: what this update already holds of the range (weight × its peak)."""
-        if not 1 <= weight <= MAX_WEIGHT:
-            raise IntegrityError(f"num_samples must be between 1 and {MAX_WEIGHT}; got {weight}",
+        if not 0 < weight <= MAX_WEIGHT:   # fractional weights (staleness-scaled) fold exactly as well
+            raise IntegrityError(f"an update's weight must be in (0, {MAX_WEIGHT}]; got {weight}",
                                  reason=Reason.NUM_SAMPLES)
         if (self._bound - reserved + weight * max_abs) * _SCALE >= _LIMIT:
             raise IntegrityError(
@@ -127,6 +127,16 @@ class WeightedSum:
         self._require_clean()
         parts = [part - _as_int64(self.count * _MAGIC_BITS) for part in self._parts]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def sums(self) -> dict[str, np.ndarray]:
+        """Σ w_k · x_k per tensor as float64 (the fixed-point sum, converted once): for a caller that divides by
+        something other than the total weight, or subtracts another sum first (asynchronous deltas)."""
+        self._require_clean()
+        out = {}
+        for t, part in zip(self.layout.tensors, self._parts):
+            fixed = part - _as_int64(self.count * _MAGIC_BITS)   # wraps back
+            out[t.name] = (fixed.astype(np.float64) / _SCALE).reshape(t.shape)
+        return out
 
     def _require_clean(self) -> None:
         if self._poisoned:
@@ -258,6 +268,11 @@ class Fold:
         self._pending = bytearray()   # only an element split across two pieces is ever copied here
         self._peak = 0.0         # max |value| seen, reserved in the sum's range
         self.state = "open"      # open | done | undone
+
+    @property
+    def peak(self) -> float:
+        """The largest |value| folded so far (what the update holds of its sum's range, per unit weight)."""
+        return self._peak
 
     def add(self, piece: bytes | memoryview, max_abs: float) -> None:
         """Fold the next piece; max_abs bounds |value| over the update so far (the Receiver's running max)."""

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.drivers import Context, Driver
+from coordinator.drivers.async_ import AsyncRounds
 from coordinator.drivers.sync import SyncRounds, strategy_at
 from coordinator.events import admin_actor
 from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
@@ -85,6 +86,9 @@ def validate_job(cfg: RoundConfig, *, build: Path, models: ModelWorker | None = 
     imports torch) into the safetensors file `build` and returns its weights.
     """
     make_strategy(cfg)   # refuses unknown strategies, bad args and combinations that cannot work
+    if cfg.asynchronous is not None and cfg.privacy.secure_aggregation:
+        raise ConfigError("privacy.secure_aggregation: asynchronous cohorts are not available in this coordinator "
+                          "version; run the job synchronously (remove asynchronous)")
     try:
         state = (models or shared_worker()).build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build,
                                                   members=ensemble_members(cfg), limits=limits)
@@ -225,7 +229,11 @@ class Engine:
         if not pending:
             return False
         row = next((j for j in pending if j.status == JobStatus.RUNNING), pending[0])
-        self._driver = SyncRounds.take_up(self._context(), row)
+        try:
+            asynchronous = parse_round_config(row.config_yaml, source=f"job {row.id}").asynchronous is not None
+        except ConfigError:
+            asynchronous = False   # SyncRounds.take_up fails the job with the config's error
+        self._driver = (AsyncRounds if asynchronous else SyncRounds).take_up(self._context(), row)
         return self._driver is not None
 
     def _context(self) -> Context:

@@ -11,7 +11,7 @@ from plexus.errors import Reason
 
 COORDINATOR = "coordinator"
 # Task outcomes a site reports about itself; the others (rejected, late) are the coordinator's verdict.
-SITE_REPORTED = frozenset({"submitted", "declined", "evaluated", "failed"})
+SITE_REPORTED = frozenset({"submitted", "buffered", "declined", "evaluated", "failed"})
 
 
 def site_actor(name: str) -> str:
@@ -39,3 +39,4 @@ class Event:
     actor: str = COORDINATOR   # "coordinator", "site:NAME" or "admin:NAME"
     reason: Reason | None = None   # set for site_rejected: why the update was refused
     round_kind: str = ""   # set for round_opened: "train" or "evaluate"
+    staleness: int | None = None   # set for site_buffered: τ of the asynchronous update taken into a buffer

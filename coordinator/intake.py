@@ -9,6 +9,7 @@ distance from the global model is summed as it streams too, so the clip check ne
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class Upload:
         self.weight = weight             # what it weighs in its sum
         self.metrics = metrics or {}     # the site's metrics, recorded once it is accepted
         self.kept = False                # accepted into its sum, or kept on disk: withdraw does nothing
+        self._folding = threading.Lock()  # one fold at a time: a chunk's, or `move`'s
 
     def receive(self, chunks: Iterable[tuple[int, bytes]]) -> None:
         """Stream (offset, data) chunks through a Receiver into the journal, each folded (and measured) once
@@ -45,7 +47,8 @@ class Upload:
                 fh.write(data)
                 if self.fold is not None:
                     fh.flush()
-                    self.fold.add(data, receiver.max_abs)   # the running max, this chunk included
+                    with self._folding:
+                        self.fold.add(data, receiver.max_abs)   # the running max, this chunk included
                 if self.distance is not None:
                     self.distance.add(data)
             receiver = Receiver(self.layout, sink=sink)
@@ -69,6 +72,23 @@ class Upload:
         lock held, before the journal is removed."""
         if self.fold is not None and not self.kept:
             self.fold.undo(lambda: read_blocks(self.journal))
+
+    def move(self, fold) -> None:
+        """Fold this upload into another sum from now on (an asynchronous buffer flushed while it streamed):
+        what it folded so far comes out of its old sum and goes into `fold`, read back from the journal,
+        and the chunks still to come follow it there. Call with the engine lock held, before it is accepted."""
+        with self._folding:
+            old, folded = self.fold, self.fold.position
+            old.undo(lambda: read_blocks(self.journal))
+            done = 0
+            for block in read_blocks(self.journal):
+                piece = memoryview(block)[:folded - done]
+                if len(piece):
+                    fold.add(piece, old.peak)
+                done += len(piece)
+                if done >= folded:
+                    break
+            self.fold = fold
 
     def keep(self) -> Path:
         """Keep the complete upload on disk (rules that need every update at once); its new path."""

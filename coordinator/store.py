@@ -308,10 +308,13 @@ class Store:
 
     def close_round(self, job_id: str, round_: int, *, status: str, contributors: list[str], total_samples: int,
                     message: str, job_update: dict | None = None, event: tuple[str, str] | None = None,
-                    late: str = "before the round closed") -> None:
+                    late: str = "before the round closed", flushed: list[str] = ()) -> None:
         """Close a round, and in the same transaction move the job on (its current round, status). Tasks
-        still unanswered become late, their reason "no update/evaluation result/answer " + `late`."""
-        statements = [
+        still unanswered become late, their reason "no update/evaluation result/answer " + `late`.
+        `flushed`: asynchronous tasks whose buffered updates this round's model took in (buffered → submitted)."""
+        statements = [(f"UPDATE tasks SET status = 'submitted' WHERE status = 'buffered' AND task_id IN "
+                       f"({', '.join('?' * len(flushed))})", tuple(flushed))] if flushed else []
+        statements += [
             ("UPDATE rounds SET status = ?, closed = ?, contributors = ?, total_samples = ?, message = ?"
              " WHERE job_id = ? AND round = ?",
              (status, self.clock(), json.dumps(contributors), total_samples, message, job_id, round_)),
@@ -330,6 +333,20 @@ class Store:
         """After a restart: rounds that were open are void and their tasks can no longer be answered."""
         self._tx([("UPDATE tasks SET status = 'stale' WHERE status = 'issued'", ()),
                   ("UPDATE rounds SET status = 'interrupted', closed = ? WHERE status = 'open'", (self.clock(),))])
+
+    def buffered(self, job_id: str) -> list[TaskRow]:
+        """An asynchronous job's tasks whose updates sit in a buffer that no version has taken in yet."""
+        return [TaskRow(*r) for r in self._all(
+            "SELECT task_id, job_id, round, site, kind, nonce, status FROM tasks WHERE job_id = ?"
+            " AND status = 'buffered' ORDER BY issued", (job_id,))]
+
+    def task_counts(self, job_id: str) -> dict[str, int]:
+        """site -> how many tasks of the job it was given."""
+        return dict(self._all("SELECT site, COUNT(*) FROM tasks WHERE job_id = ? GROUP BY site", (job_id,)))
+
+    def void_issued(self, job_id: str) -> None:
+        """The job's unanswered tasks can no longer be answered (its driver was taken up again)."""
+        self._tx([("UPDATE tasks SET status = 'stale' WHERE job_id = ? AND status = 'issued'", (job_id,))])
 
     def rounds(self, job_id: str) -> list[RoundRow]:
         """The job's rounds in order."""
@@ -351,16 +368,17 @@ class Store:
 
     def finish_task(self, task_id: str, status: str, reason: str = "", *, job_id: str = "", round_: int = 0,
                     site: str = "", metrics: Mapping[tuple[int, str, str], float] | None = None,
-                    code: Reason | None = None) -> None:
+                    code: Reason | None = None, staleness: int | None = None) -> None:
         """Record a task's outcome, its metrics and an event, atomically. The event is attributed to the site
-        for outcomes it reported, else to the coordinator; `code` says why a rejected update was refused."""
+        for outcomes it reported, else to the coordinator; `code` says why a rejected update was refused;
+        `staleness`, an asynchronous update's τ."""
         statements = [("UPDATE tasks SET status = ?, reason = ?, finished = ? WHERE task_id = ?",
                        (status, reason, self.clock(), task_id))]
         for (round_key, kind, name), value in (metrics or {}).items():
             statements.append(("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?, ?, ?)",
                                (job_id, round_key, site, kind, name, float(value))))
         self._tx(statements, Event(job_id, f"site_{status}", round_, site, reason,
-                                   actor=outcome_actor(status, site), reason=code))
+                                   actor=outcome_actor(status, site), reason=code, staleness=staleness))
 
     def record_metrics(self, job_id: str, metrics: Mapping[tuple[int, str, str, str], float]) -> None:
         """Job-level metrics (site "" for the federation as a whole), e.g. the privacy ledger's ε."""

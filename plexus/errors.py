@@ -13,6 +13,7 @@ class Reason(str, enum.Enum):
     SIZE = "size"                 # bytes missing, extra or out of order
     LAYOUT = "layout"             # tensors, dtypes or shapes differ from the job's model
     NORM = "norm"                 # values too large: beyond the clip norm or the exact-sum range
+    STALE = "stale"               # asynchronous: computed from a model more than max_staleness versions old
     OTHER = "other"
 
 
@@ -42,6 +43,10 @@ class UnknownSite(NotFound):
 
 class RoundClosed(PlexusError):
     """A submission arrived for a round that is no longer accepting updates."""
+
+
+class Stale(RoundClosed):
+    """Asynchronous training: an update computed from a model version too old to be aggregated."""
 
 
 class FailedPrecondition(PlexusError):

@@ -31,6 +31,8 @@ class TaskStatus(enum.StrEnum):
     REJECTED = "rejected"
     LATE = "late"
     STALE = "stale"
+    BUFFERED = "buffered"     # asynchronous: accepted into the unflushed buffer of the next version
+    DISCARDED = "discarded"   # asynchronous: was in a buffer that was never flushed (a restart, the job's end)
 
 
 class JobStatus(enum.StrEnum):

@@ -415,7 +415,7 @@ class SyncRounds:
                 raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}",
                                      reason=Reason.NUM_SAMPLES)
             weight = header.num_samples if masked else rs.weight(site, header.num_samples)
-            metrics = _kept(job, _site_metrics(rs, site, header.eval_metrics, header.metrics, weight))
+            metrics = kept_metrics(job, site_metrics(rs, site, header.eval_metrics, header.metrics, weight))
             layout.require_same(header.require_layout(), what="masked input" if masked else "update")
             if masked:
                 fold = rs.secure.masked.begin()
@@ -496,7 +496,8 @@ class SyncRounds:
             if answer.body == "advert":
                 rs.check_rows(site, value.num_samples)   # a signed advert cannot be re-weighted, only refused
                 rs.secure.on_advert(site, value)
-                metrics = _kept(job, _site_metrics(rs, site, answer.eval_metrics, answer.metrics, value.num_samples))
+                metrics = kept_metrics(job, site_metrics(rs, site, answer.eval_metrics, answer.metrics,
+                                                         value.num_samples))
             elif answer.body == "shares":
                 rs.secure.on_shares(site, value)
             else:
@@ -519,7 +520,7 @@ class SyncRounds:
             return "failure recorded"
         if grant.kind != TaskKind.EVALUATE:
             raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
-        metrics = _kept(job, _site_metrics(rs, site, result.eval_metrics))
+        metrics = kept_metrics(job, site_metrics(rs, site, result.eval_metrics))
         self._record(rs, grant, site, TaskStatus.EVALUATED, "", metrics)
         return "evaluation recorded"
 
@@ -827,13 +828,13 @@ def _noise_is_reproducible(cfg: RoundConfig) -> bool:
     return cfg.privacy.dp is not None and cfg.privacy.dp.reproducible_noise
 
 
-def _kept(job: ActiveJob, metrics: dict) -> dict:
+def kept_metrics(job: ActiveJob, metrics: dict) -> dict:
     """The site metrics the store keeps: none under privacy.dp, where they would describe each site's data
     outside the accounted ε (sites withhold them; this covers a site that sends them anyway)."""
     return {} if job.cfg.privacy.dp is not None else metrics
 
 
-def _site_metrics(rs: RoundState, site: str, eval_metrics, train_metrics=None,
+def site_metrics(rs: RoundState, site: str, eval_metrics, train_metrics=None,
                   num_samples: int | None = None) -> dict:
     """A site's reported metrics, validated, keyed for the store: (round, kind, name) -> value.
 

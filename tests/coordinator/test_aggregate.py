@@ -144,11 +144,21 @@ def _sum() -> tuple[WeightedSum, bytes]:
 def test_check_fits_refuses_weights_outside_the_range(weight):
     total, blob = _sum()
 
-    with pytest.raises(IntegrityError, match=f"between 1 and {MAX_WEIGHT}; got {weight}"):
+    with pytest.raises(IntegrityError, match=rf"must be in \(0, {MAX_WEIGHT}\]; got {weight}"):
         total.check_fits(weight, 1.0)
     with pytest.raises(IntegrityError):
         total.fold([blob], weight, 3.0, nbytes=len(blob))
     assert total.count == 0 and total.total_weight == 0 and not total.acc.any()
+
+
+def test_fractional_weights_on_a_dyadic_grid_fold_and_sum_exactly():
+    layout, blob = encode({"w": np.array([1.0, -2.0], np.float32)})
+    total = WeightedSum(layout)
+    for weight in (0.25, 46340 / 65536 * 7):   # staleness-scaled weights (plexus.staleness)
+        total.fold([blob], weight, 2.0, nbytes=len(blob))
+    assert total.total_weight == 0.25 + 46340 / 65536 * 7
+    sums = total.sums()["w"]
+    assert sums.tolist() == [0.25 + 46340 / 65536 * 7, -2 * (0.25 + 46340 / 65536 * 7)]
 
 
 def test_check_fits_accepts_the_extreme_weights():

@@ -677,3 +677,42 @@ def test_strategy_args_are_not_a_yaml_key():
     text = DESIGN_ROUND.replace("strategy: {name: fedavg}", "strategy: {name: fedavg, typed: 1}")
     with pytest.raises(ConfigError, match=r":\d+: strategy.typed: unknown key; allowed keys: args, name"):
         parse_round_config(text)
+
+
+# --- the asynchronous block ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "prefix", "detail"),
+    [
+        (MINIMAL + "asynchronous: {bufer: 2}\n", "job.yaml:5: asynchronous.bufer: unknown key",
+         "did you mean 'buffer'"),
+        (MINIMAL + "asynchronous:\n  buffer: 0\n", "job.yaml:6: asynchronous.buffer: 0 is out of range",
+         "use a value in [1, 10000]"),
+        (MINIMAL + "asynchronous:\n  staleness: {fn: exponential}\n", "job.yaml:6: asynchronous.staleness.fn:",
+         "polynomial"),
+        (MINIMAL + "asynchronous:\n  max_staleness: -1\n", "job.yaml:6: asynchronous.max_staleness: -1 is out of range",
+         "[0, 10000]"),
+        (MINIMAL + "asynchronous: {buffer: 2, mixing: 0.5}\n", "job.yaml:5: asynchronous:", "set buffer: 1"),
+        (MINIMAL + "asynchronous: {}\nstrategy: {name: krum}\n", "job.yaml:6: strategy:", "cannot run asynchronously"),
+        (MINIMAL + "asynchronous: {}\nsites: {fraction: 0.5}\n", "job.yaml:6: sites:", "every idle site trains"),
+        (MINIMAL + "asynchronous: {buffer: 2}\nsites: {min: 3}\nprivacy: {secure_aggregation: true}\n",
+         "job.yaml:5: asynchronous:", "set buffer to 3 or more"),
+        (MINIMAL + "asynchronous: {max_per_buffer: 2}\n"
+         "privacy: {dp: {mode: central, noise_multiplier: 1.0, clip_norm: 1.0}}\n",
+         "job.yaml:5: asynchronous:", "set max_per_buffer: 1"),
+        (MINIMAL + "asynchronous:\n  target: {value: 0.8}\n", "job.yaml:6: asynchronous.target", "metric"),
+    ],
+)
+def test_asynchronous_config_errors(text, prefix, detail):
+    message = round_error(text)
+    assert message.startswith(prefix), message
+    assert detail in message, message
+
+
+def test_an_asynchronous_block_round_trips_and_a_synchronous_config_dumps_without_it():
+    cfg = parse_round_config(MINIMAL + "asynchronous:\n  buffer: 4\n  staleness: {fn: hinge, a: 10, b: 2}\n"
+                             "  target: {metric: accuracy, value: 0.8}\n")
+    assert cfg.asynchronous.buffer == 4 and cfg.asynchronous.staleness.fn == "hinge"
+    assert parse_round_config(dump_round_config(cfg)) == cfg
+    assert "asynchronous" not in dump_round_config(parse_round_config(MINIMAL))

@@ -1,0 +1,664 @@
+"""AsyncRounds: asynchronous, staleness-aware training (FedBuff, Nguyen et al. 2022; FedAsync, Xie et al. 2019).
+
+The coordinator keeps a model version v. Every idle site is given a task on the newest version; its update
+streams into the buffer of version v+1, weighted by s(τ)·n (τ = v − the version it trained from; n its
+samples, 1 under DP). Once `buffer` (K) updates are in, the buffer is flushed: the server rule takes one step
+from the staleness-weighted mean delta, version v+1 is checkpointed, and training goes on. An update more
+than `max_staleness` versions old is refused, and its site is given the newest model.
+
+Exactness: each update x is folded into an exact fixed-point sum at its weight w as it streams; at the flush
+the bases it trained from are taken off (Σ_v W_v·x_v over the distinct base versions, W_v the sum of their
+updates' weights, in version order), so Δ̄ = (Σ wᵢxᵢ − Σ_v W_v x_v) / Σ nᵢ. The weights are multiples of
+2^−16 (plexus.staleness), so every sum of them is exact: the flush is the same whatever order the updates
+arrived in. An upload still streaming at a flush moves into the next buffer at its new staleness
+(Upload.move); one that breaks off is taken out of its buffer exactly (Upload.withdraw).
+
+Durability: a version is written (checkpoint, strategy state, then the round row that names its tasks) in
+that order, so a SIGKILL resumes from the last written version; the updates then in the unflushed buffer
+are recorded as discarded (events and audit log) and their sites are simply given new tasks: no update is
+ever counted twice.
+
+The coordinator keeps the model versions updates may still be based on (at most max_staleness + 1), as
+checkpoint files and, where it must read them (the flush, the DP clip check), decoded in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from coordinator.aggregate import WeightedSum
+from coordinator.drivers import Context
+from coordinator.drivers.sync import kept_metrics, save_strategy, site_metrics, strategy_at, weight_caps
+from coordinator.intake import Upload
+from coordinator.served import ServedModel
+from coordinator.store import JobRow
+from coordinator.strategies.base import cast, is_float
+from coordinator.tasks import SecaggAnswer, TaskGrant, TaskResult, UpdateHeader, check_unanswered, new_grant, site_seed
+from plexus import staleness
+from plexus.accounting import client_epsilon, load_client_accountant
+from plexus.config import RoundConfig, parse_round_config
+from plexus.dp import NOT_PRIVATE, Distance, add_noise, central_std, check_clipped, noise_key
+from plexus.errors import (
+    ConfigError,
+    FailedPrecondition,
+    IntegrityError,
+    NotFound,
+    Reason,
+    RoundClosed,
+    Stale,
+    TimedOut,
+)
+from plexus.text import bounded
+from plexus.vocab import JobStatus, TaskKind, TaskStatus
+from plexus.wire import Layout, decode, encode
+
+log = logging.getLogger("plexus.coordinator")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One update taken into a buffer."""
+
+    site: str
+    task_id: str
+    base: int          # the version it trained from
+    tau: int           # its staleness when it was taken in
+    samples: int       # n (1 under DP): the flush divides by Σ n
+    weight: float      # s(τ)·n, what it was folded with
+
+
+@dataclass
+class Buffer:
+    """The updates that will make version `version`."""
+
+    version: int
+    total: WeightedSum
+    members: list[Member] = field(default_factory=list)
+    refused_stale: Counter = field(default_factory=Counter)   # site -> updates refused as stale meanwhile
+
+    def count(self, site: str) -> int:
+        return sum(1 for m in self.members if m.site == site)
+
+
+@dataclass
+class Arriving:
+    """An update streaming in now."""
+
+    grant: TaskGrant
+    upload: Upload
+    samples: int
+    cut: Callable[[BaseException], None]
+
+
+@dataclass
+class Evaluation:
+    """The idle sites' evaluation of one version (every `evaluate_every`, and the final model)."""
+
+    version: int
+    round: int                       # the task round (the version; the final evaluation's is version + 1)
+    sites: set[str]                  # asked: the sites online when it began
+    deadline: float                  # monotonic
+    results: dict[str, dict[str, float]] = field(default_factory=dict)   # site -> eval metrics
+    grants: dict[str, TaskGrant] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.sites <= set(self.results)
+
+
+class AsyncRounds:
+    """One asynchronous job's life on the engine (see the module docstring). Built by `take_up`."""
+
+    def __init__(self, ctx: Context, row: JobRow, cfg: RoundConfig, strategy, layout: Layout, blob):
+        self.ctx, self.row, self.cfg, self.strategy = ctx, row, cfg, strategy
+        self.spec = cfg.asynchronous
+        self.job_id = row.id
+        self.ended = False
+        self.version = row.current_round
+        self.outstanding: dict[str, TaskGrant] = {}     # at most one task per site
+        self.arriving: dict[str, Arriving] = {}
+        self.evaluation: Evaluation | None = None
+        self.finishing = ""                             # why training ended (the final evaluation is running)
+        self.budget_stop = ""
+        self.started = False
+        self.activated = ctx.monotonic()
+        self.last_answer = self.activated
+        self.epsilons: dict[int, float] = {}
+        self._bases: dict[int, dict[str, np.ndarray]] = {}
+        self._spare: WeightedSum | None = None
+        self._issued = Counter(ctx.store.task_counts(row.id))
+        self._declined = set(ctx.store.declines(row.id))
+        self._set_model(layout, blob)
+        self.buffer = self._new_buffer(self.version + 1)
+
+    @classmethod
+    def take_up(cls, ctx: Context, row: JobRow) -> AsyncRounds | None:
+        """Start a queued job, or take up a running one again from its last written version (discarding what
+        an unflushed buffer held); None (and the job failed in the store) if it cannot be."""
+        store = ctx.store
+        try:
+            cfg = parse_round_config(row.config_yaml, source=f"job {row.id}")
+            if cfg.privacy.secure_aggregation:
+                raise ConfigError("privacy.secure_aggregation: asynchronous cohorts are not available in this "
+                                  "coordinator version; run the job synchronously (remove asynchronous)")
+            strategy = strategy_at(store, cfg, row.id, row.current_round)
+            layout, blob = store.checkpoint_blob(row.id, row.current_round)
+            spec = cfg.asynchronous
+            if row.status == JobStatus.QUEUED:
+                store.set_job(row.id, status=JobStatus.RUNNING, current_round=0, event=(
+                    "job_started", 0, "", f"{cfg.rounds} versions of {cfg.strategy.name}, asynchronously (buffer "
+                    f"{spec.buffer}, max staleness {spec.max_staleness}, staleness {spec.staleness.fn})"))
+                if cfg.privacy.dp is not None and cfg.privacy.dp.reproducible_noise:
+                    store.event(row.id, "dp_not_private", 0, "", NOT_PRIVATE)
+            else:
+                discarded = store.buffered(row.id)
+                version = row.current_round
+                for task in discarded:
+                    store.finish_task(task.task_id, TaskStatus.DISCARDED,
+                                      f"its update was in the unflushed buffer of version {version + 1} when the "
+                                      "job stopped; it is in no model, and the site is given a new task",
+                                      job_id=row.id, round_=task.round, site=task.site)
+                store.void_issued(row.id)
+                store.event(row.id, "job_resumed", version, "",
+                            f"resuming asynchronously from version {version}; {len(discarded)} buffered update(s) "
+                            "discarded and requested again")
+            row = store.job(row.id)
+        except (ConfigError, NotFound, IntegrityError) as exc:   # e.g. a damaged checkpoint: fail, never retry
+            store.set_job(row.id, status=JobStatus.FAILED, message=str(exc), event=("job_failed", 0, "", str(exc)))
+            return None
+        log.info("job %s active at version %d (asynchronous)", row.id, row.current_round)
+        return cls(ctx, row, cfg, strategy, layout, blob)
+
+    # outside the lock ---------------------------------------------------------------------
+    def prepare(self) -> None:
+        if self.cfg.privacy.dp is not None:
+            load_client_accountant()
+
+    # the engine's questions ---------------------------------------------------------------
+    def tick(self, now: float) -> float:
+        if self.ended:
+            return 1.0
+        self._expire()
+        if self.finishing:
+            return self._finish_tick(now)
+        if not self.started:
+            online = self._online()
+            if len(online) < self.cfg.sites.min:
+                self._waiting(f"waiting for sites: {len(online)} of {self.cfg.sites.min} needed are online")
+                return 0.5
+            self.started, self.last_answer = True, now
+            self._set_message("")
+            self._check_budget()
+            self.ctx.presence.wake()
+            self.ctx.notify()
+        idle = now - self.last_answer
+        if idle > self.spec.idle_timeout_s:
+            self._fail(f"no site has answered for {idle:.0f} s (asynchronous.idle_timeout_s = "
+                       f"{self.spec.idle_timeout_s:g}); the model is at version {self.version}; once sites are "
+                       "back, `plexus job resume` continues from there")
+            return 0.0
+        if self.spec.time_budget_s is not None and now - self.activated >= self.spec.time_budget_s:
+            self._finish(f"time budget of {self.spec.time_budget_s:g} s reached at version {self.version}")
+            return 0.0
+        ev = self.evaluation
+        if ev is not None and ev.round == ev.version and now >= ev.deadline:
+            self._judge(ev)
+        return 0.5
+
+    def busy(self) -> Iterable[str]:
+        return list(self.outstanding)
+
+    def grant(self, site: str) -> TaskGrant | None:
+        if self.ended or site in self._declined:
+            return None
+        if site in self.outstanding:
+            return self.outstanding[site]   # a site that restarted mid-task gets the same task back
+        ev = self.evaluation
+        if ev is not None and site in ev.sites and site not in ev.results:
+            return self._issue(site, TaskKind.EVALUATE, ev.round, ev.version)
+        if self.finishing or not self.started:
+            return None
+        if self.buffer.count(site) >= self._cap():
+            return None   # it has its share of this buffer; the flush wakes it
+        return self._issue(site, TaskKind.TRAIN, self.version, self.version)
+
+    def current(self, site: str, task_id: str, round_: int, status: str) -> TaskGrant:
+        grant = self.outstanding.get(site)
+        if grant is None or grant.task_id != task_id:
+            raise RoundClosed(f"task {task_id} is no longer current: job {self.job_id} has moved on (the task was "
+                              "answered, refused as stale, past its deadline, or training ended); ask for a new "
+                              "task")
+        check_unanswered(task_id, status, False)
+        return grant
+
+    def served(self, grant: TaskGrant) -> ServedModel:
+        if grant.model_round == self.version:
+            return self.served_model
+        layout, path, start = self.ctx.store.checkpoint_source(self.job_id, grant.model_round, verify=False)
+        return ServedModel.from_file(layout, path, start)
+
+    def upload(self, site: str, grant: TaskGrant, header: UpdateHeader,
+               cut: Callable[[BaseException], None]) -> Upload:
+        if grant.kind != TaskKind.TRAIN:
+            raise FailedPrecondition(f"task {grant.task_id} is a {grant.kind} task; it is answered with "
+                                     "ReportResult, not an update")
+        if site in self.arriving:
+            raise FailedPrecondition(f"an update for task {grant.task_id} is already being received")
+        buffer, dp = self.buffer, self.cfg.privacy.dp
+        try:
+            tau = self._check_fresh(site, grant)
+            samples = self._samples(site, header.num_samples)
+            metrics = kept_metrics(self, site_metrics(self._round_view(buffer.version, grant.model_round), site,
+                                                      header.eval_metrics, header.metrics, samples))
+            self.layout.require_same(header.require_layout(), what="update")
+            fold = buffer.total.begin(staleness.weight(self.spec.staleness, tau, samples))
+            upload = Upload(self.layout, self.ctx.store.spool / f"{grant.task_id}.part", fold=fold,
+                            distance=Distance(self.layout, self._base(grant.model_round)) if dp else None,
+                            owner=buffer, weight=fold.weight, metrics=metrics)
+        except IntegrityError as exc:   # Stale is a RoundClosed: recorded by _check_fresh
+            self._refuse(site, grant, TaskStatus.REJECTED, str(exc), exc.reason)
+            raise
+        self.arriving[site] = Arriving(grant, upload, samples, cut)
+        return upload
+
+    def accepted(self, site: str, grant: TaskGrant, header: UpdateHeader, upload: Upload) -> str:
+        arriving = self.arriving.pop(site, None)
+        if self.ended or self.finishing or arriving is None or self.outstanding.get(site) is not grant:
+            raise RoundClosed(f"job {self.job_id} ended training before the update was complete")
+        buffer = upload.owner
+        tau = self._check_fresh(site, grant)
+        try:
+            if self.cfg.privacy.dp is not None:   # every update within clip_norm of the model it trained from
+                check_clipped(upload.norm, self.cfg.privacy.dp.clip_norm)
+            upload.accept()
+        except IntegrityError as exc:
+            self._refuse(site, grant, TaskStatus.REJECTED, str(exc), exc.reason)
+            raise
+        member = Member(site, grant.task_id, grant.model_round, tau, arriving.samples, upload.weight)
+        buffer.members.append(member)
+        del self.outstanding[site]
+        self.last_answer = self.ctx.monotonic()
+        self.ctx.store.finish_task(grant.task_id, TaskStatus.BUFFERED,
+                                   f"in the buffer of version {buffer.version}: staleness {tau}, weight "
+                                   f"{upload.weight:g}", job_id=self.job_id, round_=grant.round, site=site,
+                                   metrics=upload.metrics, staleness=tau)
+        reply = (f"update accepted into the buffer of version {buffer.version} ({len(buffer.members)} of "
+                 f"{self.spec.buffer}; staleness {tau}, weight {upload.weight:g})")
+        if len(buffer.members) >= self.spec.buffer:
+            self._flush()
+        self.ctx.notify()
+        return reply
+
+    def refused(self, site: str, grant: TaskGrant, upload: Upload, exc: BaseException) -> None:
+        """The stream failed part-way: a stale cut at a flush or an invalid chunk (rejected), a stall (late), or
+        a broken stream (nothing recorded: the site may send it again while it holds the task)."""
+        self.arriving.pop(site, None)
+        if self.outstanding.get(site) is not grant:
+            return
+        if isinstance(exc, Stale):
+            self._stale(site, grant, str(exc))
+        elif isinstance(exc, IntegrityError):
+            self._refuse(site, grant, TaskStatus.REJECTED, str(exc), exc.reason)
+        elif isinstance(exc, TimedOut):
+            self._refuse(site, grant, TaskStatus.LATE, str(exc), None)
+
+    def ended_upload(self, site: str, upload: Upload) -> None:
+        if site in self.arriving and self.arriving[site].upload is upload:
+            del self.arriving[site]
+        upload.withdraw()
+        upload.discard()
+
+    def answered(self, site: str, grant: TaskGrant, answer: SecaggAnswer | TaskResult) -> str:
+        if isinstance(answer, SecaggAnswer):
+            raise FailedPrecondition("this asynchronous job runs without secure aggregation")
+        self.last_answer = self.ctx.monotonic()
+        reason = bounded(answer.reason)
+        if answer.status == TaskStatus.DECLINED:
+            self.ctx.store.decline(self.job_id, site, reason or "declined by site policy")
+            self._declined.add(site)
+            self._refuse(site, grant, TaskStatus.DECLINED, reason or "declined by site policy", None)
+            if self.evaluation is not None:
+                self.evaluation.sites.discard(site)
+            return "decline recorded; this site will not be asked again for this job"
+        if answer.status == TaskStatus.FAILED:
+            self._refuse(site, grant, TaskStatus.FAILED, reason or "the site reported a failure", None)
+            if self.evaluation is not None and grant.kind == TaskKind.EVALUATE:
+                self.evaluation.sites.discard(site)
+            return "failure recorded"
+        if grant.kind != TaskKind.EVALUATE:
+            raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
+        ev = self.evaluation
+        metrics = kept_metrics(self, site_metrics(self._round_view(grant.round, grant.model_round), site,
+                                                  answer.eval_metrics))
+        del self.outstanding[site]
+        self.ctx.store.finish_task(grant.task_id, TaskStatus.EVALUATED, "", job_id=self.job_id, round_=grant.round,
+                                   site=site, metrics=metrics)
+        if ev is not None and ev.round == grant.round:
+            ev.results[site] = {name: value for (_, _, name), value in metrics.items()}
+            if ev.complete and ev.round == ev.version:
+                self._judge(ev)
+        self.ctx.notify()
+        return "evaluation recorded"
+
+    def stop(self, why: str, *, dropped: bool = False) -> None:
+        self.ended = True
+        self._cut_all(why)
+        if dropped:
+            self.ctx.store.close_round(self.job_id, self.version + 1, status="failed", message=why,
+                                       contributors=[m.site for m in self.buffer.members], total_samples=0)
+
+    # tasks -------------------------------------------------------------------------------
+    def _issue(self, site: str, kind: TaskKind, round_: int, model_round: int) -> TaskGrant:
+        steps = self.strategy.schedule.local_steps(site, self._rows()) if kind == TaskKind.TRAIN else 0
+        count = self._issued[site]
+        self._issued[site] += 1
+        grant = new_grant(kind=kind, job_id=self.job_id, round_=round_, model_round=model_round,
+                          config_yaml=self.row.config_yaml,
+                          deadline_unix_s=self.ctx.clock() + self.cfg.sites.deadline_s,
+                          seed=site_seed(self.cfg.seed, count, site), local_steps=steps)
+        self.ctx.store.add_task(grant.task_id, self.job_id, round_, site, kind, grant.nonce)
+        self.outstanding[site] = grant
+        return grant
+
+    def _expire(self) -> None:
+        """Tasks past their deadline are late: their sites are given new ones when they ask."""
+        now = self.ctx.clock()
+        for site, grant in list(self.outstanding.items()):
+            if now > grant.deadline_unix_s and site not in self.arriving:
+                self._refuse(site, grant, TaskStatus.LATE,
+                             f"no answer within sites.deadline_s ({self.cfg.sites.deadline_s:g} s)", None)
+
+    def _refuse(self, site: str, grant: TaskGrant, status: TaskStatus, reason: str, code: Reason | None) -> None:
+        """End a site's task with an outcome other than a buffered update; it can be given a new one."""
+        if self.outstanding.get(site) is grant:
+            del self.outstanding[site]
+        self.ctx.store.finish_task(grant.task_id, status, bounded(reason), job_id=self.job_id, round_=grant.round,
+                                   site=site, code=code)
+        log.info("job %s site %s: %s (%s)", self.job_id, site, status, reason)
+        self.ctx.presence.wake([site])
+        self.ctx.notify()
+
+    def _check_fresh(self, site: str, grant: TaskGrant) -> int:
+        """τ of an update trained from grant.model_round, into the next version; Stale (recorded) if τ > S."""
+        tau = self.version - grant.model_round
+        if tau > self.spec.max_staleness:
+            why = (f"the update was computed from version {grant.model_round}, {tau} versions old; "
+                   f"asynchronous.max_staleness is {self.spec.max_staleness}; the site is given version "
+                   f"{self.version}")
+            self._stale(site, grant, why)
+            raise Stale(why)
+        return tau
+
+    def _stale(self, site: str, grant: TaskGrant, why: str) -> None:
+        self.buffer.refused_stale[site] += 1
+        self._refuse(site, grant, TaskStatus.REJECTED, why, Reason.STALE)
+
+    def _samples(self, site: str, num_samples: int) -> int:
+        """n for an update: 1 under DP (DP-FedAvg weighs sites equally), else its num_samples, refused beyond
+        the rows its site reported at Join and capped at sites.max_weight_share of all sites' rows."""
+        if not 1 <= num_samples <= 2 ** 31:
+            raise IntegrityError(f"num_samples must be between 1 and 2**31; got {num_samples}",
+                                 reason=Reason.NUM_SAMPLES)
+        rows = self._rows()
+        own = rows.get(site, 0)
+        if own == 0:
+            raise IntegrityError(f"num_samples {num_samples}: this site reported no training rows for the job's "
+                                 "dataset when it joined; check that the dataset loads at the site, then restart "
+                                 "its agent", reason=Reason.NUM_SAMPLES)
+        if num_samples > own:
+            raise IntegrityError(f"num_samples {num_samples} exceeds the {own} training rows this site reported "
+                                 "for the job's dataset when it joined", reason=Reason.NUM_SAMPLES)
+        if self.cfg.privacy.dp is not None:
+            return 1
+        return min(num_samples, weight_caps(rows, self.cfg.sites.max_weight_share)[site])
+
+    def _cap(self) -> int:
+        """A site's most updates in one buffer (1 under DP)."""
+        if self.spec.max_per_buffer is not None:
+            return self.spec.max_per_buffer
+        return 1 if self.cfg.privacy.dp is not None else self.spec.buffer
+
+    # the buffer --------------------------------------------------------------------------
+    def _new_buffer(self, version: int, *, open_round: bool = True) -> Buffer:
+        total, self._spare = self._spare, None
+        sites = self.spec.buffer + len(self._rows())   # each update's part of the exact range
+        if total is None or total.layout != self.layout:
+            total = WeightedSum(self.layout, sites=sites)
+        else:
+            total.reset(sites=sites)
+        if open_round:
+            self.ctx.store.open_round(self.job_id, version, TaskKind.TRAIN)
+        return Buffer(version, total)
+
+    def _flush(self) -> None:
+        """The buffer is full: the next version from its staleness-weighted mean delta, written, then served."""
+        buffer, store, cfg = self.buffer, self.ctx.store, self.cfg
+        version = buffer.version
+        following = self._new_buffer(version + 1, open_round=False)   # its round opens once this one closes
+        for site, arriving in list(self.arriving.items()):   # still streaming: into the next buffer, or stale
+            tau = version - arriving.grant.model_round
+            if tau > self.spec.max_staleness:
+                arriving.upload.withdraw()
+                arriving.cut(Stale(f"version {version} was made while the update streamed; it was computed from "
+                                   f"version {arriving.grant.model_round}, {tau} versions old (asynchronous."
+                                   f"max_staleness {self.spec.max_staleness}); the site is given the new version"))
+                continue
+            fold = following.total.begin(staleness.weight(self.spec.staleness, tau, arriving.samples))
+            arriving.upload.move(fold)
+            arriving.upload.owner, arriving.upload.weight = following, fold.weight
+        contributors = sorted({m.site for m in buffer.members})
+        state = self.strategy.rule.step(version, self.state, self._mean(buffer), contributors,
+                                        population=len(self._rows()))
+        layout, blob = encode(state)
+        store.save_checkpoint_blob(self.job_id, version, layout, blob)
+        save_strategy(store, self.job_id, version, self.strategy)
+        taus = [m.tau for m in buffer.members]
+        samples = sum(m.samples for m in buffer.members)
+        message = (f"{len(buffer.members)} update(s), {samples} samples, staleness "
+                   + ", ".join(f"{m.site}={m.tau}" for m in buffer.members))
+        store.close_round(self.job_id, version, status="closed", contributors=[m.site for m in buffer.members],
+                          total_samples=samples, message=message, job_update={"current_round": version},
+                          flushed=[m.task_id for m in buffer.members])
+        store.record_metrics(self.job_id, self._ledger(buffer, taus))
+        store.prune_checkpoints(self.job_id, version - self.spec.max_staleness)
+        self.ctx.saved(version)
+        self.row = store.job(self.job_id)
+        store.open_round(self.job_id, version + 1, TaskKind.TRAIN)
+        self._spare = buffer.total
+        self.version = version
+        self._set_model(layout, blob)
+        self.buffer = following
+        log.info("job %s version %d: %s", self.job_id, version, message)
+        if self.version >= cfg.rounds:
+            self._finish(f"{cfg.rounds} versions made")
+        elif self._check_budget():
+            pass
+        elif self.spec.evaluate_every and self.version % self.spec.evaluate_every == 0:
+            self._evaluate(self.version, self.version)
+        self.ctx.presence.wake()
+
+    def _mean(self, buffer: Buffer) -> dict[str, np.ndarray]:
+        """The current model plus the buffer's staleness-weighted mean delta (FedAsync: times its mixing rate)."""
+        sums = buffer.total.sums()
+        bases: dict[int, float] = defaultdict(float)
+        for m in buffer.members:   # FedAsync mixes against the current model, FedBuff against each base
+            bases[self.version if self.spec.mixing is not None else m.base] += m.weight
+        for base in sorted(bases):
+            model = self._base(base)
+            for name in sums:
+                sums[name] -= bases[base] * model[name].astype(np.float64)
+        divisor = sum(m.samples for m in buffer.members)
+        delta = {name: s / divisor * (self.spec.mixing or 1.0) for name, s in sums.items()}
+        dp = self.cfg.privacy.dp
+        if dp is not None and dp.mode == "central":
+            # Σ s(τ)·Δ over ≤ one clipped update per site (s ≤ 1): sensitivity clip_norm, so N(0, (zS)²) on the
+            # sum is std zS/m on the mean, as in the synchronous rounds.
+            std = central_std(dp.noise_multiplier, dp.clip_norm, len(buffer.members))
+            seed = self.cfg.seed if dp.reproducible_noise else None
+            delta = add_noise(delta, std, noise_key(seed, self.cfg.name, buffer.version, "coordinator"))
+        out = {}
+        for name, x in self.state.items():
+            moved = x.astype(np.float64) + delta[name]
+            out[name] = moved.astype(x.dtype) if is_float(x.dtype) else cast(moved, x.dtype)
+        return out
+
+    def _ledger(self, buffer: Buffer, taus: list[int]) -> dict:
+        """A version's metrics: its staleness histogram, each site's contributions, stale refusals, and ε."""
+        v = buffer.version
+        out = {(v, "", "async", "updates"): float(len(taus)),
+               (v, "", "async", "staleness_mean"): float(np.mean(taus)),
+               (v, "", "async", "refused_stale"): float(sum(buffer.refused_stale.values()))}
+        for site, count in buffer.refused_stale.items():
+            out[(v, site, "async", "refused_stale")] = float(count)
+        for tau, count in Counter(taus).items():
+            out[(v, "", "async", f"staleness_{tau}")] = float(count)
+        for site, count in Counter(m.site for m in buffer.members).items():
+            out[(v, site, "async", "contributions")] = float(count)
+        dp = self.cfg.privacy.dp
+        if dp is not None:
+            out[(v, "", "privacy", "epsilon")] = self._epsilon(v)
+            out[(v, "", "privacy", "delta")] = dp.delta
+            out[(v, "", "privacy", "sampling_rate")] = 1.0
+            if dp.reproducible_noise:
+                out[(v, "", "privacy", "noise_reproducible")] = 1.0
+        return out
+
+    def _epsilon(self, flushes: int) -> float:
+        """ε after `flushes` flushes. Asynchronous participation is not a random sample (a site's speed decides
+        when it contributes), so no amplification by sampling is claimed: each flush is a Gaussian mechanism at
+        q = 1 (Kairouz et al. 2021, "Practical and private (deep) learning without sampling or shuffling")."""
+        if flushes not in self.epsilons:
+            dp = self.cfg.privacy.dp
+            self.epsilons[flushes] = client_epsilon(dp.noise_multiplier, [1.0] * flushes, dp.delta)
+        return self.epsilons[flushes]
+
+    def _check_budget(self) -> bool:
+        """Under dp.target_epsilon: end training if the next flush would exceed it."""
+        dp = self.cfg.privacy.dp
+        if dp is None or dp.target_epsilon is None or self.finishing:
+            return False
+        after = self._epsilon(self.version + 1)
+        if after <= dp.target_epsilon:
+            return False
+        self.budget_stop = (f"privacy budget reached: version {self.version + 1} would bring ε to {after:.3f} > "
+                            f"target {dp.target_epsilon} (δ={dp.delta}); stopped at version {self.version}")
+        self.ctx.store.event(self.job_id, "privacy_budget_reached", self.version, "", self.budget_stop)
+        self._finish(self.budget_stop)
+        return True
+
+    # evaluation and the end ---------------------------------------------------------------
+    def _evaluate(self, version: int, round_: int) -> None:
+        """Ask every online site to evaluate `version` when it next asks for a task (idle sites first)."""
+        ev = self.evaluation
+        if ev is not None and ev.round == ev.version and not ev.complete:
+            self._judge(ev)   # a newer version is up: judge the older one on what came in
+        self.evaluation = Evaluation(version, round_, self._online(), self.ctx.monotonic() + self.cfg.sites.deadline_s)
+
+    def _judge(self, ev: Evaluation) -> None:
+        """An evaluation is in: record it, and end training if it meets asynchronous.target."""
+        if self.evaluation is ev:
+            self.evaluation = None
+        target = self.spec.target
+        if target is None or self.finishing:
+            return
+        values = [(r[target.metric], r.get("num_samples", 1.0)) for r in ev.results.values() if target.metric in r]
+        if not values:
+            return
+        mean = sum(v * w for v, w in values) / sum(w for _, w in values)
+        self.ctx.store.event(self.job_id, "async_evaluated", ev.version, "",
+                             f"version {ev.version}: {target.metric} {mean:.4f} over {len(values)} site(s)")
+        if (mean >= target.value) if target.higher_is_better else (mean <= target.value):
+            self._finish(f"target reached: {target.metric} {mean:.4f} at version {ev.version} "
+                         f"({'≥' if target.higher_is_better else '≤'} {target.value:g})")
+
+    def _finish(self, why: str) -> None:
+        """Training ends: updates still arriving are cut, the unflushed buffer is discarded, and every online
+        site evaluates the final model."""
+        self.finishing = why
+        self._cut_all(f"job {self.job_id} ended training ({why})")
+        for m in self.buffer.members:
+            self.ctx.store.finish_task(m.task_id, TaskStatus.DISCARDED,
+                                       f"training ended ({why}) before the buffer of version {self.buffer.version} "
+                                       "filled; the update is in no model", job_id=self.job_id, round_=m.base,
+                                       site=m.site)
+        self.buffer.members.clear()
+        for site, grant in list(self.outstanding.items()):
+            if grant.kind == TaskKind.TRAIN:
+                self._refuse(site, grant, TaskStatus.STALE, f"training ended ({why})", None)
+        self.ctx.store.event(self.job_id, "async_training_ended", self.version, "", why)
+        self.ctx.store.open_round(self.job_id, self.version + 1, TaskKind.EVALUATE)
+        self.evaluation = Evaluation(self.version, self.version + 1, self._online(),
+                                     self.ctx.monotonic() + self.cfg.sites.deadline_s)
+        self.ctx.presence.wake()
+        self.ctx.notify()
+
+    def _finish_tick(self, now: float) -> float:
+        ev = self.evaluation
+        if not ev.complete and now < ev.deadline:
+            return min(0.5, ev.deadline - now)
+        evaluated = sorted(ev.results)
+        message = f"{self.finishing}; final model (version {self.version}) evaluated by {len(evaluated)} site(s)"
+        status = JobStatus.BUDGET_REACHED if self.budget_stop else JobStatus.COMPLETED
+        self.ctx.store.close_round(self.job_id, ev.round, status="closed", contributors=evaluated, total_samples=0,
+                                   message=message, job_update={"status": status, "message": message},
+                                   event=("job_completed", message), late=f"by the final evaluation's deadline "
+                                   f"({self.cfg.sites.deadline_s:g} s)")
+        self.ended = True
+        self.ctx.notify()
+        return 0.0
+
+    def _fail(self, message: str) -> None:
+        self._cut_all(message)
+        self.ctx.store.close_round(self.job_id, self.buffer.version, status="failed", message=message,
+                                   contributors=[m.site for m in self.buffer.members], total_samples=0,
+                                   job_update={"status": JobStatus.FAILED, "message": message},
+                                   event=("job_failed", message))
+        self.ended = True
+        self.ctx.notify()
+
+    def _cut_all(self, why: str) -> None:
+        for arriving in list(self.arriving.values()):
+            arriving.cut(RoundClosed(why))
+
+    # the model ---------------------------------------------------------------------------
+    def _set_model(self, layout: Layout, blob) -> None:
+        self.layout, self.blob = layout, blob
+        self.state = decode(layout, blob)
+        self.served_model = ServedModel.in_memory(layout, blob)
+        self._bases[self.version] = self.state
+        for old in [v for v in self._bases if v < self.version - self.spec.max_staleness]:
+            del self._bases[old]
+
+    def _base(self, version: int) -> dict[str, np.ndarray]:
+        """Model version `version`, decoded (read from its checkpoint the first time)."""
+        if version not in self._bases:
+            self._bases[version] = decode(*self.ctx.store.checkpoint_blob(self.job_id, version))
+        return self._bases[version]
+
+    # small things ------------------------------------------------------------------------
+    def _rows(self) -> dict[str, int]:
+        return self.ctx.presence.rows(self.cfg.data.dataset)
+
+    def _online(self) -> set[str]:
+        return (self.ctx.presence.online() | set(self.outstanding)) - self._declined
+
+    def _round_view(self, round_: int, model_round: int) -> SimpleNamespace:
+        """What site_metrics reads of a round: where train and eval metrics go, and the eval weights' caps."""
+        rows = self._rows()
+        return SimpleNamespace(round=round_, model_round=model_round,
+                               eval_caps=weight_caps(rows, self.cfg.sites.max_weight_share) if rows else {})
+
+    def _waiting(self, message: str) -> None:
+        if self.row.message != message:
+            self._set_message(message)
+
+    def _set_message(self, message: str) -> None:
+        if self.row.message != message:
+            self.ctx.store.set_job(self.job_id, message=message)
+            self.row = self.ctx.store.job(self.job_id)
