@@ -466,8 +466,7 @@ class AsyncRounds:
                    + ", ".join(f"{m.site}={m.tau}" for m in buffer.members))
         store.close_round(self.job_id, version, status="closed", contributors=[m.site for m in buffer.members],
                           total_samples=samples, message=message, job_update={"current_round": version},
-                          flushed=[m.task_id for m in buffer.members])
-        store.record_metrics(self.job_id, self._ledger(buffer, taus))
+                          flushed=[m.task_id for m in buffer.members], metrics=self._ledger(buffer, taus))
         store.prune_checkpoints(self.job_id, version - self.spec.max_staleness)
         self.ctx.saved(version)
         self.row = store.job(self.job_id)

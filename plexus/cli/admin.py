@@ -240,7 +240,7 @@ def follow(client, job_id: str, as_json: bool) -> int:
         if event.kind in ("round_closed", "job_completed"):
             detail = client.job(job_id)
             if asynchronous and event.kind == "round_closed":
-                detail, flush = _flush_record(client, job_id, event.round, detail)
+                flush = _flush_record(detail, event.round)
                 metrics = {**_closed_round_metrics(detail, event.round), **flush}
             else:
                 metrics = _closed_round_metrics(detail, event.round)
@@ -284,20 +284,17 @@ def _async_line(event, when: str) -> str:
     return f"[{when}] {kind}: {message}"
 
 
-def _flush_record(client, job_id: str, version: int, detail, wait_s: float = 2.0) -> tuple:
-    """(detail, the flush record of `version` for `job watch`). The coordinator writes a version's record just
-    after the event that closes it, so a reader that asked at once may find none yet: it asks again, briefly."""
+def _flush_record(detail, version: int) -> dict:
+    """The flush record of `version` for `job watch`, from a job detail read after the version's close (the
+    coordinator writes the record in the same transaction)."""
     from plexus.admin_client import async_ledger, staleness_counts
 
-    end = time.monotonic() + wait_s
-    while version not in (ledger := async_ledger(detail)) and time.monotonic() < end:
-        time.sleep(0.05)
-        detail = client.job(job_id)
+    ledger = async_ledger(detail)
     if version not in ledger:
-        return detail, {}
+        return {}
     per_site = ledger[version]
     whole = per_site.get("", {})
-    return detail, {"flush": {
+    return {"flush": {
         "version": version, "updates": int(whole.get("updates", 0)), "staleness_mean": whole.get("staleness_mean"),
         "staleness": [{"staleness": t, "updates": n} for t, n in staleness_counts({version: per_site}).items()],
         "contributions": {s: int(v["contributions"]) for s, v in sorted(per_site.items()) if "contributions" in v},
