@@ -21,6 +21,7 @@ from plexus.config import split_address
 from plexus.errors import Reason
 
 ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)   # τ, in versions (+Inf is added)
 RECENT_JOBS = 10   # finished jobs that keep their per-job series, newest first
 
 
@@ -46,6 +47,12 @@ class CoordinatorMetrics:
         self.rejected = Counter("plexus_updates_rejected", "Site updates rejected, by reason category",
                                 ["reason"], registry=self.registry)
         self.jobs = Counter("plexus_jobs", "Job lifecycle events", ["event"], registry=self.registry)
+        # Per job, like the gauges: the series of the RECENT_JOBS jobs that ended last are kept, older ones go.
+        self.staleness = Histogram("plexus_async_update_staleness",
+                                   "Staleness (versions behind the newest) of asynchronous updates taken into a "
+                                   "buffer", ["job"], buckets=STALENESS_BUCKETS, registry=self.registry)
+        self._series: set[str] = set()   # jobs with a staleness series
+        self._ended: list[str] = []      # those of them that ended, oldest first
         for kind in ("train", "evaluate"):
             for c in (self.rounds_opened, self.rounds_closed, self.rounds_failed):
                 c.labels(kind)
@@ -69,6 +76,7 @@ class CoordinatorMetrics:
             self._finish(job_id, "failed")
         elif kind.startswith("job_"):
             self.jobs.labels(kind[4:]).inc()
+            self._job_lifecycle(job_id, kind)
             # The engine closes an evaluation round with job_completed and fails a round with job_failed.
             outcome = {"job_completed": "closed", "job_failed": "failed"}.get(kind)
             if outcome:
@@ -80,6 +88,27 @@ class CoordinatorMetrics:
             self.site_results.labels(kind[5:]).inc()
             if kind == "site_rejected":
                 self.rejected.labels((event.reason or Reason.OTHER).value).inc()
+            elif kind == "site_buffered" and event.staleness is not None:
+                with self._lock:
+                    self.staleness.labels(job_id).observe(event.staleness)
+                    self._started(job_id)
+
+    def _job_lifecycle(self, job_id: str, kind: str) -> None:
+        """Keep a job's staleness series while it runs and for the RECENT_JOBS jobs that ended last."""
+        with self._lock:
+            if kind in ("job_completed", "job_failed", "job_aborted") and job_id in self._series:
+                self._started(job_id)
+                self._ended.append(job_id)
+                while len(self._ended) > RECENT_JOBS:
+                    gone = self._ended.pop(0)
+                    self._series.discard(gone)
+                    self.staleness.remove(gone)
+
+    def _started(self, job_id: str) -> None:
+        """The job has a series and is running (again, after a resume): not among the ended ones."""
+        self._series.add(job_id)
+        if job_id in self._ended:
+            self._ended.remove(job_id)
 
     def _finish(self, job_id: str, outcome: str) -> None:
         with self._lock:

@@ -274,6 +274,21 @@ def job_summary(row: JobRow) -> admin_pb2.JobSummary:
                                 created_unix_s=row.created, updated_unix_s=row.updated, strategy=row.strategy)
 
 
+def job_detail(store, job_id: str) -> admin_pb2.JobDetail:
+    """What `plexus job show`, `metrics` and `plot` read of a job: its rounds (an asynchronous job's versions),
+    its tasks' outcomes and every metric it recorded."""
+    row = store.job(job_id)
+    rounds = [admin_pb2.RoundInfo(round=r, status=f"{status}" if kind == "train" else f"{status} (evaluation)",
+                                  opened_unix_s=opened, closed_unix_s=closed or 0.0,
+                                  contributors=json.loads(contributors), total_samples=samples, message=message)
+              for r, kind, status, opened, closed, contributors, samples, message in store.rounds(row.id)]
+    events = [admin_pb2.SiteStatus(site=s, status=st, round=r, reason=reason)
+              for s, st, r, reason in store.site_events(row.id)]
+    metrics = [admin_pb2.MetricRow(round=r, site=s, kind=k, name=n, value=v) for r, s, k, n, v in store.metrics(row.id)]
+    return admin_pb2.JobDetail(summary=job_summary(row), config_yaml=row.config_yaml, rounds=rounds,
+                               site_events=events, metrics=metrics)
+
+
 class AdminService(admin_pb2_grpc.AdminServicer):
     def __init__(self, engine: Engine, auth: Authenticator, *, chunk_bytes: int, audit=None,
                  watchdog: SendWatchdog | None = None):
@@ -293,17 +308,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 
     @guarded(kind="admin", min_role="viewer")
     def GetJob(self, request, context, *, who):
-        row = self.store.job(request.job_id)
-        rounds = [admin_pb2.RoundInfo(round=r, status=f"{status}" if kind == "train" else f"{status} (evaluation)",
-                                      opened_unix_s=opened, closed_unix_s=closed or 0.0,
-                                      contributors=json.loads(contributors), total_samples=samples, message=message)
-                  for r, kind, status, opened, closed, contributors, samples, message in self.store.rounds(row.id)]
-        events = [admin_pb2.SiteStatus(site=s, status=st, round=r, reason=reason)
-                  for s, st, r, reason in self.store.site_events(row.id)]
-        metrics = [admin_pb2.MetricRow(round=r, site=s, kind=k, name=n, value=v)
-                   for r, s, k, n, v in self.store.metrics(row.id)]
-        return admin_pb2.JobDetail(summary=job_summary(row), config_yaml=row.config_yaml, rounds=rounds,
-                                   site_events=events, metrics=metrics)
+        return job_detail(self.store, request.job_id)
 
     @guarded(kind="admin", min_role="viewer")
     def WatchJob(self, request, context, *, who):

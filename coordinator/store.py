@@ -308,10 +308,12 @@ class Store:
 
     def close_round(self, job_id: str, round_: int, *, status: str, contributors: list[str], total_samples: int,
                     message: str, job_update: dict | None = None, event: tuple[str, str] | None = None,
-                    late: str = "before the round closed", flushed: list[str] = ()) -> None:
+                    late: str = "before the round closed", flushed: list[str] = (),
+                    metrics: Mapping[tuple[int, str, str, str], float] | None = None) -> None:
         """Close a round, and in the same transaction move the job on (its current round, status). Tasks
         still unanswered become late, their reason "no update/evaluation result/answer " + `late`.
-        `flushed`: asynchronous tasks whose buffered updates this round's model took in (buffered → submitted)."""
+        `flushed`: asynchronous tasks whose buffered updates this round's model took in (buffered → submitted);
+        `metrics`: job-level metrics of the round (record_metrics' keys), written with it."""
         statements = [(f"UPDATE tasks SET status = 'submitted' WHERE status = 'buffered' AND task_id IN "
                        f"({', '.join('?' * len(flushed))})", tuple(flushed))] if flushed else []
         statements += [
@@ -322,6 +324,9 @@ class Store:
              " WHEN 'evaluate' THEN 'no evaluation result ' ELSE 'no answer ' END || ?"
              " WHERE job_id = ? AND round = ? AND status = 'issued'", (self.clock(), late, job_id, round_)),
         ]
+        statements += [("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?, ?, ?)",
+                        (job_id, key_round, site, kind, name, float(value)))
+                       for (key_round, site, kind, name), value in (metrics or {}).items()]
         if job_update:
             cols = ", ".join(f"{k} = ?" for k in job_update)
             statements.append((f"UPDATE jobs SET {cols}, updated = ? WHERE id = ?",

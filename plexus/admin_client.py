@@ -152,3 +152,63 @@ def mean_metrics(detail: admin_pb2.JobDetail, kind: str) -> dict[int, dict[str, 
             total = sum(weights[s] for s in have)
             out[round_][name] = sum(sites[s][name] * weights[s] for s in have) / total if total else float("nan")
     return out
+
+
+def async_spec(detail: admin_pb2.JobDetail):
+    """The job's `asynchronous:` block (plexus.config.AsyncSpec), or None for a synchronous job. A config this
+    CLI cannot read (one written by a coordinator of another version) is None too: the job is shown as any
+    job is, its rounds and metrics as they are."""
+    from plexus.config import parse_round_config
+    from plexus.errors import ConfigError
+
+    try:
+        return parse_round_config(detail.config_yaml, source=f"job {detail.summary.job_id}").asynchronous
+    except ConfigError:
+        return None
+
+
+def async_ledger(detail: admin_pb2.JobDetail) -> dict[int, dict[str, dict[str, float]]]:
+    """An asynchronous job's flush records (kind "async"): version -> site ("" for the version as a whole) ->
+    name -> value (updates, staleness_mean, staleness_<τ>, contributions, refused_stale)."""
+    out: dict[int, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    for m in detail.metrics:
+        if m.kind == "async":
+            out[m.round][m.site][m.name] = m.value
+    return out
+
+
+def staleness_counts(ledger: dict[int, dict[str, dict[str, float]]]) -> dict[int, int]:
+    """τ -> how many updates the versions in `ledger` took in at that staleness, every τ from 0 to the largest."""
+    counts: dict[int, int] = defaultdict(int)
+    for sites in ledger.values():
+        for name, value in sites.get("", {}).items():
+            tau = name.removeprefix("staleness_")
+            if tau != name and tau.isdigit():
+                counts[int(tau)] += int(value)
+    return {tau: counts[tau] for tau in range(max(counts) + 1)} if counts else {}
+
+
+def async_view(detail: admin_pb2.JobDetail) -> dict | None:
+    """What `job show` tells of an asynchronous job (None for a synchronous one), JSON-ready: its settings, its
+    version, each site's updates in the versions made and its updates refused as too stale, the staleness
+    histogram of those updates, and the updates waiting in the buffer of the next version."""
+    from dataclasses import asdict
+
+    spec = async_spec(detail)
+    if spec is None:
+        return None
+    ledger = async_ledger(detail)
+    sites: dict[str, dict[str, int]] = defaultdict(lambda: {"contributions": 0, "refused_stale": 0})
+    for per_site in ledger.values():
+        for site, values in per_site.items():
+            for name in ("contributions", "refused_stale"):
+                if site and name in values:
+                    sites[site][name] += int(values[name])
+    s = detail.summary
+    return {"mode": asdict(spec), "version": s.current_round, "versions": s.rounds,
+            "sites": [{"site": site, **sites[site]} for site in sorted(sites)],
+            "refused_stale": sum(int(v.get("", {}).get("refused_stale", 0)) for v in ledger.values()),
+            "staleness": [{"staleness": tau, "updates": n} for tau, n in staleness_counts(ledger).items()],
+            "buffer": {"version": s.current_round + 1,
+                       "updates": [{"site": e.site, "from_version": e.round} for e in detail.site_events
+                                   if e.status == "buffered"]}}

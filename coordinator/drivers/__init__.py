@@ -2,9 +2,9 @@
 
 The engine owns the lock, its thread, the job queue and the public calls; it hands the active job to a
 driver and asks it, under the engine lock, what to do. `SyncRounds` (drivers/sync.py) is the synchronous
-round cycle. The protocol is kept small so that other drivers fit behind it too: an asynchronous one
-(updates folded as they come, weighted by staleness, tasks not tied to a round) or a split-learning
-session; neither exists yet.
+round cycle; `AsyncRounds` (drivers/async_.py) makes model versions from staleness-weighted buffers of
+updates, its tasks not tied to a round. The protocol is kept small so that other drivers (a
+split-learning session) fit behind it too.
 """
 
 from __future__ import annotations

@@ -349,6 +349,8 @@ class AsyncRounds:
     def stop(self, why: str, *, dropped: bool = False) -> None:
         self.ended = True
         self._cut_all(why)
+        if not dropped:   # aborted or failed: the buffer will never be flushed (a dropped one is, on resume)
+            self._discard(f"the job stopped ({why})")
         if dropped:
             self.ctx.store.close_round(self.job_id, self.version + 1, status="failed", message=why,
                                        contributors=[m.site for m in self.buffer.members], total_samples=0)
@@ -464,8 +466,7 @@ class AsyncRounds:
                    + ", ".join(f"{m.site}={m.tau}" for m in buffer.members))
         store.close_round(self.job_id, version, status="closed", contributors=[m.site for m in buffer.members],
                           total_samples=samples, message=message, job_update={"current_round": version},
-                          flushed=[m.task_id for m in buffer.members])
-        store.record_metrics(self.job_id, self._ledger(buffer, taus))
+                          flushed=[m.task_id for m in buffer.members], metrics=self._ledger(buffer, taus))
         store.prune_checkpoints(self.job_id, version - self.spec.max_staleness)
         self.ctx.saved(version)
         self.row = store.job(self.job_id)
@@ -582,12 +583,7 @@ class AsyncRounds:
         site evaluates the final model."""
         self.finishing = why
         self._cut_all(f"job {self.job_id} ended training ({why})")
-        for m in self.buffer.members:
-            self.ctx.store.finish_task(m.task_id, TaskStatus.DISCARDED,
-                                       f"training ended ({why}) before the buffer of version {self.buffer.version} "
-                                       "filled; the update is in no model", job_id=self.job_id, round_=m.base,
-                                       site=m.site)
-        self.buffer.members.clear()
+        self._discard(f"training ended ({why})")
         for site, grant in list(self.outstanding.items()):
             if grant.kind == TaskKind.TRAIN:
                 self._refuse(site, grant, TaskStatus.STALE, f"training ended ({why})", None)
@@ -613,8 +609,17 @@ class AsyncRounds:
         self.ctx.notify()
         return 0.0
 
+    def _discard(self, why: str) -> None:
+        """The unflushed buffer's updates will never be in a model: recorded as discarded, with why."""
+        for m in self.buffer.members:
+            self.ctx.store.finish_task(m.task_id, TaskStatus.DISCARDED,
+                                       f"{why} before the buffer of version {self.buffer.version} filled; the "
+                                       "update is in no model", job_id=self.job_id, round_=m.base, site=m.site)
+        self.buffer.members.clear()
+
     def _fail(self, message: str) -> None:
         self._cut_all(message)
+        self._discard(f"the job failed ({message})")
         self.ctx.store.close_round(self.job_id, self.buffer.version, status="failed", message=message,
                                    contributors=[m.site for m in self.buffer.members], total_samples=0,
                                    job_update={"status": JobStatus.FAILED, "message": message},

@@ -101,7 +101,7 @@ def _job_submit(args) -> int:
         summary = client.submit(text)
         print(json.dumps(_summary_dict(summary)) if args.json else f"submitted job {summary.job_id}")
         if args.wait:
-            return _follow(client, summary.job_id, args.json)
+            return follow(client, summary.job_id, args.json)
     return 0
 
 
@@ -116,64 +116,190 @@ def _job_list(args) -> int:
 
 
 def _job_show(args) -> int:
-    from plexus.admin_client import epsilon_by_round, mean_eval, noise_reproducible
-    from plexus.dp import NOT_PRIVATE
-
     with _client(args) as client:
         detail = client.job(args.job_id)
+    print_job(detail, as_json=args.json)
+    return 0
+
+
+def print_job(detail, *, as_json: bool = False) -> None:
+    """What `plexus job show` prints of a JobDetail."""
+    from plexus.admin_client import async_view, epsilon_by_round, mean_eval, noise_reproducible
+    from plexus.dp import NOT_PRIVATE
+
     evals = mean_eval(detail)
-    if args.json:
+    view = async_view(detail)
+    if as_json:
         from google.protobuf.json_format import MessageToDict
 
-        print(json.dumps(MessageToDict(detail, preserving_proto_field_name=True), indent=2))
-        return 0
+        out = MessageToDict(detail, preserving_proto_field_name=True)
+        if view is not None:
+            out["asynchronous"] = view
+        print(json.dumps(out, indent=2))
+        return
     s = detail.summary
-    print(printable(f"job {s.job_id}  ({s.name}, {s.strategy})  status: {s.status}  "
-                    f"round {s.current_round}/{s.rounds}"))
+    where = f"version {s.current_round} of {s.rounds}" if view else f"round {s.current_round}/{s.rounds}"
+    print(printable(f"job {s.job_id}  ({s.name}, {s.strategy})  status: {s.status}  {where}"))
+    if view is not None:
+        print(f"  {_async_mode(view['mode'])}")
     if s.message:
         print(f"  {printable(s.message)}")
     if noise_reproducible(detail):
         print(f"  WARNING: {NOT_PRIVATE}")
     eps = epsilon_by_round(detail)
-    rows = [{"round": r.round, "status": r.status, "sites": len(r.contributors), "samples": r.total_samples,
-             "secs": f"{r.closed_unix_s - r.opened_unix_s:.2f}" if r.closed_unix_s else "",
-             **({"epsilon": f"{eps[r.round]:.3f}"} if r.round in eps else {}),
-             **{f"eval_{k}": f"{v:.4f}" for k, v in evals.get(r.round - 1, {}).items()}} for r in detail.rounds]
-    if rows:
+    if view is not None:
+        _show_async(detail, view, eps, evals)
+    elif detail.rounds:
+        rows = [{"round": r.round, "status": r.status, "sites": len(r.contributors), "samples": r.total_samples,
+                 "secs": _secs(r), **_evaluated(r.round, eps, evals)} for r in detail.rounds]
         print("\nrounds (eval_* = the incoming global model on the sites' held-out rows):")
         table(list(dict.fromkeys(k for r in rows for k in r)), rows)
-    issues = [e for e in detail.site_events if e.status not in ("submitted", "evaluated")]
+    # An update in the unflushed buffer is waiting, not missing: _show_async lists it.
+    issues = [e for e in detail.site_events if e.status not in ("submitted", "evaluated", "buffered")]
     if issues:
         print("\nsites that did not contribute:")
         table(["round", "site", "status", "reason"],
                [{"round": e.round, "site": e.site, "status": e.status, "reason": e.reason} for e in issues])
-    return 0
+
+
+def _async_mode(mode: dict) -> str:
+    """The settings line of an asynchronous job, as its job_started event words them."""
+    fn = mode["staleness"]
+    params = {"polynomial": f" (a={fn['a']:g})", "hinge": f" (a={fn['a']:g}, b={fn['b']:g})"}.get(fn["fn"], "")
+    text = (f"asynchronous: buffer {mode['buffer']}, max staleness {mode['max_staleness']}, staleness "
+            f"{fn['fn']}{params}")
+    return text + (f", mixing {mode['mixing']:g}" if mode.get("mixing") is not None else "")
+
+
+_BAR = 40   # characters of the longest bar of a staleness histogram
+
+
+def _secs(r) -> str:
+    return f"{r.closed_unix_s - r.opened_unix_s:.2f}" if r.closed_unix_s else ""
+
+
+def _evaluated(round_: int, eps: dict, evals: dict) -> dict:
+    """A round's ε after it, and the incoming model's held-out metrics (those of the round before)."""
+    return {**({"epsilon": f"{eps[round_]:.3f}"} if round_ in eps else {}),
+            **{f"eval_{k}": f"{v:.4f}" for k, v in evals.get(round_ - 1, {}).items()}}
+
+
+def _show_async(detail, view: dict, eps: dict, evals: dict) -> None:
+    """An asynchronous job's versions, its sites' shares and refusals, its staleness histogram, its buffer."""
+    from plexus.admin_client import async_ledger
+
+    ledger = async_ledger(detail)
+    rows = []
+    for r in detail.rounds:   # a version's figures are recorded at its flush: none for an open or failed one
+        whole = ledger.get(r.round, {}).get("", {})
+        flushed = {"updates": int(whole["updates"]), "sites": len(set(r.contributors)),
+                   "samples": r.total_samples, "staleness_mean": f"{whole['staleness_mean']:.2f}",
+                   "refused_stale": int(whole.get("refused_stale", 0))} if "updates" in whole else {}
+        rows.append({"version": r.round, "status": r.status, **flushed, "secs": _secs(r),
+                     **_evaluated(r.round, eps, evals)})
+    if rows:
+        print("\nversions (eval_* = the version before, on the sites' held-out rows):")
+        columns = ["version", "status", "updates", "sites", "samples", "staleness_mean", "refused_stale", "secs"]
+        table(list(dict.fromkeys([*columns, *(k for r in rows for k in r)])), rows)
+    if view["sites"]:
+        print("\nsites (updates in the versions made; refused_stale: older than max staleness):")
+        table(["site", "contributions", "refused_stale"], view["sites"])
+    if view["staleness"]:
+        made = sorted(ledger)
+        which = f"version {made[0]}" if len(made) == 1 else f"versions {made[0]}-{made[-1]}"
+        top = max(b["updates"] for b in view["staleness"])
+        print(f"\nstaleness of the updates in {which} (versions behind the newest when taken in):")
+        width = len(str(view["staleness"][-1]["staleness"]))
+        for b in view["staleness"]:
+            bar = "#" * (round(_BAR * b["updates"] / top) if b["updates"] else 0)
+            print(f"  {b['staleness']:>{width}}  {bar:<{_BAR}}  {b['updates']}")
+    waiting = view["buffer"]["updates"]
+    if waiting:
+        held = ", ".join(f"{u['site']} from version {u['from_version']}" for u in waiting)
+        print("\n" + printable(f"buffer of version {view['buffer']['version']}: {len(waiting)} of "
+                                f"{view['mode']['buffer']} updates ({held})"))
 
 
 def _job_watch(args) -> int:
     with _client(args) as client:
-        return _follow(client, args.job_id, args.json)
+        return follow(client, args.job_id, args.json)
 
 
-def _follow(client, job_id: str, as_json: bool) -> int:
+def follow(client, job_id: str, as_json: bool) -> int:
+    """Print a job's events as they happen (`job watch`, `submit --wait`); the exit status says how it ended."""
+    from plexus.admin_client import async_spec
+
     status = "unknown"
+    asynchronous = async_spec(client.job(job_id)) is not None
     for event in client.watch(job_id):
         status = event.summary.status
         # A round's close reports the global model it started from, evaluated by the sites on their held-out
-        # rows, and the local models the sites trained in it; the job's end, the final global model.
-        metrics = _closed_round_metrics(client.job(job_id), event.round) \
-            if event.kind in ("round_closed", "job_completed") else {}
+        # rows, and the local models the sites trained in it; the job's end, the final global model. A
+        # version's close, also the staleness of its updates and the stale ones refused meanwhile.
+        metrics = {}
+        if event.kind in ("round_closed", "job_completed"):
+            detail = client.job(job_id)
+            if asynchronous and event.kind == "round_closed":
+                flush = _flush_record(detail, event.round)
+                metrics = {**_closed_round_metrics(detail, event.round), **flush}
+            else:
+                metrics = _closed_round_metrics(detail, event.round)
         if as_json:
             print(json.dumps({"at": event.unix_s, "kind": event.kind, "round": event.round, "site": event.site,
                               "message": event.message, "status": status, **metrics}), flush=True)
         else:
             when = time.strftime("%H:%M:%S", time.localtime(event.unix_s))
-            where = f" round {event.round}" if event.round else ""
-            who = f" {event.site}" if event.site else ""
             # Metric names are only those in _SHOWN: the lines added below them print as they are.
-            print(printable(f"[{when}]{where} {event.kind}{who}: {event.message}")
-                  + _metrics_text(metrics, event.round), flush=True)
+            line = _async_line(event, when) if asynchronous else _event_line(event, when)
+            print(printable(line) + _metrics_text(metrics, event.round, asynchronous), flush=True)
     return 0 if status in ("completed", "budget_reached") else 1
+
+
+def _event_line(event, when: str) -> str:
+    where = f" round {event.round}" if event.round else ""
+    who = f" {event.site}" if event.site else ""
+    return f"[{when}]{where} {event.kind}{who}: {event.message}"
+
+
+# What became of an asynchronous update (never of an evaluation); its round is the version it trained from.
+_UPDATE_OUTCOMES = ("site_buffered", "site_rejected", "site_discarded")
+
+
+def _async_line(event, when: str) -> str:
+    """An asynchronous job's event, in versions: a version made (or failed), what became of an update (which
+    version it trained from, and why: a stale refusal says how many versions old it was). Other site events
+    keep their task's round; the job's own events name their version in their message."""
+    kind, round_, site, message = event.kind, event.round, event.site, event.message
+    if kind == "round_closed":
+        return f"[{when}] version {round_} made: {message}"
+    if kind == "round_failed":
+        return f"[{when}] version {round_} failed: {message}"
+    if kind == "round_opened":   # its message is the round's kind (Store.open_round): the final evaluation's
+        return (f"[{when}] round {round_} opened: every online site evaluates the final model" if message == "evaluate"
+                else f"[{when}] buffer of version {round_} opened")
+    if kind in _UPDATE_OUTCOMES and site:
+        return f"[{when}] {site}: update from version {round_} {kind[5:]}: {message}"
+    if kind.startswith("site_"):
+        return _event_line(event, when)
+    return f"[{when}] {kind}: {message}"
+
+
+def _flush_record(detail, version: int) -> dict:
+    """The flush record of `version` for `job watch`, from a job detail read after the version's close (the
+    coordinator writes the record in the same transaction)."""
+    from plexus.admin_client import async_ledger, staleness_counts
+
+    ledger = async_ledger(detail)
+    if version not in ledger:
+        return {}
+    per_site = ledger[version]
+    whole = per_site.get("", {})
+    return {"flush": {
+        "version": version, "updates": int(whole.get("updates", 0)), "staleness_mean": whole.get("staleness_mean"),
+        "staleness": [{"staleness": t, "updates": n} for t, n in staleness_counts({version: per_site}).items()],
+        "contributions": {s: int(v["contributions"]) for s, v in sorted(per_site.items()) if "contributions" in v},
+        "refused_stale": {s: int(v["refused_stale"]) for s, v in sorted(per_site.items())
+                          if s and v.get("refused_stale")}}}
 
 
 _SHOWN = ("accuracy", "auc", "loss", "train_loss")
@@ -195,19 +321,31 @@ def _closed_round_metrics(detail, round_: int) -> dict:
     return out
 
 
-def _metrics_text(metrics: dict, round_: int) -> str:
+def _metrics_text(metrics: dict, round_: int, asynchronous: bool = False) -> str:
     def values(named: dict) -> str:
         return " ".join(f"{k}={v:.4f}" for k, v in named.items())
 
     parts = []
+    if "flush" in metrics:
+        f = metrics["flush"]
+        text = "staleness " + " ".join(f"{b['staleness']}:{b['updates']}" for b in f["staleness"])
+        if f["staleness_mean"] is not None:
+            text += f" (mean {f['staleness_mean']:.2f})"
+        refused = f["refused_stale"]
+        if refused:
+            text += (f"; refused as stale while it filled: {sum(refused.values())} ("
+                     + " ".join(f"{s}={n}" for s, n in refused.items()) + ")")
+        parts.append(printable(text))
+    model, local = ("version", "in version") if asynchronous else ("global model of round", "of round")
     if "global_model" in metrics:
         g = metrics["global_model"]
-        parts.append(f"global model of round {g['round']} on the sites' held-out rows: {values(g['eval'])}")
+        parts.append(f"{model} {g['round']} on the sites' held-out rows: {values(g['eval'])}")
     if "local_models" in metrics:
         m = metrics["local_models"]
-        parts.append(f"sites' local models of round {m['round']}: {values(m['train'])}")
+        parts.append(f"sites' local models {local} {m['round']}: {values(m['train'])}")
     if "epsilon" in metrics:
-        parts.append(f"privacy spent after round {round_}: epsilon={metrics['epsilon']:.3f}")
+        after = "version" if asynchronous else "round"
+        parts.append(f"privacy spent after {after} {round_}: epsilon={metrics['epsilon']:.3f}")
     return "".join(f"\n    {part}" for part in parts)
 
 

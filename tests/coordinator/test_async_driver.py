@@ -148,6 +148,16 @@ def test_a_full_buffer_makes_the_next_version_from_the_staleness_weighted_mean_d
     assert [e.status for e in r.store.site_events(r.job_id)].count("submitted") == 4   # buffered → submitted
 
 
+def test_a_versions_ledger_is_committed_with_its_close(rig):
+    r = rig(asynchronous="{buffer: 1}")
+    seen = []
+    r.store.subscribe(lambda event: seen.append(
+        {m.name for m in r.store.metrics(r.job_id) if m.kind == "async" and m.round == event.round})
+        if event.kind == "round_closed" else None)
+    r.send("a", r.start("a")["a"], [1] * 4)
+    assert seen == [{"updates", "staleness_mean", "staleness_0", "refused_stale", "contributions"}]
+
+
 def test_the_flush_is_the_same_bits_whatever_order_the_updates_arrive_in(rig):
     models = set()
     for flip in (False, True):

@@ -9,10 +9,11 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.events import Event
-from coordinator.metrics import CoordinatorMetrics, latest_global
+from coordinator.metrics import RECENT_JOBS, CoordinatorMetrics, latest_global
 from coordinator.server import Coordinator
 from plexus.config import CoordinatorConfig
 from plexus.errors import Reason
@@ -86,6 +87,51 @@ def test_rejections_are_labelled_by_their_reason_code(message, code, reason):
     m.on_event(Event("j", "site_rejected", 1, "evil", message, reason=code))
     assert _value(m, "plexus_updates_rejected_total", reason=reason) == 1
     assert _value(m, "plexus_site_results_total", outcome="rejected") == 1
+
+
+def test_the_staleness_histogram_counts_every_buffered_update_in_its_bucket():
+    m = CoordinatorMetrics(store=_Store(), online_sites=set)
+    for tau in (0, 0, 1, 2, 3, 5, 7, 9, 13, 20):
+        m.on_event(Event("j", "site_buffered", 1, "a", "in the buffer", actor="site:a", staleness=tau))
+    m.on_event(Event("j", "site_rejected", 1, "b", "too old", reason=Reason.STALE))
+    text = generate_latest(m.registry).decode()
+    buckets = [line for line in text.splitlines() if line.startswith("plexus_async_update_staleness_")
+               and "_created" not in line]
+    assert buckets == [
+        'plexus_async_update_staleness_bucket{job="j",le="0.0"} 2.0',
+        'plexus_async_update_staleness_bucket{job="j",le="1.0"} 3.0',
+        'plexus_async_update_staleness_bucket{job="j",le="2.0"} 4.0',
+        'plexus_async_update_staleness_bucket{job="j",le="3.0"} 5.0',
+        'plexus_async_update_staleness_bucket{job="j",le="4.0"} 5.0',
+        'plexus_async_update_staleness_bucket{job="j",le="6.0"} 6.0',
+        'plexus_async_update_staleness_bucket{job="j",le="8.0"} 7.0',
+        'plexus_async_update_staleness_bucket{job="j",le="12.0"} 8.0',
+        'plexus_async_update_staleness_bucket{job="j",le="16.0"} 9.0',
+        'plexus_async_update_staleness_bucket{job="j",le="+Inf"} 10.0',
+        'plexus_async_update_staleness_count{job="j"} 10.0',
+        'plexus_async_update_staleness_sum{job="j"} 60.0']
+    assert "# TYPE plexus_async_update_staleness histogram" in text
+    # A stale refusal is a rejected update with its reason code, on the counter every refusal is on.
+    assert 'plexus_updates_rejected_total{reason="stale"} 1.0' in text
+    assert 'plexus_site_results_total{outcome="buffered"} 10.0' in text
+
+
+def test_staleness_series_are_kept_for_running_jobs_and_the_recently_ended_ones():
+    m = CoordinatorMetrics(store=_Store(), online_sites=set)
+
+    def count(job: str):
+        return m.registry.get_sample_value("plexus_async_update_staleness_count", {"job": job})
+
+    jobs = [f"j{i}" for i in range(RECENT_JOBS + 2)]
+    for job in jobs:
+        m.on_event(Event(job, "site_buffered", 1, "a", "", staleness=1))
+    m.on_event(Event("sync", "job_completed", 2, "", "done"))   # no series: ending it removes nothing
+    for job in jobs[:-1]:
+        m.on_event(Event(job, "job_completed", 2, "", "done"))
+    assert count(jobs[0]) is None and count(jobs[1]) == 1 and count(jobs[-1]) == 1
+    m.on_event(Event(jobs[1], "site_buffered", 2, "a", "", staleness=0))   # resumed: running again
+    m.on_event(Event(jobs[-1], "job_failed", 2, "", "no site answered"))
+    assert count(jobs[1]) == 2 and count(jobs[2]) == 1 and count(jobs[-1]) == 1
 
 
 def test_latest_global_metric_is_the_newest_evaluated_round_weighted_by_rows():

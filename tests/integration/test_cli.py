@@ -11,12 +11,14 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import grpc
 import pytest
 
 from plexus.cli import main as cli, parser
 from plexus.config import DatasetSpec, load_site_config
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
 
-from integration.harness import heart_job
+from integration.harness import heart_job, scaled, wait_until
 
 
 def _admin_args(fed, name="ops"):
@@ -137,6 +139,59 @@ def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
     sites = json.loads(capsys.readouterr().out)
     assert [(s["site"], s["online"], s["datasets"]) for s in sites] == [("a", True, "heart-disease"),
                                                                        ("b", True, "heart-disease")]
+
+
+ASYNC_JOB = """\
+name: fedbuff
+model: {name: logistic, args: {in_features: 13, num_classes: 2}}
+data: {dataset: heart-disease}
+rounds: 2
+sites: {min: 3, deadline_s: 30}
+asynchronous: {buffer: 2, max_staleness: 0, staleness: {fn: hinge, a: 0.5, b: 1}}
+seed: 0
+"""
+
+
+def test_an_asynchronous_job_through_the_cli_reads_in_versions(federation, tmp_path, capsys):
+    """Raw sites over gRPC + mTLS: versions 1 and 2 from a and b, c's update from version 0 refused as stale."""
+    sites = {name: federation.raw_site(name) for name in "abc"}
+    for site in sites.values():
+        site.join()
+    federation.wait_online(*sites)
+    job_id = federation.admin().submit(ASYNC_JOB).job_id
+    tasks = {name: site.next_task() for name, site in sites.items()}
+    _, v0 = sites["a"].fetch(tasks["a"])
+    for name in "ab":
+        sites[name].submit(tasks[name], v0)
+    wait_until(lambda: federation.store.job(job_id).current_round == 1, scaled(10), "version 1")
+    with pytest.raises(grpc.RpcError, match="1 versions old; asynchronous.max_staleness is 0"):
+        sites["c"].submit(tasks["c"], v0)
+    for name in "ab":
+        sites[name].submit(sites[name].next_task(), v0)
+    for site in sites.values():   # the final evaluation, by every online site
+        site.report(site.next_task(), fpb.RESULT_EVALUATED)
+    assert federation.wait_job(job_id, scaled(20)) == "completed"
+
+    assert cli(["job", "show", job_id, *_admin_args(federation, "viewer")]) == 0
+    out = capsys.readouterr().out
+    assert f"job {job_id}  (fedbuff, fedavg)  status: completed  version 2 of 2\n" in out
+    assert "  asynchronous: buffer 2, max staleness 0, staleness hinge (a=0.5, b=1)\n" in out
+    assert f"\nstaleness of the updates in versions 1-2 (versions behind the newest when taken in):\n" \
+           f"  0  {'#' * 40}  4\n" in out
+    sites_table = out.split("\nsites (")[1].split("\n\n")[0].splitlines()[2:]
+    assert [line.split() for line in sites_table] == [["a", "2", "0"], ["b", "2", "0"], ["c", "0", "1"]]
+
+    assert cli(["job", "show", job_id, "--json", *_admin_args(federation, "viewer")]) == 0
+    view = json.loads(capsys.readouterr().out)["asynchronous"]
+    assert (view["version"], view["refused_stale"], view["staleness"]) == (2, 1, [{"staleness": 0, "updates": 4}])
+
+    assert cli(["job", "watch", job_id, *_admin_args(federation, "viewer")]) == 0
+    out = capsys.readouterr().out
+    assert "] version 1 made: 2 update(s), 20 samples, staleness a=0, b=0\n    staleness 0:2 (mean 0.00)\n" in out
+    assert "] version 2 made: 2 update(s), 20 samples, staleness a=0, b=0\n    staleness 0:2 (mean 0.00); " \
+           "refused as stale while it filled: 1 (c=1)\n" in out
+    assert "] c: update from version 0 rejected: the update was computed from version 0, 1 versions old; " \
+           "asynchronous.max_staleness is 0" in out
 
 
 def test_abort_and_role_errors_read_clearly(federation, tmp_path, capsys):
