@@ -51,6 +51,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -437,8 +438,38 @@ def run_one(case: Case, method_name: str, seed: int, root: Path, horizon: float 
             "updates_accepted": sum(t["outcome"] == "accepted" for t in trace.tasks),
             # refused while training went on (too stale); tasks still running when it ended are not counted
             "refused": sum(t["outcome"] != "accepted" and t["end"] <= finish for t in trace.tasks),
+            "sites": site_summary(case, trace.tasks), "staleness": staleness_histogram(trace.tasks),
             "real_s_per_step": trace.train_s / max(1, trace.steps), "steps": trace.steps,
             "simulate_s": simulated, "evaluate_s": time.monotonic() - t0 - simulated}
+
+
+def site_summary(case: Case, tasks: list[dict]) -> dict:
+    """Per site: tasks run, updates accepted, virtual seconds per task, and the staleness of its accepted updates."""
+    out = {}
+    for site in case.sites:
+        mine = [t for t in tasks if t["site"] == site]
+        taus = [t["tau"] for t in mine if t["outcome"] == "accepted"]
+        out[site] = {"slowdown": case.slowdown[site], "tasks": len(mine), "accepted": len(taus),
+                     "task_s": float(np.mean([t["end"] - t["start"] for t in mine])) if mine else None,
+                     "mean_tau": float(np.mean(taus)) if taus else None, "max_tau": max(taus, default=None)}
+    return out
+
+
+def staleness_histogram(tasks: list[dict]) -> dict[int, int]:
+    """τ -> accepted updates with that staleness."""
+    counts: dict[int, int] = {}
+    for t in tasks:
+        if t["outcome"] == "accepted":
+            counts[t["tau"]] = counts.get(t["tau"], 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def for_json(run: dict) -> dict:
+    """A run as the results file keeps it: the scored versions as [version, t, updates, accuracy] rows, and
+    the per-site summary instead of every task."""
+    kept = {k: v for k, v in run.items() if k not in ("versions", "tasks")}
+    return {**kept, "versions_made": run["versions"][-1]["version"],
+            "curve": [[v["version"], v["t"], v["updates"], v["accuracy"]] for v in evaluated(run)]}
 
 
 def async_driver_present() -> bool:
@@ -487,7 +518,9 @@ def summarise(case: Case, runs: list[dict]) -> dict:
         times = [time_to(r, case.target) for r in mine]
         ratios = [_ratio(t, time_to(sync[r["seed"]], case.target)) for r, t in zip(mine, times)]
         best = [max(evaluated(r), key=lambda v: v["accuracy"]) for r in mine]
-        taus = [t["tau"] for r in mine for t in r["tasks"]]
+        taus = Counter()
+        for r in mine:
+            taus.update(r["staleness"])
         out[name] = {
             "label": METHODS[name].label,
             "time_to_target": stats(times), "ratio_to_sync": stats(ratios),
@@ -497,7 +530,8 @@ def summarise(case: Case, runs: list[dict]) -> dict:
             "best_acc": stats([b["accuracy"] for b in best]), "time_to_best": stats([b["t"] for b in best]),
             "updates_by_sync_finish": stats([float(_last(r["versions"], lambda v, r=r: v["t"] <= sync[r["seed"]]
                                                          ["finish_t"] + 1e-9)["updates"]) for r in mine]),
-            "mean_staleness": float(np.mean(taus)) if taus else 0.0, "max_staleness": max(taus, default=0),
+            "mean_staleness": sum(t * n for t, n in taus.items()) / max(1, taus.total()),
+            "max_staleness": max(taus, default=0),
             "refused": sum(r["refused"] for r in mine),
         }
     return out
@@ -647,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
                        "slowdown": case.slowdown, "eval_every": case.eval_every,
                        "eval_every_after": case.eval_every_after,
                        "methods": {m: METHODS[m].asynchronous for m in case.methods}, **case.setup},
-            "summary": summary, "runs": mine,
+            "summary": summary, "runs": [for_json(r) for r in mine],
             "real_s_per_step": float(np.mean([r["real_s_per_step"] for r in mine])),
         }
         print(f"\n{c}: {case.model['name']} {case.model['args']}, train {case.train}, sync R={case.rounds} "
@@ -657,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in goal(case, summary):
             print(line)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "async_tradeoff.json").write_text(json.dumps(results, indent=1) + "\n")
+    # One line: ~10k curve points; indented, every number would take a line of its own.
+    (args.out / "async_tradeoff.json").write_text(json.dumps(results) + "\n")
     chart([case_for(c, args.quick) for c in cases], runs, args.out / "async_tradeoff.png")
     print(f"\nwall time {results['wall_s']:.0f}s on {os.cpu_count()} CPU(s), {args.jobs} worker(s); results in "
           f"{args.out / 'async_tradeoff.json'} and {args.out / 'async_tradeoff.png'}")

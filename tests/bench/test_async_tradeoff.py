@@ -55,6 +55,10 @@ def test_sync_rounds_run_through_the_engine_on_virtual_time(tiny, tmp_path):
     starts = sorted({t["start"] for t in run["tasks"]})
     assert starts == pytest.approx([0.0, slowest])   # round 2 opens for everyone once site-0's update is in
 
+    sites = run["sites"]
+    assert sites["site-0"]["task_s"] == pytest.approx(slowest) and sites["site-0"]["accepted"] == 2
+    assert run["staleness"] == {0: 16}
+
     # The summaries read the same records.
     assert accuracy_at_updates(run, tiny.updates) == run["versions"][-1]["accuracy"]
     assert accuracy_at_time(run, slowest) == run["versions"][1]["accuracy"]
