@@ -26,7 +26,7 @@ MAX_SHARE_VALUE_BYTES = 80   # a share value mod 2**521 - 1 fits in 66 bytes
 MAX_JOIN_NAMES = 256         # models, datasets (and their row counts) one site may advertise
 MAX_JOIN_NAME_CHARS = 64     # a model or dataset name, and the agent version
 _RESULTS = {fpb.RESULT_EVALUATED: TaskStatus.EVALUATED, fpb.RESULT_DECLINED: TaskStatus.DECLINED,
-            fpb.RESULT_FAILED: TaskStatus.FAILED}
+            fpb.RESULT_FAILED: TaskStatus.FAILED, fpb.RESULT_TRAINED: TaskStatus.TRAINED}
 
 
 def model_stream(job_id: str, round_: int, served: ServedModel, chunk_bytes: int):
@@ -201,7 +201,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
     @guarded(kind="site")
     def ReportResult(self, request, context, *, who):
         if request.status not in _RESULTS:
-            raise IntegrityError("result status must be EVALUATED, DECLINED or FAILED")
+            raise IntegrityError("result status must be EVALUATED, DECLINED, FAILED or TRAINED")
         result = TaskResult(task=_binding(request), status=_RESULTS[request.status], reason=request.reason,
                             eval_metrics=dict(request.eval_metrics))
         return fpb.ResultReply(message=self.engine.report(who.name, result))
@@ -257,7 +257,8 @@ def _binding(message) -> Binding:
 def _payload_proto(p: dict) -> fpb.SecAggPayload:
     return fpb.SecAggPayload(adverts=[advert_to_proto(a) for a in p.get("adverts", [])], threshold=p["threshold"],
                              total_weight=p["total_weight"], clip=p["clip"], frac_bits=p["frac_bits"],
-                             shares_for_you=p.get("shares_for_you", {}), u2=p.get("u2", []), u3=p.get("u3", []))
+                             shares_for_you=p.get("shares_for_you", {}), u2=p.get("u2", []), u3=p.get("u3", []),
+                             version=p.get("version", 0))
 
 
 def _chunks(messages):

@@ -157,7 +157,7 @@ class AsyncRounds:
                 if cfg.privacy.dp is not None and cfg.privacy.dp.reproducible_noise:
                     store.event(row.id, "dp_not_private", 0, "", NOT_PRIVATE)
             else:
-                discarded = store.buffered(row.id)
+                discarded = store.unflushed(row.id)
                 version = row.current_round
                 for task in discarded:
                     store.finish_task(task.task_id, TaskStatus.DISCARDED,
