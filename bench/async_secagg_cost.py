@@ -1,6 +1,6 @@
 """Asynchronous secure aggregation's cost per flush, against plain asynchronous buffers (same K, same model).
 
-    python -m bench.async_secagg_cost [--sizes 100K,1M] [--buffers 3,5] [--flushes 4] [--out FILE]
+    python -m bench.async_secagg_cost [--sizes 100K,1M] [--buffers 3,5] [--flushes 4] [--repeats 3] [--out FILE]
 
 One process, no sockets: the real AsyncRounds driver over a real Store (in a temporary folder), driven the
 way the engine and the gRPC servicers drive it (the same task, payload, update-header and SecAgg message
@@ -8,10 +8,12 @@ conversions, ownership and binding checks), and K in-memory sites whose training
 (plexus.secagg.SiteSession does a secure site's protocol work). Every site takes part in every flush, on
 the newest version (τ = 0).
 
-Per flush (the median over flushes 2..F; the first pays one-off costs) it reports:
+Plain and secure runs alternate `--repeats` times. Per flush (the median over flushes 2..F of every
+repeat; the first flush of a run pays one-off costs) it reports:
 - coordinator CPU: the thread time of everything the coordinator does for the flush: handing out tasks,
   serving the model, folding updates (plain) or masked inputs (secure), checking and relaying adverts and
-  shares, unmasking, the version write, and its side of the protobuf conversions;
+  shares, unmasking, the version write, and its side of the protobuf conversions; and the same without the
+  checkpoint write (the same in both, and the noisiest part: it goes to disk);
 - site CPU, summed over the K sites (secure: keys, shares, masking, reveals; both: the model's decoding);
 - bytes on the wire: every RPC message of the flush in both directions (NextTask, FetchModel, SubmitUpdate,
   ReportResult, SecAgg and their replies) as serialised protobuf plus gRPC's 5-byte message prefix, without
@@ -67,10 +69,10 @@ SECAGG_BODY = {"advert": TaskKind.SECAGG_ADVERTISE, "shares": TaskKind.SECAGG_SH
 
 
 class Meter:
-    """CPU seconds by party, and bytes and messages on the wire."""
+    """CPU seconds by party (and of the coordinator's checkpoint writes), and bytes and messages on the wire."""
 
     def __init__(self):
-        self.cpu = {"coordinator": 0.0, "sites": 0.0}
+        self.cpu = {"coordinator": 0.0, "sites": 0.0, "checkpoint": 0.0}
         self.bytes = 0
         self.messages = 0
 
@@ -87,8 +89,8 @@ class Meter:
             self.bytes += message.ByteSize() + GRPC_PREFIX
             self.messages += 1
 
-    def snapshot(self) -> tuple[float, float, int, int]:
-        return self.cpu["coordinator"], self.cpu["sites"], self.bytes, self.messages
+    def snapshot(self) -> tuple[float, float, float, int, int]:
+        return self.cpu["coordinator"], self.cpu["sites"], self.cpu["checkpoint"], self.bytes, self.messages
 
 
 class Federation:
@@ -97,6 +99,12 @@ class Federation:
     def __init__(self, root: Path, *, size: int, buffer: int, secure: bool, versions: int, meter: Meter):
         self.meter = meter
         self.store = Store(root / "state")
+        write = self.store.save_checkpoint_blob
+
+        def timed_write(*args, **kwargs):
+            with meter.on("checkpoint"):
+                return write(*args, **kwargs)
+        self.store.save_checkpoint_blob = timed_write   # measured apart: the same work in both modes
         self.presence = Presence(threading.RLock(), online_window_s=1e9, monotonic=time.monotonic)
         ctx = Context(store=self.store, presence=self.presence, clock=time.time, monotonic=time.monotonic,
                       notify=lambda: None, models=None, model_limits=None)
@@ -232,8 +240,9 @@ class Site:
         return fed.secagg(self.name, message)
 
 
-def measure(size: int, buffer: int, flushes: int, *, secure: bool, root: Path) -> dict:
-    """Run `flushes` + 1 flushes; per flush after the first: coordinator CPU, site CPU, bytes, messages."""
+def measure(size: int, buffer: int, flushes: int, *, secure: bool, root: Path) -> list[tuple]:
+    """Run `flushes` + 1 flushes; per flush after the first: (coordinator CPU, site CPU, checkpoint-write CPU,
+    bytes, messages)."""
     meter = Meter()
     fed = Federation(root / ("secure" if secure else "plain"), size=size, buffer=buffer, secure=secure,
                      versions=flushes + 2, meter=meter)
@@ -254,11 +263,15 @@ def measure(size: int, buffer: int, flushes: int, *, secure: bool, root: Path) -
         fed.tick()
         if fed.driver.version != before:
             marks.append(meter.snapshot())
-    per = [tuple(b - a for a, b in zip(marks[i - 1], marks[i])) for i in range(2, len(marks))]
     fed.store.close()
+    return [tuple(b - a for a, b in zip(marks[i - 1], marks[i])) for i in range(2, len(marks))]
+
+
+def summary(per: list[tuple]) -> dict:
     return {"coordinator_cpu_s": statistics.median(p[0] for p in per),
+            "coordinator_cpu_without_checkpoint_s": statistics.median(p[0] - p[2] for p in per),
             "sites_cpu_s": statistics.median(p[1] for p in per),
-            "bytes": statistics.median(p[2] for p in per), "messages": statistics.median(p[3] for p in per),
+            "bytes": statistics.median(p[3] for p in per), "messages": statistics.median(p[4] for p in per),
             "per_flush": per}
 
 
@@ -267,27 +280,34 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="100K,1M")
     ap.add_argument("--buffers", default="3,5")
     ap.add_argument("--flushes", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rows = []
-    print(f"{'model':>6} {'K':>3}  {'coordinator CPU / flush':>27}  {'bytes on the wire / flush':>33}  "
-          f"{'site CPU / flush (all K)':>26}")
-    print(f"{'':>6} {'':>3}  {'plain':>8} {'secure':>8} {'ratio':>8}  {'plain':>10} {'secure':>10} {'ratio':>9}  "
-          f"{'plain':>8} {'secure':>8} {'ratio':>7}")
+    print("per flush, median; CPU in ms; 'w/o ckpt': without the checkpoint write; bytes: protobuf + gRPC prefix")
+    print(f"{'model':>6} {'K':>3} | {'coordinator CPU':^22} | {'coordinator w/o ckpt':^22} | "
+          f"{'bytes on the wire (MiB)':^26} | {'site CPU, all K':^20}")
+    print(f"{'':>6} {'':>3} | {'plain':>6} {'secure':>7} {'ratio':>6} | {'plain':>6} {'secure':>7} {'ratio':>6} | "
+          f"{'plain':>8} {'secure':>8} {'ratio':>7} | {'plain':>5} {'secure':>6} {'ratio':>6}")
     with tempfile.TemporaryDirectory(prefix="plexus-async-secagg-") as tmp:
         for size in (parse_size(s) for s in args.sizes.split(",")):
             for buffer in (int(k) for k in args.buffers.split(",")):
-                case = Path(tmp) / f"{size}-{buffer}"
-                plain = measure(size, buffer, args.flushes, secure=False, root=case / "plain")
-                secure = measure(size, buffer, args.flushes, secure=True, root=case / "secure")
+                runs = {False: [], True: []}
+                for repeat in range(args.repeats):   # alternating, so drifting load hits both alike
+                    for secure in (False, True):
+                        case = Path(tmp) / f"{size}-{buffer}-{repeat}-{secure}"
+                        runs[secure] += measure(size, buffer, args.flushes, secure=secure, root=case)
+                plain, secure = summary(runs[False]), summary(runs[True])
                 rows.append({"size": size, "buffer": buffer, "model_bytes": 4 * size, "plain": plain,
                              "secure": secure})
                 pc, sc = plain["coordinator_cpu_s"], secure["coordinator_cpu_s"]
+                pw, sw = plain["coordinator_cpu_without_checkpoint_s"], secure["coordinator_cpu_without_checkpoint_s"]
                 pb, sb = plain["bytes"], secure["bytes"]
                 ps, ss = plain["sites_cpu_s"], secure["sites_cpu_s"]
-                print(f"{label(size):>6} {buffer:>3}  {pc * 1e3:6.1f}ms {sc * 1e3:6.1f}ms {sc / pc:7.2f}x  "
-                      f"{pb / 2**20:7.2f}MiB {sb / 2**20:7.2f}MiB {sb / pb:8.4f}x  "
-                      f"{ps * 1e3:6.0f}ms {ss * 1e3:6.0f}ms {ss / ps:6.1f}x", flush=True)
+                print(f"{label(size):>6} {buffer:>3} | {pc * 1e3:6.1f} {sc * 1e3:7.1f} {sc / pc:5.2f}x | "
+                      f"{pw * 1e3:6.1f} {sw * 1e3:7.1f} {sw / pw:5.2f}x | "
+                      f"{pb / 2**20:8.2f} {sb / 2**20:8.2f} {sb / pb:6.4f}x | "
+                      f"{ps * 1e3:5.0f} {ss * 1e3:6.0f} {ss / max(ps, 1e-6):5.1f}x", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
     return 0
