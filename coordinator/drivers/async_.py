@@ -986,7 +986,7 @@ class AsyncRounds:
         return self.ctx.presence.rows(self.cfg.data.dataset)
 
     def _online(self) -> set[str]:
-        return (self.ctx.presence.online() | set(self.outstanding)) - self._declined
+        return (self.ctx.presence.online() | set(self.busy())) - self._declined
 
     def _round_view(self, round_: int, model_round: int) -> SimpleNamespace:
         """What site_metrics reads of a round: where train and eval metrics go, and the eval weights' caps."""
