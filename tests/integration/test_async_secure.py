@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from coordinator.tasks import site_seed
+from plexus import pki, staleness
 from plexus.accounting import client_epsilon
-from plexus.config import parse_round_config
+from plexus.config import PolicySpec, StalenessSpec, parse_round_config
 from plexus.datasets import heart_disease
+from plexus.identity import load_kit
 from plexus.models import build_model, load_numpy_state, state_to_numpy
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.secagg import frac_bits
+from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto, frac_bits
 from site_agent.training import train_local
 
 from integration.harness import HOSPITAL_OF, scaled, wait_until
-from integration.test_secure_aggregation import CLIP, DropsOut, masked_inputs, start_agent  # noqa: F401
+from integration.rogue import rogue_federation, site_agents
+from integration.test_secure_aggregation import CLIP, DropsOut, masked_inputs, start_agent  # noqa: F401  (fixture)
 
 ASYNC_SECURE_JOB = """\
 name: {name}
@@ -51,7 +55,7 @@ def first_updates(job_yaml: str, sites) -> tuple[dict, dict[str, dict], dict[str
     return initial, deltas, samples
 
 
-def test_an_asynchronous_secure_job_makes_its_versions_from_cohorts_of_three(federation, masked_inputs):
+def test_an_asynchronous_secure_job_makes_its_versions_from_cohorts_of_three(federation, masked_inputs):  # noqa: F811
     for name in "abcd":
         start_agent(federation, name)
     federation.wait_online(*"abcd")
@@ -112,3 +116,60 @@ def test_distributed_dp_under_cohorts_counts_each_flush_at_q_1(federation):
     eps = {m.round: m.value for m in detail.metrics if m.kind == "privacy" and m.name == "epsilon"}
     assert eps[2] == client_epsilon(1.0, [1.0, 1.0], 1e-5) and eps[1] < eps[2]
     assert not [m for m in detail.metrics if m.kind in ("train", "eval") and m.site]   # no per-site metrics
+
+
+COHORT_JOB = """\
+name: cohort
+model: {name: logistic, args: {in_features: 13, num_classes: 2}}
+data: {dataset: heart-disease}
+rounds: 10
+sites: {min: 4}
+train: {epochs: 1, batch_size: 32, optimizer: {name: sgd, lr: 0.1}}
+asynchronous: {buffer: 4, max_staleness: 2}
+privacy: {secure_aggregation: true, dp: {mode: distributed, noise_multiplier: 1.0, clip_norm: 1.0}}
+"""
+
+
+@pytest.fixture
+def rogue(tmp_path):
+    with rogue_federation(tmp_path, "rogue-cohort") as coordinator:
+        yield coordinator
+
+
+def test_against_a_lying_coordinator_a_site_weighs_itself_and_never_unmasks_below_its_noise_floor(rogue, tmp_path):
+    """The site computes τ from the version it is told and refuses τ > max_staleness; it signs s(τ)·1 (DP); and
+    having drawn its distributed-noise share for max(t, sites.min) = 4 survivors, it reveals nothing for 3."""
+    job, cohort, clip = "cohort-0123abcd", 102, 4.0
+    with site_agents(rogue, tmp_path / "site" / "state") as start:
+        start(PolicySpec(allowed_models=("logistic",)))
+        assert rogue.ask(job, COHORT_JOB, round_=1).what == "RESULT_TRAINED"        # from version 0: nothing sent
+        stale = rogue.ask(job, COHORT_JOB, round_=100, kind=fpb.TASK_SECAGG_ADVERTISE, model_round=0,
+                          secagg=fpb.SecAggPayload(version=3))
+        assert stale.what == "RESULT_FAILED" and "would be 3 versions old" in stale.reason, stale
+        missing = rogue.ask(job, COHORT_JOB, round_=101, kind=fpb.TASK_SECAGG_ADVERTISE, model_round=5,
+                            secagg=fpb.SecAggPayload(version=6))
+        assert missing.what == "RESULT_FAILED" and "no update trained from version 5" in missing.reason
+        got = rogue.ask(job, COHORT_JOB, round_=cohort, kind=fpb.TASK_SECAGG_ADVERTISE, model_round=0,
+                        secagg=fpb.SecAggPayload(version=2))
+        weight = staleness.fixed_weight(StalenessSpec(), 2, 1)                   # s(2)·1: DP weighs sites equally
+        assert got.what == "advert" and got.message.advert.num_samples == weight == 37837
+
+        kits = {n: load_kit(pki.add_site(rogue.root, n)) for n in "bcd"}
+        others = {n: SiteSession(job, cohort, n) for n in "bcd"}
+        adverts = [advert_from_proto(got.message.advert)] + [
+            others[n].advertise(weight, kits[n].key_pem, kits[n].cert_pem) for n in "bcd"]
+        total = sum(a.num_samples for a in adverts)
+        common = dict(threshold=3, total_weight=total, clip=clip, frac_bits=frac_bits(clip), version=2)
+        shared = rogue.ask(job, COHORT_JOB, round_=cohort, kind=fpb.TASK_SECAGG_SHARE, model_round=0,
+                           secagg=fpb.SecAggPayload(adverts=[advert_to_proto(a) for a in adverts], **common))
+        assert shared.what == "shares"
+        outbox = {n: others[n].share(adverts, threshold=3, total_weight=total, ca_pem=kits[n].ca_pem) for n in "bcd"}
+        u2 = ["a", "b", "c", "d"]
+        masked = rogue.ask(job, COHORT_JOB, round_=cohort, kind=fpb.TASK_SECAGG_MASKED_INPUT, model_round=0,
+                           secagg=fpb.SecAggPayload(shares_for_you={n: outbox[n]["a"] for n in "bcd"}, u2=u2,
+                                                    **common))
+        assert masked.what == "update"
+        refused = rogue.ask(job, COHORT_JOB, round_=cohort, kind=fpb.TASK_SECAGG_UNMASK, model_round=0,
+                            secagg=fpb.SecAggPayload(u2=u2, u3=["a", "b", "c"], **common))
+        assert refused.what == "RESULT_FAILED", refused
+        assert "fewer than the 4 this site's share of the distributed DP noise was drawn for" in refused.reason
