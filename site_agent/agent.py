@@ -289,7 +289,7 @@ class SiteAgent:
             pending.session.receive_shares(dict(payload.shares_for_you))
             delta = pending.delta
             if pending.noise:   # an asynchronous cohort's share of distributed DP noise, for its own size
-                pending.floor = max(payload.threshold, job.sites.min)
+                pending.floor = max(pending.session.threshold, job.sites.min)   # t as checked at share()
                 delta = _cohort_noise(pending.layout, delta, job, task, pending.floor)
             masked = pending.session.mask(_pieces(delta), clip=payload.clip, bits=payload.frac_bits)
             self._submit_masked(stub, task, pending.layout, masked)

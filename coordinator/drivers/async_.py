@@ -900,19 +900,20 @@ class AsyncRounds:
         answered = sorted(s for s, o in cohort.outcomes.items() if o == TaskStatus.BUFFERED)
         try:
             following = sec.advance(answered, cohort.participants)
-            if sec.phase == SecaggPhase.DONE:
-                self._cohort_done(cohort)
-                return
+            # Σ_{U3} w·Δ / Σ_{U3} w, and Σ_{U3} w in 2^-16 units (w = quanta(τ)·n)
+            unmasked = sec.result() if sec.phase == SecaggPhase.DONE else None
         except PlexusError as exc:   # too few members answered a phase, or too few honest shares
             self._drop_cohort(cohort, f"cohort {cohort.round} failed: {exc}")
             return
-        self._open_phase(cohort, following, now)
+        if unmasked is not None:
+            self._cohort_done(cohort, *unmasked, now)
+        else:
+            self._open_phase(cohort, following, now)
 
-    def _cohort_done(self, cohort: Cohort) -> None:
-        """The survivors' weighted mean, unmasked, renormalised to FedBuff's Σ s·n·Δ / Σ n, becomes the next
-        version by the same write as a plain buffer's flush."""
+    def _cohort_done(self, cohort: Cohort, delta: dict[str, np.ndarray], weight: int, now: float) -> None:
+        """The survivors' weighted mean `delta` (of total weight `weight`), renormalised to FedBuff's
+        Σ s·n·Δ / Σ n, becomes the next version by the same write as a plain buffer's flush."""
         sec, store = cohort.secure, self.ctx.store
-        delta, weight = sec.result()   # Σ_{U3} w·Δ / Σ_{U3} w, and Σ_{U3} w in 2^-16 units (w = quanta(τ)·n)
         for site, reason in sorted(sec.rejected.items()):   # their masked inputs are in the sum all the same
             store.finish_task(cohort.grants[site].task_id, TaskStatus.REJECTED, bounded(reason), job_id=self.job_id,
                               round_=cohort.round, site=site)
@@ -934,7 +935,7 @@ class AsyncRounds:
         state = self._step(self._moved({name: d * scale for name, d in delta.items()}))
         self.cohort = None
         following = self._new_buffer(buffer.version + 1, open_round=False)
-        note = (f"; secure cohort {cohort.round} of {len(cohort.members)}"
+        note = (f"; secure cohort {cohort.round} of {len(cohort.members)} in {now - cohort.started:.1f} s"
                 + (f", dropped: {', '.join(dropped)}" if dropped else ""))
         v = buffer.version
         self._write_version(state, following, note=note,

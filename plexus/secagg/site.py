@@ -70,6 +70,11 @@ class SiteSession:
         self._masked = False
         self._revealed: tuple[frozenset[str], dict[str, tuple[str, int, int]]] | None = None
 
+    @property
+    def threshold(self) -> int:
+        """The threshold t this site checked (a majority of U1) and dealt its shares with; 0 before share()."""
+        return self._threshold
+
     def advertise(self, num_samples: int, private_key_pem: bytes, cert_pem: bytes) -> Advert:
         """Sign this site's public keys and sample count with its certificate's key."""
         if self._advert is not None:
