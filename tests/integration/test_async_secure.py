@@ -99,8 +99,9 @@ def test_a_member_that_drops_out_mid_cohort_is_recovered_and_the_version_still_m
     for name, x in initial.items():                 # τ = 0 for all: s = 1, FedAvg's sample-weighted mean
         expected = x + sum(samples[s] * deltas[s][name] for s in "abc") / total
         np.testing.assert_allclose(got[name], expected, rtol=0, atol=bound + 1e-6)
-    discarded = [e for e in detail.site_events if e.site == "d" and e.status == "discarded"]
-    assert discarded and "dropped out of cohort" in discarded[0].reason
+    # (d may also have trained again, once out of the cohort: that update is discarded as training ended)
+    discarded = [e.reason for e in detail.site_events if e.site == "d" and e.status == "discarded"]
+    assert any("dropped out of cohort" in reason for reason in discarded), discarded
     federation.admin().abort(job_id)
 
 
