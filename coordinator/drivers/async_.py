@@ -931,7 +931,7 @@ class AsyncRounds:
                               f"dropped out of cohort {cohort.round} before its masked input was in; the update, "
                               "kept at the site, is in no model", job_id=self.job_id, round_=t.base, site=site)
         samples = sum(m.samples for m in buffer.members)
-        scale = weight * staleness.QUANTUM / samples * (self.spec.mixing or 1.0)
+        scale = weight * staleness.QUANTUM / samples   # Σ w·2^-16 = Σ s·n over the survivors (no mixing: K ≥ 3)
         state = self._step(self._moved({name: d * scale for name, d in delta.items()}))
         self.cohort = None
         following = self._new_buffer(buffer.version + 1, open_round=False)
