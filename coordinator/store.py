@@ -341,8 +341,8 @@ class Store:
                   ("UPDATE rounds SET status = 'interrupted', closed = ? WHERE status = 'open'", (self.clock(),))])
 
     def unflushed(self, job_id: str) -> list[TaskRow]:
-        """An asynchronous job's tasks that no version has taken in yet: updates in its buffer ('buffered'),
-        and under secure aggregation updates kept at their sites ('trained') and a cohort's answers."""
+        """An asynchronous job's updates that no version has taken in yet: in its buffer ('buffered'), or under
+        secure aggregation kept at their sites for a cohort ('trained')."""
         return [TaskRow(*r) for r in self._all(
             "SELECT task_id, job_id, round, site, kind, nonce, status FROM tasks WHERE job_id = ?"
             " AND status IN ('buffered', 'trained') ORDER BY issued", (job_id,))]

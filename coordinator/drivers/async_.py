@@ -179,11 +179,10 @@ class AsyncRounds:
                     store.finish_task(task.task_id, TaskStatus.DISCARDED, _unflushed(task, version),
                                       job_id=row.id, round_=task.round, site=task.site)
                 store.void_issued(row.id)
-                updates = sum(1 for task in discarded if task.kind == TaskKind.TRAIN)
                 what = ("update(s) waiting for or in an unflushed cohort" if cfg.privacy.secure_aggregation
                         else "buffered update(s)")
                 store.event(row.id, "job_resumed", version, "",
-                            f"resuming asynchronously from version {version}; {updates} {what} discarded and "
+                            f"resuming asynchronously from version {version}; {len(discarded)} {what} discarded and "
                             "requested again")
             row = store.job(row.id)
         except (ConfigError, NotFound, IntegrityError) as exc:   # e.g. a damaged checkpoint: fail, never retry
@@ -826,7 +825,7 @@ class AsyncRounds:
             self._cohort_record(cohort, site, grant, TaskStatus.REJECTED, str(exc), code=exc.reason)
             raise
         self.last_answer = self.ctx.monotonic()
-        self._cohort_record(cohort, site, grant, TaskStatus.BUFFERED,
+        self._cohort_record(cohort, site, grant, TaskStatus.SUBMITTED,
                             f"{answer.body} in cohort {cohort.round} (version {cohort.version + 1})", metrics)
         return f"{answer.body} for cohort {cohort.round} accepted"
 
@@ -857,7 +856,7 @@ class AsyncRounds:
                               "complete")
         upload.accept()
         self.last_answer = self.ctx.monotonic()
-        self._cohort_record(cohort, site, grant, TaskStatus.BUFFERED,
+        self._cohort_record(cohort, site, grant, TaskStatus.SUBMITTED,
                             f"masked input in cohort {cohort.round} (version {cohort.version + 1})")
         return f"masked input for cohort {cohort.round} accepted"
 
@@ -873,16 +872,17 @@ class AsyncRounds:
 
     def _cohort_record(self, cohort: Cohort, site: str, grant: TaskGrant, status: TaskStatus, reason: str,
                        metrics: dict | None = None, *, code: Reason | None = None) -> None:
-        """A member's answer (or its absence) in the current phase; an accepted one is `buffered` until the
-        cohort's version is written."""
+        """A member's answer (or its absence) in the current phase. The answers are recorded as a synchronous
+        round's phases are (submitted, late, ...); what becomes of the update they carry is recorded on the
+        member's training task (trained, then submitted or discarded)."""
         cohort.outcomes[site] = status
         if self.outstanding.get(site) is grant:
             del self.outstanding[site]
-        if status == TaskStatus.BUFFERED:
-            cohort.answered.append((grant.task_id, site))
-        self.ctx.store.finish_task(grant.task_id, status, bounded(reason), job_id=self.job_id, round_=grant.round,
+        # An update's outcome is evented at the version it trained from, as `job watch` reads it.
+        event_round = cohort.members[site].base if status == TaskStatus.REJECTED else grant.round
+        self.ctx.store.finish_task(grant.task_id, status, bounded(reason), job_id=self.job_id, round_=event_round,
                                    site=site, metrics=metrics, code=code)
-        if status != TaskStatus.BUFFERED:
+        if status != TaskStatus.SUBMITTED:
             log.info("job %s cohort %d site %s: %s (%s)", self.job_id, cohort.round, site, status, reason)
         self.ctx.notify()
 
@@ -897,7 +897,7 @@ class AsyncRounds:
         for site, (upload, cut) in list(cohort.receiving.items()):   # masked inputs still arriving: out of the sum
             cut(RoundClosed(f"the mask phase of cohort {cohort.round} ended before the masked input was complete"))
             upload.withdraw()
-        answered = sorted(s for s, o in cohort.outcomes.items() if o == TaskStatus.BUFFERED)
+        answered = sorted(s for s, o in cohort.outcomes.items() if o == TaskStatus.SUBMITTED)
         try:
             following = sec.advance(answered, cohort.participants)
             # Σ_{U3} w·Δ / Σ_{U3} w, and Σ_{U3} w in 2^-16 units (w = quanta(τ)·n)
@@ -916,7 +916,7 @@ class AsyncRounds:
         sec, store = cohort.secure, self.ctx.store
         for site, reason in sorted(sec.rejected.items()):   # their masked inputs are in the sum all the same
             store.finish_task(cohort.grants[site].task_id, TaskStatus.REJECTED, bounded(reason), job_id=self.job_id,
-                              round_=cohort.round, site=site)
+                              round_=cohort.members[site].base, site=site)
             log.warning("job %s cohort %d site %s: rejected (%s)", self.job_id, cohort.round, site, reason)
         survivors = list(sec.u3)
         buffer = self.buffer
@@ -939,13 +939,13 @@ class AsyncRounds:
                 + (f", dropped: {', '.join(dropped)}" if dropped else ""))
         v = buffer.version
         self._write_version(state, following, note=note,
-                            flushed=[m.task_id for m in buffer.members] + [t for t, _ in cohort.answered],
+                            flushed=[m.task_id for m in buffer.members],
                             ledger={(v, "", "async", "cohort_round"): float(cohort.round),
                                     (v, "", "async", "cohort_dropped"): float(len(dropped))})
 
     def _drop_cohort(self, cohort: Cohort, why: str) -> None:
-        """A cohort that makes no version: its members' updates and its answers are discarded, with why, and the
-        members are given new training tasks."""
+        """A cohort that makes no version: its members' updates are discarded, with why (its unanswered tasks
+        turn stale), and the members are given new training tasks."""
         store = self.ctx.store
         self.cohort = None
         for _, cut in list(cohort.receiving.values()):
@@ -955,9 +955,6 @@ class AsyncRounds:
                 del self.outstanding[site]
                 store.finish_task(grant.task_id, TaskStatus.STALE, bounded(why), job_id=self.job_id,
                                   round_=grant.round, site=site)
-        for task_id, site in cohort.answered:
-            store.finish_task(task_id, TaskStatus.DISCARDED, bounded(f"{why}; the answer is in no model"),
-                              job_id=self.job_id, round_=cohort.round, site=site)
         for site, t in cohort.members.items():
             store.finish_task(t.task_id, TaskStatus.DISCARDED,
                               bounded(f"{why}; the update, kept at the site, is in no model, and the site is given "
@@ -1010,8 +1007,5 @@ def _unflushed(task, version: int) -> str:
     if task.status == TaskStatus.TRAINED:
         return ("its update, kept at the site, was waiting for or in a cohort that had not made a version when the "
                 "job stopped; it is in no model, and the site is given a new task")
-    if task.kind != TaskKind.TRAIN:
-        return (f"its answer was part of cohort {task.round}, which had not made version {version + 1} when the job "
-                "stopped; it is in no model")
     return (f"its update was in the unflushed buffer of version {version + 1} when the job stopped; it is in no "
             "model, and the site is given a new task")

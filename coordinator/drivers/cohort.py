@@ -56,7 +56,6 @@ class Cohort:
     deadline: float = 0.0              # monotonic: the current phase ends
     samples: dict[str, int] = field(default_factory=dict)      # site -> n, read from its advert's weight
     receiving: dict[str, tuple[Upload, Callable[[BaseException], None]]] = field(default_factory=dict)
-    answered: list[tuple[str, str]] = field(default_factory=list)   # (task id, site) of accepted answers
 
     def tau(self, site: str) -> int:
         return self.version - self.members[site].base

@@ -18,7 +18,7 @@ from plexus import identity, pki, secagg, staleness
 from plexus.accounting import client_epsilon
 from plexus.config import StalenessSpec, dump_round_config, parse_round_config
 from plexus.dp import add_noise, noise_key
-from plexus.errors import IntegrityError
+from plexus.errors import IntegrityError, RoundClosed
 from plexus.vocab import TaskKind, TaskStatus
 from plexus.wire import encode
 
@@ -359,13 +359,17 @@ def test_a_restart_discards_the_cohort_in_progress_and_never_reuses_its_round(ri
         s[name].advertise()
     r.tick(0)
     old = r.driver.cohort.round
+    share = r.driver.grant("a")
     r.driver = AsyncRounds.take_up(r.ctx, r.store.job(r.job_id))    # SIGKILL, then the job taken up again
     resumed = r.events("job_resumed")[0].message
     assert "4 update(s) waiting for or in an unflushed cohort discarded" in resumed
     statuses = {(e.site, e.round): (e.status, e.reason) for e in r.store.site_events(r.job_id)}
-    assert all(statuses[(n, 0)][0] == "discarded" for n in "abcd")
-    assert statuses[("a", old)] == ("discarded", f"its answer was part of cohort {old}, which had not made version "
-                                                 "1 when the job stopped; it is in no model")
+    assert all(statuses[(n, 0)][0] == "discarded" for n in "abcd")     # the kept updates: in no model
+    assert "waiting for or in a cohort that had not made a version" in statuses[("a", 0)][1]
+    assert statuses[("a", old)][0] == "submitted"                       # its advert was accepted, as in a round
+    assert r.task_status(share.task_id) == "stale"                      # the cohort's open tasks are void
+    with pytest.raises(RoundClosed):
+        r.driver.current("a", share.task_id, share.round, "stale")
     r.driver.tick(r.now)
     for name in "abc":
         s[name].train([1] * 4)
@@ -388,3 +392,16 @@ def test_central_dp_noise_is_added_to_the_cohorts_mean_and_each_flush_is_account
     ledger = {(m.round, m.name): m.value for m in r.store.metrics(r.job_id) if m.kind == "privacy"}
     assert ledger[(1, "sampling_rate")] == 1.0
     assert ledger[(1, "epsilon")] == pytest.approx(client_epsilon(0.5, [1.0], 1e-5))
+
+
+def test_job_show_lists_updates_kept_for_a_cohort_as_waiting_not_missing(rig, capsys):
+    from coordinator.service import job_detail
+    from plexus.cli.admin import print_job
+
+    r = rig(asynchronous="{buffer: 3, max_staleness: 4}")
+    s = r.start("a", "b", "c", "d")
+    two_versions(r, s)                           # version 1 made; d's update from version 0 waits
+    print_job(job_detail(r.store, r.job_id))
+    out = capsys.readouterr().out
+    assert "buffer of version 2: 1 of 3 updates (d from version 0)" in out
+    assert "sites that did not contribute" not in out
