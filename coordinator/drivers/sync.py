@@ -518,6 +518,9 @@ class SyncRounds:
         if result.status == TaskStatus.FAILED:
             self._record(rs, grant, site, TaskStatus.FAILED, reason or "the site reported a failure")
             return "failure recorded"
+        if result.status == TaskStatus.TRAINED:
+            raise FailedPrecondition("`trained` answers a training task of an asynchronous secure job; this job "
+                                     "runs in synchronous rounds")
         if grant.kind != TaskKind.EVALUATE:
             raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
         metrics = kept_metrics(job, site_metrics(rs, site, result.eval_metrics))
