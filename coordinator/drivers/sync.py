@@ -755,6 +755,7 @@ class SyncRounds:
                 for name, current in job.state.items():
                     mean[name] = (current.astype(np.float64) + delta[name]).astype(current.dtype)
                 rs.contributors, rs.samples = list(sec.u3), weight
+                mean = self._central_noise(rs, mean)   # central DP: on the unmasked mean of the survivors
                 self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.state, mean,
                                                               sorted(rs.contributors)))
                 return
