@@ -114,7 +114,8 @@ def test_the_staleness_histogram_counts_every_buffered_update_in_its_bucket():
     assert "# TYPE plexus_async_update_staleness histogram" in text
     # A stale refusal is a rejected update with its reason code, on the counter every refusal is on.
     assert 'plexus_updates_rejected_total{reason="stale"} 1.0' in text
-    assert 'plexus_site_results_total{outcome="buffered"} 10.0' in text
+    assert 'plexus_site_results_total{outcome="buffered"} 9.0' in text
+    assert 'plexus_site_results_total{outcome="trained"} 1.0' in text
 
 
 def test_staleness_series_are_kept_for_running_jobs_and_the_recently_ended_ones():
