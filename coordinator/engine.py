@@ -86,9 +86,6 @@ def validate_job(cfg: RoundConfig, *, build: Path, models: ModelWorker | None = 
     imports torch) into the safetensors file `build` and returns its weights.
     """
     make_strategy(cfg)   # refuses unknown strategies, bad args and combinations that cannot work
-    if cfg.asynchronous is not None and cfg.privacy.secure_aggregation:
-        raise ConfigError("privacy.secure_aggregation: asynchronous cohorts are not available in this coordinator "
-                          "version; run the job synchronously (remove asynchronous)")
     try:
         state = (models or shared_worker()).build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build,
                                                   members=ensemble_members(cfg), limits=limits)

@@ -11,7 +11,7 @@ from plexus.errors import Reason
 
 COORDINATOR = "coordinator"
 # Task outcomes a site reports about itself; the others (rejected, late) are the coordinator's verdict.
-SITE_REPORTED = frozenset({"submitted", "buffered", "declined", "evaluated", "failed"})
+SITE_REPORTED = frozenset({"submitted", "buffered", "trained", "declined", "evaluated", "failed"})
 
 
 def site_actor(name: str) -> str:

@@ -88,7 +88,7 @@ class CoordinatorMetrics:
             self.site_results.labels(kind[5:]).inc()
             if kind == "site_rejected":
                 self.rejected.labels((event.reason or Reason.OTHER).value).inc()
-            elif kind == "site_buffered" and event.staleness is not None:
+            elif kind in ("site_buffered", "site_trained") and event.staleness is not None:   # trained: cohorts
                 with self._lock:
                     self.staleness.labels(job_id).observe(event.staleness)
                     self._started(job_id)

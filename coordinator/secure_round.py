@@ -38,6 +38,7 @@ class SecureRound:
     layout: Layout                 # the model's layout (float tensors)
     spec: SecAggSpec
     min_sites: int
+    max_weight: int = 2 ** 31      # an advert's largest num_samples (an asynchronous cohort's: staleness quanta)
     phase: SecaggPhase = SecaggPhase.ADVERTISE
     adverts: dict[str, Advert] = field(default_factory=dict)
     inbox: dict[str, dict[str, bytes]] = field(default_factory=dict)   # recipient -> sender -> ciphertext
@@ -62,8 +63,8 @@ class SecureRound:
     def on_advert(self, site: str, advert: Advert) -> None:
         if advert.site != site:
             raise IntegrityError(f"advert names site {advert.site!r}, but the caller's certificate is {site!r}")
-        if not 1 <= advert.num_samples <= 2 ** 31:
-            raise IntegrityError(f"num_samples must be between 1 and 2**31; got {advert.num_samples}",
+        if not 1 <= advert.num_samples <= self.max_weight:
+            raise IntegrityError(f"num_samples must be between 1 and {self.max_weight}; got {advert.num_samples}",
                                  reason=Reason.NUM_SAMPLES)
         if len(advert.c_pk) != 32 or len(advert.s_pk) != 32 or len(advert.b_commitment) != 32:
             raise IntegrityError("an advert carries two 32-byte X25519 public keys and a 32-byte commitment")

@@ -11,7 +11,7 @@ from coordinator.engine import Engine
 from coordinator.events import admin_actor
 from coordinator.served import ServedModel
 from coordinator.store import TERMINAL, JobRow
-from coordinator.tasks import Binding, JoinInfo, SecaggAnswer, TaskResult, UpdateHeader
+from coordinator.tasks import Binding, JoinInfo, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader
 from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, SendWatchdog, guarded
@@ -26,7 +26,7 @@ MAX_SHARE_VALUE_BYTES = 80   # a share value mod 2**521 - 1 fits in 66 bytes
 MAX_JOIN_NAMES = 256         # models, datasets (and their row counts) one site may advertise
 MAX_JOIN_NAME_CHARS = 64     # a model or dataset name, and the agent version
 _RESULTS = {fpb.RESULT_EVALUATED: TaskStatus.EVALUATED, fpb.RESULT_DECLINED: TaskStatus.DECLINED,
-            fpb.RESULT_FAILED: TaskStatus.FAILED}
+            fpb.RESULT_FAILED: TaskStatus.FAILED, fpb.RESULT_TRAINED: TaskStatus.TRAINED}
 
 
 def model_stream(job_id: str, round_: int, served: ServedModel, chunk_bytes: int):
@@ -153,11 +153,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         grant = self.engine.next_task(who.name, request.wait_s)
         if grant is None:
             return fpb.Task(kind=fpb.TASK_NONE)
-        return fpb.Task(kind=_KINDS[grant.kind], task_id=grant.task_id, job_id=grant.job_id, round=grant.round,
-                        model_round=grant.model_round, config_yaml=grant.config_yaml, nonce=grant.nonce,
-                        deadline_unix_s=grant.deadline_unix_s, seed=grant.seed,
-                        secagg=_payload_proto(grant.payload) if grant.payload is not None else None,
-                        local_steps=grant.local_steps)
+        return task_message(grant)
 
     @guarded(kind="site")
     def FetchModel(self, request, context, *, who):
@@ -181,27 +177,12 @@ class FederationService(federation_pb2_grpc.FederationServicer):
 
     @guarded(kind="site")
     def SecAgg(self, request, context, *, who):
-        body = request.WhichOneof("body")
-        if body == "advert":
-            value = advert_from_proto(request.advert)
-        elif body == "shares":
-            value = dict(request.shares.ciphertexts)
-        elif body == "reveal":
-            value = {}
-            for r in request.reveal.reveals:
-                if r.peer in value or len(r.y) > MAX_SHARE_VALUE_BYTES:
-                    raise IntegrityError(f"reveal for {r.peer!r} is repeated or oversized")
-                value[r.peer] = (r.kind, r.x, int.from_bytes(r.y, "big"))
-        else:
-            raise IntegrityError("a SecAgg message carries an advert, shares or a reveal")
-        answer = SecaggAnswer(task=_binding(request), body=body, value=value, metrics=dict(request.metrics),
-                              eval_metrics=dict(request.eval_metrics))
-        return fpb.ResultReply(message=self.engine.secagg(who.name, answer))
+        return fpb.ResultReply(message=self.engine.secagg(who.name, secagg_answer(request)))
 
     @guarded(kind="site")
     def ReportResult(self, request, context, *, who):
         if request.status not in _RESULTS:
-            raise IntegrityError("result status must be EVALUATED, DECLINED or FAILED")
+            raise IntegrityError("result status must be EVALUATED, DECLINED, FAILED or TRAINED")
         result = TaskResult(task=_binding(request), status=_RESULTS[request.status], reason=request.reason,
                             eval_metrics=dict(request.eval_metrics))
         return fpb.ResultReply(message=self.engine.report(who.name, result))
@@ -239,6 +220,34 @@ def join_info(request: fpb.JoinRequest) -> JoinInfo:
                     dataset_rows={k: int(v) for k, v in request.dataset_rows.items()})
 
 
+def task_message(grant: TaskGrant) -> fpb.Task:
+    """A grant as NextTask sends it."""
+    return fpb.Task(kind=_KINDS[grant.kind], task_id=grant.task_id, job_id=grant.job_id, round=grant.round,
+                    model_round=grant.model_round, config_yaml=grant.config_yaml, nonce=grant.nonce,
+                    deadline_unix_s=grant.deadline_unix_s, seed=grant.seed,
+                    secagg=_payload_proto(grant.payload) if grant.payload is not None else None,
+                    local_steps=grant.local_steps)
+
+
+def secagg_answer(request: fpb.SecAggMessage) -> SecaggAnswer:
+    """A SecAgg message as the engine reads it: an advert, the shares by recipient, or the reveals by peer."""
+    body = request.WhichOneof("body")
+    if body == "advert":
+        value = advert_from_proto(request.advert)
+    elif body == "shares":
+        value = dict(request.shares.ciphertexts)
+    elif body == "reveal":
+        value = {}
+        for r in request.reveal.reveals:
+            if r.peer in value or len(r.y) > MAX_SHARE_VALUE_BYTES:
+                raise IntegrityError(f"reveal for {r.peer!r} is repeated or oversized")
+            value[r.peer] = (r.kind, r.x, int.from_bytes(r.y, "big"))
+    else:
+        raise IntegrityError("a SecAgg message carries an advert, shares or a reveal")
+    return SecaggAnswer(task=_binding(request), body=body, value=value, metrics=dict(request.metrics),
+                        eval_metrics=dict(request.eval_metrics))
+
+
 def update_header(header: fpb.UpdateHeader) -> UpdateHeader:
     """The header as the engine reads it; a manifest that cannot be read is kept as the error to report,
     so the update is refused (and recorded) with the task it answers."""
@@ -257,7 +266,8 @@ def _binding(message) -> Binding:
 def _payload_proto(p: dict) -> fpb.SecAggPayload:
     return fpb.SecAggPayload(adverts=[advert_to_proto(a) for a in p.get("adverts", [])], threshold=p["threshold"],
                              total_weight=p["total_weight"], clip=p["clip"], frac_bits=p["frac_bits"],
-                             shares_for_you=p.get("shares_for_you", {}), u2=p.get("u2", []), u3=p.get("u3", []))
+                             shares_for_you=p.get("shares_for_you", {}), u2=p.get("u2", []), u3=p.get("u3", []),
+                             version=p.get("version", 0))
 
 
 def _chunks(messages):

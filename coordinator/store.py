@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,9 +312,10 @@ class Store:
                     metrics: Mapping[tuple[int, str, str, str], float] | None = None) -> None:
         """Close a round, and in the same transaction move the job on (its current round, status). Tasks
         still unanswered become late, their reason "no update/evaluation result/answer " + `late`.
-        `flushed`: asynchronous tasks whose buffered updates this round's model took in (buffered → submitted);
-        `metrics`: job-level metrics of the round (record_metrics' keys), written with it."""
-        statements = [(f"UPDATE tasks SET status = 'submitted' WHERE status = 'buffered' AND task_id IN "
+        `flushed`: asynchronous tasks whose buffered updates (under secure aggregation: updates kept at their
+        sites) this round's model took in: buffered or trained → submitted; `metrics`: job-level metrics of the
+        round (record_metrics' keys), written with it."""
+        statements = [(f"UPDATE tasks SET status = 'submitted' WHERE status IN ('buffered', 'trained') AND task_id IN "
                        f"({', '.join('?' * len(flushed))})", tuple(flushed))] if flushed else []
         statements += [
             ("UPDATE rounds SET status = ?, closed = ?, contributors = ?, total_samples = ?, message = ?"
@@ -339,11 +340,19 @@ class Store:
         self._tx([("UPDATE tasks SET status = 'stale' WHERE status = 'issued'", ()),
                   ("UPDATE rounds SET status = 'interrupted', closed = ? WHERE status = 'open'", (self.clock(),))])
 
-    def buffered(self, job_id: str) -> list[TaskRow]:
-        """An asynchronous job's tasks whose updates sit in a buffer that no version has taken in yet."""
+    def unflushed(self, job_id: str) -> list[TaskRow]:
+        """An asynchronous job's updates that no version has taken in yet: in its buffer ('buffered'), or under
+        secure aggregation kept at their sites for a cohort ('trained')."""
         return [TaskRow(*r) for r in self._all(
             "SELECT task_id, job_id, round, site, kind, nonce, status FROM tasks WHERE job_id = ?"
-            " AND status = 'buffered' ORDER BY issued", (job_id,))]
+            " AND status IN ('buffered', 'trained') ORDER BY issued", (job_id,))]
+
+    def last_task_round(self, job_id: str, kinds: Iterable[str]) -> int | None:
+        """The highest round of the job's tasks of these kinds, or None if it has none."""
+        kinds = tuple(kinds)
+        rows = self._all(f"SELECT MAX(round) FROM tasks WHERE job_id = ? AND kind IN ({', '.join('?' * len(kinds))})",
+                         (job_id, *kinds))
+        return rows[0][0] if rows else None
 
     def task_counts(self, job_id: str) -> dict[str, int]:
         """site -> how many tasks of the job it was given."""

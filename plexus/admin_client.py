@@ -191,7 +191,8 @@ def staleness_counts(ledger: dict[int, dict[str, dict[str, float]]]) -> dict[int
 def async_view(detail: admin_pb2.JobDetail) -> dict | None:
     """What `job show` tells of an asynchronous job (None for a synchronous one), JSON-ready: its settings, its
     version, each site's updates in the versions made and its updates refused as too stale, the staleness
-    histogram of those updates, and the updates waiting in the buffer of the next version."""
+    histogram of those updates, and the updates waiting in the buffer of the next version (under secure
+    aggregation: kept at their sites for a cohort)."""
     from dataclasses import asdict
 
     spec = async_spec(detail)
@@ -211,4 +212,4 @@ def async_view(detail: admin_pb2.JobDetail) -> dict | None:
             "staleness": [{"staleness": tau, "updates": n} for tau, n in staleness_counts(ledger).items()],
             "buffer": {"version": s.current_round + 1,
                        "updates": [{"site": e.site, "from_version": e.round} for e in detail.site_events
-                                   if e.status == "buffered"]}}
+                                   if e.status in ("buffered", "trained")]}}

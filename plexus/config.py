@@ -299,7 +299,8 @@ class AsyncSpec:
     time_budget_s: float | None = field(default=None, metadata={**in_range(0, lo_open=True), "omit_none": True})
     target: TargetSpec | None = field(default=None, metadata={"omit_none": True})
     idle_timeout_s: float = field(default=600.0, metadata=in_range(0, lo_open=True))   # no site answered: fail
-    cohort_timeout_s: float = field(default=60.0, metadata=in_range(0, lo_open=True))  # secure aggregation
+    # Secure aggregation: how long the first sites to finish training wait for a cohort of `buffer` to fill.
+    cohort_timeout_s: float = field(default=60.0, metadata=in_range(0, lo_open=True))
 
 
 # Server rules that take a staleness-weighted mean of deltas, so they run asynchronously.
@@ -687,6 +688,14 @@ def _async_problem(cfg: RoundConfig) -> tuple[str, str] | None:
         return "asynchronous", (f"buffer is {spec.buffer}, and under privacy.secure_aggregation each buffer is one "
                                 f"secure sum, which needs at least {MIN_SECURE_COHORT} sites; set buffer to "
                                 f"{MIN_SECURE_COHORT} or more")
+    if cfg.privacy.secure_aggregation and cfg.sites.min > spec.buffer:
+        return "sites", (f"min is {cfg.sites.min}, and under privacy.secure_aggregation a cohort of at most "
+                         f"asynchronous.buffer = {spec.buffer} sites must have that many members; set sites.min "
+                         f"to at most {spec.buffer}, or raise buffer")
+    if cfg.privacy.secure_aggregation and (spec.max_per_buffer or 1) != 1:
+        return "asynchronous", (f"max_per_buffer is {spec.max_per_buffer}, but under privacy.secure_aggregation "
+                                "each buffer is one secure cohort, in which a site takes part once; remove "
+                                "max_per_buffer")
     if cfg.privacy.dp is not None and (spec.max_per_buffer or 1) != 1:
         return "asynchronous", (f"max_per_buffer is {spec.max_per_buffer}, but under privacy.dp a site's share of "
                                 "a buffer's sum must be one clipped update for the noise to cover it; set "

@@ -5,10 +5,10 @@ An update computed from model version vᵢ and aggregated into the buffer of ver
 (Xie et al. 2019): constant 1, polynomial (1 + τ)^−a (FedBuff's 1/√(1 + τ) is a = 0.5), and hinge,
 1 up to τ = b and 1 / (a(τ − b) + 1) after.
 
-s(τ) is rounded down to a multiple of 2^−16 (`QUANTUM`), so every weight s·n (n < 2^31) is a float64 with
+s(τ) is rounded down to a multiple of 2^−16 (`QUANTUM`), so every weight s·n (n ≤ 2^31) is a float64 with
 at most 47 significant bits and any sum of them is exact: a buffer's total weight, and so its mean, is the
 same whatever order its updates arrived in. `fixed_weight` is the same weight as an integer count of
-quanta, for the secure-aggregation adverts that carry integer weights.
+quanta, for the secure-aggregation adverts that carry integer weights (at most `MAX_FIXED_WEIGHT`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from plexus.config import StalenessSpec
 
 QUANTUM_BITS = 16
 QUANTUM = 2.0 ** -QUANTUM_BITS
+# The largest advert weight of an asynchronous secure cohort: fixed_weight(s, τ, n) with s(τ) ≤ 1 and n at most
+# 2^31 (every update's num_samples bound), so 2^47. A float64 holds it exactly, and a cohort's total (at most
+# asynchronous.buffer ≤ 10_000 < 2^14 adverts) stays below 2^61, inside the uint64 total_weight on the wire
+# and the 8-byte integers an advert's signature covers.
+MAX_FIXED_WEIGHT = 2 ** (QUANTUM_BITS + 31)
 
 
 def raw(spec: StalenessSpec, tau: int) -> float:

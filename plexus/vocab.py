@@ -31,7 +31,8 @@ class TaskStatus(enum.StrEnum):
     REJECTED = "rejected"
     LATE = "late"
     STALE = "stale"
-    BUFFERED = "buffered"     # asynchronous: accepted into the unflushed buffer of the next version
+    BUFFERED = "buffered"     # asynchronous: accepted into the unflushed buffer (or cohort) of the next version
+    TRAINED = "trained"       # asynchronous secure aggregation: trained; the update is kept at the site for a cohort
     DISCARDED = "discarded"   # asynchronous: was in a buffer that was never flushed (a restart, the job's end)
 
 

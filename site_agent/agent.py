@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 import grpc
 import numpy as np
 
-from plexus import __version__, transport
+from plexus import __version__, staleness, transport
 from plexus.config import SITE_BACKOFF_CAP_S, SITE_BACKOFF_JITTER, DataSpec, RoundConfig, SiteConfig, parse_round_config
 from plexus.datasets import DataError, Split, csv_train_rows, load_for_job
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
-from plexus.errors import FailedPrecondition
+from plexus.errors import FailedPrecondition, IntegrityError
 from plexus.identity import load_kit
 from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
@@ -41,7 +41,7 @@ BACKOFF_CAP_S = SITE_BACKOFF_CAP_S   # a coordinator's rejoin_grace_s is validat
 REFUSED_RETRY_S = 60.0
 _REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 SECAGG_LATER_PHASES = (fpb.TASK_SECAGG_SHARE, fpb.TASK_SECAGG_MASKED_INPUT, fpb.TASK_SECAGG_UNMASK)
-TRAINING_KINDS = (fpb.TASK_TRAIN, fpb.TASK_SECAGG_ADVERTISE)   # the tasks that train on local data
+TRAINING_KINDS = (fpb.TASK_TRAIN, fpb.TASK_SECAGG_ADVERTISE)   # the tasks that train on local data (synchronous)
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
@@ -69,6 +69,7 @@ class SiteAgent:
         self.chunk_bytes = chunk_bytes
         self._data: dict[DataSpec, Split] = {}
         self._secure: dict[tuple[str, int], _Pending] = {}
+        self._kept: dict[tuple[str, int], _Kept] = {}   # asynchronous secure jobs: (job, base version) -> update
         self.audit = SiteAudit(config.state_dir, actor=f"site:{config.site}")
         self._rng = random.Random()
 
@@ -125,7 +126,9 @@ class SiteAgent:
         except ValueError as exc:
             return self.report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
         state = JobState(self.config.state_dir, task.job_id)
-        trains = task.kind in TRAINING_KINDS
+        # An asynchronous secure job trains on its TRAIN task; its cohort's advert masks the update kept then.
+        cohorts = in_cohorts(job)
+        trains = task.kind == fpb.TASK_TRAIN if cohorts else task.kind in TRAINING_KINDS
         try:
             reason = self._refusal(job, state, trains)
             if not reason:
@@ -139,8 +142,8 @@ class SiteAgent:
         if reason:
             return self._decline(stub, task, reason)
         try:
-            if task.kind in SECAGG_LATER_PHASES:
-                return self._secagg_phase(stub, task)
+            if task.kind in SECAGG_LATER_PHASES or (cohorts and task.kind == fpb.TASK_SECAGG_ADVERTISE):
+                return self._secagg_phase(stub, task, job)
             data = self.load_data(job.data)
             model = build_job_model(job)
             served = self._fetch(stub, task, served_layout(job, model))
@@ -154,7 +157,8 @@ class SiteAgent:
             eval_metrics = self.evaluate(model, data)
             if task.kind == fpb.TASK_EVALUATE:
                 return self.report(stub, task, fpb.RESULT_EVALUATED, "", self.to_report(job, eval_metrics)[0])
-            if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or needs_served(job)):
+            if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or cohorts
+                    or needs_served(job)):
                 served = incoming = {}   # the model holds the weights now: let the fetched copy go
             if job.privacy.dp_sgd is not None:
                 local = LocalResult(self._train_dp_sgd(model, data, job, task, state), {}, lambda: None)
@@ -165,6 +169,8 @@ class SiteAgent:
             eval_metrics, result = self.to_report(job, eval_metrics, local.result)
             if task.kind == fpb.TASK_SECAGG_ADVERTISE:
                 return self._advertise(stub, task, job, incoming, model, result, eval_metrics)
+            if cohorts:
+                return self._keep(stub, task, incoming, model, result, eval_metrics)
         except grpc.RpcError:
             raise
         except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:  # IntegrityError too
@@ -220,7 +226,54 @@ class SiteAgent:
         log.info("job %s round %d: trained on %d samples; advertised secure-aggregation keys", task.job_id,
                  task.round, result.num_samples)
 
-    def _secagg_phase(self, stub, task) -> None:
+    def _keep(self, stub, task, incoming: dict, model, result, eval_metrics: dict) -> None:
+        """Asynchronous secure aggregation: keep Δ = trained − incoming here until a cohort masks it; the
+        coordinator is only told that training is done."""
+        trained = state_to_numpy(model)
+        layout = Layout.of(trained)
+        delta = [(trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1) for t in layout.tensors]
+        for key in [k for k in self._kept if k[0] == task.job_id]:
+            del self._kept[key]   # one kept update per job: the newest replaces an unused older one
+        self._kept[(task.job_id, task.model_round)] = _Kept(layout, delta, result.num_samples, dict(result.metrics),
+                                                            dict(eval_metrics))
+        self.report(stub, task, fpb.RESULT_TRAINED, "")
+        log.info("job %s: trained on %d samples from version %d; the update is kept here for a secure cohort",
+                 task.job_id, result.num_samples, task.model_round)
+
+    def _advertise_kept(self, stub, task, job: RoundConfig) -> None:
+        """A cohort's advert for the update kept from version model_round: this site computes its own
+        τ = version − model_round and signs the weight s(τ)·n, which its masked input is then multiplied by."""
+        key = (task.job_id, task.model_round)
+        kept = self._kept.get(key)
+        if kept is None:
+            raise FailedPrecondition(f"no update trained from version {task.model_round} of job {task.job_id} is "
+                                     "kept at this site (the agent restarted, or trained again since); it drops out "
+                                     f"of cohort {task.round}")
+        spec = job.asynchronous
+        tau = task.secagg.version - task.model_round
+        if not 0 <= tau <= spec.max_staleness:
+            raise IntegrityError(f"cohort {task.round} is at version {task.secagg.version}, so the update kept from "
+                                 f"version {task.model_round} would be {tau} versions old; a site weighs its update "
+                                 f"only for 0 <= τ <= asynchronous.max_staleness ({spec.max_staleness})")
+        weight = staleness.fixed_weight(spec.staleness, tau, kept.num_samples)
+        session = SiteSession(task.job_id, task.round, self.config.site,
+                              min_cohort=self.config.policy.min_secure_cohort, max_weight=staleness.MAX_FIXED_WEIGHT)
+        advert = session.advertise(weight, self.kit.key_pem, self.kit.cert_pem)
+        for old in [k for k in self._secure if k[0] == task.job_id]:
+            del self._secure[old]  # an older cohort of this job can never resume
+        dp = job.privacy.dp
+        self._secure[(task.job_id, task.round)] = _Pending(session, kept.layout, kept.delta,
+                                                           noise=dp is not None and dp.mode == "distributed")
+        stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                                      advert=advert_to_proto(advert), metrics=kept.metrics,
+                                      eval_metrics=kept.eval_metrics), timeout=30)
+        del self._kept[key]
+        log.info("job %s cohort %d: advertised the update kept from version %d (τ %d, weight %d / 2**16)",
+                 task.job_id, task.round, task.model_round, tau, weight)
+
+    def _secagg_phase(self, stub, task, job: RoundConfig) -> None:
+        if task.kind == fpb.TASK_SECAGG_ADVERTISE:   # an asynchronous cohort's (a synchronous one's trains)
+            return self._advertise_kept(stub, task, job)
         pending = self._secure.get((task.job_id, task.round))
         if pending is None:
             raise FailedPrecondition(f"no secure-aggregation state for job {task.job_id} round {task.round} "
@@ -234,9 +287,17 @@ class SiteAgent:
             stub.SecAgg(fpb.SecAggMessage(**header, shares=fpb.SharesMessage(ciphertexts=ciphertexts)), timeout=30)
         elif task.kind == fpb.TASK_SECAGG_MASKED_INPUT:
             pending.session.receive_shares(dict(payload.shares_for_you))
-            masked = pending.session.mask(_pieces(pending.delta), clip=payload.clip, bits=payload.frac_bits)
+            delta = pending.delta
+            if pending.noise:   # an asynchronous cohort's share of distributed DP noise, for its own size
+                pending.floor = max(pending.session.threshold, job.sites.min)   # t as checked at share()
+                delta = _cohort_noise(pending.layout, delta, job, task, pending.floor)
+            masked = pending.session.mask(_pieces(delta), clip=payload.clip, bits=payload.frac_bits)
             self._submit_masked(stub, task, pending.layout, masked)
         else:
+            if len(payload.u3) < pending.floor:
+                raise IntegrityError(f"only {len(payload.u3)} sites survived to be unmasked, fewer than the "
+                                     f"{pending.floor} this site's share of the distributed DP noise was drawn for; it "
+                                     "will not reveal shares, since the sum would carry too little noise")
             reveals = pending.session.unmask(list(payload.u3))
             del self._secure[(task.job_id, task.round)]
             stub.SecAgg(fpb.SecAggMessage(**header, reveal=fpb.RevealMessage(reveals=[
@@ -304,7 +365,9 @@ class SiteAgent:
         dp = job.privacy.dp
         trained = state_to_numpy(model)
         delta, _ = clip_update({k: trained[k].astype(np.float64) - incoming[k] for k in trained}, dp.clip_norm)
-        if dp.mode == "distributed":  # unpredictable to the coordinator, by design: not seeded from the job
+        # Unpredictable to the coordinator, by design: not seeded from the job. An asynchronous cohort's share
+        # is added at masking instead, once the cohort's size is known (_cohort_noise).
+        if dp.mode == "distributed" and job.asynchronous is None:
             std = distributed_std(dp.noise_multiplier, dp.clip_norm, job.sites.min)
             delta = add_noise(delta, std, noise_key(None, task.job_id, task.round, "site"))
         load_numpy_state(model, {k: (incoming[k] + delta[k]).astype(trained[k].dtype) for k in trained})
@@ -384,6 +447,34 @@ class _Pending:
     session: SiteSession
     layout: Layout
     delta: list[np.ndarray]
+    noise: bool = False    # an asynchronous cohort under distributed DP: this site adds its noise at masking
+    floor: int = 0         # the fewest survivors that noise was drawn for: fewer are never unmasked
+
+
+@dataclass
+class _Kept:
+    """An asynchronous secure job's trained update, kept at the site until its cohort's advert."""
+
+    layout: Layout
+    delta: list[np.ndarray]
+    num_samples: int       # n (1 under DP)
+    metrics: dict[str, float]
+    eval_metrics: dict[str, float]
+
+
+def in_cohorts(job: RoundConfig) -> bool:
+    """An asynchronous job under secure aggregation: its updates are masked in cohorts, after training."""
+    return job.asynchronous is not None and job.privacy.secure_aggregation
+
+
+def _cohort_noise(layout: Layout, delta: list[np.ndarray], job: RoundConfig, task, floor: int) -> list[np.ndarray]:
+    """This site's share of distributed DP noise, N(0, (zS)²/m): the m = `floor` fewest survivors the cohort can
+    be unmasked over (the threshold of its real size, and sites.min) carry at least N(0, (zS)²) between them."""
+    dp = job.privacy.dp
+    std = distributed_std(dp.noise_multiplier, dp.clip_norm, floor)
+    noisy = add_noise({t.name: d for t, d in zip(layout.tensors, delta)}, std,
+                      noise_key(None, task.job_id, task.round, "site"))
+    return [noisy[t.name] for t in layout.tensors]
 
 
 def _pieces(arrays: list[np.ndarray], size: int = 1 << 18):

@@ -20,6 +20,12 @@ ever counted twice.
 
 The coordinator keeps the model versions updates may still be based on (at most max_staleness + 1), as
 checkpoint files and, where it must read them (the flush, the DP clip check), decoded in memory.
+
+Under privacy.secure_aggregation no update reaches the coordinator in the clear: each buffer is a secure
+cohort (coordinator/drivers/cohort.py). A site answers its training task `trained` and keeps its update;
+once K sites are waiting (or cohort_timeout_s has passed with enough of them), they run the masked-sum
+protocol at the current version, each weighing its own update by s(τ)·n before masking, and the unmasked
+weighted mean is flushed through the same version write as a plain buffer.
 """
 
 from __future__ import annotations
@@ -34,31 +40,37 @@ import numpy as np
 
 from coordinator.aggregate import WeightedSum
 from coordinator.drivers import Context
+from coordinator.drivers.cohort import Cohort, Trained, advert_samples, cohort_size
+from coordinator.drivers.rounds import Action, RoundView, decide
 from coordinator.drivers.sync import kept_metrics, save_strategy, site_metrics, strategy_at, weight_caps
 from coordinator.intake import Upload
+from coordinator.secure_round import SecureRound
 from coordinator.served import ServedModel
 from coordinator.store import JobRow
 from coordinator.strategies.base import cast, is_float
 from coordinator.tasks import SecaggAnswer, TaskGrant, TaskResult, UpdateHeader, check_unanswered, new_grant, site_seed
 from plexus import staleness
 from plexus.accounting import client_epsilon, load_client_accountant
-from plexus.config import RoundConfig, parse_round_config
+from plexus.config import MIN_SECURE_COHORT, RoundConfig, parse_round_config
 from plexus.dp import NOT_PRIVATE, Distance, add_noise, central_std, check_clipped, noise_key
 from plexus.errors import (
     ConfigError,
     FailedPrecondition,
     IntegrityError,
     NotFound,
+    PlexusError,
     Reason,
     RoundClosed,
     Stale,
     TimedOut,
 )
 from plexus.text import bounded
-from plexus.vocab import JobStatus, TaskKind, TaskStatus
+from plexus.vocab import JobStatus, SecaggPhase, TaskKind, TaskStatus
 from plexus.wire import Layout, decode, encode
 
 log = logging.getLogger("plexus.coordinator")
+
+COHORT_KINDS = (TaskKind.SECAGG_ADVERTISE, TaskKind.SECAGG_SHARE, TaskKind.SECAGG_MASK, TaskKind.SECAGG_UNMASK)
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,7 @@ class Buffer:
     """The updates that will make version `version`."""
 
     version: int
-    total: WeightedSum
+    total: WeightedSum | None            # None under secure aggregation: its cohort sums masked inputs
     members: list[Member] = field(default_factory=list)
     refused_stale: Counter = field(default_factory=Counter)   # site -> updates refused as stale meanwhile
 
@@ -134,6 +146,12 @@ class AsyncRounds:
         self._spare: WeightedSum | None = None
         self._issued = Counter(ctx.store.task_counts(row.id))
         self._declined = set(ctx.store.declines(row.id))
+        self.secure = cfg.privacy.secure_aggregation
+        self.forming: list[Trained] = []                # secure: sites whose kept updates wait for a cohort
+        self.cohort: Cohort | None = None               # secure: the cohort running its phases
+        # Cohort round ids: above every version and final-evaluation round, and above every id the job used.
+        used = ctx.store.last_task_round(row.id, COHORT_KINDS)
+        self._cohort_round = max(cfg.rounds + 1, used or 0)
         self._set_model(layout, blob)
         self.buffer = self._new_buffer(self.version + 1)
 
@@ -144,30 +162,28 @@ class AsyncRounds:
         store = ctx.store
         try:
             cfg = parse_round_config(row.config_yaml, source=f"job {row.id}")
-            if cfg.privacy.secure_aggregation:
-                raise ConfigError("privacy.secure_aggregation: asynchronous cohorts are not available in this "
-                                  "coordinator version; run the job synchronously (remove asynchronous)")
             strategy = strategy_at(store, cfg, row.id, row.current_round)
             layout, blob = store.checkpoint_blob(row.id, row.current_round)
             spec = cfg.asynchronous
             if row.status == JobStatus.QUEUED:
                 store.set_job(row.id, status=JobStatus.RUNNING, current_round=0, event=(
                     "job_started", 0, "", f"{cfg.rounds} versions of {cfg.strategy.name}, asynchronously (buffer "
-                    f"{spec.buffer}, max staleness {spec.max_staleness}, staleness {spec.staleness.fn})"))
+                    f"{spec.buffer}, max staleness {spec.max_staleness}, staleness {spec.staleness.fn}"
+                    + (", secure aggregation in cohorts" if cfg.privacy.secure_aggregation else "") + ")"))
                 if cfg.privacy.dp is not None and cfg.privacy.dp.reproducible_noise:
                     store.event(row.id, "dp_not_private", 0, "", NOT_PRIVATE)
             else:
-                discarded = store.buffered(row.id)
+                discarded = store.unflushed(row.id)
                 version = row.current_round
                 for task in discarded:
-                    store.finish_task(task.task_id, TaskStatus.DISCARDED,
-                                      f"its update was in the unflushed buffer of version {version + 1} when the "
-                                      "job stopped; it is in no model, and the site is given a new task",
+                    store.finish_task(task.task_id, TaskStatus.DISCARDED, _unflushed(task, version),
                                       job_id=row.id, round_=task.round, site=task.site)
                 store.void_issued(row.id)
+                what = ("update(s) waiting for or in an unflushed cohort" if cfg.privacy.secure_aggregation
+                        else "buffered update(s)")
                 store.event(row.id, "job_resumed", version, "",
-                            f"resuming asynchronously from version {version}; {len(discarded)} buffered update(s) "
-                            "discarded and requested again")
+                            f"resuming asynchronously from version {version}; {len(discarded)} {what} discarded and "
+                            "requested again")
             row = store.job(row.id)
         except (ConfigError, NotFound, IntegrityError) as exc:   # e.g. a damaged checkpoint: fail, never retry
             store.set_job(row.id, status=JobStatus.FAILED, message=str(exc), event=("job_failed", 0, "", str(exc)))
@@ -209,16 +225,24 @@ class AsyncRounds:
         ev = self.evaluation
         if ev is not None and ev.round == ev.version and now >= ev.deadline:
             self._judge(ev)
+        if self.secure and not self.finishing:
+            return self._cohort_tick(now)
         return 0.5
 
     def busy(self) -> Iterable[str]:
-        return list(self.outstanding)
+        """Sites holding a task, and under secure aggregation those waiting for or in a cohort."""
+        sites = set(self.outstanding) | {t.site for t in self.forming}
+        if self.cohort is not None:
+            sites.update(self.cohort.participants)
+        return sorted(sites)
 
     def grant(self, site: str) -> TaskGrant | None:
         if self.ended or site in self._declined:
             return None
         if site in self.outstanding:
             return self.outstanding[site]   # a site that restarted mid-task gets the same task back
+        if self._in_cohort(site):
+            return None   # its update waits for its cohort, or its cohort is between phases
         ev = self.evaluation
         if ev is not None and site in ev.sites and site not in ev.results:
             return self._issue(site, TaskKind.EVALUATE, ev.round, ev.version)
@@ -245,6 +269,11 @@ class AsyncRounds:
 
     def upload(self, site: str, grant: TaskGrant, header: UpdateHeader,
                cut: Callable[[BaseException], None]) -> Upload:
+        if grant.kind == TaskKind.SECAGG_MASK:
+            return self._masked_upload(site, grant, header, cut)
+        if self.secure:
+            raise FailedPrecondition(f"task {grant.task_id}: under secure aggregation an update never leaves its "
+                                     "site in the clear; a training task is answered `trained` (ReportResult)")
         if grant.kind != TaskKind.TRAIN:
             raise FailedPrecondition(f"task {grant.task_id} is a {grant.kind} task; it is answered with "
                                      "ReportResult, not an update")
@@ -268,6 +297,8 @@ class AsyncRounds:
         return upload
 
     def accepted(self, site: str, grant: TaskGrant, header: UpdateHeader, upload: Upload) -> str:
+        if grant.kind == TaskKind.SECAGG_MASK:
+            return self._masked_accepted(site, grant, upload)
         arriving = self.arriving.pop(site, None)
         if self.ended or self.finishing or arriving is None or self.outstanding.get(site) is not grant:
             raise RoundClosed(f"job {self.job_id} ended training before the update was complete")
@@ -298,6 +329,8 @@ class AsyncRounds:
     def refused(self, site: str, grant: TaskGrant, upload: Upload, exc: BaseException) -> None:
         """The stream failed part-way: a stale cut at a flush or an invalid chunk (rejected), a stall (late), or
         a broken stream (nothing recorded: the site may send it again while it holds the task)."""
+        if grant.kind == TaskKind.SECAGG_MASK:
+            return self._masked_refused(site, grant, upload, exc)
         self.arriving.pop(site, None)
         if self.outstanding.get(site) is not grant:
             return
@@ -311,26 +344,38 @@ class AsyncRounds:
     def ended_upload(self, site: str, upload: Upload) -> None:
         if site in self.arriving and self.arriving[site].upload is upload:
             del self.arriving[site]
+        owner = upload.owner
+        if isinstance(owner, Cohort) and owner.receiving.get(site, (None,))[0] is upload:
+            del owner.receiving[site]
         upload.withdraw()
         upload.discard()
 
     def answered(self, site: str, grant: TaskGrant, answer: SecaggAnswer | TaskResult) -> str:
         if isinstance(answer, SecaggAnswer):
-            raise FailedPrecondition("this asynchronous job runs without secure aggregation")
+            return self._cohort_answer(site, grant, answer)
         self.last_answer = self.ctx.monotonic()
         reason = bounded(answer.reason)
+        cohort = self._cohort_of(site, grant)
         if answer.status == TaskStatus.DECLINED:
             self.ctx.store.decline(self.job_id, site, reason or "declined by site policy")
             self._declined.add(site)
-            self._refuse(site, grant, TaskStatus.DECLINED, reason or "declined by site policy", None)
+            if cohort is not None:
+                self._cohort_record(cohort, site, grant, TaskStatus.DECLINED, reason or "declined by site policy")
+            else:
+                self._refuse(site, grant, TaskStatus.DECLINED, reason or "declined by site policy", None)
             if self.evaluation is not None:
                 self.evaluation.sites.discard(site)
             return "decline recorded; this site will not be asked again for this job"
         if answer.status == TaskStatus.FAILED:
+            if cohort is not None:
+                self._cohort_record(cohort, site, grant, TaskStatus.FAILED, reason or "the site reported a failure")
+                return "failure recorded; this site drops out of its cohort"
             self._refuse(site, grant, TaskStatus.FAILED, reason or "the site reported a failure", None)
             if self.evaluation is not None and grant.kind == TaskKind.EVALUATE:
                 self.evaluation.sites.discard(site)
             return "failure recorded"
+        if answer.status == TaskStatus.TRAINED:
+            return self._trained(site, grant)
         if grant.kind != TaskKind.EVALUATE:
             raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
         ev = self.evaluation
@@ -347,6 +392,7 @@ class AsyncRounds:
         return "evaluation recorded"
 
     def stop(self, why: str, *, dropped: bool = False) -> None:
+        """Dropped (the state dir failed): what is unflushed stays recorded so, and the resume discards it."""
         self.ended = True
         self._cut_all(why)
         if not dropped:   # aborted or failed: the buffer will never be flushed (a dropped one is, on resume)
@@ -356,23 +402,25 @@ class AsyncRounds:
                                        contributors=[m.site for m in self.buffer.members], total_samples=0)
 
     # tasks -------------------------------------------------------------------------------
-    def _issue(self, site: str, kind: TaskKind, round_: int, model_round: int) -> TaskGrant:
+    def _issue(self, site: str, kind: TaskKind, round_: int, model_round: int, *, payload: dict | None = None,
+               deadline_s: float | None = None) -> TaskGrant:
         steps = self.strategy.schedule.local_steps(site, self._rows()) if kind == TaskKind.TRAIN else 0
         count = self._issued[site]
         self._issued[site] += 1
         grant = new_grant(kind=kind, job_id=self.job_id, round_=round_, model_round=model_round,
                           config_yaml=self.row.config_yaml,
-                          deadline_unix_s=self.ctx.clock() + self.cfg.sites.deadline_s,
-                          seed=site_seed(self.cfg.seed, count, site), local_steps=steps)
+                          deadline_unix_s=self.ctx.clock() + (deadline_s or self.cfg.sites.deadline_s),
+                          seed=site_seed(self.cfg.seed, count, site), payload=payload, local_steps=steps)
         self.ctx.store.add_task(grant.task_id, self.job_id, round_, site, kind, grant.nonce)
         self.outstanding[site] = grant
         return grant
 
     def _expire(self) -> None:
-        """Tasks past their deadline are late: their sites are given new ones when they ask."""
+        """Tasks past their deadline are late: their sites are given new ones when they ask. (A cohort's phase
+        tasks end with their phase, at its own deadline.)"""
         now = self.ctx.clock()
         for site, grant in list(self.outstanding.items()):
-            if now > grant.deadline_unix_s and site not in self.arriving:
+            if now > grant.deadline_unix_s and site not in self.arriving and grant.kind not in COHORT_KINDS:
                 self._refuse(site, grant, TaskStatus.LATE,
                              f"no answer within sites.deadline_s ({self.cfg.sites.deadline_s:g} s)", None)
 
@@ -430,7 +478,9 @@ class AsyncRounds:
     def _new_buffer(self, version: int, *, open_round: bool = True) -> Buffer:
         total, self._spare = self._spare, None
         sites = self.spec.buffer + len(self._rows())   # each update's part of the exact range
-        if total is None or total.layout != self.layout:
+        if self.secure:
+            total = None
+        elif total is None or total.layout != self.layout:
             total = WeightedSum(self.layout, sites=sites)
         else:
             total.reset(sites=sites)
@@ -440,7 +490,7 @@ class AsyncRounds:
 
     def _flush(self) -> None:
         """The buffer is full: the next version from its staleness-weighted mean delta, written, then served."""
-        buffer, store, cfg = self.buffer, self.ctx.store, self.cfg
+        buffer = self.buffer
         version = buffer.version
         following = self._new_buffer(version + 1, open_round=False)   # its round opens once this one closes
         for site, arriving in list(self.arriving.items()):   # still streaming: into the next buffer, or stale
@@ -454,19 +504,30 @@ class AsyncRounds:
             fold = following.total.begin(staleness.weight(self.spec.staleness, tau, arriving.samples))
             arriving.upload.move(fold)
             arriving.upload.owner, arriving.upload.weight = following, fold.weight
-        contributors = sorted({m.site for m in buffer.members})
-        state = self.strategy.rule.step(version, self.state, self._mean(buffer), contributors,
-                                        population=len(self._rows()))
+        self._write_version(self._step(self._mean(buffer)), following, flushed=[m.task_id for m in buffer.members])
+
+    def _step(self, mean: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The server rule's step from the buffer's mean (the current model plus its mean delta)."""
+        contributors = sorted({m.site for m in self.buffer.members})
+        return self.strategy.rule.step(self.buffer.version, self.state, mean, contributors,
+                                       population=len(self._rows()))
+
+    def _write_version(self, state: dict[str, np.ndarray], following: Buffer, *, flushed: list[str],
+                       note: str = "", ledger: dict | None = None) -> None:
+        """Version `buffer.version` is `state`: checkpoint, strategy state, then the round row that turns the
+        tasks in `flushed` submitted (one transaction), its ledger; then it is served and training goes on."""
+        buffer, store, cfg = self.buffer, self.ctx.store, self.cfg
+        version = buffer.version
         layout, blob = encode(state)
         store.save_checkpoint_blob(self.job_id, version, layout, blob)
         save_strategy(store, self.job_id, version, self.strategy)
         taus = [m.tau for m in buffer.members]
         samples = sum(m.samples for m in buffer.members)
         message = (f"{len(buffer.members)} update(s), {samples} samples, staleness "
-                   + ", ".join(f"{m.site}={m.tau}" for m in buffer.members))
+                   + ", ".join(f"{m.site}={m.tau}" for m in buffer.members) + note)
         store.close_round(self.job_id, version, status="closed", contributors=[m.site for m in buffer.members],
                           total_samples=samples, message=message, job_update={"current_round": version},
-                          flushed=[m.task_id for m in buffer.members], metrics=self._ledger(buffer, taus))
+                          flushed=flushed, metrics=self._ledger(buffer, taus) | (ledger or {}))
         store.prune_checkpoints(self.job_id, version - self.spec.max_staleness)
         self.ctx.saved(version)
         self.row = store.job(self.job_id)
@@ -495,8 +556,11 @@ class AsyncRounds:
             for name in sums:
                 sums[name] -= bases[base] * model[name].astype(np.float64)
         divisor = sum(m.samples for m in buffer.members)
-        delta = {name: s / divisor * (self.spec.mixing or 1.0) for name, s in sums.items()}
-        dp = self.cfg.privacy.dp
+        return self._moved({name: s / divisor * (self.spec.mixing or 1.0) for name, s in sums.items()})
+
+    def _moved(self, delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The current model moved by the buffer's mean delta, plus central DP noise where configured."""
+        buffer, dp = self.buffer, self.cfg.privacy.dp
         if dp is not None and dp.mode == "central":
             # Σ s(τ)·Δ over ≤ one clipped update per site (s ≤ 1): sensitivity clip_norm, so N(0, (zS)²) on the
             # sum is std zS/m on the mean, as in the synchronous rounds.
@@ -616,6 +680,13 @@ class AsyncRounds:
                                        f"{why} before the buffer of version {self.buffer.version} filled; the "
                                        "update is in no model", job_id=self.job_id, round_=m.base, site=m.site)
         self.buffer.members.clear()
+        if self.cohort is not None:
+            self._drop_cohort(self.cohort, f"{why} while cohort {self.cohort.round} ran")
+        for t in self.forming:
+            self.ctx.store.finish_task(t.task_id, TaskStatus.DISCARDED,
+                                       f"{why} before its cohort started; the update, kept at the site, is in no "
+                                       "model", job_id=self.job_id, round_=t.base, site=t.site)
+        self.forming.clear()
 
     def _fail(self, message: str) -> None:
         self._cut_all(message)
@@ -630,6 +701,268 @@ class AsyncRounds:
     def _cut_all(self, why: str) -> None:
         for arriving in list(self.arriving.values()):
             arriving.cut(RoundClosed(why))
+        if self.cohort is not None:
+            for _, cut in list(self.cohort.receiving.values()):
+                cut(RoundClosed(why))
+
+    # secure aggregation: cohorts (coordinator/drivers/cohort.py) --------------------------------
+    def _in_cohort(self, site: str) -> bool:
+        """The site's kept update waits in the forming cohort, or it is in the running cohort's current phase."""
+        return any(t.site == site for t in self.forming) or (
+            self.cohort is not None and site in self.cohort.participants)
+
+    def _cohort_of(self, site: str, grant: TaskGrant) -> Cohort | None:
+        """The running cohort, if `grant` is one of its current phase's tasks."""
+        cohort = self.cohort
+        return cohort if cohort is not None and cohort.grants.get(site) is grant else None
+
+    def _floor(self) -> int:
+        """The fewest members a cohort starts with, and the fewest contributors it may end with."""
+        return max(MIN_SECURE_COHORT, self.cfg.sites.min)
+
+    def _trained(self, site: str, grant: TaskGrant) -> str:
+        """A training task answered `trained`: the update stays at its site, which joins the forming cohort."""
+        if not self.secure or grant.kind != TaskKind.TRAIN:
+            raise FailedPrecondition(f"task {grant.task_id} is a {grant.kind} task; `trained` answers a training "
+                                     "task of an asynchronous job under secure aggregation")
+        tau = self._check_fresh(site, grant)   # Stale (recorded) if versions moved on too far meanwhile
+        del self.outstanding[site]
+        now = self.ctx.monotonic()
+        self.forming.append(Trained(site, grant.task_id, grant.model_round, now))
+        self.ctx.store.finish_task(grant.task_id, TaskStatus.TRAINED,
+                                   f"trained from version {grant.model_round}; the update stays at the site until "
+                                   f"its cohort masks it ({len(self.forming)} of {self.spec.buffer} waiting)",
+                                   job_id=self.job_id, round_=grant.round, site=site, staleness=tau)
+        waiting = len(self.forming)
+        self._start_cohort(now)
+        self.ctx.notify()
+        return (f"training recorded; the update stays at this site until its cohort starts ({waiting} of "
+                f"{self.spec.buffer} waiting)")
+
+    def _cohort_tick(self, now: float) -> float:
+        """Close the running cohort's phase once every member answered or its deadline passed; start the next
+        cohort once one can."""
+        cohort = self.cohort
+        if cohort is not None:
+            decision = decide(RoundView(kind="train", participants=cohort.participants, outcomes=cohort.outcomes,
+                                        receiving=bool(cohort.receiving), deadline=cohort.deadline, secure=True), now)
+            if decision.action == Action.WAIT:
+                return min(0.5, decision.wait_s)
+            self._advance(cohort, now)
+        if self.cohort is None and not self.finishing:
+            self._start_cohort(now)
+        return 0.5
+
+    def _start_cohort(self, now: float) -> None:
+        """Start a cohort from the forming one at the current version, if it has filled or waited long enough."""
+        if self.cohort is not None or self.finishing or self.ended or not self.forming:
+            return
+        for t in list(self.forming):   # made stale by the versions flushed while it waited
+            tau = self.version - t.base
+            if tau > self.spec.max_staleness:
+                self.forming.remove(t)
+                self.buffer.refused_stale[t.site] += 1
+                self.ctx.store.finish_task(t.task_id, TaskStatus.REJECTED,
+                                           f"its update, kept at the site, was computed from version {t.base}, {tau} "
+                                           f"versions old by the time a cohort could take it (asynchronous."
+                                           f"max_staleness {self.spec.max_staleness}); the site is given version "
+                                           f"{self.version}", job_id=self.job_id, round_=t.base, site=t.site,
+                                           code=Reason.STALE)
+                self.ctx.presence.wake([t.site])
+        count = cohort_size([t.joined for t in self.forming], now, buffer=self.spec.buffer,
+                            timeout_s=self.spec.cohort_timeout_s, floor=self._floor())
+        if not count:
+            return
+        members, self.forming = self.forming[:count], self.forming[count:]
+        self._cohort_round += 1
+        secure = SecureRound(self.job_id, self._cohort_round, self.layout, self.cfg.privacy.secagg, self._floor(),
+                             max_weight=staleness.MAX_FIXED_WEIGHT)
+        cohort = Cohort(self._cohort_round, self.version, {t.site: t for t in members}, secure, now)
+        self.cohort = cohort
+        why = ("full" if count == self.spec.buffer else
+               f"{count} of {self.spec.buffer} after asynchronous.cohort_timeout_s ({self.spec.cohort_timeout_s:g} s)")
+        self.ctx.store.event(self.job_id, "cohort_started", cohort.round, "",
+                             f"cohort {cohort.round} for version {self.version + 1} ({why}): "
+                             + ", ".join(f"{t.site} (τ {self.version - t.base})" for t in members))
+        self._open_phase(cohort, sorted(cohort.members), now)
+
+    def _open_phase(self, cohort: Cohort, participants: list[str], now: float) -> None:
+        """Give each of the phase's sites its task: the phase's payload, and the cohort's version."""
+        sec, timeout = cohort.secure, self.cfg.privacy.secagg.phase_timeout_s
+        cohort.participants, cohort.grants, cohort.outcomes = participants, {}, {}
+        cohort.deadline = now + timeout
+        for site in participants:
+            cohort.grants[site] = self._issue(site, sec.task_kind, cohort.round, cohort.members[site].base,
+                                              payload=sec.payload(site) | {"version": cohort.version},
+                                              deadline_s=timeout)
+        self.ctx.store.event(self.job_id, f"secagg_{sec.phase}", cohort.round, "",
+                             f"cohort {cohort.round}: {len(participants)} site(s): " + ", ".join(participants))
+        self.ctx.presence.wake(participants)
+        self.ctx.notify()
+
+    def _cohort_answer(self, site: str, grant: TaskGrant, answer: SecaggAnswer) -> str:
+        """An advert (its weight checked against the member's τ and rows), shares, or a reveal."""
+        cohort = self._cohort_of(site, grant)
+        if cohort is None or site in cohort.outcomes:
+            raise RoundClosed(f"task {grant.task_id} is no longer current: cohort {grant.round} of job "
+                              f"{self.job_id} has moved to its next phase or ended")
+        sec, value, metrics = cohort.secure, answer.value, None
+        try:
+            if answer.body == "advert":
+                tau = cohort.tau(site)
+                n = advert_samples(self.spec.staleness, tau, value.num_samples, self._rows().get(site, 0),
+                                   dp=self.cfg.privacy.dp is not None)
+                sec.on_advert(site, value)
+                cohort.samples[site] = n
+                metrics = kept_metrics(self, site_metrics(
+                    self._round_view(cohort.version + 1, cohort.members[site].base), site, answer.eval_metrics,
+                    answer.metrics, n))
+            elif answer.body == "shares":
+                sec.on_shares(site, value)
+            else:
+                sec.on_reveal(site, value)
+        except IntegrityError as exc:
+            self._cohort_record(cohort, site, grant, TaskStatus.REJECTED, str(exc), code=exc.reason)
+            raise
+        self.last_answer = self.ctx.monotonic()
+        self._cohort_record(cohort, site, grant, TaskStatus.SUBMITTED,
+                            f"{answer.body} in cohort {cohort.round} (version {cohort.version + 1})", metrics)
+        return f"{answer.body} for cohort {cohort.round} accepted"
+
+    def _masked_upload(self, site: str, grant: TaskGrant, header: UpdateHeader,
+                       cut: Callable[[BaseException], None]) -> Upload:
+        cohort = self._cohort_of(site, grant)
+        if cohort is None or site in cohort.outcomes:
+            raise RoundClosed(f"task {grant.task_id} is no longer current: cohort {grant.round} of job "
+                              f"{self.job_id} has moved to its next phase or ended")
+        if site in cohort.receiving:
+            raise FailedPrecondition(f"a masked input for task {grant.task_id} is already being received")
+        sec = cohort.secure
+        try:
+            sec.masked_layout.require_same(header.require_layout(), what="masked input")
+            upload = Upload(sec.masked_layout, self.ctx.store.spool / f"{grant.task_id}.part",
+                            fold=sec.masked.begin(), owner=cohort)
+        except IntegrityError as exc:
+            self._cohort_record(cohort, site, grant, TaskStatus.REJECTED, str(exc), code=exc.reason)
+            raise
+        cohort.receiving[site] = (upload, cut)
+        return upload
+
+    def _masked_accepted(self, site: str, grant: TaskGrant, upload: Upload) -> str:
+        cohort = upload.owner
+        cohort.receiving.pop(site, None)
+        if self.ended or self.cohort is not cohort or cohort.grants.get(site) is not grant or site in cohort.outcomes:
+            raise RoundClosed(f"cohort {grant.round} of job {self.job_id} moved on before the masked input was "
+                              "complete")
+        upload.accept()
+        self.last_answer = self.ctx.monotonic()
+        self._cohort_record(cohort, site, grant, TaskStatus.SUBMITTED,
+                            f"masked input in cohort {cohort.round} (version {cohort.version + 1})")
+        return f"masked input for cohort {cohort.round} accepted"
+
+    def _masked_refused(self, site: str, grant: TaskGrant, upload: Upload, exc: BaseException) -> None:
+        cohort = upload.owner
+        if cohort.receiving.get(site, (None,))[0] is upload:
+            del cohort.receiving[site]
+        status = TaskStatus.REJECTED if isinstance(exc, IntegrityError) else \
+            TaskStatus.LATE if isinstance(exc, TimedOut) else None
+        if status is not None and self.cohort is cohort and cohort.grants.get(site) is grant \
+                and site not in cohort.outcomes:
+            self._cohort_record(cohort, site, grant, status, str(exc), code=getattr(exc, "reason", None))
+
+    def _cohort_record(self, cohort: Cohort, site: str, grant: TaskGrant, status: TaskStatus, reason: str,
+                       metrics: dict | None = None, *, code: Reason | None = None) -> None:
+        """A member's answer (or its absence) in the current phase. The answers are recorded as a synchronous
+        round's phases are (submitted, late, ...); what becomes of the update they carry is recorded on the
+        member's training task (trained, then submitted or discarded)."""
+        cohort.outcomes[site] = status
+        if self.outstanding.get(site) is grant:
+            del self.outstanding[site]
+        # An update's outcome is evented at the version it trained from, as `job watch` reads it.
+        event_round = cohort.members[site].base if status == TaskStatus.REJECTED else grant.round
+        self.ctx.store.finish_task(grant.task_id, status, bounded(reason), job_id=self.job_id, round_=event_round,
+                                   site=site, metrics=metrics, code=code)
+        if status != TaskStatus.SUBMITTED:
+            log.info("job %s cohort %d site %s: %s (%s)", self.job_id, cohort.round, site, status, reason)
+        self.ctx.notify()
+
+    def _advance(self, cohort: Cohort, now: float) -> None:
+        """Close the current phase with the members that answered; open the next, or make the version."""
+        sec = cohort.secure
+        for site in cohort.participants:
+            if site not in cohort.outcomes:
+                self._cohort_record(cohort, site, cohort.grants[site], TaskStatus.LATE,
+                                    f"no answer in the {sec.phase} phase of cohort {cohort.round} within "
+                                    f"secagg.phase_timeout_s ({self.cfg.privacy.secagg.phase_timeout_s:g} s)")
+        for site, (upload, cut) in list(cohort.receiving.items()):   # masked inputs still arriving: out of the sum
+            cut(RoundClosed(f"the mask phase of cohort {cohort.round} ended before the masked input was complete"))
+            upload.withdraw()
+        answered = sorted(s for s, o in cohort.outcomes.items() if o == TaskStatus.SUBMITTED)
+        try:
+            following = sec.advance(answered, cohort.participants)
+            # Σ_{U3} w·Δ / Σ_{U3} w, and Σ_{U3} w in 2^-16 units (w = quanta(τ)·n)
+            unmasked = sec.result() if sec.phase == SecaggPhase.DONE else None
+        except PlexusError as exc:   # too few members answered a phase, or too few honest shares
+            self._drop_cohort(cohort, f"cohort {cohort.round} failed: {exc}")
+            return
+        if unmasked is not None:
+            self._cohort_done(cohort, *unmasked, now)
+        else:
+            self._open_phase(cohort, following, now)
+
+    def _cohort_done(self, cohort: Cohort, delta: dict[str, np.ndarray], weight: int, now: float) -> None:
+        """The survivors' weighted mean `delta` (of total weight `weight`), renormalised to FedBuff's
+        Σ s·n·Δ / Σ n, becomes the next version by the same write as a plain buffer's flush."""
+        sec, store = cohort.secure, self.ctx.store
+        for site, reason in sorted(sec.rejected.items()):   # their masked inputs are in the sum all the same
+            store.finish_task(cohort.grants[site].task_id, TaskStatus.REJECTED, bounded(reason), job_id=self.job_id,
+                              round_=cohort.members[site].base, site=site)
+            log.warning("job %s cohort %d site %s: rejected (%s)", self.job_id, cohort.round, site, reason)
+        survivors = list(sec.u3)
+        buffer = self.buffer
+        for site in survivors:
+            t, tau, n = cohort.members[site], cohort.tau(site), cohort.samples[site]
+            weight_n = staleness.weight(self.spec.staleness, tau, n)
+            buffer.members.append(Member(site, t.task_id, t.base, tau, n, weight_n))
+        dropped = sorted(set(cohort.members) - set(survivors))
+        for site in dropped:
+            t = cohort.members[site]
+            store.finish_task(t.task_id, TaskStatus.DISCARDED,
+                              f"dropped out of cohort {cohort.round} before its masked input was in; the update, "
+                              "kept at the site, is in no model", job_id=self.job_id, round_=t.base, site=site)
+        samples = sum(m.samples for m in buffer.members)
+        scale = weight * staleness.QUANTUM / samples   # Σ w·2^-16 = Σ s·n over the survivors (no mixing: K ≥ 3)
+        state = self._step(self._moved({name: d * scale for name, d in delta.items()}))
+        self.cohort = None
+        following = self._new_buffer(buffer.version + 1, open_round=False)
+        note = (f"; secure cohort {cohort.round} of {len(cohort.members)} in {now - cohort.started:.1f} s"
+                + (f", dropped: {', '.join(dropped)}" if dropped else ""))
+        v = buffer.version
+        self._write_version(state, following, note=note,
+                            flushed=[m.task_id for m in buffer.members],
+                            ledger={(v, "", "async", "cohort_round"): float(cohort.round),
+                                    (v, "", "async", "cohort_dropped"): float(len(dropped))})
+
+    def _drop_cohort(self, cohort: Cohort, why: str) -> None:
+        """A cohort that makes no version: its members' updates are discarded, with why (its unanswered tasks
+        turn stale), and the members are given new training tasks."""
+        store = self.ctx.store
+        self.cohort = None
+        for _, cut in list(cohort.receiving.values()):
+            cut(RoundClosed(why))
+        for site, grant in cohort.grants.items():
+            if self.outstanding.get(site) is grant:
+                del self.outstanding[site]
+                store.finish_task(grant.task_id, TaskStatus.STALE, bounded(why), job_id=self.job_id,
+                                  round_=grant.round, site=site)
+        for site, t in cohort.members.items():
+            store.finish_task(t.task_id, TaskStatus.DISCARDED,
+                              bounded(f"{why}; the update, kept at the site, is in no model, and the site is given "
+                                      "a new training task"), job_id=self.job_id, round_=t.base, site=site)
+        store.event(self.job_id, "cohort_failed", cohort.round, "", bounded(why))
+        log.warning("job %s: %s", self.job_id, why)
+        self.ctx.presence.wake(list(cohort.members))
+        self.ctx.notify()
 
     # the model ---------------------------------------------------------------------------
     def _set_model(self, layout: Layout, blob) -> None:
@@ -651,7 +984,7 @@ class AsyncRounds:
         return self.ctx.presence.rows(self.cfg.data.dataset)
 
     def _online(self) -> set[str]:
-        return (self.ctx.presence.online() | set(self.outstanding)) - self._declined
+        return (self.ctx.presence.online() | set(self.busy())) - self._declined
 
     def _round_view(self, round_: int, model_round: int) -> SimpleNamespace:
         """What site_metrics reads of a round: where train and eval metrics go, and the eval weights' caps."""
@@ -667,3 +1000,12 @@ class AsyncRounds:
         if self.row.message != message:
             self.ctx.store.set_job(self.job_id, message=message)
             self.row = self.ctx.store.job(self.job_id)
+
+
+def _unflushed(task, version: int) -> str:
+    """Why a task that no version took in is discarded when the job is taken up again."""
+    if task.status == TaskStatus.TRAINED:
+        return ("its update, kept at the site, was waiting for or in a cohort that had not made a version when the "
+                "job stopped; it is in no model, and the site is given a new task")
+    return (f"its update was in the unflushed buffer of version {version + 1} when the job stopped; it is in no "
+            "model, and the site is given a new task")

@@ -518,6 +518,9 @@ class SyncRounds:
         if result.status == TaskStatus.FAILED:
             self._record(rs, grant, site, TaskStatus.FAILED, reason or "the site reported a failure")
             return "failure recorded"
+        if result.status == TaskStatus.TRAINED:
+            raise FailedPrecondition("`trained` answers a training task of an asynchronous secure job; this job "
+                                     "runs in synchronous rounds")
         if grant.kind != TaskKind.EVALUATE:
             raise FailedPrecondition("a training task is answered with SubmitUpdate, not an evaluation result")
         metrics = kept_metrics(job, site_metrics(rs, site, result.eval_metrics))
@@ -752,6 +755,7 @@ class SyncRounds:
                 for name, current in job.state.items():
                     mean[name] = (current.astype(np.float64) + delta[name]).astype(current.dtype)
                 rs.contributors, rs.samples = list(sec.u3), weight
+                mean = self._central_noise(rs, mean)   # central DP: on the unmasked mean of the survivors
                 self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.state, mean,
                                                               sorted(rs.contributors)))
                 return

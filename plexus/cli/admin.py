@@ -154,8 +154,9 @@ def print_job(detail, *, as_json: bool = False) -> None:
                  "secs": _secs(r), **_evaluated(r.round, eps, evals)} for r in detail.rounds]
         print("\nrounds (eval_* = the incoming global model on the sites' held-out rows):")
         table(list(dict.fromkeys(k for r in rows for k in r)), rows)
-    # An update in the unflushed buffer is waiting, not missing: _show_async lists it.
-    issues = [e for e in detail.site_events if e.status not in ("submitted", "evaluated", "buffered")]
+    # An update in the unflushed buffer (or kept at its site for a secure cohort) is waiting, not missing:
+    # _show_async lists it.
+    issues = [e for e in detail.site_events if e.status not in ("submitted", "evaluated", "buffered", "trained")]
     if issues:
         print("\nsites that did not contribute:")
         table(["round", "site", "status", "reason"],
@@ -262,7 +263,7 @@ def _event_line(event, when: str) -> str:
 
 
 # What became of an asynchronous update (never of an evaluation); its round is the version it trained from.
-_UPDATE_OUTCOMES = ("site_buffered", "site_rejected", "site_discarded")
+_UPDATE_OUTCOMES = ("site_buffered", "site_trained", "site_rejected", "site_discarded")
 
 
 def _async_line(event, when: str) -> str:

@@ -25,6 +25,8 @@ from plexus.secagg.messages import (
 )
 from plexus.secagg.shamir import PRIME, SHARE_BYTES, default_threshold, shamir_split
 
+MAX_WEIGHT = 2 ** 31   # a synchronous round's largest advertised sample count, as the coordinator's bound
+
 
 class SiteSession:
     """One site's secrets and state for one secure round.
@@ -37,14 +39,21 @@ class SiteSession:
     sites, the majority threshold it insists on is at least 2.
     """
 
-    def __init__(self, job_id: str, round_: int, site: str, *, min_cohort: int = MIN_SECURE_COHORT):
+    def __init__(self, job_id: str, round_: int, site: str, *, min_cohort: int = MIN_SECURE_COHORT,
+                 max_weight: int = MAX_WEIGHT):
+        """`max_weight`: the largest advertised weight (num_samples) this site sends or accepts from a peer:
+        2**31 samples, or an asynchronous cohort's staleness-weighted count of 2**-16 quanta (2**47)."""
         check_str(job_id, "job_id")
         check_int(round_, "round_")
         check_str(site, "site")
         check_int(min_cohort, "min_cohort")
+        check_int(max_weight, "max_weight")
         if min_cohort < 2:
             raise ValueError(f"min_cohort must be >= 2 (a sum over one site is that site's update), got {min_cohort}")
+        if not 1 <= max_weight < 1 << 63:
+            raise ValueError(f"max_weight must be in [1, 2**63), got {max_weight}")
         self.job_id, self.round, self.site, self.min_cohort = job_id, round_, site, min_cohort
+        self.max_weight = max_weight
         self._salt = round_salt(job_id, round_)
         self._c_sk, self._c_pk = crypto.x25519_keypair()
         self._s_sk, self._s_pk = crypto.x25519_keypair()
@@ -61,13 +70,18 @@ class SiteSession:
         self._masked = False
         self._revealed: tuple[frozenset[str], dict[str, tuple[str, int, int]]] | None = None
 
+    @property
+    def threshold(self) -> int:
+        """The threshold t this site checked (a majority of U1) and dealt its shares with; 0 before share()."""
+        return self._threshold
+
     def advertise(self, num_samples: int, private_key_pem: bytes, cert_pem: bytes) -> Advert:
         """Sign this site's public keys and sample count with its certificate's key."""
         if self._advert is not None:
             raise errors.FailedPrecondition(f"site {self.site!r} has already advertised for this round")
         check_int(num_samples, "num_samples")
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if not 1 <= num_samples <= self.max_weight:
+            raise ValueError(f"num_samples must be between 1 and {self.max_weight}, got {num_samples}")
         commitment = b_commitment(self._b, self.job_id, self.round, self.site)
         message = advert_message(self.job_id, self.round, self.site, self._c_pk, self._s_pk, num_samples, commitment)
         signature = crypto.sign(private_key_pem, message)
@@ -236,8 +250,9 @@ class SiteSession:
                 f"(policy.min_secure_cohort): it will not {refused}, since the sum would expose too few sites")
 
     def _check_advert(self, advert: Advert, ca_pem: bytes, now: dt.datetime | None) -> None:
-        if not_int(advert.num_samples) or advert.num_samples < 1:
-            raise errors.IntegrityError(f"the advert of site {advert.site!r} has an invalid sample count")
+        if not_int(advert.num_samples) or not 1 <= advert.num_samples <= self.max_weight:
+            raise errors.IntegrityError(f"the advert of site {advert.site!r} has an invalid sample count (not "
+                                        f"between 1 and {self.max_weight})")
         try:
             identity.verify_issued(advert.cert_pem, ca_pem, name=advert.site, kind="site", now=now)
             crypto.verify(

@@ -15,7 +15,7 @@ from coordinator.tasks import Binding, Presence, TaskGrant, TaskResult, UpdateHe
 from plexus import staleness
 from plexus.accounting import client_epsilon
 from plexus.config import StalenessSpec, dump_round_config, parse_round_config
-from plexus.errors import IntegrityError, Reason, RoundClosed, Stale
+from plexus.errors import FailedPrecondition, IntegrityError, Reason, RoundClosed, Stale
 from plexus.vocab import JobStatus, TaskKind, TaskStatus
 from plexus.wire import encode, iter_chunks
 
@@ -346,3 +346,12 @@ def test_refusals_carry_their_reason_codes(rig):
     events = [e for e in r.store.events_after(r.job_id, 0) if e.kind == "site_rejected"]
     assert events and r.driver.grant("a").task_id != g["a"].task_id
     assert Reason.STALE.value == "stale"
+
+
+def test_a_plain_asynchronous_job_refuses_trained_and_takes_updates(rig):
+    r = rig(asynchronous="{buffer: 2}")
+    g = r.start("a")
+    with pytest.raises(FailedPrecondition, match="under secure aggregation"):
+        r.driver.answered("a", g["a"], TaskResult(Binding(g["a"].task_id, r.job_id, g["a"].round, g["a"].nonce),
+                                                  TaskStatus.TRAINED))
+    assert "1 of 2" in r.send("a", g["a"], [1] * 4)

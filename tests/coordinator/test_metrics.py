@@ -91,8 +91,9 @@ def test_rejections_are_labelled_by_their_reason_code(message, code, reason):
 
 def test_the_staleness_histogram_counts_every_buffered_update_in_its_bucket():
     m = CoordinatorMetrics(store=_Store(), online_sites=set)
-    for tau in (0, 0, 1, 2, 3, 5, 7, 9, 13, 20):
-        m.on_event(Event("j", "site_buffered", 1, "a", "in the buffer", actor="site:a", staleness=tau))
+    for tau in (0, 0, 1, 2, 3, 5, 7, 9, 13, 20):   # the last one trained for a secure cohort
+        kind = "site_trained" if tau == 20 else "site_buffered"
+        m.on_event(Event("j", kind, 1, "a", "in the buffer", actor="site:a", staleness=tau))
     m.on_event(Event("j", "site_rejected", 1, "b", "too old", reason=Reason.STALE))
     text = generate_latest(m.registry).decode()
     buckets = [line for line in text.splitlines() if line.startswith("plexus_async_update_staleness_")
@@ -113,7 +114,8 @@ def test_the_staleness_histogram_counts_every_buffered_update_in_its_bucket():
     assert "# TYPE plexus_async_update_staleness histogram" in text
     # A stale refusal is a rejected update with its reason code, on the counter every refusal is on.
     assert 'plexus_updates_rejected_total{reason="stale"} 1.0' in text
-    assert 'plexus_site_results_total{outcome="buffered"} 10.0' in text
+    assert 'plexus_site_results_total{outcome="buffered"} 9.0' in text
+    assert 'plexus_site_results_total{outcome="trained"} 1.0' in text
 
 
 def test_staleness_series_are_kept_for_running_jobs_and_the_recently_ended_ones():

@@ -86,6 +86,16 @@ def test_refusals_name_what_is_wrong():
     assert set(sr.reveals) == {"a"}
 
 
+def test_an_asynchronous_cohorts_round_takes_weights_up_to_its_own_bound():
+    sr = _round()
+    with pytest.raises(IntegrityError, match="between 1 and 2147483648"):
+        sr.on_advert("a", _advert("a", n=2**31 + 1))
+    cohort = SecureRound("job", 12, LAYOUT, SecAggSpec(), 3, max_weight=2**47)
+    cohort.on_advert("a", _advert("a", n=2**47))
+    with pytest.raises(IntegrityError, match="between 1 and 140737488355328"):
+        cohort.on_advert("b", _advert("b", n=2**47 + 1))
+
+
 def test_a_reveal_at_the_wrong_x_or_outside_the_field_is_refused_on_arrival():
     from plexus.secagg import PRIME
 

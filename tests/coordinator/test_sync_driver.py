@@ -12,10 +12,10 @@ from coordinator.drivers import Context
 from coordinator.drivers.rounds import Action, RoundView, decide
 from coordinator.drivers.sync import SyncRounds
 from coordinator.store import Store
-from coordinator.tasks import Binding, Presence, TaskGrant, UpdateHeader
+from coordinator.tasks import Binding, Presence, TaskGrant, TaskResult, UpdateHeader
 from plexus.config import dump_round_config, parse_round_config
-from plexus.errors import IntegrityError, RoundClosed
-from plexus.vocab import TaskKind
+from plexus.errors import FailedPrecondition, IntegrityError, RoundClosed
+from plexus.vocab import TaskKind, TaskStatus
 from plexus.wire import encode, iter_chunks
 
 JOB = """\
@@ -114,6 +114,14 @@ def test_a_round_closes_on_quorum_with_the_exact_weighted_mean(rig):
     assert r.tick() == 0.0
     assert r.driver.round is None and r.store.job(r.job_id).current_round == 1
     assert r.model(1) == [2.5, 2.0, 1.5, 1.0]   # (100·a + 300·b) / 400
+
+
+def test_trained_answers_only_an_asynchronous_secure_jobs_training_task(rig):
+    r = rig(sites="{min: 1, deadline_s: 60}")
+    grant = r.open_round("a")["a"]
+    with pytest.raises(FailedPrecondition, match="runs in synchronous rounds"):
+        r.driver.answered("a", grant, TaskResult(Binding(grant.task_id, grant.job_id, grant.round, grant.nonce),
+                                                 TaskStatus.TRAINED))
 
 
 def test_the_deadline_closes_a_round_with_the_sites_that_answered_and_the_rest_late(rig):

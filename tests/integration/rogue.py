@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from plexus import pki, transport
@@ -37,12 +37,14 @@ privacy: {dp_sgd: {noise_multiplier: 1.0, max_grad_norm: 1.0}}
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the site answered to one task: 'update', or the ResultStatus name, with the reason."""
+    """What the site answered to one task: 'update', the ResultStatus name with the reason, or the SecAgg
+    message's body ('advert', 'shares', 'reveal') with the message."""
 
     what: str
     job_id: str
     round: int
     reason: str = ""
+    message: object = field(default=None, compare=False)
 
 
 class RogueCoordinator(federation_pb2_grpc.FederationServicer):
@@ -63,12 +65,13 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
         self.executor.shutdown(wait=True)
 
     def ask(self, job_id: str, config_yaml: str, *, round_: int = 1, kind=fpb.TASK_TRAIN,
+            model_round: int | None = None, secagg: fpb.SecAggPayload | None = None,
             timeout: float = 120.0) -> Outcome:
-        """Hand the site one task and wait for its answer."""
+        """Hand the site one task (model_round: round_ - 1 unless given) and wait for its answer."""
         task_id = f"t{next(self._ids)}"
-        task = fpb.Task(kind=kind, task_id=task_id, job_id=job_id, round=round_, model_round=round_ - 1,
-                        config_yaml=config_yaml, nonce=task_id.encode(), deadline_unix_s=time.time() + timeout,
-                        seed=round_)
+        task = fpb.Task(kind=kind, task_id=task_id, job_id=job_id, round=round_,
+                        model_round=round_ - 1 if model_round is None else model_round, config_yaml=config_yaml,
+                        nonce=task_id.encode(), deadline_unix_s=time.time() + timeout, seed=round_, secagg=secagg)
         self._issued[task_id] = task
         self._tasks.put(task)
         return self.outcomes.get(timeout=timeout)
@@ -98,6 +101,10 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
             pass
         self.outcomes.put(Outcome("update", header.job_id, header.round))
         return fpb.SubmitReply(accepted=True, message="thank you")
+
+    def SecAgg(self, request, context):
+        self.outcomes.put(Outcome(request.WhichOneof("body"), request.job_id, request.round, message=request))
+        return fpb.ResultReply(message="noted")
 
     def ReportResult(self, request, context):
         self.outcomes.put(Outcome(fpb.ResultStatus.Name(request.status), request.job_id, request.round,

@@ -160,6 +160,31 @@ def test_seeded_central_dp_is_reproducible_and_noise_moves_the_model(federation,
     assert not all(np.array_equal(models[0][k], models[2][k]) for k in models[0])
 
 
+def test_central_dp_under_secure_aggregation_adds_its_noise_to_the_unmasked_mean(federation):
+    """The coordinator's N(0, (zS)²) on the sum goes on the survivors' unmasked mean too (it once did not, while
+    the ledger recorded ε): the same seeded job with z = 0 differs from it by exactly that draw."""
+    from plexus.config import parse_round_config
+    from plexus.dp import add_noise, central_std, noise_key
+
+    for name in "abc":
+        federation.start_site(name)
+    federation.wait_online("a", "b", "c")
+    models = {}
+    for z in (Z, 0.0):
+        job = heart_job(rounds=1, min=3, seed=5) + (
+            f"privacy: {{secure_aggregation: true, dp: {{mode: central, noise_multiplier: {z}, clip_norm: {S}, "
+            f"reproducible_noise: true}}, secagg: {{phase_timeout_s: 10}}}}\n")
+        job_id = federation.admin().submit(job).job_id
+        assert federation.wait_job(job_id) == "completed", federation.store.job(job_id).message
+        models[z] = federation.store.load_checkpoint(job_id, 1)
+    cfg = parse_round_config(job)
+    zeros = {k: np.zeros(v.shape, np.float64) for k, v in models[Z].items()}
+    noise = add_noise(zeros, central_std(Z, S, 3), noise_key(cfg.seed, cfg.name, 1, "coordinator"))
+    for k in models[Z]:
+        assert np.abs(noise[k]).max() > 0.01
+        np.testing.assert_allclose(models[Z][k].astype(np.float64) - models[0.0][k], noise[k], rtol=0, atol=1e-5)
+
+
 def test_site_stops_taking_part_when_epsilon_would_pass_its_cap(federation):
     from plexus.config import DatasetSpec, PolicySpec, SiteConfig
     from site_agent.agent import SiteAgent

@@ -698,6 +698,10 @@ def test_strategy_args_are_not_a_yaml_key():
         (MINIMAL + "asynchronous: {}\nsites: {fraction: 0.5}\n", "job.yaml:6: sites:", "every idle site trains"),
         (MINIMAL + "asynchronous: {buffer: 2}\nsites: {min: 3}\nprivacy: {secure_aggregation: true}\n",
          "job.yaml:5: asynchronous:", "set buffer to 3 or more"),
+        (MINIMAL + "asynchronous: {buffer: 3}\nsites: {min: 4}\nprivacy: {secure_aggregation: true}\n",
+         "job.yaml:6: sites:", "set sites.min to at most 3"),
+        (MINIMAL + "asynchronous: {buffer: 3, max_per_buffer: 2}\nsites: {min: 3}\n"
+         "privacy: {secure_aggregation: true}\n", "job.yaml:5: asynchronous:", "a site takes part once"),
         (MINIMAL + "asynchronous: {max_per_buffer: 2}\n"
          "privacy: {dp: {mode: central, noise_multiplier: 1.0, clip_norm: 1.0}}\n",
          "job.yaml:5: asynchronous:", "set max_per_buffer: 1"),

@@ -335,6 +335,23 @@ def test_share_refuses_a_lowered_threshold_and_wrong_weights(fed):
     assert set(_share(rnd, "alder", threshold=5)) == set(NAMES[1:5])
 
 
+def test_advertised_weights_stay_within_the_sessions_bound_on_both_sides(fed):
+    kit = fed.kits["alder"]
+    with pytest.raises(ValueError, match="between 1 and 2147483648"):
+        secagg.SiteSession(JOB, ROUND, "alder").advertise(2**31 + 1, kit.key_pem, kit.cert_pem)
+    # An asynchronous cohort's weight: s(τ)·n in 2**-16 quanta, up to 2**47; a synchronous peer refuses it.
+    heavy = secagg.SiteSession(JOB, ROUND, "alder", max_weight=2**47).advertise(2**47, kit.key_pem, kit.cert_pem)
+    rnd = Round(fed, NAMES[1:4])
+    adverts = [heavy, *rnd.adverts]
+    total = sum(a.num_samples for a in adverts)
+    with pytest.raises(errors.IntegrityError, match="invalid sample count"):
+        rnd.sessions["birch"].share(adverts, threshold=3, total_weight=total, ca_pem=fed.ca_pem)
+    wide = secagg.SiteSession(JOB, ROUND, "birch", max_weight=2**47)
+    wide.advertise(10, fed.kits["birch"].key_pem, fed.kits["birch"].cert_pem)
+    with pytest.raises(ValueError, match="max_weight"):
+        secagg.SiteSession(JOB, ROUND, "birch", max_weight=2**63)
+
+
 def test_share_refuses_missing_altered_or_duplicated_adverts(fed):
     rnd = Round(fed, NAMES[:4])
     with pytest.raises(errors.IntegrityError, match="own advert"):

@@ -24,6 +24,7 @@ class ResultStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESULT_EVALUATED: _ClassVar[ResultStatus]
     RESULT_DECLINED: _ClassVar[ResultStatus]
     RESULT_FAILED: _ClassVar[ResultStatus]
+    RESULT_TRAINED: _ClassVar[ResultStatus]
 TASK_NONE: TaskKind
 TASK_TRAIN: TaskKind
 TASK_EVALUATE: TaskKind
@@ -35,6 +36,7 @@ RESULT_UNSPECIFIED: ResultStatus
 RESULT_EVALUATED: ResultStatus
 RESULT_DECLINED: ResultStatus
 RESULT_FAILED: ResultStatus
+RESULT_TRAINED: ResultStatus
 
 class JoinRequest(_message.Message):
     __slots__ = ("agent_version", "models", "datasets", "policy_digest", "dataset_rows")
@@ -118,7 +120,7 @@ class SecAggAdvert(_message.Message):
     def __init__(self, site: _Optional[str] = ..., c_pk: _Optional[bytes] = ..., s_pk: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., b_commitment: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., cert_pem: _Optional[bytes] = ...) -> None: ...
 
 class SecAggPayload(_message.Message):
-    __slots__ = ("adverts", "threshold", "total_weight", "clip", "frac_bits", "shares_for_you", "u2", "u3")
+    __slots__ = ("adverts", "threshold", "total_weight", "clip", "frac_bits", "shares_for_you", "u2", "u3", "version")
     class SharesForYouEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +136,7 @@ class SecAggPayload(_message.Message):
     SHARES_FOR_YOU_FIELD_NUMBER: _ClassVar[int]
     U2_FIELD_NUMBER: _ClassVar[int]
     U3_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     adverts: _containers.RepeatedCompositeFieldContainer[SecAggAdvert]
     threshold: int
     total_weight: int
@@ -142,7 +145,8 @@ class SecAggPayload(_message.Message):
     shares_for_you: _containers.ScalarMap[str, bytes]
     u2: _containers.RepeatedScalarFieldContainer[str]
     u3: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, adverts: _Optional[_Iterable[_Union[SecAggAdvert, _Mapping]]] = ..., threshold: _Optional[int] = ..., total_weight: _Optional[int] = ..., clip: _Optional[float] = ..., frac_bits: _Optional[int] = ..., shares_for_you: _Optional[_Mapping[str, bytes]] = ..., u2: _Optional[_Iterable[str]] = ..., u3: _Optional[_Iterable[str]] = ...) -> None: ...
+    version: int
+    def __init__(self, adverts: _Optional[_Iterable[_Union[SecAggAdvert, _Mapping]]] = ..., threshold: _Optional[int] = ..., total_weight: _Optional[int] = ..., clip: _Optional[float] = ..., frac_bits: _Optional[int] = ..., shares_for_you: _Optional[_Mapping[str, bytes]] = ..., u2: _Optional[_Iterable[str]] = ..., u3: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ShareReveal(_message.Message):
     __slots__ = ("peer", "kind", "x", "y")
