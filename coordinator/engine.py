@@ -209,15 +209,17 @@ class Engine:
                 self._cv.wait(timeout)
 
     def tick(self) -> float:
-        """One pass of the engine loop (the engine thread calls it, lock held): take up the next queued job if
-        none is active, let its driver act; the seconds until the loop should look again."""
-        if self._driver is None and not self._activate_next():
-            return 1.0
-        driver = self._driver
-        timeout = driver.tick(self._mono())
-        if driver.ended:
-            self._driver = None
-        return timeout
+        """One pass of the engine loop: take up the next queued job if none is active, let its driver act; the
+        seconds until the loop should look again. It takes the engine lock (re-entrant: the engine thread
+        already holds it), so a caller driving an engine that was never started may call it too."""
+        with self._cv:
+            if self._driver is None and not self._activate_next():
+                return 1.0
+            driver = self._driver
+            timeout = driver.tick(self._mono())
+            if driver.ended:
+                self._driver = None
+            return timeout
 
     def _activate_next(self) -> bool:
         pending = [j for j in self.store.jobs() if j.status in (JobStatus.QUEUED, JobStatus.RUNNING)]
