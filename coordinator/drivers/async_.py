@@ -209,6 +209,7 @@ class AsyncRounds:
                 self._waiting(f"waiting for sites: {len(online)} of {self.cfg.sites.min} needed are online")
                 return 0.5
             self.started, self.last_answer = True, now
+            self.training_since = self._training_since()
             self._set_message("")
             self._check_budget()
             self.ctx.presence.wake()
@@ -219,7 +220,8 @@ class AsyncRounds:
                        f"{self.spec.idle_timeout_s:g}); the model is at version {self.version}; once sites are "
                        "back, `plexus job resume` continues from there")
             return 0.0
-        if self.spec.time_budget_s is not None and now - self.activated >= self.spec.time_budget_s:
+        budget = self.spec.time_budget_s
+        if budget is not None and self.ctx.clock() - self.training_since >= budget:
             self._finish(f"time budget of {self.spec.time_budget_s:g} s reached at version {self.version}")
             return 0.0
         ev = self.evaluation
@@ -978,6 +980,17 @@ class AsyncRounds:
         if version not in self._bases:
             self._bases[version] = decode(*self.ctx.store.checkpoint_blob(self.job_id, version))
         return self._bases[version]
+
+    def _training_since(self) -> float:
+        """When training first started, on the driver's wall clock, kept in the job's metrics: time_budget_s
+        counts from there through restarts and resumes, not from a wait for sites.min."""
+        key = (0, "", "async", "training_started_unix_s")
+        since = next((m.value for m in self.ctx.store.metrics(self.job_id)
+                      if (m.round, m.site, m.kind, m.name) == key), None)
+        if since is None:
+            since = self.ctx.clock()
+            self.ctx.store.record_metrics(self.job_id, {key: since})
+        return since
 
     # small things ------------------------------------------------------------------------
     def _rows(self) -> dict[str, int]:

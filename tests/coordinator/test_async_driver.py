@@ -280,11 +280,19 @@ def test_no_answer_for_idle_timeout_fails_the_job_clearly(rig):
     assert "no site has answered for 31 s (asynchronous.idle_timeout_s = 30)" in job.message
 
 
-def test_a_time_budget_ends_training(rig):
+def test_a_time_budget_counts_from_the_start_of_training_through_a_restart(rig):
     r = rig(asynchronous="{buffer: 1, time_budget_s: 100}", versions=1000)
+    r.now += 500                                    # waiting for sites does not count
     g = r.start("a")
     r.send("a", g["a"], [1] * 4)
-    r.now += 100
+    r.now += 60
+    r.driver = r.take_up()                          # a restart 60 s in: 40 s are left, not 100
+    r.join("a")
+    r.driver.tick(r.now)
+    r.now += 39
+    r.driver.tick(r.now)
+    assert not r.driver.finishing
+    r.now += 1
     r.driver.tick(r.now)
     assert r.driver.finishing == "time budget of 100 s reached at version 1"
 
