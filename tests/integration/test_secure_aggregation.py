@@ -24,7 +24,7 @@ CLIP = 4.0
 
 
 def secure_job(**kw) -> str:
-    timeout = kw.pop("phase_timeout", scaled(3))   # honest sites answer each phase within it, even when loaded
+    timeout = kw.pop("phase_timeout", scaled(2))   # honest sites answer each phase within it (in ms), even when loaded
     return heart_job(**kw) + (f"privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, "
                               f"phase_timeout_s: {timeout}}}}}\n")
 
