@@ -118,12 +118,12 @@ class Engine:
         self.model_limits = model_limits
         self.federation = federation
         self.poll_timeout_s = poll_timeout_s
-        self.online_window_s = 2 * poll_timeout_s + 10
+        online_window_s = 2 * poll_timeout_s + 10
         self.rejoin_grace_s = rejoin_grace_s
         self._clock, self._mono = clock, monotonic
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)   # the round loop and admin watches wait here
-        self._presence = Presence(self._lock, online_window_s=self.online_window_s, monotonic=monotonic)
+        self._presence = Presence(self._lock, online_window_s=online_window_s, monotonic=monotonic)
         self._wakeups = 0                            # long-polls woken before their timeout
         self._driver: Driver | None = None
         self._submitting: dict[tuple[str, str], str] = {}   # (admin, request id) -> config SHA-256, being built
@@ -133,6 +133,16 @@ class Engine:
         self._storage_trouble = ""          # the state dir's failure last logged, until a round is saved again
         self._retry_at = 0.0                # monotonic: no tick before this, after a storage failure
         self._thread = threading.Thread(target=self._run, name="plexus-engine", daemon=True)
+
+    @property
+    def online_window_s(self) -> float:
+        """A site not seen for longer than this (and holding no task) is offline; tests shorten it."""
+        return self._presence.online_window_s
+
+    @online_window_s.setter
+    def online_window_s(self, seconds: float) -> None:
+        with self._lock:
+            self._presence.online_window_s = seconds
 
     # read-only views, for tests and benchmarks -----------------------------------------------
     @property

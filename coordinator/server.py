@@ -129,11 +129,14 @@ class Coordinator:
             self.metrics_server.stop()
         if self.health_server is not None:
             self.health_server.stop(0).wait()
-        self.server.stop(grace).wait()
+        stopped = self.server.stop(grace)   # refuses new calls now; cancels those still running after `grace`
+        # A long poll waits in the engine, not in gRPC: until its poll_timeout_s ran out it would hold the grace
+        # period and then its worker thread (and so this shutdown). The engine's stop answers every one now.
+        self.engine.stop()
+        stopped.wait()
         self.watchdog.stop()
         for executor in self._executors:
             executor.shutdown(wait=True, cancel_futures=True)
-        self.engine.stop()
         self.store.close()
         self.audit_log.anchor()   # the head at shutdown, signed: a later truncation cannot hide below it
         self.audit_log.close()

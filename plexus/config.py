@@ -22,8 +22,8 @@ from plexus.errors import ConfigError
 from plexus.typed_yaml import Cell, in_range, matching, non_empty, one_of
 
 __all__ = [
-    "AdminConfig", "Cell", "CoordinatorConfig", "DPSGDSpec", "DPSpec", "DataSpec", "DatasetSpec", "FeatureSpec",
-    "LabelSpec", "ModelSpec",
+    "AdminConfig", "Cell", "CoordinatorConfig", "DPSGDSpec", "DPSpec", "DataSpec", "DatasetSpec", "EmulationSpec",
+    "FeatureSpec", "LabelSpec", "ModelSpec",
     "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SiteConfig", "SitesSpec",
     "StrategySpec", "TrainSpec", "dump_round_config", "load_admin_config",
     "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
@@ -496,6 +496,29 @@ def _read_strategy_args(reader: typed_yaml.Reader, spec: StrategySpec, entries: 
     return dataclasses.replace(spec, typed=args_reader.read(STRATEGY_ARGS[spec.name], node, f"{path}.args"))
 
 
+MAX_SLOWDOWN = 1000.0
+
+
+def _slowdown() -> dict:
+    def check(value: float) -> str | None:
+        if 1 <= value <= MAX_SLOWDOWN:
+            return None
+        return (f"{value!r} is out of range; use a factor >= 1 (at most {MAX_SLOWDOWN:g}) on this site's training "
+                "time: 1 adds no wait, 5 makes each training task take five times as long")
+
+    return {"check": check}
+
+
+@dataclass(frozen=True, slots=True)
+class EmulationSpec:
+    """EMULATION ONLY, never in production: make this site behave like a slower hospital, for experiments that
+    reproduce a federation's heterogeneity on one machine (docs/install-site.md)."""
+
+    # After each training task, wait (slowdown − 1) × that task's own training time before answering it, so the
+    # task takes `slowdown` times as long as this machine needs. 1: no wait.
+    slowdown: float = field(metadata=_slowdown())
+
+
 @dataclass(frozen=True, slots=True)
 class SiteConfig:
     """A hospital's site agent; relative paths are relative to the config file."""
@@ -506,6 +529,8 @@ class SiteConfig:
     state_dir: Path = Path("state")
     datasets: dict[str, DatasetSpec] = field(default_factory=dict)
     policy: PolicySpec = field(default_factory=PolicySpec)
+    # Experiments only: a slow site emulated on a fast machine. Left out (None) in every real site's config.
+    emulation: EmulationSpec | None = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True)

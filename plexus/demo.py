@@ -19,7 +19,10 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+
+import grpc
 
 from plexus.config import MIN_SECURE_COHORT
 from plexus.datasets import HOSPITALS
@@ -37,6 +40,7 @@ train: {{epochs: 1, batch_size: 16, optimizer: {{name: sgd, lr: 0.1, momentum: 0
 seed: 0
 """
 SECURE_BLOCK = "privacy: {secure_aggregation: true}\n"
+GUARD_TICK_S = 0.2   # how often the demo looks at its children while it waits for the job's next event
 
 
 class Federation:
@@ -52,7 +56,8 @@ class Federation:
     def interrupt(self, signum: int, frame) -> None:
         """The demo's SIGINT handler: raise KeyboardInterrupt as Python's does, and remember it. Python drops
         an exception a signal handler raises while a finalizer runs (gRPC's call objects have them), so a
-        Ctrl-C could vanish; check_alive, run after every job event, raises it again."""
+        Ctrl-C could vanish; check_alive raises it again (after every job event, and through `guarding` within a
+        tick)."""
         self.interrupted = True
         raise KeyboardInterrupt
 
@@ -74,6 +79,29 @@ class Federation:
             if proc.poll() is not None:
                 tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
                 raise PlexusError(f"{name} exited with code {proc.returncode}; its log ends:\n{tail}")
+
+    @contextmanager
+    def guarding(self, call):
+        """Cancel `call` (the job's watch) once a child exits or a Ctrl-C was dropped, and raise why: the demo
+        stops on it at once, not at the job's next event (a round that lost a site first waits out its deadline)."""
+        done = threading.Event()
+
+        def guard() -> None:
+            while not done.wait(GUARD_TICK_S):
+                if self.interrupted or any(proc.poll() is not None for proc in self.procs.values()):
+                    call.cancel()
+                    return
+
+        thread = threading.Thread(target=guard, name="plexus-demo-guard", daemon=True)
+        thread.start()
+        try:
+            yield
+        except grpc.RpcError:
+            self.check_alive()   # the guard cancelled the watch: its reason, not the cancellation
+            raise
+        finally:
+            done.set()
+            thread.join()
 
     def peak_rss_mb(self, name: str) -> float:
         try:
@@ -183,19 +211,21 @@ def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float
         say(f"submitted job {job_id}: FedAvg ({mode}), MLP, {rounds} rounds, {sites} hospitals\n")
         round_times = []
         status = "unknown"
-        for event in client.watch(job_id):
-            status = event.summary.status
-            if event.kind == "round_closed":
-                detail = client.job(job_id)
-                info = next(r for r in detail.rounds if r.round == event.round)
-                round_times.append(info.closed_unix_s - info.opened_unix_s)
-                ev = mean_eval(detail).get(event.round - 1, {})
-                say(f"  round {event.round:>3}/{rounds}  {len(info.contributors)} sites"
-                    f"  {info.total_samples:>4} samples  {round_times[-1]:6.3f}s   global model before it:"
-                    f" acc {ev.get('accuracy', float('nan')):.3f}  auc {ev.get('auc', float('nan')):.3f}")
-            elif event.kind in ("site_declined", "site_failed", "site_rejected", "job_failed", "job_aborted"):
-                say(printable(f"  {event.kind} {event.site} {event.message}"))
-            fed.check_alive()
+        watch = client.watch(job_id)
+        with fed.guarding(watch):
+            for event in watch:
+                status = event.summary.status
+                if event.kind == "round_closed":
+                    detail = client.job(job_id)
+                    info = next(r for r in detail.rounds if r.round == event.round)
+                    round_times.append(info.closed_unix_s - info.opened_unix_s)
+                    ev = mean_eval(detail).get(event.round - 1, {})
+                    say(f"  round {event.round:>3}/{rounds}  {len(info.contributors)} sites"
+                        f"  {info.total_samples:>4} samples  {round_times[-1]:6.3f}s   global model before it:"
+                        f" acc {ev.get('accuracy', float('nan')):.3f}  auc {ev.get('auc', float('nan')):.3f}")
+                elif event.kind in ("site_declined", "site_failed", "site_rejected", "job_failed", "job_aborted"):
+                    say(printable(f"  {event.kind} {event.site} {event.message}"))
+                fed.check_alive()
         if status != "completed":
             say(f"\njob ended {status}: {printable(client.job(job_id).summary.message)}")
             return 1

@@ -13,6 +13,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -58,8 +59,9 @@ class SiteAgent:
 
     def __init__(self, config: SiteConfig, *, stop: threading.Event | None = None,
                  backoff_cap_s: float = BACKOFF_CAP_S, refused_retry_s: float = REFUSED_RETRY_S,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-        """`stop` ends `run`; `chunk_bytes` is the largest update chunk this site sends."""
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, clock: Callable[[], float] = time.monotonic):
+        """`stop` ends `run`; `chunk_bytes` is the largest update chunk this site sends; `clock` times local
+        training for `emulation.slowdown`."""
         self.config = config
         self.kit = load_kit(config.kit)
         self.stop = stop or threading.Event()
@@ -72,6 +74,12 @@ class SiteAgent:
         self._kept: dict[tuple[str, int], _Kept] = {}   # asynchronous secure jobs: (job, base version) -> update
         self.audit = SiteAudit(config.state_dir, actor=f"site:{config.site}")
         self._rng = random.Random()
+        self._clock = clock
+        if config.emulation is not None:
+            slowdown = config.emulation.slowdown
+            log.warning("EMULATION ONLY: site %r emulates a slower site (emulation.slowdown: %g): after each "
+                        "training task it waits %g× that task's training time before answering; remove "
+                        "`emulation:` from its config at any real site", config.site, slowdown, slowdown - 1)
 
     def run(self) -> None:
         """Connect, serve tasks, reconnect on failure, until `stop` is set."""
@@ -160,10 +168,15 @@ class SiteAgent:
             if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or cohorts
                     or needs_served(job)):
                 served = incoming = {}   # the model holds the weights now: let the fetched copy go
+            started = self._clock()
             if job.privacy.dp_sgd is not None:
                 local = LocalResult(self._train_dp_sgd(model, data, job, task, state), {}, lambda: None)
             else:
                 local = self.local_update(job, model, served, data, task)
+            if not self._emulate_slowdown(self._clock() - started):
+                log.info("job %s round %d: stopped during the emulated slowdown; the update is not sent",
+                         task.job_id, task.round)
+                return None
             if job.privacy.dp is not None:
                 self._clip_and_noise(model, incoming, job, task)
             eval_metrics, result = self.to_report(job, eval_metrics, local.result)
@@ -180,6 +193,12 @@ class SiteAgent:
         update = {**local.update, **state_views(model)}   # the model as it stands (after any DP clipping) + extras
         if self._submit(stub, task, update, result, eval_metrics):
             local.commit()   # e.g. SCAFFOLD's control variate: kept only once the coordinator took the update
+
+    def _emulate_slowdown(self, trained_s: float) -> bool:
+        """emulation.slowdown: wait (slowdown − 1) × trained_s, cut short by `stop`; False if it was."""
+        if self.config.emulation is None:
+            return True
+        return not self.stop.wait((self.config.emulation.slowdown - 1) * max(trained_s, 0.0))
 
     def _refusal(self, job: RoundConfig, state: JobState, trains: bool) -> str | None:
         """Why this site declines the task, judged by its own record of the job (not the task's round)."""

@@ -41,6 +41,9 @@ def check_site(config: SiteConfig, *, job: RoundConfig | None = None, dataset: s
         raise ConfigError(f"--delimiter {delimiter!r} is not one character; use e.g. ';' or a tab")
     names = [job.data.dataset] if job is not None else [dataset] if dataset else sorted(config.datasets)
     lines, ok = [f"site {config.site}: datasets {sorted(config.datasets)}"], True
+    if config.emulation is not None:
+        lines.append(f"EMULATION ONLY: emulation.slowdown {config.emulation.slowdown:g} stretches every training "
+                     "task; remove `emulation:` at any real site (docs/install-site.md)")
     for name in names:
         lines.append("")
         if name not in config.datasets:

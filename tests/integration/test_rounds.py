@@ -284,7 +284,7 @@ def test_an_update_refused_part_way_is_taken_back_out_of_the_sum_exactly(federat
 
 
 def test_an_update_still_arriving_at_the_deadline_is_taken_out_before_the_mean(federation):
-    job_id, sites, tasks, layout, state, sent = _honest_raw_round(federation, deadline=scaled(4))
+    job_id, sites, tasks, layout, state, sent = _honest_raw_round(federation, deadline=scaled(2))
     release, outcome = threading.Event(), {}
 
     def stalled():   # half of c's update is in the sum when its stream stops moving

@@ -11,14 +11,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from coordinator.server import Coordinator
 from plexus import pki
+from plexus.config import CoordinatorConfig
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
 
-from integration.harness import free_port, wait_until
+from integration.harness import RawSite, free_port, scaled, wait_until
 
 STOPS_WITHIN_S = 15.0   # "a few seconds" on an idle machine; generous for a loaded test runner
 STARTS_WITHIN_S = 120.0
@@ -141,3 +145,27 @@ def test_revoked_site_retries_rarely_with_an_error_and_the_coordinator_logs_the_
     assert "revoked" in fed.log("coordinator")
     _stops(site, "SIGTERM", "thread")   # and a stop during the long wait is prompt
     assert fed.log("site").count("has been revoked") == 1
+
+
+def test_stopping_answers_a_waiting_long_poll_at_once(pki_root, tmp_path):
+    """Not after its poll_timeout_s (nor the grace period it held, waiting): `systemctl stop` takes no minutes."""
+    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", kit=pki_root / "coordinator",
+                                                state_dir=tmp_path / "state", crl=pki_root / "coordinator" / "crl.pem",
+                                                poll_timeout_s=60, max_workers=8, max_calls_per_identity=4))
+    coordinator.start()
+    site = RawSite(pki_root / "sites" / "a", f"127.0.0.1:{coordinator.port}")
+    answers = []
+    poll = threading.Thread(target=lambda: answers.append(
+        site.stub.NextTask(fpb.NextTaskRequest(wait_s=60), timeout=scaled(100))))
+    try:
+        site.join()
+        poll.start()
+        wait_until(lambda: coordinator.engine.polling_sites == 1, 10, "the site's long poll to wait")
+        started = time.monotonic()
+        coordinator.stop(grace=scaled(10))
+        took = time.monotonic() - started
+    finally:
+        poll.join(scaled(100))
+        site.close()
+    assert took < scaled(5), f"stop took {took:.1f}s"
+    assert [a.kind for a in answers] == [fpb.TASK_NONE]

@@ -97,7 +97,7 @@ def test_a_site_stalling_its_update_every_round_is_recorded_late_and_frees_its_t
     stream_idle_timeout_s (long before the round's deadline), taken back out of the sum, and recorded late;
     the rounds close with quorum from the honest sites."""
     deadline = scaled(60)
-    fed = Federation(pki_root, tmp_path / "state", max_transfers=1, stream_idle_timeout_s=scaled(2))
+    fed = Federation(pki_root, tmp_path / "state", max_transfers=1, stream_idle_timeout_s=scaled(1))
     stop = threading.Event()
     try:
         staller = fed.raw_site("c")
@@ -138,7 +138,7 @@ sites: {min: 1, deadline_s: %s}
 def test_a_model_download_nobody_reads_is_cancelled_and_gives_its_transfer_slot_back(pki_root, tmp_path):
     """A site that asks for the model (32 MB, far beyond what flow control lets the coordinator send unread)
     and never reads it held the only transfer slot for as long as it kept the call open."""
-    fed = Federation(pki_root, tmp_path / "state", max_transfers=1, stream_idle_timeout_s=scaled(2))
+    fed = Federation(pki_root, tmp_path / "state", max_transfers=1, stream_idle_timeout_s=scaled(1))
     stalled = None
     try:
         reader, honest = fed.raw_site("c"), fed.raw_site("d")

@@ -16,6 +16,7 @@ from plexus.config import (
     DataSpec,
     DPSGDSpec,
     DPSpec,
+    EmulationSpec,
     ModelSpec,
     OptimizerSpec,
     PolicySpec,
@@ -421,6 +422,13 @@ def test_site_config_defaults(tmp_path):
     assert cfg.state_dir == tmp_path / "state"
     assert cfg.datasets == {}
     assert cfg.policy == PolicySpec(allowed_models=(), require_secure_aggregation=False, max_epsilon=None)
+    assert cfg.emulation is None   # off unless written
+
+
+def test_site_emulation_slowdown(tmp_path):
+    cfg = load_site_config(write(tmp_path, SITE + "emulation:\n  slowdown: 5\n", "site.yaml"))
+    assert cfg.emulation == EmulationSpec(slowdown=5.0)
+    assert load_site_config(write(tmp_path, SITE + "emulation: {slowdown: 1}\n", "one.yaml")).emulation.slowdown == 1.0
 
 
 def test_site_paths_resolve_against_config_folder(tmp_path):
@@ -485,6 +493,13 @@ def test_site_paths_resolve_when_loaded_by_relative_path(tmp_path, monkeypatch):
          "5: datasets.h.features: is empty", ""),
         (SITE + "datasets: [heart]\n", "4: datasets: expected a mapping, got a list", ""),
         (SITE + "kit: other\n", "4: kit: duplicate key (first at line 3)", ""),
+        (SITE + "emulation:\n  slowdown: 0.5\n", "5: emulation.slowdown: 0.5 is out of range; use a factor >= 1",
+         "1 adds no wait"),
+        (SITE + "emulation: {slowdown: 0}\n", "4: emulation.slowdown: 0.0 is out of range; use a factor >= 1", ""),
+        (SITE + "emulation: {slowdown: 5000}\n", "4: emulation.slowdown: 5000.0 is out of range", "at most 1000"),
+        (SITE + "emulation: {}\n", "4: emulation.slowdown: missing required key", ""),
+        (SITE + "emulation: {slow: 2}\n", "4: emulation.slow: unknown key", "allowed keys: slowdown"),
+        (SITE + "emulation: 5\n", "4: emulation: expected a mapping", "keys: slowdown"),
     ],
 )
 def test_site_config_errors(tmp_path, text, prefix, detail):

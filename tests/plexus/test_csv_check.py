@@ -71,3 +71,14 @@ def test_a_dataset_that_does_not_load_is_reported_not_advertised(tmp_path, capsy
     assert "dataset 'triage': kind csv" in out and "  advertised at Join with 7 training rows" in out
     code, out = _check(capsys, "--config", tmp_path / "site.yaml", "--dataset", "triage", "--encoding", "cp1252")
     assert code == 0 and "encoding cp1252" in out
+
+
+def test_an_emulated_slowdown_is_printed_first(tmp_path, capsys):
+    shutil.copy(TRIAGE / "ward-a.csv", tmp_path / "ward.csv")
+    (tmp_path / "site.yaml").write_text(
+        "site: ward-e\ncoordinator: 'c.example.org:8443'\nkit: kit\nemulation: {slowdown: 5}\n"
+        "datasets:\n  triage: {kind: csv, path: ward.csv, label: outcome}\n")
+    code, out = _check(capsys, "--config", tmp_path / "site.yaml")
+    assert code == 0
+    assert out.startswith("site ward-e: datasets ['triage']\nEMULATION ONLY: emulation.slowdown 5 stretches every "
+                          "training task; remove `emulation:` at any real site (docs/install-site.md)\n")
