@@ -25,7 +25,7 @@ model: {{name: vector, args: {{size: 4}}}}
 data: {{dataset: heart-disease}}
 rounds: {versions}
 sites: {{min: 1, deadline_s: 60}}
-strategy: {{name: fedavg}}
+strategy: {strategy}
 asynchronous: {asynchronous}
 seed: 0
 """
@@ -35,13 +35,15 @@ S_HALF = StalenessSpec(fn="polynomial", a=0.5)
 class Rig:
     """An asynchronous driver over a real store, with a clock that moves only when told."""
 
-    def __init__(self, tmp_path, *, asynchronous: str, versions: int = 10, extra: str = ""):
+    def __init__(self, tmp_path, *, asynchronous: str, versions: int = 10, extra: str = "",
+                 strategy: str = "{name: fedavg}"):
         self.now = 1000.0
         self.store = Store(tmp_path / "state")
         self.presence = Presence(threading.RLock(), online_window_s=50.0, monotonic=lambda: self.now)
         self.ctx = Context(store=self.store, presence=self.presence, clock=lambda: self.now, monotonic=lambda: self.now,
                            notify=lambda: None, models=None, model_limits=None)
-        cfg = parse_round_config(JOB.format(versions=versions, asynchronous=asynchronous) + extra, source="test job")
+        text = JOB.format(versions=versions, asynchronous=asynchronous, strategy=strategy) + extra
+        cfg = parse_round_config(text, source="test job")
         self.job_id = f"job-{uuid.uuid4().hex[:8]}"
         self.store.save_checkpoint(self.job_id, 0, {"w": np.zeros(4, np.float32)})
         self.store.add_job(self.job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, "test")
@@ -363,3 +365,14 @@ def test_a_plain_asynchronous_job_refuses_trained_and_takes_updates(rig):
         r.driver.answered("a", g["a"], TaskResult(Binding(g["a"].task_id, r.job_id, g["a"].round, g["a"].nonce),
                                                   TaskStatus.TRAINED))
     assert "1 of 2" in r.send("a", g["a"], [1] * 4)
+
+
+def test_a_server_optimizer_steps_on_the_staleness_weighted_delta_downpour_adagrad(rig):
+    r = rig(asynchronous="{buffer: 1, max_staleness: 4, staleness: {fn: polynomial, a: 1}}",
+            strategy="{name: fedadagrad, args: {eta: 0.5, beta1: 0.0, tau: 0.001}}")
+    g = r.start("a", "c")
+    r.send("a", g["a"], [2] * 4)                    # Δ̄ = 2: v = 4, x = 0.5·2/(2 + 0.001)
+    x1 = 0.5 * 2 / (2 + 0.001)
+    np.testing.assert_allclose(r.model(1), x1, rtol=1e-6)
+    r.send("c", g["c"], [4] * 4)                    # from v0, τ = 1: Δ̄ = s(1)·4 = 2; v = 8
+    np.testing.assert_allclose(r.model(2), x1 + 0.5 * 2 / (8 ** 0.5 + 0.001), rtol=1e-6)
