@@ -984,7 +984,7 @@ class AsyncRounds:
     def _training_since(self) -> float:
         """When training first started, on the driver's wall clock, kept in the job's metrics: time_budget_s
         counts from there through restarts and resumes, not from a wait for sites.min."""
-        key = (0, "", "async", "training_started_unix_s")
+        key = (0, "", "timing", "training_started_unix_s")   # not "async": that kind is per version
         since = next((m.value for m in self.ctx.store.metrics(self.job_id)
                       if (m.round, m.site, m.kind, m.name) == key), None)
         if since is None:
