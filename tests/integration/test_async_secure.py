@@ -19,6 +19,7 @@ from site_agent.training import train_local
 from integration.harness import HOSPITAL_OF, scaled, wait_until
 from integration.rogue import rogue_federation, site_agents
 from integration.test_secure_aggregation import CLIP, DropsOut, masked_inputs, start_agent  # noqa: F401  (fixture)
+from state_db import query
 
 ASYNC_SECURE_JOB = """\
 name: {name}
@@ -39,8 +40,10 @@ def async_secure_job(*, name="async-secure", versions=2, asynchronous="{buffer: 
                                    phase=scaled(2), deadline=scaled(10), dp=f", dp: {dp}" if dp else "", seed=seed)
 
 
-def first_updates(job_yaml: str, sites) -> tuple[dict, dict[str, dict], dict[str, int]]:
-    """Each site's first training task in the clear, as its agent ran it: (version 0, Δ per site, n per site)."""
+def first_updates(job_yaml: str, sites, tasks: dict[str, int] | None = None
+                  ) -> tuple[dict, dict[str, dict], dict[str, int]]:
+    """Each site's training task on version 0 in the clear, as its agent ran it: (version 0, Δ per site, n per
+    site). `tasks`: site -> the task's place among the site's tasks (its seed; default the first)."""
     job = parse_round_config(job_yaml)
     initial = state_to_numpy(build_model(job.model.name, job.model.args, seed=job.seed))
     deltas, samples = {}, {}
@@ -48,7 +51,8 @@ def first_updates(job_yaml: str, sites) -> tuple[dict, dict[str, dict], dict[str
         data = heart_disease(HOSPITAL_OF[site])
         model = build_model(job.model.name, job.model.args, seed=job.seed)
         load_numpy_state(model, initial)
-        result = train_local(model, data.x_train, data.y_train, job.train, seed=site_seed(job.seed, 0, site))
+        result = train_local(model, data.x_train, data.y_train, job.train,
+                             seed=site_seed(job.seed, (tasks or {}).get(site, 0), site))
         trained = state_to_numpy(model)
         deltas[site] = {k: trained[k].astype(np.float64) - initial[k] for k in initial}
         samples[site] = result.num_samples
@@ -92,13 +96,21 @@ def test_a_member_that_drops_out_mid_cohort_is_recovered_and_the_version_still_m
     detail = federation.admin().job(job_id)
     version1 = next(r for r in detail.rounds if r.round == 1)
     assert sorted(version1.contributors) == ["a", "b", "c"] and "dropped: d" in version1.message
-    initial, deltas, samples = first_updates(job_yaml, "abc")
+    # the training tasks version 1 took in (a member late in a slow phase may have trained again first)
+    rows = query(federation.store.state_dir, "SELECT site, kind, status FROM tasks WHERE job_id = ? "
+                 "ORDER BY issued, rowid", (job_id,))
+    places = {}
+    for site in "abc":
+        mine = [(kind, status) for s, kind, status in rows if s == site]
+        places[site] = next(i for i, (kind, status) in enumerate(mine) if kind == "train" and status == "submitted")
+    initial, deltas, samples = first_updates(job_yaml, "abc", places)
     total = sum(samples.values())
     got = federation.store.load_checkpoint(job_id, 1)
     bound = 3 * 0.5 * 2.0 ** -frac_bits(CLIP) * 2   # each member's rounding, and the renormalisation
     for name, x in initial.items():                 # τ = 0 for all: s = 1, FedAvg's sample-weighted mean
         expected = x + sum(samples[s] * deltas[s][name] for s in "abc") / total
-        np.testing.assert_allclose(got[name], expected, rtol=0, atol=bound + 1e-6)
+        np.testing.assert_allclose(got[name], expected, rtol=0, atol=bound + 1e-6,
+                                   err_msg=f"version 1: {version1.message}; training tasks taken: {places}; {rows}")
     # (d may also have trained again, once out of the cohort: that update is discarded as training ended)
     discarded = [e.reason for e in detail.site_events if e.site == "d" and e.status == "discarded"]
     assert any("dropped out of cohort" in reason for reason in discarded), discarded
