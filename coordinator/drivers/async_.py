@@ -42,7 +42,7 @@ from coordinator.aggregate import WeightedSum
 from coordinator.drivers import Context
 from coordinator.drivers.cohort import Cohort, Trained, advert_samples, cohort_size
 from coordinator.drivers.rounds import Action, RoundView, decide
-from coordinator.drivers.sync import kept_metrics, save_strategy, site_metrics, strategy_at, weight_caps
+from coordinator.drivers.sync import check_rows, kept_metrics, save_strategy, site_metrics, strategy_at, weight_caps
 from coordinator.intake import Upload
 from coordinator.secure_round import SecureRound
 from coordinator.served import ServedModel
@@ -117,7 +117,6 @@ class Evaluation:
     sites: set[str]                  # asked: the sites online when it began
     deadline: float                  # monotonic
     results: dict[str, dict[str, float]] = field(default_factory=dict)   # site -> eval metrics
-    grants: dict[str, TaskGrant] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -139,8 +138,7 @@ class AsyncRounds:
         self.finishing = ""                             # why training ended (the final evaluation is running)
         self.budget_stop = ""
         self.started = False
-        self.activated = ctx.monotonic()
-        self.last_answer = self.activated
+        self.last_answer = ctx.monotonic()   # a site's last answer (an upload, result or phase message)
         self.epsilons: dict[int, float] = {}
         self._bases: dict[int, dict[str, np.ndarray]] = {}
         self._spare: WeightedSum | None = None
@@ -458,14 +456,7 @@ class AsyncRounds:
             raise IntegrityError(f"num_samples must be between 1 and 2**31; got {num_samples}",
                                  reason=Reason.NUM_SAMPLES)
         rows = self._rows()
-        own = rows.get(site, 0)
-        if own == 0:
-            raise IntegrityError(f"num_samples {num_samples}: this site reported no training rows for the job's "
-                                 "dataset when it joined; check that the dataset loads at the site, then restart "
-                                 "its agent", reason=Reason.NUM_SAMPLES)
-        if num_samples > own:
-            raise IntegrityError(f"num_samples {num_samples} exceeds the {own} training rows this site reported "
-                                 "for the job's dataset when it joined", reason=Reason.NUM_SAMPLES)
+        check_rows(num_samples, rows.get(site, 0))
         if self.cfg.privacy.dp is not None:
             return 1
         return min(num_samples, weight_caps(rows, self.cfg.sites.max_weight_share)[site])

@@ -146,6 +146,19 @@ def weight_caps(rows: dict[str, int], max_share: float) -> dict[str, int]:
     return caps
 
 
+def check_rows(num_samples: int, rows: int) -> None:
+    """Refuse a num_samples beyond `rows`, the training rows its site reported at Join (none: refused)."""
+    if rows == 0:
+        raise IntegrityError(f"num_samples {num_samples}: this site reported no training rows for the job's "
+                             "dataset when it joined, and an update weighs at most its site's reported rows; "
+                             "check that the dataset loads at the site, then restart its agent",
+                             reason=Reason.NUM_SAMPLES)
+    if num_samples > rows:
+        raise IntegrityError(f"num_samples {num_samples} exceeds the {rows} training rows this site reported "
+                             "for the job's dataset when it joined; an update weighs at most its site's rows",
+                             reason=Reason.NUM_SAMPLES)
+
+
 @dataclass
 class RoundState:
     """One open round: who takes part, their grants and outcomes, what is arriving and what is in."""
@@ -178,16 +191,7 @@ class RoundState:
 
     def check_rows(self, site: str, num_samples: int) -> None:
         """Refuse a num_samples beyond the training rows the site reported at Join."""
-        rows = self.rows.get(site, 0)
-        if rows == 0:
-            raise IntegrityError(f"num_samples {num_samples}: this site reported no training rows for the job's "
-                                 "dataset when it joined, and an update weighs at most its site's reported rows; "
-                                 "check that the dataset loads at the site, then restart its agent",
-                                 reason=Reason.NUM_SAMPLES)
-        if num_samples > rows:
-            raise IntegrityError(f"num_samples {num_samples} exceeds the {rows} training rows this site reported "
-                                 "for the job's dataset when it joined; an update weighs at most its site's rows",
-                                 reason=Reason.NUM_SAMPLES)
+        check_rows(num_samples, self.rows.get(site, 0))
 
     def weight(self, site: str, num_samples: int) -> int:
         """What a site's update weighs: its num_samples (refused beyond its rows), capped at its largest share."""

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import threading
-import uuid
-
 import numpy as np
 import pytest
+from driver_rig import DriverRig, rigs
 
-from coordinator.drivers import Context
 from coordinator.drivers.async_ import AsyncRounds
-from coordinator.store import Store
-from coordinator.tasks import Binding, Presence, TaskGrant, TaskResult, UpdateHeader
+from coordinator.tasks import Binding, TaskGrant, TaskResult
 from plexus import staleness
 from plexus.accounting import client_epsilon
-from plexus.config import StalenessSpec, dump_round_config, parse_round_config
+from plexus.config import StalenessSpec
 from plexus.errors import FailedPrecondition, IntegrityError, Reason, RoundClosed, Stale
 from plexus.vocab import JobStatus, TaskKind, TaskStatus
-from plexus.wire import encode, iter_chunks
+from plexus.wire import iter_chunks
 
 JOB = """\
 name: job
@@ -32,55 +28,19 @@ seed: 0
 S_HALF = StalenessSpec(fn="polynomial", a=0.5)
 
 
-class Rig:
-    """An asynchronous driver over a real store, with a clock that moves only when told."""
+class Rig(DriverRig):
+    """AsyncRounds over a real store, with a clock that moves only when told."""
 
-    def __init__(self, tmp_path, *, asynchronous: str, versions: int = 10, extra: str = "",
+    driver_class = AsyncRounds
+
+    def __init__(self, path, *, asynchronous: str, versions: int = 10, extra: str = "",
                  strategy: str = "{name: fedavg}"):
-        self.now = 1000.0
-        self.store = Store(tmp_path / "state")
-        self.presence = Presence(threading.RLock(), online_window_s=50.0, monotonic=lambda: self.now)
-        self.ctx = Context(store=self.store, presence=self.presence, clock=lambda: self.now, monotonic=lambda: self.now,
-                           notify=lambda: None, models=None, model_limits=None)
-        text = JOB.format(versions=versions, asynchronous=asynchronous, strategy=strategy) + extra
-        cfg = parse_round_config(text, source="test job")
-        self.job_id = f"job-{uuid.uuid4().hex[:8]}"
-        self.store.save_checkpoint(self.job_id, 0, {"w": np.zeros(4, np.float32)})
-        self.store.add_job(self.job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, "test")
-        self.driver = self.take_up()
-
-    def take_up(self) -> AsyncRounds:
-        return AsyncRounds.take_up(self.ctx, self.store.job(self.job_id))
-
-    def join(self, *sites: str, rows: int = 1000) -> None:
-        for site in sites:
-            self.store.site_seen(site, agent_version="test", models=["vector"], datasets=["heart-disease"],
-                                 policy_digest="")
-            self.presence.joined(site, {"heart-disease": rows})
+        super().__init__(path, JOB.format(versions=versions, asynchronous=asynchronous, strategy=strategy) + extra)
 
     def start(self, *sites: str) -> dict[str, TaskGrant]:
         self.join(*sites)
         self.driver.tick(self.now)
         return {s: self.driver.grant(s) for s in sites}
-
-    def header(self, grant: TaskGrant, values, num_samples: int):
-        layout, blob = encode({"w": np.asarray(values, np.float32)})
-        return UpdateHeader(task=Binding(grant.task_id, grant.job_id, grant.round, grant.nonce),
-                            num_samples=num_samples, layout=layout), blob
-
-    def send(self, site: str, grant: TaskGrant, values, *, num_samples: int = 100, chunks=None) -> str:
-        """What Engine.submit_update does with the driver."""
-        header, blob = self.header(grant, values, num_samples)
-        upload = self.driver.upload(site, grant, header, lambda exc: None)
-        try:
-            try:
-                upload.receive(chunks(blob) if chunks else ((o, bytes(d)) for o, d in iter_chunks(blob, 4)))
-            except BaseException as exc:
-                self.driver.refused(site, grant, upload, exc)
-                raise
-            return self.driver.accepted(site, grant, header, upload)
-        finally:
-            self.driver.ended_upload(site, upload)
 
     def model(self, version: int) -> np.ndarray:
         return self.store.load_checkpoint(self.job_id, version)["w"]
@@ -91,14 +51,7 @@ class Rig:
 
 @pytest.fixture
 def rig(tmp_path):
-    rigs = []
-
-    def make(**kwargs) -> Rig:
-        rigs.append(Rig(tmp_path / str(len(rigs)), **kwargs))
-        return rigs[-1]
-    yield make
-    for r in rigs:
-        r.store.close()
+    yield from rigs(tmp_path, Rig)
 
 
 # staleness functions ----------------------------------------------------------------------
@@ -198,7 +151,7 @@ def test_an_upload_cut_part_way_leaves_the_buffer_exactly_as_without_it(rig):
     r = rig(asynchronous="{buffer: 2, max_staleness: 4}")
     g = r.start("a", "b")
 
-    def broken(blob):
+    def broken(blob, cuts):
         yield 0, blob[:8]
         raise ConnectionError("the site went away")
     with pytest.raises(ConnectionError):

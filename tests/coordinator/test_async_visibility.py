@@ -5,25 +5,21 @@ staleness histogram fed by the same store's events."""
 from __future__ import annotations
 
 import json
-import threading
-import uuid
 
 import numpy as np
 import pytest
+from driver_rig import DriverRig, rigs
 from prometheus_client import generate_latest
 
-from coordinator.drivers import Context
 from coordinator.drivers.async_ import AsyncRounds
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import job_detail, job_summary
-from coordinator.store import Store
-from coordinator.tasks import Binding, Presence, TaskResult, UpdateHeader
+from coordinator.tasks import Binding, TaskResult
 from plexus.cli.admin import follow, print_job
-from plexus.config import dump_round_config, parse_round_config
+from plexus.config import parse_round_config
 from plexus.errors import Stale
 from plexus.proto.plexus.v1 import admin_pb2
 from plexus.vocab import TaskStatus
-from plexus.wire import encode, iter_chunks
 
 JOB = """\
 name: fedbuff
@@ -37,43 +33,31 @@ seed: 0
 """
 
 
-class Rig:
+class Rig(DriverRig):
     """The asynchronous driver over a real store, a clock that moves only when told, metrics subscribed."""
 
+    driver_class = AsyncRounds
+
     def __init__(self, path, *, versions: int = 3, job: str = JOB):
-        self.now = 1000.0
-        self.store = Store(path / "state", clock=lambda: self.now)
-        self.metrics = CoordinatorMetrics(store=self.store, online_sites=set, monotonic=lambda: self.now)
-        self.store.subscribe(self.metrics.on_event)
-        self.presence = Presence(threading.RLock(), online_window_s=50.0, monotonic=lambda: self.now)
-        self.ctx = Context(store=self.store, presence=self.presence, clock=lambda: self.now,
-                           monotonic=lambda: self.now, notify=lambda: None, models=None, model_limits=None)
-        cfg = parse_round_config(job.format(versions=versions), source="test job")
-        self.job_id = f"job-{uuid.uuid4().hex[:8]}"
-        self.store.save_checkpoint(self.job_id, 0, {"w": np.zeros(4, np.float32)})
-        self.store.add_job(self.job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, "test")
-        self.driver = AsyncRounds.take_up(self.ctx, self.store.job(self.job_id)) if cfg.asynchronous else None
+        self.metrics = None
+        self.asynchronous = parse_round_config(job.format(versions=versions)).asynchronous is not None
+        super().__init__(path, job.format(versions=versions), store_clock=True)
+
+    def take_up(self):
+        if self.metrics is None:   # subscribed before the driver's first event
+            self.metrics = CoordinatorMetrics(store=self.store, online_sites=set, monotonic=lambda: self.now)
+            self.store.subscribe(self.metrics.on_event)
+        return super().take_up() if self.asynchronous else None
 
     def start(self, *sites: str) -> dict:
-        for site in sites:
-            self.store.site_seen(site, agent_version="test", models=["vector"], datasets=["heart-disease"],
-                                 policy_digest="")
-            self.presence.joined(site, {"heart-disease": 1000})
+        self.join(*sites)
         self.driver.tick(self.now)
         return {s: self.driver.grant(s) for s in sites}
 
     def send(self, site: str, grant, value: float, num_samples: int = 100) -> str:
-        """What Engine.submit_update does with the driver."""
+        """An update of `value` everywhere, a second after the last."""
         self.now += 1.0
-        layout, blob = encode({"w": np.full(4, value, np.float32)})
-        header = UpdateHeader(task=Binding(grant.task_id, grant.job_id, grant.round, grant.nonce),
-                              num_samples=num_samples, layout=layout, metrics={"train_loss": 0.5})
-        upload = self.driver.upload(site, grant, header, lambda exc: None)
-        try:
-            upload.receive((o, bytes(d)) for o, d in iter_chunks(blob, 4))
-            return self.driver.accepted(site, grant, header, upload)
-        finally:
-            self.driver.ended_upload(site, upload)
+        return super().send(site, grant, np.full(4, value), num_samples=num_samples, metrics={"train_loss": 0.5})
 
     def evaluate(self, site: str, accuracy: float) -> None:
         grant = self.driver.grant(site)
@@ -91,14 +75,7 @@ class Rig:
 
 @pytest.fixture
 def rig(tmp_path):
-    rigs = []
-
-    def make(**kwargs) -> Rig:
-        rigs.append(Rig(tmp_path / str(len(rigs)), **kwargs))
-        return rigs[-1]
-    yield make
-    for r in rigs:
-        r.store.close()
+    yield from rigs(tmp_path, Rig)
 
 
 def three_versions(r: Rig, *, finish: bool = True) -> None:

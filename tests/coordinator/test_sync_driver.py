@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import threading
-import uuid
-
 import numpy as np
 import pytest
+from driver_rig import DriverRig, rigs
 
-from coordinator.drivers import Context
 from coordinator.drivers.rounds import Action, RoundView, decide
 from coordinator.drivers.sync import SyncRounds
-from coordinator.store import Store
-from coordinator.tasks import Binding, Presence, TaskGrant, TaskResult, UpdateHeader
-from plexus.config import dump_round_config, parse_round_config
+from coordinator.tasks import Binding, TaskGrant, TaskResult
 from plexus.errors import FailedPrecondition, IntegrityError, RoundClosed
 from plexus.vocab import TaskKind, TaskStatus
-from plexus.wire import encode, iter_chunks
 
 JOB = """\
 name: job
@@ -29,30 +23,13 @@ seed: 0
 """
 
 
-class Rig:
-    """A driver over a real store, with a clock that moves only when told."""
+class Rig(DriverRig):
+    """SyncRounds over a real store, with a clock that moves only when told."""
 
-    def __init__(self, tmp_path, *, sites: str, rounds: int = 1):
-        self.now = 1000.0
-        self.store = Store(tmp_path / "state")
-        lock = threading.RLock()
-        self.presence = Presence(lock, online_window_s=50.0, monotonic=lambda: self.now)
-        self.ctx = Context(store=self.store, presence=self.presence, clock=lambda: self.now, monotonic=lambda: self.now,
-                           notify=lambda: None, models=None, model_limits=None)
-        cfg = parse_round_config(JOB.format(rounds=rounds, sites=sites), source="test job")
-        self.job_id = f"job-{uuid.uuid4().hex[:8]}"
-        self.store.save_checkpoint(self.job_id, 0, {"w": np.zeros(4, np.float32)})
-        self.store.add_job(self.job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, "test")
-        self.driver = self.take_up()
+    driver_class = SyncRounds
 
-    def take_up(self) -> SyncRounds:
-        return SyncRounds.take_up(self.ctx, self.store.job(self.job_id))
-
-    def join(self, *sites: str, rows: int = 1000) -> None:
-        for site in sites:
-            self.store.site_seen(site, agent_version="test", models=["vector"], datasets=["heart-disease"],
-                                 policy_digest="")
-            self.presence.joined(site, {"heart-disease": rows})
+    def __init__(self, path, *, sites: str, rounds: int = 1):
+        super().__init__(path, JOB.format(rounds=rounds, sites=sites))
 
     def tick(self) -> float:
         return self.driver.tick(self.now)
@@ -62,23 +39,6 @@ class Rig:
         self.join(*sites)
         self.tick()
         return {s: self.driver.grant(s) for s in sites}
-
-    def send(self, site: str, grant: TaskGrant, values, *, num_samples: int = 100, chunks=None) -> str:
-        """What Engine.submit_update does with the driver, the stream given as (offset, data) chunks."""
-        layout, blob = encode({"w": np.asarray(values, np.float32)})
-        header = UpdateHeader(task=Binding(grant.task_id, grant.job_id, grant.round, grant.nonce),
-                              num_samples=num_samples, layout=layout)
-        cuts = []
-        upload = self.driver.upload(site, grant, header, cuts.append)
-        try:
-            try:
-                upload.receive(chunks(blob, cuts) if chunks else ((o, bytes(d)) for o, d in iter_chunks(blob, 4)))
-            except BaseException as exc:
-                self.driver.refused(site, grant, upload, exc)
-                raise
-            return self.driver.accepted(site, grant, header, upload)
-        finally:
-            self.driver.ended_upload(site, upload)
 
     def model(self, round_: int) -> list[float]:
         return self.store.load_checkpoint(self.job_id, round_)["w"].tolist()
@@ -90,14 +50,7 @@ class Rig:
 
 @pytest.fixture
 def rig(tmp_path):
-    rigs = []
-
-    def make(**kwargs) -> Rig:
-        rigs.append(Rig(tmp_path / str(len(rigs)), **kwargs))
-        return rigs[-1]
-    yield make
-    for r in rigs:
-        r.store.close()
+    yield from rigs(tmp_path, Rig)
 
 
 def test_a_round_closes_on_quorum_with_the_exact_weighted_mean(rig):
