@@ -312,6 +312,18 @@ UPLINK_KEYS = {"block": ("int8",), "fraction": ("topk", "randk"), "k": ("topk", 
 # Rules over the weighted mean of plain model tensors: a compressed update is a Δ they can fold. Robust rules
 # and ensembles judge each whole update in the clear, and SCAFFOLD's Δc travels beside the update.
 COMPRESSIBLE_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "cwt", "swt")
+# Under privacy.secure_aggregation: the field each uplink codec masks in (masked values and their sum are
+# integers mod 2**bits), and the coarsest public grid clip / L an 8- or 16-bit field is used with. Summing n
+# sites in an m-bit field takes L = 2**(m-1) - 1 - n (plexus.secagg.fixed_point.Field), so an int8 round
+# takes at most 2**7 - 1 - 16 = 111 sites.
+SECURE_FIELD_BITS = {"none": 32, "randk": 32, "fp16": 16, "int8": 8}
+MIN_GRID_LEVELS = 16
+
+
+def max_secure_sites(codec: str) -> int | None:
+    """The most sites one secure round may sum with this uplink codec; None: no limit (32-bit fields)."""
+    bits = SECURE_FIELD_BITS[codec]
+    return None if bits == 32 else 2 ** (bits - 1) - 1 - MIN_GRID_LEVELS
 
 
 @dataclass(frozen=True, slots=True)
@@ -801,6 +813,17 @@ def _compression_problem(cfg: RoundConfig) -> tuple[str, str] | None:
         return "compression", (f"uplink codec {spec.uplink.codec!r} sends each site's own choice of coordinates, "
                                "and a masked sum needs the same coordinates at every site; under "
                                "privacy.secure_aggregation use randk (indices shared by seed), int8 or fp16")
+    if cfg.privacy.secure_aggregation and spec.uplink.codec == "randk" and spec.uplink.error_feedback:
+        return "compression", ("under privacy.secure_aggregation randk runs without error feedback (a site keeps "
+                               "no residual of a masked update yet); remove uplink.error_feedback, or set it false")
+    limit = max_secure_sites(spec.uplink.codec) if cfg.privacy.secure_aggregation else None
+    for key, value in (("min", cfg.sites.min), ("count", cfg.sites.count or 0)):
+        if limit is not None and value > limit:
+            return "sites", (f"{key} is {value}, but under privacy.secure_aggregation uplink codec "
+                             f"{spec.uplink.codec!r} sums at most {limit} sites per round (its "
+                             f"{SECURE_FIELD_BITS[spec.uplink.codec]}-bit field keeps a grid of at least "
+                             f"clip/{MIN_GRID_LEVELS}); set sites.{key} to {limit} or fewer, or use "
+                             f"{'fp16' if spec.uplink.codec == 'int8' else 'randk'}")
     return None
 
 

@@ -772,6 +772,12 @@ def test_an_asynchronous_block_round_trips_and_a_synchronous_config_dumps_withou
          "Δc"),
         (MINIMAL + "compression: {downlink: {codec: fp16}}\nasynchronous: {buffer: 2}\n", "job.yaml:5: compression:",
          "asynchronous jobs do not take compression yet"),
+        (MINIMAL + "compression: {uplink: {codec: randk, k: 3, error_feedback: true}}\nsites: {min: 3}\n"
+         "privacy: {secure_aggregation: true}\n", "job.yaml:5: compression:", "without error feedback"),
+        (MINIMAL + "compression: {uplink: {codec: int8}}\nsites: {min: 112}\nprivacy: {secure_aggregation: true}\n",
+         "job.yaml:6: sites:", "at most 111 sites per round"),
+        (MINIMAL + "compression: {uplink: {codec: int8}}\nsites: {min: 3, count: 200}\n"
+         "privacy: {secure_aggregation: true}\n", "job.yaml:6: sites:", "set sites.count to 111 or fewer, or use fp16"),
     ],
 )
 def test_compression_config_errors(text, prefix, detail):
@@ -789,7 +795,9 @@ def test_a_compression_block_round_trips_and_a_config_without_it_dumps_without_i
     assert parse_round_config(dump_round_config(cfg)) == cfg
     assert "compression" not in dump_round_config(parse_round_config(MINIMAL))
     # secure aggregation takes the codecs whose coordinates every site shares
-    for codec in ("int8", "fp16", "randk, k: 3"):
+    for codec in ("int8", "fp16", "randk, k: 3", "randk, k: 3, error_feedback: false"):
         ok = parse_round_config(MINIMAL + f"compression: {{uplink: {{codec: {codec}}}}}\nsites: {{min: 3}}\n"
                                 "privacy: {secure_aggregation: true}\n")
         assert ok.privacy.secure_aggregation
+    # without secure aggregation nothing bounds an int8 job's sites
+    assert parse_round_config(MINIMAL + "compression: {uplink: {codec: int8}}\nsites: {min: 200}\n").sites.min == 200
