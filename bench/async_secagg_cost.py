@@ -44,7 +44,7 @@ from coordinator.tasks import Binding, Presence, TaskResult, check_binding, owne
 from plexus import identity, pki, staleness
 from plexus.config import dump_round_config, parse_round_config
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto
+from plexus.secagg import Field, SiteSession, advert_from_proto, advert_to_proto
 from plexus.vocab import TaskKind, TaskStatus
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, decode, encode_chunks
 
@@ -223,7 +223,7 @@ class Site:
                 message = fpb.SecAggMessage(**header, shares=fpb.SharesMessage(ciphertexts=shares))
             elif task.kind == fpb.TASK_SECAGG_MASKED_INPUT:
                 self.session.receive_shares(dict(p.shares_for_you))
-                masked = np.concatenate(list(self.session.mask(self.kept, clip=p.clip, bits=p.frac_bits)))
+                masked = np.concatenate(list(self.session.mask(self.kept, field=Field.fixed(p.clip, p.frac_bits))))
                 manifest = Layout.build([(t.name, "U32", t.shape) for t in self.layout.tensors]).to_proto()
                 data = masked.astype("<u4").tobytes()
                 step = chunk_size(len(data), DEFAULT_CHUNK_BYTES)

@@ -118,27 +118,39 @@ def aead_decrypt(key: bytes, blob: bytes, aad: bytes) -> bytes:
 
 
 def prg_uint32(seed: bytes, count: int, *, start: int = 0) -> np.ndarray:
-    """Elements [start, start+count) of the little-endian uint32 AES-256-CTR keystream keyed by `seed`.
+    """Elements [start, start+count) of the little-endian uint32 AES-256-CTR keystream keyed by `seed`."""
+    return prg_words(seed, count, 32, start=start)
+
+
+PRG_WORD_BITS = {8: np.uint8, 16: np.uint16, 32: np.uint32}
+
+
+def prg_words(seed: bytes, count: int, bits: int, *, start: int = 0) -> np.ndarray:
+    """Elements [start, start+count) of the AES-256-CTR keystream keyed by `seed`, read as little-endian
+    `bits`-bit words (8, 16 or 32): the same stream for every width, cut into words of that size.
 
     The counter starts at zero with no nonce: safe only because every seed is a
     single-purpose HKDF output used for one stream. Any window equals the same
     slice of one long stream, so masks can be made chunk by chunk.
     """
     seed = _check_bytes(seed, "PRG seed", KEY_BYTES)
+    if bits not in PRG_WORD_BITS or isinstance(bits, bool):
+        raise ValueError(f"bits must be one of {sorted(PRG_WORD_BITS)}, got {bits!r}")
     for name, value in (("count", count), ("start", start)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name} must be an int, not {type(value).__name__}")
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    count, start = int(count), int(start)
-    block, skip = divmod(4 * start, 16)
-    if block + (skip + 4 * count + 15) // 16 > 1 << 128:
-        raise ValueError("the PRG stream is 2**130 uint32 long; start + count exceeds it")
+    count, start, size = int(count), int(start), bits // 8
+    block, skip = divmod(size * start, 16)
+    if block + (skip + size * count + 15) // 16 > 1 << 128:
+        raise ValueError("the PRG stream is 2**132 bytes long; start + count exceeds it")
     encryptor = Cipher(algorithms.AES(seed), modes.CTR(block.to_bytes(16, "big"))).encryptor()
-    total = skip + 4 * count
+    total = skip + size * count
     raw = np.empty(total + 15, dtype=np.uint8)   # update_into wants block_size - 1 bytes of slack
     encryptor.update_into(bytes(total), raw)     # keystream = AES-CTR of zeros, written in place (no copy)
-    return raw[skip:total].view("<u4").view(np.uint32)  # writable; native order on little-endian hosts
+    # writable; native order on little-endian hosts
+    return raw[skip:total].view(f"<u{size}").view(PRG_WORD_BITS[bits])
 
 
 def sign(private_key_pem: bytes, message: bytes) -> bytes:

@@ -26,6 +26,7 @@ DTYPES: dict[str, np.dtype] = {
     "I32": np.dtype("<i4"),
     "I64": np.dtype("<i8"),
     "U8": np.dtype("u1"),
+    "U16": np.dtype("<u2"),   # secure aggregation's masked vectors in a 16-bit field (fp16 under secagg)
     "U32": np.dtype("<u4"),   # secure aggregation's masked vectors (integers mod 2**32)
 }
 _NAMES = {dt: name for name, dt in DTYPES.items()}

@@ -16,6 +16,7 @@ _SECRET_LIMIT = 1 << (8 * crypto.KEY_BYTES)
 # Subsets of one secret's shares tried when some were altered: every way to leave out one or two liars
 # among dozens of responders, while a round full of liars fails in bounded time.
 MAX_DECODE_TRIES = 4096
+_FIELDS = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16, np.dtype(np.uint32): 32}
 
 
 class ServerSession:
@@ -52,12 +53,15 @@ class ServerSession:
         *,
         chunk: int = 1 << 20,
     ) -> np.ndarray:
-        """Remove all masks from masked_sum (uint32 sum of U3's inputs), in place; return it as the sum of q.
+        """Remove all masks from masked_sum (the sum of U3's inputs mod 2**bits: uint8, uint16 or uint32, the
+        width of the round's field), in place; return it as the sum of q.
 
         Every share is checked before masked_sum is touched, so on error it is unchanged.
         """
-        if not isinstance(masked_sum, np.ndarray) or masked_sum.dtype != np.uint32 or masked_sum.ndim != 1:
-            raise TypeError("masked_sum must be a 1-D uint32 numpy array (the sum of the masked inputs mod 2**32)")
+        if not isinstance(masked_sum, np.ndarray) or masked_sum.dtype not in _FIELDS or masked_sum.ndim != 1:
+            raise TypeError("masked_sum must be a 1-D uint8, uint16 or uint32 numpy array (the sum of the masked "
+                            "inputs mod 2**bits)")
+        bits = _FIELDS[masked_sum.dtype]
         if not masked_sum.flags.writeable:
             raise ValueError("masked_sum is read-only; pass a writable copy (it is unmasked in place)")
         check_int(chunk, "chunk")
@@ -140,12 +144,12 @@ class ServerSession:
         for start in range(0, masked_sum.size, chunk):
             view = masked_sum[start : start + chunk]
             for seed in self_seeds:
-                view -= crypto.prg_uint32(seed, view.size, start=start)
+                view -= crypto.prg_words(seed, view.size, bits, start=start)
             for seed, sign in pair_terms:  # u added sign * PRG(s_uv) for v, which has no input to cancel it
                 if sign > 0:
-                    view -= crypto.prg_uint32(seed, view.size, start=start)
+                    view -= crypto.prg_words(seed, view.size, bits, start=start)
                 else:
-                    view += crypto.prg_uint32(seed, view.size, start=start)
+                    view += crypto.prg_words(seed, view.size, bits, start=start)
         return masked_sum
 
     def _recover(self, v: str, what: str, by_responder: dict[str, tuple[int, int]], verify) -> int | None:

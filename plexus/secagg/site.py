@@ -11,7 +11,7 @@ import numpy as np
 from plexus import crypto, errors, identity
 from plexus.config import MIN_SECURE_COHORT
 from plexus.secagg.checks import check_int, check_str, not_int, site_set
-from plexus.secagg.fixed_point import frac_bits, quantize
+from plexus.secagg.fixed_point import Field
 from plexus.secagg.messages import (
     SHARE_AAD_LABEL,
     SHARE_LABEL,
@@ -201,8 +201,10 @@ class SiteSession:
         self._check_cohort(len(received), "shared their secrets (this one included)", "mask its update")
         self._received = received
 
-    def mask(self, delta_chunks: Iterable[np.ndarray], *, clip: float, bits: int) -> Iterator[np.ndarray]:
-        """Yield the masked uint32 input chunk by chunk for consecutive chunks of the flattened update.
+    def mask(self, delta_chunks: Iterable[np.ndarray], *, field: Field,
+             rng: np.random.Generator | None = None) -> Iterator[np.ndarray]:
+        """Yield the masked input chunk by chunk (unsigned `field.bits`-bit words) for consecutive chunks of the
+        flattened update; `rng` rounds stochastically in 8- and 16-bit fields (default: OS randomness).
 
         Runs once: two different inputs under the same masks would reveal their difference.
         """
@@ -210,13 +212,24 @@ class SiteSession:
             raise errors.FailedPrecondition("call receive_shares() before mask()")
         if self._masked:
             raise errors.FailedPrecondition("mask() runs once per round; a second masked input would leak")
-        check_int(bits, "bits")
-        if bits > frac_bits(clip):
-            raise ValueError(f"bits={bits} exceeds frac_bits(clip={clip}) = {frac_bits(clip)}; the sum could wrap")
+        if not isinstance(field, Field):
+            raise TypeError(f"field must be a Field, not {type(field).__name__}")
+        if not field.holds(len(self._peers)):
+            raise errors.IntegrityError(
+                f"a {field.bits}-bit field with grid clip/{field.levels} cannot hold the sum of the "
+                f"{len(self._peers)} advertised sites without wrapping around; refusing to mask")
         self_seed = crypto.hkdf(self._b, info=crypto.SECAGG_SELF_MASK, salt=self._salt)
         pairs = [(self._pair_seeds[v], mask_sign(self.site, v)) for v in sorted(self._received) if v != self.site]
+        if rng is None and field.bits < 32:
+            rng = np.random.default_rng(secrets.randbits(128))   # the site's own: the coordinator knows every seed
         self._masked = True
-        return _masked_chunks(delta_chunks, self._weight, clip, bits, self_seed, pairs)
+        return _masked_chunks(delta_chunks, self._weight, field, rng, self_seed, pairs)
+
+    @property
+    def advertised(self) -> int:
+        """|U1|: how many sites' adverts this site checked at share() (0 before); a small field's grid is sized
+        for their sum."""
+        return len(self._peers or ())
 
     def unmask(self, survivors: list[str]) -> dict[str, tuple[str, int, int]]:
         """Reveal this site's share of b for each survivor (U3) and of s_sk for each site in U2 but not U3."""
@@ -277,20 +290,20 @@ class SiteSession:
 def _masked_chunks(
     delta_chunks: Iterable[np.ndarray],
     weight: float,
-    clip: float,
-    bits: int,
+    field: Field,
+    rng: np.random.Generator | None,
     self_seed: bytes,
     pairs: list[tuple[bytes, int]],
 ) -> Iterator[np.ndarray]:
     position = 0
     for chunk in delta_chunks:
-        y = quantize(np.asarray(chunk).reshape(-1), weight, clip, bits)
+        y = field.quantize(chunk, weight, rng)
         count = y.size
-        y += crypto.prg_uint32(self_seed, count, start=position)  # uint32 arithmetic wraps mod 2**32
+        y += crypto.prg_words(self_seed, count, field.bits, start=position)  # unsigned arithmetic wraps mod 2**bits
         for seed, sign in pairs:
             if sign > 0:
-                y += crypto.prg_uint32(seed, count, start=position)
+                y += crypto.prg_words(seed, count, field.bits, start=position)
             else:
-                y -= crypto.prg_uint32(seed, count, start=position)
+                y -= crypto.prg_words(seed, count, field.bits, start=position)
         position += count
         yield y

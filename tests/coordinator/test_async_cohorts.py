@@ -93,7 +93,7 @@ class Member:
         grant = self.task()
         p = grant.payload
         self.session.receive_shares(p["shares_for_you"])
-        y = np.concatenate(list(self.session.mask([self.delta], clip=p["clip"], bits=p["frac_bits"])))
+        y = np.concatenate(list(self.session.mask([self.delta], field=secagg.Field.fixed(p["clip"], p["frac_bits"]))))
         layout, blob = encode({"w": y.astype(np.uint32)})
         header = UpdateHeader(task=Binding(grant.task_id, grant.job_id, grant.round, grant.nonce), num_samples=0,
                               layout=layout)

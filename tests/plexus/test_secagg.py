@@ -60,20 +60,25 @@ class Round:
         for v in self.u2:
             self.sessions[v].receive_shares({u: self.outbox[u][v] for u in self.u2 if u != v})
 
-    def mask(self, deltas, *, clip, skip=(), chunk=7):
+    def mask(self, deltas, *, clip, skip=(), chunk=7, field_bits=32, seed=0):
+        """Each site in U2 not skipped masks its update in a `field_bits`-bit field (8 and 16: the grid sized
+        for |U1|, rounding from a seeded generator per site); `expected` is the plain sum of what they quantised."""
         self.clip, self.bits = clip, secagg.frac_bits(clip)
+        self.field = (secagg.Field.fixed(clip, self.bits) if field_bits == 32
+                      else secagg.Field.grid(field_bits, clip, len(self.names)))
+        rng = {u: (lambda u=u: np.random.default_rng([seed, self.names.index(u)])) for u in self.names}
         self.ys = {}
         for u in self.u2:
             if u not in skip:
                 pieces = [deltas[u][i : i + chunk] for i in range(0, len(deltas[u]), chunk)]
-                self.ys[u] = np.concatenate(list(self.sessions[u].mask(pieces, clip=clip, bits=self.bits)))
+                self.ys[u] = np.concatenate(list(self.sessions[u].mask(pieces, field=self.field, rng=rng[u]())))
         self.u3 = sorted(self.ys)
-        self.masked_sum = np.zeros(len(next(iter(deltas.values()))), dtype=np.uint32)
+        self.masked_sum = np.zeros(len(next(iter(deltas.values()))), dtype=self.field.dtype)
         for y in self.ys.values():
             self.masked_sum += y
         self.expected = np.zeros_like(self.masked_sum)
         for u in self.u3:
-            self.expected += secagg.quantize(deltas[u], self.samples[u] / self.total, clip, self.bits)
+            self.expected += self.field.quantize(deltas[u], self.samples[u] / self.total, rng[u]())
 
     def reveals(self, skip=()):
         return {u: self.sessions[u].unmask(self.u3) for u in self.u3 if u not in skip}
@@ -244,6 +249,43 @@ def test_masks_cancel_when_a_site_never_shares(fed):
     np.testing.assert_array_equal(result, rnd.expected)
 
 
+@pytest.mark.parametrize("field_bits", [8, 16, 32])
+def test_masks_cancel_in_each_field(fed, field_bits):
+    rnd = Round(fed, NAMES[:4])
+    rnd.share()
+    deltas = random_deltas(rnd.names, 300, seed=5)
+    rnd.mask(deltas, clip=1.0, chunk=37, field_bits=field_bits, seed=9)
+    assert rnd.masked_sum.dtype == {8: np.uint8, 16: np.uint16, 32: np.uint32}[field_bits]
+    assert not np.array_equal(rnd.masked_sum, rnd.expected)
+    for y in rnd.ys.values():   # a masked input looks uniform in its field, like the 32-bit ones
+        assert chi_square_bytes(y.tobytes()) < CHI2_LIMIT * 2 and y.dtype == rnd.field.dtype
+    result = rnd.server().unmask(rnd.masked_sum, rnd.u2, rnd.u3, rnd.reveals(), chunk=64)
+    np.testing.assert_array_equal(result, rnd.expected)
+    exact = sum(rnd.samples[u] / rnd.total * np.clip(deltas[u], -1.0, 1.0) for u in rnd.names)
+    step = 2.0 ** -rnd.bits if field_bits == 32 else 1.0 / rnd.field.levels
+    assert np.abs(rnd.field.dequantize(result) - exact).max() <= len(rnd.names) * step
+
+
+@pytest.mark.parametrize("field_bits", [8, 16, 32])
+def test_a_dropouts_masks_are_removed_in_each_field(fed, field_bits):
+    # t = 3 of 5: birch shares but sends no input, so its pairwise masks with U3 must be removed from its key
+    rnd = Round(fed, NAMES[:5], threshold=3)
+    rnd.share()
+    rnd.mask(random_deltas(rnd.names, 257, seed=2), clip=0.5, skip={"birch"}, chunk=50, field_bits=field_bits)
+    reveals = rnd.reveals(skip={"elm"})
+    assert reveals["alder"]["birch"][0] == "s"
+    result = rnd.server().unmask(rnd.masked_sum, rnd.u2, rnd.u3, reveals, chunk=64)
+    np.testing.assert_array_equal(result, rnd.expected)
+
+
+def test_a_site_refuses_to_mask_in_a_field_too_small_for_its_cohort(fed):
+    rnd = Round(fed, NAMES)
+    rnd.share()
+    with pytest.raises(errors.IntegrityError, match="cannot hold the sum of the 6 advertised sites"):
+        rnd.sessions["alder"].mask([np.zeros(3)], field=secagg.Field.grid(8, 1.0, 3))
+    assert rnd.sessions["alder"].advertised == 6
+
+
 def test_too_many_dropouts_refuse(fed):
     rnd = Round(fed, NAMES[:5], threshold=3)
     rnd.share()
@@ -401,13 +443,13 @@ def test_calls_out_of_order_refuse(fed):
     with pytest.raises(errors.FailedPrecondition):
         fresh.share(rnd.adverts, threshold=2, total_weight=rnd.total, ca_pem=fed.ca_pem)
     with pytest.raises(errors.FailedPrecondition):
-        rnd.sessions["alder"].mask([np.zeros(3)], clip=1.0, bits=30)
+        rnd.sessions["alder"].mask([np.zeros(3)], field=secagg.Field.fixed(1.0, 30))
     rnd.share()
     with pytest.raises(errors.FailedPrecondition):
         rnd.sessions["alder"].unmask(rnd.names)
     rnd.mask(random_deltas(rnd.names, 3), clip=1.0)
     with pytest.raises(errors.FailedPrecondition, match="once"):
-        rnd.sessions["alder"].mask([np.zeros(3)], clip=1.0, bits=30)
+        rnd.sessions["alder"].mask([np.zeros(3)], field=secagg.Field.fixed(1.0, 30))
 
 
 def test_server_names_a_responder_revealing_the_wrong_kind(fed):

@@ -123,7 +123,7 @@ def test_session_will_not_mask_or_reveal_for_too_small_a_cohort(fed):
     outbox = {n: sessions[n].share(adverts, threshold=3, total_weight=50, ca_pem=fed.ca_pem) for n in NAMES}
     for v in NAMES:
         sessions[v].receive_shares({u: outbox[u][v] for u in NAMES if u != v})
-        list(sessions[v].mask([np.zeros(4)], clip=1.0, bits=secagg.frac_bits(1.0)))
+        list(sessions[v].mask([np.zeros(4)], field=secagg.Field.fixed(1.0, secagg.frac_bits(1.0))))
     with pytest.raises(errors.IntegrityError, match="only 3 sites survived.*will not reveal shares"):
         sessions["alder"].unmask(["alder", "birch", "cedar"])
     assert len(sessions["alder"].unmask(["alder", "birch", "cedar", "daisy"])) == 5   # 4 survivors: fine

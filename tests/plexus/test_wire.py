@@ -138,7 +138,7 @@ def test_golden_blob_and_manifest():
 
 # layout validation ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", ["BF16", "C64", "BOOL", "f32", "", "U16"])
+@pytest.mark.parametrize("bad", ["BF16", "C64", "BOOL", "f32", "", "U64"])
 def test_build_refuses_a_dtype_outside_the_allowlist_and_lists_the_allowed(bad):
     with pytest.raises(IntegrityError) as err:
         Layout.build([("ok", "F32", (1,)), ("w", bad, (2,))])
@@ -212,7 +212,7 @@ def test_require_same_accepts_an_equal_layout_and_uses_the_label():
         MODEL.require_same(Layout.build([("steps", "I64", ())]), what="checkpoint")
 
 
-@pytest.mark.parametrize("dtype", [np.complex64, np.complex128, object, np.bool_, "U4", "datetime64[s]", np.uint16])
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128, object, np.bool_, "U4", "datetime64[s]", np.uint64])
 def test_dtype_name_refuses_dtypes_the_wire_does_not_carry(dtype):
     with pytest.raises(TypeError, match="cannot travel on the wire"):
         dtype_name(np.dtype(dtype))
