@@ -337,18 +337,25 @@ def _as_int64(value: int) -> np.int64:
     return np.int64(value - 2 ** 64 if value >= 2 ** 63 else value)
 
 
-class MaskedSum:
-    """Σ y_u mod 2**32 over secure aggregation's masked inputs (U32 blobs), folded piece by piece.
+_MASKED_DTYPES = ("U8", "U16", "U32")
 
-    Wrap-around is the point: masks are uniform mod 2**32 and cancel only in the
+
+class MaskedSum:
+    """Σ y_u mod 2**m over secure aggregation's masked inputs (blobs of U8, U16 or U32: the round's field, m = 8,
+    16 or 32 bits), folded piece by piece.
+
+    Wrap-around is the point: masks are uniform mod 2**m and cancel only in the
     modular sum. Nothing here can tell a masked vector from noise, by design.
     """
 
     def __init__(self, layout: Layout):
-        if any(t.dtype != "U32" for t in layout.tensors):
-            raise TypeError("a masked layout holds U32 tensors only")
+        widths = {t.dtype for t in layout.tensors}
+        if len(widths) > 1 or not widths <= set(_MASKED_DTYPES):
+            raise TypeError(f"a masked layout holds tensors of one of {', '.join(_MASKED_DTYPES)}, all alike; "
+                            f"got {', '.join(sorted(widths))}")
         self.layout = layout
-        self.acc = np.zeros(layout.total_elements, dtype=np.uint32)
+        self.dtype = DTYPES[widths.pop() if widths else "U32"]   # little-endian unsigned, the field's width
+        self.acc = np.zeros(layout.total_elements, dtype=self.dtype.newbyteorder("="))
         self.count = 0
         self._poisoned = ""
         self._lock = threading.Lock()
@@ -386,11 +393,12 @@ class MaskedSum:
             pending += data
             data = memoryview(bytes(pending))
             pending.clear()
-        whole = min(len(data) // 4, self.acc.size - element)
-        values = np.frombuffer(data, dtype="<u4", count=whole)
+        size = self.dtype.itemsize
+        whole = min(len(data) // size, self.acc.size - element)
+        values = np.frombuffer(data, dtype=self.dtype, count=whole)
         target = self.acc[element:element + whole]
-        (np.add if sign > 0 else np.subtract)(target, values, out=target)   # mod 2**32, as the masks need
-        pending += data[whole * 4:]
+        (np.add if sign > 0 else np.subtract)(target, values, out=target)   # mod 2**m, as the masks need
+        pending += data[whole * size:]
         return whole
 
 
@@ -406,7 +414,7 @@ class MaskedFold:
         self.state = "open"      # open | done | undone
 
     def add(self, piece: bytes | memoryview, max_abs: float = 0.0) -> None:
-        """Fold the next piece (max_abs is unused: masked values are uniform mod 2**32)."""
+        """Fold the next piece (max_abs is unused: masked values are uniform mod 2**m)."""
         total = self.total
         with total._lock:
             self._require_open()
@@ -439,7 +447,7 @@ class MaskedFold:
             for piece in journal():
                 if position >= self.position:
                     break
-                data = memoryview(piece).cast("B")[:(self.position - position) * 4 - len(pending)]
+                data = memoryview(piece).cast("B")[:(self.position - position) * total.dtype.itemsize - len(pending)]
                 position += total._fold_after(position, pending, data, -1)
             if position != self.position:
                 total._poisoned = (f"a masked input could not be taken out again: its journal held {position} of "

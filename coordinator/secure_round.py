@@ -1,7 +1,8 @@
 """The coordinator's side of one secure-aggregation round (Bonawitz et al. 2017).
 
 Four phases, each a task per site: advertise (train, then signed keys), share
-(encrypted t-of-n shares, relayed), mask (the masked update, summed mod 2**32),
+(encrypted t-of-n shares, relayed), mask (the masked update, summed mod 2**m in the field of the job's
+uplink codec: plexus.secagg.plan),
 unmask (reveals that remove exactly the survivors' masks). The coordinator only
 ever holds masked vectors and their sum; PlexusError subclasses raised here say
 why a phase cannot go on, and the engine fails the round with that message.
@@ -14,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.aggregate import MaskedSum
-from plexus.config import SecAggSpec
+from plexus.config import SecAggSpec, UplinkSpec, max_secure_sites
 from plexus.errors import FailedPrecondition, IntegrityError, Reason
-from plexus.secagg import PRIME, Advert, ServerSession, default_threshold, dequantize, frac_bits
+from plexus.secagg import PRIME, Advert, ServerSession, default_threshold, frac_bits, mask_plan
 from plexus.vocab import SecaggPhase, TaskKind
 from plexus.wire import Layout
 
@@ -39,6 +40,8 @@ class SecureRound:
     spec: SecAggSpec
     min_sites: int
     max_weight: int = 2 ** 31      # an advert's largest num_samples (an asynchronous cohort's: staleness quanta)
+    uplink: UplinkSpec | None = None   # the job's uplink codec: the field and entries sites mask (None: as always)
+    seed: int = 0                  # the job's seed (randk's shared indices)
     phase: SecaggPhase = SecaggPhase.ADVERTISE
     adverts: dict[str, Advert] = field(default_factory=dict)
     inbox: dict[str, dict[str, bytes]] = field(default_factory=dict)   # recipient -> sender -> ciphertext
@@ -52,7 +55,8 @@ class SecureRound:
 
     def __post_init__(self):
         self.bits = frac_bits(self.spec.clip)
-        self.masked_layout = Layout.build([(t.name, "U32", t.shape) for t in self.layout.tensors])
+        self.plan = mask_plan(self.uplink, self.layout, seed=self.seed, round_=self.round)
+        self.masked_layout = self.plan.layout()
         self.masked = MaskedSum(self.masked_layout)
 
     @property
@@ -108,6 +112,11 @@ class SecureRound:
                 f"(missing: {', '.join(missing) or 'none'}); at least {need} are needed "
                 f"(threshold t={self.threshold}, sites.min={self.min_sites})")
         if self.phase == SecaggPhase.ADVERTISE:
+            limit = max_secure_sites(self.plan.codec)
+            if limit is not None and len(answered) > limit:   # the driver opens no round this large; defence in depth
+                raise SecureRoundFailed(
+                    f"secure aggregation: {len(answered)} sites advertised, but uplink codec {self.plan.codec!r} "
+                    f"sums at most {limit} in its {self.plan.bits}-bit field; set sites.count to {limit} or fewer")
             self.u1 = answered
             self.adverts = {s: self.adverts[s] for s in answered}
             self.total_weight = sum(a.num_samples for a in self.adverts.values())
@@ -136,7 +145,8 @@ class SecureRound:
         return self.adverts[site].num_samples
 
     def result(self) -> tuple[dict[str, np.ndarray], int]:
-        """The survivors' weighted mean update Σ n_u Δ_u / Σ n_u (float64 per tensor) and Σ n_u over U3.
+        """The survivors' weighted mean update Σ n_u Δ_u / Σ n_u (float64 per tensor; randk: zero off its
+        shared indices) and Σ n_u over U3.
 
         Altered shares are left out while t honest ones remain; their senders end up in `rejected`.
         """
@@ -144,9 +154,6 @@ class SecureRound:
         total = session.unmask(self.masked.acc, self.u2, self.u3, self.reveals)
         self.rejected = session.rejected
         survivors_weight = sum(self.weight_of(s) for s in self.u3)
-        flat = dequantize(total, self.bits) * (self.total_weight / survivors_weight)
-        out, start = {}, 0
-        for t in self.layout.tensors:
-            out[t.name] = flat[start:start + t.numel].reshape(t.shape)
-            start += t.numel
-        return out, survivors_weight
+        field = self.plan.field(clip=self.spec.clip, frac_bits=self.bits, sites=len(self.u1))
+        flat = field.dequantize(total) * (self.total_weight / survivors_weight)
+        return self.plan.dense(flat), survivors_weight

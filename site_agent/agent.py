@@ -26,8 +26,8 @@ from plexus.errors import FailedPrecondition, IntegrityError
 from plexus.identity import load_kit
 from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
-from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto
-from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, decode, encode_chunks
+from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto, mask_plan
+from plexus.wire import DEFAULT_CHUNK_BYTES, DTYPES, Layout, assemble, chunk_size, decode, encode_chunks
 from site_agent.audit import AuditWriteFailed, SiteAudit
 from site_agent.local import LocalResult, local_update, needs_served, served_layout
 from site_agent.policy import policy_digest, refusal
@@ -310,8 +310,13 @@ class SiteAgent:
             if pending.noise:   # an asynchronous cohort's share of distributed DP noise, for its own size
                 pending.floor = max(pending.session.threshold, job.sites.min)   # t as checked at share()
                 delta = _cohort_noise(pending.layout, delta, job, task, pending.floor)
-            masked = pending.session.mask(_pieces(delta), clip=payload.clip, bits=payload.frac_bits)
-            self._submit_masked(stub, task, pending.layout, masked)
+            # The job's uplink codec picks the field and entries (randk: its shared indices); |U1| as this site
+            # checked it at share() sizes an 8- or 16-bit field's grid.
+            plan = mask_plan(job.compression.uplink if job.compression else None, pending.layout, seed=job.seed,
+                             round_=task.round)
+            field = plan.field(clip=payload.clip, frac_bits=payload.frac_bits, sites=pending.session.advertised)
+            masked = pending.session.mask(plan.values(delta), field=field)
+            self._submit_masked(stub, task, plan.layout(), masked)
         else:
             if len(payload.u3) < pending.floor:
                 raise IntegrityError(f"only {len(payload.u3)} sites survived to be unmasked, fewer than the "
@@ -326,18 +331,19 @@ class SiteAgent:
                      len(payload.u3))
 
     def _submit_masked(self, stub, task, layout: Layout, masked) -> None:
-        manifest = Layout.build([(t.name, "U32", t.shape) for t in layout.tensors]).to_proto()
+        """Stream the masked input; `layout` is its manifest (plexus.secagg.plan), one unsigned width throughout."""
         header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
-                                  manifest=manifest)
+                                  manifest=layout.to_proto())
+        wire = DTYPES[layout.tensors[0].dtype] if layout.tensors else DTYPES["U32"]
 
         digest = hashlib.sha256()
-        chunk = chunk_size(4 * layout.total_elements, self.chunk_bytes)
+        chunk = chunk_size(layout.total_bytes, self.chunk_bytes)
 
         def messages():
             yield fpb.UpdateMessage(header=header)
             offset = 0
             for piece in masked:
-                data = piece.astype("<u4", copy=False).tobytes()
+                data = piece.astype(wire, copy=False).tobytes()
                 digest.update(data)
                 for start in range(0, len(data), chunk):
                     part = data[start:start + chunk]
@@ -494,13 +500,6 @@ def _cohort_noise(layout: Layout, delta: list[np.ndarray], job: RoundConfig, tas
     noisy = add_noise({t.name: d for t, d in zip(layout.tensors, delta)}, std,
                       noise_key(None, task.job_id, task.round, "site"))
     return [noisy[t.name] for t in layout.tensors]
-
-
-def _pieces(arrays: list[np.ndarray], size: int = 1 << 18):
-    """Consecutive slices of the flattened update, at most `size` elements each."""
-    for array in arrays:
-        for start in range(0, array.size, size):
-            yield array[start:start + size]
 
 
 def call_timeout(task: fpb.Task) -> float:

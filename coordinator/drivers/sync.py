@@ -34,7 +34,7 @@ from coordinator.tasks import (
     site_seed,
 )
 from plexus.accounting import client_epsilon, load_client_accountant, round_sampling_rate
-from plexus.config import RoundConfig, parse_round_config
+from plexus.config import MIN_GRID_LEVELS, SECURE_FIELD_BITS, RoundConfig, max_secure_sites, parse_round_config
 from plexus.dp import NOT_PRIVATE, Distance, add_noise, central_std, check_clipped, noise_key
 from plexus.errors import (
     ConfigError,
@@ -596,6 +596,10 @@ class SyncRounds:
         if not can_open(participants, evaluating=evaluating, sites_min=cfg.sites.min):
             self._waiting(f"waiting for sites: {len(participants)} of {cfg.sites.min} needed are online")
             return 0.5
+        too_many = secure_cohort_problem(cfg, len(participants)) if not evaluating else None
+        if too_many:   # before anyone trains: the same sites would be drawn again
+            self._fail_job(f"round {job.model_round + 1} cannot open: {too_many}")
+            return 0.0
         job.opened_any = True
         round_ = job.model_round + 1
         kind = TaskKind.EVALUATE if evaluating else TaskKind.TRAIN
@@ -604,7 +608,8 @@ class SyncRounds:
         job.row = store.job(job.row.id)
         secure = None
         if cfg.privacy.secure_aggregation and not evaluating:
-            secure = SecureRound(job.row.id, round_, job.layout, cfg.privacy.secagg, cfg.sites.min)
+            secure = SecureRound(job.row.id, round_, job.layout, cfg.privacy.secagg, cfg.sites.min,
+                                 uplink=cfg.compression.uplink if cfg.compression else None, seed=cfg.seed)
         summing = not (evaluating or secure or holds_updates(job.strategy))
         evaluators = [] if evaluating or cfg.sites.evaluate != "all" else sorted(set(online) - set(participants))
         sizes, share = self._sizes(), cfg.sites.max_weight_share
@@ -830,6 +835,18 @@ class SyncRounds:
     def _end(self) -> None:
         self.ended = True
         self.round = None
+
+
+def secure_cohort_problem(cfg: RoundConfig, sites: int) -> str:
+    """Why a secure round over `sites` sites cannot sum in the field of the job's uplink codec ('' if it can)."""
+    codec = cfg.compression.uplink.codec if cfg.compression else "none"
+    limit = max_secure_sites(codec) if cfg.privacy.secure_aggregation else None
+    if limit is None or sites <= limit:
+        return ""
+    return (f"{sites} sites would train, but under privacy.secure_aggregation uplink codec {codec!r} sums at most "
+            f"{limit} sites per round (its grid of clip/L, L = {2 ** (SECURE_FIELD_BITS[codec] - 1) - 1} - sites, "
+            f"must stay at least clip/{MIN_GRID_LEVELS}); set sites.count to {limit} or fewer, or use "
+            f"{'fp16' if codec == 'int8' else 'randk'}")
 
 
 def _noise_is_reproducible(cfg: RoundConfig) -> bool:

@@ -442,11 +442,13 @@ def test_an_incomplete_update_cannot_finish():
         fold.add(b"\0" * 8, 4.5)
 
 
-def test_a_masked_input_folded_as_it_streams_can_be_taken_out_again_from_its_journal():
-    layout = Layout.build([("a", "U32", (7,)), ("b", "U32", (3, 5))])
+@pytest.mark.parametrize(("wire", "dtype"), [("U8", np.uint8), ("U16", np.uint16), ("U32", np.uint32)])
+def test_a_masked_input_folded_as_it_streams_can_be_taken_out_again_from_its_journal(wire, dtype):
+    layout = Layout.build([("a", wire, (7,)), ("b", wire, (3, 5))])
     rng = np.random.default_rng(0)
-    kept, dropped = (rng.integers(0, 2 ** 32, layout.total_elements, dtype=np.uint32) for _ in range(2))
+    kept, dropped = (rng.integers(0, np.iinfo(dtype).max + 1, layout.total_elements, dtype=dtype) for _ in range(2))
     total = MaskedSum(layout)
+    assert total.acc.dtype == dtype
     fold = total.begin()
     for i in range(0, kept.nbytes, 3):   # pieces that split elements
         fold.add(kept.tobytes()[i:i + 3])
@@ -460,6 +462,27 @@ def test_a_masked_input_folded_as_it_streams_can_be_taken_out_again_from_its_jou
     assert total.count == 1 and (total.acc == kept).all()
     with pytest.raises(RoundClosed):
         part.add(data[:4])
+
+
+@pytest.mark.parametrize(("wire", "dtype"), [("U8", np.uint8), ("U16", np.uint16)])
+def test_masked_inputs_in_a_small_field_add_mod_its_width(wire, dtype):
+    layout = Layout.build([("a", wire, (300,))])
+    rng = np.random.default_rng(1)
+    inputs = [rng.integers(0, np.iinfo(dtype).max + 1, 300, dtype=dtype) for _ in range(5)]
+    total = MaskedSum(layout)
+    for y in inputs:
+        total.fold([y.tobytes()[:101], y.tobytes()[101:]], nbytes=y.nbytes)
+    expected = sum(y.astype(np.int64) for y in inputs) % (np.iinfo(dtype).max + 1)
+    np.testing.assert_array_equal(total.acc, expected)
+    with pytest.raises(IntegrityError, match=f"masked input has 1200 bytes; the layout needs {y.nbytes}"):
+        total.fold([b"\0" * 1200], nbytes=1200)   # a 32-bit input where the field is smaller
+
+
+def test_a_masked_layout_holds_one_unsigned_width():
+    with pytest.raises(TypeError, match="all alike"):
+        MaskedSum(Layout.build([("a", "U8", (2,)), ("b", "U32", (2,))]))
+    with pytest.raises(TypeError, match="all alike"):
+        MaskedSum(Layout.build([("a", "F32", (2,))]))
 
 
 def test_a_masked_input_ending_short_is_refused():

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from coordinator.secure_round import SecureRound, SecureRoundFailed
-from plexus.config import SecAggSpec
+from plexus import identity, pki
+from plexus.config import SecAggSpec, UplinkSpec
 from plexus.errors import IntegrityError
-from plexus.secagg import Advert
-from plexus.wire import Layout
+from plexus.secagg import Advert, SiteSession, mask_plan
+from plexus.wire import DTYPES, Layout
 
 LAYOUT = Layout.of({"w": np.zeros((2, 3), np.float32), "b": np.zeros(2, np.float32)})
 
@@ -113,3 +114,81 @@ def test_a_reveal_at_the_wrong_x_or_outside_the_field_is_refused_on_arrival():
         sr.on_reveal("b", {"a": ("b", 2, PRIME), "b": ("b", 2, 5), "c": ("b", 2, 5)})
     sr.on_reveal("b", {"a": ("b", 2, 5), "b": ("b", 2, 5), "c": ("b", 2, 5)})
     assert set(sr.reveals) == {"b"}
+
+
+# --- compressed uplinks: the field and entries each codec masks -------------------------------------------
+
+
+@pytest.mark.parametrize(("codec", "dtype", "shapes"), [
+    ("int8", "U8", [(2,), (2, 3)]), ("fp16", "U16", [(2,), (2, 3)]), ("randk", "U32", [(1,), (3,)])])
+def test_the_masked_layout_follows_the_uplink_codec(codec, dtype, shapes):
+    uplink = UplinkSpec(codec=codec, fraction=0.5 if codec == "randk" else None)
+    sr = SecureRound("job", 1, LAYOUT, SecAggSpec(), 3, uplink=uplink, seed=4)
+    assert [(t.name, t.dtype, t.shape) for t in sr.masked_layout.tensors] == [
+        ("b", dtype, shapes[0]), ("w", dtype, shapes[1])]
+    assert sr.masked.acc.dtype == DTYPES[dtype]
+
+
+def test_an_int8_round_advertised_by_more_sites_than_its_field_sums_fails_with_the_reason():
+    sr = SecureRound("job", 1, LAYOUT, SecAggSpec(), 3, uplink=UplinkSpec(codec="int8"))
+    sites = [f"s{i:03d}" for i in range(112)]
+    for site in sites:
+        sr.on_advert(site, _advert(site))
+    with pytest.raises(SecureRoundFailed, match="112 sites advertised.*at most 111"):
+        sr.advance(sites, sites)
+
+
+@pytest.fixture(scope="module")
+def kits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pki") / "fed"
+    pki.init_federation(root, "Round Fed")
+    return {name: identity.load_kit(pki.add_site(root, name)) for name in "abcd"}
+
+
+def _run(kits, uplink, deltas, samples, *, drop=""):
+    """One secure round over real SiteSessions driven through a SecureRound; `drop` shares, then never masks."""
+    sr = SecureRound("job", 2, LAYOUT, SecAggSpec(clip=1.0), 3, uplink=uplink, seed=8)
+    sessions = {s: SiteSession("job", 2, s) for s in kits}
+    for s, session in sessions.items():
+        sr.on_advert(s, session.advertise(samples[s], kits[s].key_pem, kits[s].cert_pem))
+    sr.advance(list(kits), list(kits))
+    for s, session in sessions.items():
+        p = sr.payload(s)
+        sr.on_shares(s, session.share(p["adverts"], threshold=p["threshold"], total_weight=p["total_weight"],
+                                      ca_pem=kits[s].ca_pem))
+    sr.advance(list(kits), list(kits))
+    plan = mask_plan(uplink, LAYOUT, seed=8, round_=2)     # as the site agent draws it
+    survivors = [s for s in kits if s != drop]
+    for s in survivors:
+        p = sr.payload(s)
+        sessions[s].receive_shares(p["shares_for_you"])
+        field = plan.field(clip=p["clip"], frac_bits=p["frac_bits"], sites=sessions[s].advertised)
+        masked = list(sessions[s].mask(plan.values([deltas[s][t.name] for t in LAYOUT.tensors]), field=field))
+        sr.masked.fold([y.tobytes() for y in masked], nbytes=sum(y.nbytes for y in masked))
+    sr.advance(survivors, list(kits))
+    for s in survivors:
+        sr.on_reveal(s, sessions[s].unmask(sr.payload(s)["u3"]))
+    sr.advance(survivors, survivors)
+    return sr, plan
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16", "randk"])
+def test_the_unmasked_mean_is_dequantised_and_randk_scattered_back(kits, codec):
+    rng = np.random.default_rng(3)
+    uplink = UplinkSpec(codec=codec, k=3 if codec == "randk" else None)
+    deltas = {s: {t.name: rng.uniform(-0.8, 0.8, t.shape) for t in LAYOUT.tensors} for s in kits}
+    samples = {"a": 10, "b": 20, "c": 30, "d": 40}
+    sr, plan = _run(kits, uplink, deltas, samples, drop="d")
+    mean, weight = sr.result()
+    assert weight == 60
+    step = 1.0 / plan.field(clip=1.0, frac_bits=0, sites=4).levels if codec != "randk" else 2.0 ** -sr.bits
+    bound = 3 * step * 100 / 60           # each survivor's rounding, rescaled from W over U1 to W over U3
+    for t, idx in zip(LAYOUT.tensors, plan.indices):
+        expect = sum(samples[s] * deltas[s][t.name] for s in "abc") / 60
+        if idx is not None:
+            off = np.ones(t.numel, bool)
+            off[idx] = False
+            assert np.all(mean[t.name].reshape(-1)[off] == 0)      # zero off randk's shared indices
+            expect = np.where(off.reshape(t.shape), 0.0, expect)
+        assert mean[t.name].shape == t.shape
+        assert np.abs(mean[t.name] - expect).max() <= bound, (t.name, np.abs(mean[t.name] - expect).max(), bound)

@@ -165,3 +165,20 @@ def test_the_decision_core(view, now, action, late):
     assert (decision.action, decision.by_deadline) == (action, late)
     if action == Action.WAIT:
         assert decision.wait_s == min(view.deadline - now, 1.0)
+
+
+def test_an_int8_secure_round_over_more_sites_than_its_field_sums_is_never_opened(rig):
+    r = rig(sites="{min: 3, deadline_s: 60}\nprivacy: {secure_aggregation: true}\n"
+                  "compression: {uplink: {codec: int8}}")
+    r.join(*(f"s{i:03d}" for i in range(112)))
+    r.tick()
+    job = r.store.job(r.job_id)
+    assert r.driver.ended and r.driver.round is None and job.status == "failed"
+    assert "112 sites would train" in job.message and "at most 111 sites per round" in job.message
+    assert "set sites.count to 111 or fewer" in job.message
+    capped = rig(sites="{min: 3, count: 111, deadline_s: 60}\nprivacy: {secure_aggregation: true}\n"
+                       "compression: {uplink: {codec: int8}}")
+    capped.join(*(f"s{i:03d}" for i in range(112)))
+    capped.tick()
+    secure = capped.driver.round.secure
+    assert len(capped.driver.round.participants) == 111 and secure.masked_layout.tensors[0].dtype == "U8"
