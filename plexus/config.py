@@ -813,6 +813,9 @@ def _compression_problem(cfg: RoundConfig) -> tuple[str, str] | None:
         return "compression", (f"uplink codec {spec.uplink.codec!r} sends each site's own choice of coordinates, "
                                "and a masked sum needs the same coordinates at every site; under "
                                "privacy.secure_aggregation use randk (indices shared by seed), int8 or fp16")
+    if cfg.privacy.secure_aggregation and spec.uplink.codec == "int8" and spec.uplink.block is not None:
+        return "compression", ("under privacy.secure_aggregation int8 masks every element on one public grid "
+                               "(clip / L, docs/privacy.md), with no per-block scales; remove uplink.block")
     if cfg.privacy.secure_aggregation and spec.uplink.codec == "randk" and spec.uplink.error_feedback:
         return "compression", ("under privacy.secure_aggregation randk runs without error feedback (a site keeps "
                                "no residual of a masked update yet); remove uplink.error_feedback, or set it false")

@@ -774,6 +774,8 @@ def test_an_asynchronous_block_round_trips_and_a_synchronous_config_dumps_withou
          "asynchronous jobs do not take compression yet"),
         (MINIMAL + "compression: {uplink: {codec: randk, k: 3, error_feedback: true}}\nsites: {min: 3}\n"
          "privacy: {secure_aggregation: true}\n", "job.yaml:5: compression:", "without error feedback"),
+        (MINIMAL + "compression: {uplink: {codec: int8, block: 64}}\nsites: {min: 3}\n"
+         "privacy: {secure_aggregation: true}\n", "job.yaml:5: compression:", "no per-block scales"),
         (MINIMAL + "compression: {uplink: {codec: int8}}\nsites: {min: 112}\nprivacy: {secure_aggregation: true}\n",
          "job.yaml:6: sites:", "at most 111 sites per round"),
         (MINIMAL + "compression: {uplink: {codec: int8}}\nsites: {min: 3, count: 200}\n"
