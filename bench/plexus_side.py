@@ -41,7 +41,9 @@ SECURE = "privacy: {secure_aggregation: true, secagg: {phase_timeout_s: 600}}\n"
 
 
 def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int = 4, timeout_s: float = 900,
-             deadline_s: float = 600, secure: bool = False, settings: dict | None = None) -> dict:
+             deadline_s: float = 600, secure: bool = False, settings: dict | None = None,
+             uplink: str | None = None) -> dict:
+    """`uplink`: the job's compression.uplink block as YAML flow (e.g. "{codec: int8}"); None: no compression."""
     from plexus.admin_client import AdminClient
 
     root = workdir / "pki"
@@ -51,7 +53,7 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PLEXUS_LOG=os.environ.get("PLEXUS_LOG", "WARNING"))
     result: dict = {"system": "plexus", "size": size, "sites": sites, "rounds": rounds, "chunks": chunks,
-                    "model_bytes": size * 4, "secure": secure}
+                    "model_bytes": size * 4, "secure": secure, "uplink": uplink}
     try:
         # cwd: `python -m` puts it first on sys.path, so every process runs this checkout's code
         # (bench/run.py --at-commit: the archived one), not the caller's cwd nor the editable install.
@@ -76,14 +78,18 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
             result["join_s"] = time.monotonic() - t_sites
             lo0 = lo_counters()
             job_id = client.submit(JOB.format(size=size, sites=sites, rounds=rounds, chunks=chunks,
-                                              deadline=deadline_s) + (SECURE if secure else "")).job_id
+                                              deadline=deadline_s) + (SECURE if secure else "")
+                                   + (f"compression: {{uplink: {uplink}}}\n" if uplink else "")).job_id
             closes: dict[int, tuple[float, tuple[int, int]]] = {}
+            phases: dict[tuple[int, str], tuple[int, int]] = {}   # (round, "secagg_mask", ...) -> lo counters
             status = "unknown"
             end = time.monotonic() + timeout_s
             for event in client.watch(job_id, timeout_s=timeout_s):
                 status = event.summary.status
                 if event.kind == "round_closed" and event.round <= rounds:
                     closes[event.round] = (time.time(), lo_counters())
+                elif event.kind.startswith("secagg_"):   # a secure round's next phase opened
+                    phases[(event.round, event.kind)] = lo_counters()
                 if status in ("completed", "failed", "aborted") or time.monotonic() > end:
                     break
             lo1 = lo_counters()
@@ -107,6 +113,15 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
                 per_round.append(payload(b1 - b0, p1 - p0))
         result["loopback_payload_per_round"] = per_round
         result["bytes_per_round"] = statistics.median(per_round) if per_round else None
+        if secure:
+            # Within each round after the first, from the share phase opening (an event) to the round's close: the
+            # secure protocol's bytes (shares, masked inputs, reveals), without the model download and the adverts
+            # before it. (The mask phase's own event can reach this client after fast sites began uploading, so
+            # the masked inputs are not split out by events.)
+            protocol = [payload(closes[k][1][0] - phases[(k, "secagg_share")][0],
+                                closes[k][1][1] - phases[(k, "secagg_share")][1])
+                        for k in range(2, rounds + 1) if k in closes and (k, "secagg_share") in phases]
+            result["protocol_bytes_per_round"] = statistics.median(protocol) if protocol else None
         result["loopback_job_total"] = payload(lo1[0] - lo0[0], lo1[1] - lo0[1])
         fleet.sample()
         # The coordinator process itself, and apart from it its model-worker child (torch lives

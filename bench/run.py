@@ -60,7 +60,8 @@ def child(spec: dict) -> dict:
         from bench import plexus_side
 
         return plexus_side.run_case(spec["size"], spec["sites"], spec["rounds"], workdir, chunks=spec["chunks"],
-                                    secure=spec.get("secure", False), settings=spec.get("settings"))
+                                    secure=spec.get("secure", False), settings=spec.get("settings"),
+                                    uplink=spec.get("uplink"))
     if kind == "flower":
         from bench import flower_side
 
