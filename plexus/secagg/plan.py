@@ -8,19 +8,18 @@
 
 A float format cannot be masked (masks are uniform integers), so "fp16" under secure aggregation is
 16-bit fixed point on a public grid, not IEEE half precision. randk's indices for tensor n in round r
-are randk_indices(seed, r, n, N, k): every site and the coordinator draw the same ones, so the masked
+are plexus.compression.randk_indices(seed, r, n, N, k): every site and the coordinator draw the same ones, so the masked
 sums line up, and the coordinator scatters the unmasked sum into a dense Δ, zero elsewhere.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from plexus.compression import k_of, randk_indices
 from plexus.config import SECURE_FIELD_BITS, UplinkSpec
 from plexus.secagg.fixed_point import WIRE_DTYPE, Field
 from plexus.wire import Layout
@@ -85,23 +84,9 @@ def mask_plan(uplink: UplinkSpec | None, model: Layout, *, seed: int, round_: in
         raise ValueError(f"uplink codec {codec!r} cannot be masked: every site must send the same coordinates; "
                          f"secure aggregation takes {', '.join(sorted(SECURE_FIELD_BITS))}")
     if codec == "randk":
-        indices = tuple(randk_indices(seed, round_, t.name, t.numel, k_of(uplink, t.numel)) for t in model.tensors)
+        counts = [k_of(t.numel, fraction=uplink.fraction, k=uplink.k) for t in model.tensors]
+        indices = tuple(randk_indices(seed, round_, t.name, t.numel, k) for t, k in zip(model.tensors, counts))
     else:
         indices = (None,) * len(model.tensors)
     return MaskPlan(model, codec, SECURE_FIELD_BITS[codec], indices)
 
-
-# --- STAND-IN for plexus.compression (branch `codecs`), the spec's definitions; replaced once it merges ---------
-def k_of(spec: UplinkSpec, numel: int) -> int:
-    """Entries randk/topk send of a tensor of `numel` elements: min(numel, k), or max(1, ceil(fraction·numel))."""
-    if spec.k is not None:
-        return min(numel, spec.k)
-    return min(numel, max(1, math.ceil(spec.fraction * numel)))
-
-
-def randk_indices(seed: int, round_: int, name: str, numel: int, k: int) -> np.ndarray:
-    """The k indices randk sends of tensor `name` in round `round_`: a sorted draw without replacement seeded
-    by SHA-256 of ("plexus/v1/randk", seed, round, name), the same at every site and the coordinator."""
-    digest = hashlib.sha256("/".join(["plexus/v1", "randk", str(seed), str(round_), name]).encode()).digest()
-    rng = np.random.default_rng(int.from_bytes(digest, "big"))
-    return np.sort(rng.choice(numel, size=k, replace=False)).astype(np.int64)
