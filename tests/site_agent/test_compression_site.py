@@ -226,8 +226,6 @@ def test_the_update_decodes_to_delta_plus_old_residual_minus_new(kit, tmp_path, 
             assert np.array_equal(sent[n] + new[n], g), n
 
 
-@pytest.mark.xfail(strict=True, reason="plexus.compression reads block/bin_conv/bin_dense None as an error and "
-                   "error_feedback None as false; config.py leaves keys a job omits None, meaning the default")
 def test_a_job_naming_only_the_codec_gets_the_codec_defaults():
     assert coded_uplink(parse_round_config(_job_text("{codec: topk, fraction: 0.1}"))).feedback
     assert coded_uplink(parse_round_config(_job_text("{codec: randk, k: 3}"))).feedback
