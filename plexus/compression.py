@@ -734,7 +734,7 @@ class Delta8Downlink(DownlinkCodec):
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.block = int(spec.block)
+        self.block = int(spec.block) if spec.block is not None else 256   # DownlinkSpec.block None: the default
         if not MIN_BLOCK <= self.block <= MAX_BLOCK:
             raise ValueError(f"delta8 block must be {MIN_BLOCK}..{MAX_BLOCK} elements; got {spec.block}")
 
