@@ -20,7 +20,7 @@ from coordinator.drivers import Context
 from coordinator.drivers.rounds import Action, RoundView, can_open, decide, retry_allowed, training_over
 from coordinator.intake import Upload
 from coordinator.secure_round import SecureRound
-from coordinator.served import ServedModel
+from coordinator.served import Held, ServedModel
 from coordinator.store import JobRow, Store
 from coordinator.strategies import MeanRule, Update, UpdatesRule, keeps_mean, make_strategy
 from coordinator.tasks import (
@@ -399,7 +399,7 @@ class SyncRounds:
         check_unanswered(task_id, status, site in rs.outcomes_for(site))
         return grant
 
-    def served(self, grant: TaskGrant) -> ServedModel:
+    def served(self, grant: TaskGrant, held: Held | None = None) -> ServedModel:
         return self.job.served
 
     def upload(self, site: str, grant: TaskGrant, header: UpdateHeader,
