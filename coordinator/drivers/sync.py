@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.aggregate import WeightedSum
+from coordinator.aggregate import CodedFold, WeightedSum
 from coordinator.downlink import Downlink, Step
 from coordinator.drivers import Context
 from coordinator.drivers.rounds import Action, RoundView, can_open, decide, retry_allowed, training_over
@@ -35,6 +35,7 @@ from coordinator.tasks import (
     site_seed,
 )
 from plexus.accounting import client_epsilon, load_client_accountant, round_sampling_rate
+from plexus.compression import uplink_codec
 from plexus.config import RoundConfig, parse_round_config
 from plexus.dp import NOT_PRIVATE, Distance, add_noise, central_std, check_clipped, noise_key
 from plexus.errors import (
@@ -118,6 +119,25 @@ def downlink_of(cfg: RoundConfig) -> Downlink | None:
     """The job's compressed downlink (compression.downlink fp16 or delta8); None: the model travels as it is."""
     spec = cfg.compression.downlink if cfg.compression is not None else None
     return Downlink(spec) if spec is not None and spec.codec != "none" else None
+
+
+def compressed_uplink(cfg: RoundConfig):
+    """The job's uplink codec when its plain updates travel compressed (None: the whole model travels as it is;
+    under secure aggregation the codec shapes the masked input instead, in SecureRound)."""
+    spec = cfg.compression
+    if spec is None or spec.uplink.codec == "none" or cfg.privacy.secure_aggregation:
+        return None
+    return uplink_codec(spec.uplink, seed=cfg.seed)
+
+
+def base_plus_mean(base: dict[str, np.ndarray], total: WeightedSum) -> dict[str, np.ndarray]:
+    """base + Σ w·Δ / Σ w per tensor, in float64, cast back to each tensor's dtype (integers rounded)."""
+    out = {}
+    for name, delta_sum in total.sums().items():
+        value = base[name].astype(np.float64) + delta_sum / total.total_weight
+        dtype = base[name].dtype
+        out[name] = (np.rint(value) if dtype.kind in "iu" else value).astype(dtype)
+    return out
 
 
 def samples_at_random(cfg: RoundConfig) -> bool:
@@ -255,6 +275,7 @@ class ActiveJob:
     opened_any: bool = False                 # a round has opened since then
     budget_stop: str = ""                    # set when the next round would exceed dp.target_epsilon
     total: WeightedSum | None = None         # the running sum, kept from round to round (round_sum)
+    codec: object = None                     # the uplink codec (plexus.compression) when updates travel compressed
     retried: dict[int, int] = field(default_factory=dict)   # round -> times it was opened again (sites.retries)
     epsilons: dict[int, float] = field(default_factory=dict)   # DP: ε after round n, computed as it opened
     rates: dict[int, float] | None = None    # DP: round n's sampling rate q (read from the ledger once)
@@ -266,12 +287,12 @@ class ActiveJob:
         s = self.strategy
         return bool(reads_current(s) or holds_updates(s) or self.cfg.privacy.dp is not None
                     or self.cfg.privacy.secure_aggregation or self.update_layout != self.layout
-                    or self.downlink is not None)
+                    or self.codec is not None or self.downlink is not None)
 
     @property
     def base(self) -> dict[str, np.ndarray] | None:
-        """The model the sites start from, as they decode it: `state` itself unless the downlink is compressed
-        (then fp16(model), or delta8's served chain). Sites' updates are measured from it."""
+        """The model the sites start from this round, as they decode it (a compressed update is a Δ from it):
+        `state` itself unless the downlink is compressed (then fp16(model), or delta8's served chain)."""
         if self.downlink is None:
             return self.state
         return {t.name: self.downlink.base[t.name] for t in self.layout.tensors}
@@ -363,7 +384,7 @@ class SyncRounds:
         # The global model exists once: the wire blob; the state dict is views over it. A job
         # whose engine never reads the model (plain FedAvg) serves it from the checkpoint file.
         job = ActiveJob(row, cfg, strategy, layout, {}, blob, row.current_round, activated=ctx.monotonic(),
-                        downlink=downlink_of(cfg))
+                        codec=compressed_uplink(cfg), downlink=downlink_of(cfg))
         try:
             job.set_model(layout, blob, row.current_round)
         except IntegrityError as exc:   # a model compression.downlink cannot carry (fp16: beyond its range)
@@ -460,15 +481,24 @@ class SyncRounds:
                                      reason=Reason.NUM_SAMPLES)
             weight = header.num_samples if masked else rs.weight(site, header.num_samples)
             metrics = kept_metrics(job, site_metrics(rs, site, header.eval_metrics, header.metrics, weight))
-            layout.require_same(header.require_layout(), what="masked input" if masked else "update")
+            coded = job.codec is not None and not masked
+            if coded:   # a compressed Δ: its wire layout is checked against the model's, and decoded as it folds
+                layout = header.require_layout()
+                job.codec.check_layout(job.update_layout, layout, round_=grant.round)
+            else:
+                layout.require_same(header.require_layout(), what="masked input" if masked else "update")
             if masked:
                 fold = rs.secure.masked.begin()
+            elif coded:
+                model, wire, codec, round_ = job.update_layout, layout, job.codec, grant.round
+                fold = CodedFold(rs.total, 1 if uniform_weights(job.strategy, dp) else weight,
+                                 lambda: codec.decoder(model, wire, round_=round_))
             elif rs.total is not None:
                 fold = rs.total.begin(1 if uniform_weights(job.strategy, dp) else weight)
             else:
                 fold = None
             upload = Upload(layout, self.ctx.store.spool / f"{grant.task_id}.part", fold=fold,
-                            distance=Distance(layout, job.base) if dp is not None and not masked else None,
+                            distance=Distance(layout, job.base) if dp is not None and not (masked or coded) else None,
                             owner=rs, weight=weight, metrics=metrics)
         except IntegrityError as exc:
             self._record(rs, grant, site, TaskStatus.REJECTED, str(exc), code=exc.reason)
@@ -730,6 +760,11 @@ class SyncRounds:
         elif not job.in_memory and mean_is_model(job.strategy):
             # Plain FedAvg: the mean goes block by block into the checkpoint sites then stream.
             self._close_training_round(rs, None, rs.total.mean_blocks())
+        elif job.codec is not None:
+            # Compressed updates are Δs from the model the sites started from: base + Σ w·Δ / Σ w.
+            mean = self._central_noise(rs, base_plus_mean(job.base, rs.total))
+            self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.state, mean,
+                                                          sorted(rs.contributors)))
         else:
             if not reads_current(job.strategy):
                 job.release_model()   # the old model goes before the new one
