@@ -11,6 +11,7 @@ from driver_rig import DriverRig, rigs
 
 from coordinator.drivers.sync import SyncRounds
 from coordinator.served import Held
+from coordinator.tasks import Binding, UpdateHeader
 from plexus.wire import encode
 
 JOB = """\
@@ -29,6 +30,15 @@ class Rig(DriverRig):
 
     def __init__(self, path, *, compression: str = ""):
         super().__init__(path, JOB.format(compression=compression))
+        self.fp16_uplink = "uplink: {codec: fp16}" in compression
+
+    def header(self, grant, values, num_samples: int, **fields):
+        """With uplink fp16 the sites send Δ = trained − base as F16 (`values` is that Δ)."""
+        if not self.fp16_uplink:
+            return super().header(grant, values, num_samples, **fields)
+        layout, blob = encode({"w/fp16.values": np.asarray(values, np.float16)})
+        return UpdateHeader(task=Binding(grant.task_id, grant.job_id, grant.round, grant.nonce),
+                            num_samples=num_samples, layout=layout, **fields), blob
 
     def round(self, *values) -> None:
         """One round: sites a and b send `values` (the model "w" each trained), equally weighted."""
@@ -105,3 +115,15 @@ def test_a_model_fp16_cannot_carry_fails_its_round_before_anything_is_stored(rig
     row = r.store.job(r.job_id)
     assert row.status == "failed" and row.current_round == 0 and "beyond float16's range" in row.message
     assert not r.store.checkpoint_path(r.job_id, 1).exists()
+
+
+def test_with_a_compressed_uplink_the_new_model_is_the_served_chain_plus_the_mean_delta(rig):
+    r = rig(compression="compression: {uplink: {codec: fp16}, downlink: {codec: delta8, block: 16}}")
+    job = r.driver.job
+    half = np.float16
+    r.round(A, B)   # Δs from the chain's start, the exact initial model
+    assert np.allclose(r.model(1), (np.float32(half(A)) + np.float32(half(B))) / 2, rtol=0, atol=1e-8)
+    chain_1 = job.base["w"].copy()
+    r.round(A, A)   # Δs from chain_1, which the sites decoded: not from the exact model of round 1
+    assert np.allclose(r.model(2), chain_1 + np.float32(half(A)), rtol=0, atol=1e-8)
+    assert not np.allclose(r.model(2), r.model(1) + np.float32(half(A)), rtol=0, atol=1e-6)
