@@ -29,9 +29,10 @@ from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, decode, encode_chunks
 from site_agent.audit import AuditWriteFailed, SiteAudit
+from site_agent.downlink import downlink_spec, fetch_model, model_header
 from site_agent.local import LocalResult, local_update, needs_served, served_layout
 from site_agent.policy import policy_digest, refusal
-from site_agent.state import JobState, job_id_refusal
+from site_agent.state import JobState, ServedChain, job_id_refusal
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
 from site_agent.uplink import Coded, coded_uplink, encode_update, model_delta, residual_layout, rounding_rng
 
@@ -161,7 +162,7 @@ class SiteAgent:
             coded = coded_uplink(job) if task.kind == fpb.TASK_TRAIN else None   # None: the whole model travels
             data = self.load_data(job.data)
             model = build_job_model(job)
-            served = self._fetch(stub, task, served_layout(job, model))
+            served = self._fetch(stub, task, served_layout(job, model), job)
             names = set(model.state_dict())
             incoming = {k: v for k, v in served.items() if k in names}
             load_numpy_state(model, incoming)
@@ -459,14 +460,16 @@ class SiteAgent:
             self._data[data] = load_for_job(self.config.datasets[data.dataset], data)
         return self._data[data]
 
-    def _fetch(self, stub, task: fpb.Task, expected: Layout) -> dict:
-        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=call_timeout(task))
-        first = next(stream)
-        if first.WhichOneof("body") != "header":
-            raise ValueError("the model stream did not start with a header")
-        layout = Layout.from_proto(first.header.manifest)
-        expected.require_same(layout, what="the coordinator's model")
-        return decode(layout, assemble(layout, (message.chunk for message in stream)))
+    def _fetch(self, stub, task: fpb.Task, expected: Layout, job: RoundConfig) -> dict:
+        """The served model (layout `expected`), decoded as the job's compression.downlink says."""
+        spec = downlink_spec(job)
+        if spec.codec == "none":
+            stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=call_timeout(task))
+            layout = Layout.from_proto(model_header(stream).manifest)
+            expected.require_same(layout, what="the coordinator's model")
+            return decode(layout, assemble(layout, (message.chunk for message in stream)))
+        chain = ServedChain(self.config.state_dir, task.job_id) if spec.codec == "delta8" else None
+        return fetch_model(stub, task.task_id, expected, spec, chain, timeout=call_timeout(task))
 
     def _submit(self, stub, task, update: dict, result, eval_metrics: dict) -> bool:
         """Stream the update straight from its tensors (no model-sized buffer); True once accepted."""

@@ -8,18 +8,24 @@ checks that the resolved path stays inside state_dir.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save
 
 from plexus.accounting import PrivacyLedger
 from plexus.errors import IntegrityError
 from plexus.files import write_atomically
-from plexus.wire import Layout
+from plexus.wire import Layout, decode, encode
+
+log = logging.getLogger("plexus.site")
 
 # The coordinator names jobs `<round config name>-<8 hex digits>`; the name is 1-64 of these characters.
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -128,3 +134,45 @@ class JobState:
     def _write(path: Path, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, text.encode(), mode=0o600)
+
+
+@dataclass(frozen=True)
+class HeldModel:
+    """A model this site holds for a job, as the coordinator's next delta8 delta would apply to it."""
+
+    round: int
+    state: dict[str, np.ndarray]
+    sha256: bytes        # of its wire blob: how the site names it in FetchModel
+
+
+class ServedChain:
+    """The model this site last decoded for a job under compression.downlink delta8, kept between fetches (and
+    restarts) so the next one can come as an 8-bit delta against it. A copy that is missing, unreadable or laid
+    out otherwise is no copy: the site then asks for the model in full."""
+
+    def __init__(self, state_dir: Path, job_id: str) -> None:
+        self.job_id = job_id
+        self.path = job_path(state_dir, "downlink", job_id, ".safetensors")
+
+    def load(self, layout: Layout) -> HeldModel | None:
+        """The kept model if it has exactly `layout` (the job's served layout), else None."""
+        if not self.path.exists():
+            return None
+        try:
+            with safe_open(str(self.path), framework="numpy") as fh:
+                round_ = int((fh.metadata() or {})["round"])
+                state = {name: fh.get_tensor(name) for name in fh.keys()}
+            if round_ < 0 or Layout.of(state) != layout:
+                raise ValueError(f"it is not a model of round >= 0 laid out as job {self.job_id}'s")
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("job %s: the model kept for delta downloads (downlink/%s.safetensors) cannot be used, so "
+                        "the next one comes in full: %s", self.job_id, self.job_id, exc)
+            return None
+        blob = encode(state)[1]
+        return HeldModel(round_, decode(layout, blob), hashlib.sha256(blob).digest())
+
+    def keep(self, round_: int, state: dict[str, np.ndarray]) -> None:
+        """Keep the model just decoded (round `round_`), replacing the one before it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.path, save({k: np.ascontiguousarray(v) for k, v in state.items()},
+                                         metadata={"round": str(round_)}), mode=0o600)
