@@ -28,7 +28,7 @@ from coordinator.drivers.async_ import AsyncRounds
 from coordinator.drivers.sync import SyncRounds, strategy_at
 from coordinator.events import admin_actor
 from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
-from coordinator.served import ServedModel
+from coordinator.served import Held, ServedModel
 from coordinator.store import TERMINAL, JobRow, Store
 from coordinator.strategies import make_strategy
 from coordinator.tasks import (
@@ -426,12 +426,13 @@ class Engine:
                 if polls.wait(remaining):
                     self._wakeups += 1
 
-    def model_for(self, site: str, task_id: str) -> tuple[ServedModel, str, int]:
-        """The model a task needs, the job's id and the model's round."""
+    def model_for(self, site: str, task_id: str, held: Held | None = None) -> tuple[ServedModel, str, int]:
+        """The model a task needs (`held`: the model the site holds, which a delta may apply to), the job's id
+        and the model's round."""
         with self._cv:
             self._presence.touch(site)
             driver, grant = self._current(site, task_id)
-            return driver.served(grant), grant.job_id, grant.model_round
+            return driver.served(grant, held), grant.job_id, grant.model_round
 
     def submit_update(self, site: str, header: UpdateHeader, chunks: Iterable[tuple[int, bytes]],
                       cut: Callable[[BaseException], None] = lambda exc: None) -> str:

@@ -2,7 +2,8 @@
 
 Either way it is handed out the same way (`ServedModel.chunks`): slices of the blob in memory, or
 reads of the file, in which case every download shares the page cache and the coordinator holds no
-copy of the model.
+copy of the model. Under compression.downlink the blob is the model encoded (fp16, or an 8-bit delta
+against a model the site holds: coordinator.downlink), and says so.
 """
 
 from __future__ import annotations
@@ -16,17 +17,31 @@ from plexus.wire import Layout, chunk_size, iter_chunks
 
 
 @dataclass(frozen=True)
+class Held:
+    """The model a site says it holds (FetchModelRequest.have_round, have_sha256): what a delta may apply to."""
+
+    round: int
+    sha256: bytes
+
+
+@dataclass(frozen=True)
 class ServedModel:
-    """A served model: `layout` and its bytes, in `blob` or at `start` in the file `path`."""
+    """A served model: `layout` and its bytes, in `blob` or at `start` in the file `path`; `encoding` says how
+    they make the model ("dense": they are it; "fp16"; "delta8": against the model of `base_round`), and
+    `sha256`, when set, is that of the decoded model's wire blob (delta8 jobs: the site checks it)."""
 
     layout: Layout
     blob: object = None            # a bytes-like wire blob, or None when served from `path`
     path: Path | None = None
     start: int = 0
+    encoding: str = "dense"
+    base_round: int = 0
+    sha256: bytes = b""
 
     @classmethod
-    def in_memory(cls, layout: Layout, blob) -> ServedModel:
-        return cls(layout, blob=blob)
+    def in_memory(cls, layout: Layout, blob, *, encoding: str = "dense", base_round: int = 0,
+                  sha256: bytes = b"") -> ServedModel:
+        return cls(layout, blob=blob, encoding=encoding, base_round=base_round, sha256=sha256)
 
     @classmethod
     def from_file(cls, layout: Layout, path: Path, start: int) -> ServedModel:

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from coordinator.engine import Engine
 from coordinator.events import admin_actor
-from coordinator.served import ServedModel
+from coordinator.served import Held, ServedModel
 from coordinator.store import TERMINAL, JobRow
 from coordinator.tasks import Binding, JoinInfo, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader
 from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
@@ -29,9 +29,14 @@ _RESULTS = {fpb.RESULT_EVALUATED: TaskStatus.EVALUATED, fpb.RESULT_DECLINED: Tas
             fpb.RESULT_FAILED: TaskStatus.FAILED, fpb.RESULT_TRAINED: TaskStatus.TRAINED}
 
 
+_ENCODINGS = {"dense": fpb.MODEL_DENSE, "fp16": fpb.MODEL_FP16, "delta8": fpb.MODEL_DELTA8}
+
+
 def model_stream(job_id: str, round_: int, served: ServedModel, chunk_bytes: int):
     """Header, then chunks of the one shared model, at most chunk_bytes each (ServedModel.chunks)."""
-    yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=job_id, round=round_, manifest=served.layout.to_proto()))
+    yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=job_id, round=round_, manifest=served.layout.to_proto(),
+                                                  encoding=_ENCODINGS[served.encoding], base_round=served.base_round,
+                                                  sha256=served.sha256))
     for offset, data in served.chunks(chunk_bytes):
         yield fpb.ModelMessage(chunk={"offset": offset, "data": data})
 
@@ -157,7 +162,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
 
     @guarded(kind="site")
     def FetchModel(self, request, context, *, who):
-        served, job_id, model_round = self.engine.model_for(who.name, request.task_id)
+        served, job_id, model_round = self.engine.model_for(who.name, request.task_id, held_model(request))
         with self.transfers.slot(context, who.name):
             yield from self.watchdog.paced(model_stream(job_id, model_round, served, self.chunk_bytes), context)
 
@@ -186,6 +191,16 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         result = TaskResult(task=_binding(request), status=_RESULTS[request.status], reason=request.reason,
                             eval_metrics=dict(request.eval_metrics))
         return fpb.ResultReply(message=self.engine.report(who.name, result))
+
+
+def held_model(request: fpb.FetchModelRequest) -> Held | None:
+    """The model the site says it holds (compression.downlink delta8), or None: send the model in full."""
+    if not request.have_sha256:
+        return None
+    if len(request.have_sha256) != 32:
+        raise IntegrityError(f"have_sha256 has {len(request.have_sha256)} bytes; a SHA-256 digest has 32 (leave it "
+                             "empty to fetch the model in full)")
+    return Held(request.have_round, request.have_sha256)
 
 
 def check_join(request: fpb.JoinRequest) -> None:

@@ -12,6 +12,7 @@ numpy only: the coordinator imports this module and never imports torch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterator, Mapping
@@ -60,17 +61,45 @@ def k_of(numel: int, *, fraction: float | None = None, k: int | None = None) -> 
     return min(numel, max(1, math.ceil(round(fraction * numel, 9))))
 
 
+@functools.lru_cache(maxsize=32)
 def randk_indices(seed: int, round_: int, name: str, numel: int, k: int) -> np.ndarray:
-    """The k coordinates randk sends for tensor `name` in round `round_`, sorted (int64): a draw without
-    replacement from a generator seeded by SHA-256 of "plexus/v1/randk/<seed>/<round>/<name>", so every site
-    and the coordinator draw the same set without sending it."""
+    """The k coordinates randk sends for tensor `name` in round `round_`, sorted (int64), drawn without
+    replacement from PCG64 seeded by SHA-256 of "plexus/v1/randk/<seed>/<round>/<name>", so every site and the
+    coordinator draw the same set without sending it.
+
+    Only PCG64's raw 64-bit output is used (numpy keeps bit generators' streams stable across versions, but not
+    Generator methods such as choice), mapped to [0, numel) by a 128-bit multiply-shift: sites and a coordinator
+    on different numpy releases still agree."""
     if not 0 <= k <= numel:
         raise ValueError(f"randk: cannot draw {k} of {numel} coordinates")
     if k == numel:
-        return np.arange(numel, dtype=np.int64)
+        every = np.arange(numel, dtype=np.int64)
+        every.flags.writeable = False
+        return every
     digest = hashlib.sha256("/".join(["plexus/v1", "randk", str(seed), str(round_), name]).encode()).digest()
-    rng = np.random.default_rng(int.from_bytes(digest, "big"))
-    return np.sort(rng.choice(numel, size=k, replace=False, shuffle=False)).astype(np.int64)
+    bits = np.random.PCG64(int.from_bytes(digest, "big"))
+    n = np.uint64(numel)
+    picked = np.empty(0, np.int64)
+    while picked.size < k:   # the first k distinct draws of the stream, in stream order
+        want = k - picked.size
+        raw = bits.random_raw(want + want // 8 + 16).astype(np.uint64)
+        hi, lo = raw >> np.uint64(32), raw & np.uint64(0xFFFFFFFF)
+        draw = ((hi * n + ((lo * n) >> np.uint64(32))) >> np.uint64(32)).astype(np.int64)   # floor(raw·numel/2**64)
+        _, first = np.unique(draw, return_index=True)
+        fresh = draw[np.sort(first)]
+        fresh = fresh[~np.isin(fresh, picked)]
+        picked = np.concatenate([picked, fresh[:want]])
+    picked.sort()
+    picked.flags.writeable = False   # cached: every decoder of the round shares this one array
+    return picked
+
+
+# What a codec uses where the config leaves its key out (plexus.config keeps None for "not given").
+DEFAULT_BLOCK, DEFAULT_BIN_CONV, DEFAULT_BIN_DENSE = 256, 50, 500
+
+
+def _default(value, default):
+    return default if value is None else value
 
 
 def _check_name(name: str) -> None:
@@ -265,7 +294,7 @@ class Int8Uplink(UplinkCodec):
 
     def __init__(self, spec, *, seed: int):
         super().__init__(spec, seed=seed)
-        self.block = int(spec.block)
+        self.block = int(_default(spec.block, DEFAULT_BLOCK))
         if not MIN_BLOCK <= self.block <= MAX_BLOCK:
             raise ValueError(f"int8 block must be {MIN_BLOCK}..{MAX_BLOCK} elements; got {spec.block}")
 
@@ -299,7 +328,7 @@ class _SparseUplink(UplinkCodec):
             raise ValueError(f"{self.name} fraction must be in (0, 1]; got {self.fraction}")
         if self.k is not None and self.k < 1:
             raise ValueError(f"{self.name} k must be at least 1; got {self.k}")
-        self.feedback = bool(spec.error_feedback)
+        self.feedback = bool(_default(spec.error_feedback, True))
 
     def k_of(self, numel: int) -> int:
         return k_of(numel, fraction=self.fraction, k=self.k)
@@ -377,7 +406,8 @@ class AdacompUplink(UplinkCodec):
 
     def __init__(self, spec, *, seed: int):
         super().__init__(spec, seed=seed)
-        self.bin_conv, self.bin_dense = int(spec.bin_conv), int(spec.bin_dense)
+        self.bin_conv = int(_default(spec.bin_conv, DEFAULT_BIN_CONV))
+        self.bin_dense = int(_default(spec.bin_dense, DEFAULT_BIN_DENSE))
         if self.bin_conv < 1 or self.bin_dense < 1:
             raise ValueError(f"adacomp bins must hold at least 1 element; got bin_conv {spec.bin_conv}, "
                              f"bin_dense {spec.bin_dense}")
@@ -599,7 +629,7 @@ class Decoder:
         if bad.size:
             j = int(bad[0])
             if idx[j] >= entry.numel:
-                why = f"is not below the tensor's {entry.numel} elements"
+                why = f"is out of range: the tensor has {entry.numel} elements"
             else:
                 why = f"does not exceed the one before it ({int(idx[j] - steps[j])}); indices must strictly increase"
             raise IntegrityError(f"entry {entry.meta.name!r}: index {int(idx[j])} at position {start + j} {why}",
@@ -734,7 +764,7 @@ class Delta8Downlink(DownlinkCodec):
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.block = int(spec.block)
+        self.block = int(_default(spec.block, DEFAULT_BLOCK))
         if not MIN_BLOCK <= self.block <= MAX_BLOCK:
             raise ValueError(f"delta8 block must be {MIN_BLOCK}..{MAX_BLOCK} elements; got {spec.block}")
 

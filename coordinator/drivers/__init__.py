@@ -15,7 +15,7 @@ from typing import Protocol
 
 from coordinator.intake import Upload
 from coordinator.model_worker import ModelLimits, ModelWorker
-from coordinator.served import ServedModel
+from coordinator.served import Held, ServedModel
 from coordinator.store import Store
 from coordinator.tasks import Presence, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader
 
@@ -59,8 +59,8 @@ class Driver(Protocol):
         """The grant `task_id` (of `round_`, stored with `status`) answers; RoundClosed if it is no longer
         current, FailedPrecondition if it was answered already (a replay)."""
 
-    def served(self, grant: TaskGrant) -> ServedModel:
-        """The model a task's site fetches."""
+    def served(self, grant: TaskGrant, held: Held | None = None) -> ServedModel:
+        """The model a task's site fetches; `held` is the model the site says it holds (a delta's base)."""
 
     def upload(self, site: str, grant: TaskGrant, header: UpdateHeader,
                cut: Callable[[BaseException], None]) -> Upload:

@@ -45,7 +45,7 @@ from coordinator.drivers.rounds import Action, RoundView, decide
 from coordinator.drivers.sync import check_rows, kept_metrics, save_strategy, site_metrics, strategy_at, weight_caps
 from coordinator.intake import Upload
 from coordinator.secure_round import SecureRound
-from coordinator.served import ServedModel
+from coordinator.served import Held, ServedModel
 from coordinator.store import JobRow
 from coordinator.strategies.base import cast, is_float
 from coordinator.tasks import SecaggAnswer, TaskGrant, TaskResult, UpdateHeader, check_unanswered, new_grant, site_seed
@@ -261,7 +261,7 @@ class AsyncRounds:
         check_unanswered(task_id, status, False)
         return grant
 
-    def served(self, grant: TaskGrant) -> ServedModel:
+    def served(self, grant: TaskGrant, held: Held | None = None) -> ServedModel:
         if grant.model_round == self.version:
             return self.served_model
         layout, path, start = self.ctx.store.checkpoint_source(self.job_id, grant.model_round, verify=False)

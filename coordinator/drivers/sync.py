@@ -15,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.aggregate import WeightedSum
+from coordinator.aggregate import CodedFold, WeightedSum
+from coordinator.downlink import Downlink, Step
 from coordinator.drivers import Context
 from coordinator.drivers.rounds import Action, RoundView, can_open, decide, retry_allowed, training_over
 from coordinator.intake import Upload
 from coordinator.secure_round import SecureRound
-from coordinator.served import ServedModel
+from coordinator.served import Held, ServedModel
 from coordinator.store import JobRow, Store
 from coordinator.strategies import MeanRule, Update, UpdatesRule, keeps_mean, make_strategy
 from coordinator.tasks import (
@@ -34,6 +35,7 @@ from coordinator.tasks import (
     site_seed,
 )
 from plexus.accounting import client_epsilon, load_client_accountant, round_sampling_rate
+from plexus.compression import uplink_codec
 from plexus.config import MIN_GRID_LEVELS, SECURE_FIELD_BITS, RoundConfig, max_secure_sites, parse_round_config
 from plexus.dp import NOT_PRIVATE, Distance, add_noise, central_std, check_clipped, noise_key
 from plexus.errors import (
@@ -111,6 +113,31 @@ def strategy_done(strategy, model_round: int) -> bool:
 
 def local_steps(strategy, site: str, sizes: dict[str, int]) -> int:
     return strategy.schedule.local_steps(site, sizes)
+
+
+def downlink_of(cfg: RoundConfig) -> Downlink | None:
+    """The job's compressed downlink (compression.downlink fp16 or delta8); None: the model travels as it is."""
+    spec = cfg.compression.downlink if cfg.compression is not None else None
+    return Downlink(spec) if spec is not None and spec.codec != "none" else None
+
+
+def compressed_uplink(cfg: RoundConfig):
+    """The job's uplink codec when its plain updates travel compressed (None: the whole model travels as it is;
+    under secure aggregation the codec shapes the masked input instead, in SecureRound)."""
+    spec = cfg.compression
+    if spec is None or spec.uplink.codec == "none" or cfg.privacy.secure_aggregation:
+        return None
+    return uplink_codec(spec.uplink, seed=cfg.seed)
+
+
+def base_plus_mean(base: dict[str, np.ndarray], total: WeightedSum) -> dict[str, np.ndarray]:
+    """base + Σ w·Δ / Σ w per tensor, in float64, cast back to each tensor's dtype (integers rounded)."""
+    out = {}
+    for name, delta_sum in total.sums().items():
+        value = base[name].astype(np.float64) + delta_sum / total.total_weight
+        dtype = base[name].dtype
+        out[name] = (np.rint(value) if dtype.kind in "iu" else value).astype(dtype)
+    return out
 
 
 def samples_at_random(cfg: RoundConfig) -> bool:
@@ -248,16 +275,32 @@ class ActiveJob:
     opened_any: bool = False                 # a round has opened since then
     budget_stop: str = ""                    # set when the next round would exceed dp.target_epsilon
     total: WeightedSum | None = None         # the running sum, kept from round to round (round_sum)
+    codec: object = None                     # the uplink codec (plexus.compression) when updates travel compressed
     retried: dict[int, int] = field(default_factory=dict)   # round -> times it was opened again (sites.retries)
     epsilons: dict[int, float] = field(default_factory=dict)   # DP: ε after round n, computed as it opened
     rates: dict[int, float] | None = None    # DP: round n's sampling rate q (read from the ledger once)
+    downlink: Downlink | None = None         # compression.downlink fp16/delta8: what sites fetch instead of `served`
 
     @property
     def in_memory(self) -> bool:
         """Whether the engine itself reads the global model (else sites stream it from the checkpoint file)."""
         s = self.strategy
         return bool(reads_current(s) or holds_updates(s) or self.cfg.privacy.dp is not None
-                    or self.cfg.privacy.secure_aggregation or self.update_layout != self.layout)
+                    or self.cfg.privacy.secure_aggregation or self.update_layout != self.layout
+                    or self.codec is not None or self.downlink is not None)
+
+    @property
+    def base(self) -> dict[str, np.ndarray] | None:
+        """The model the sites start from this round, as they decode it (a compressed update is a Δ from it):
+        `state` itself unless the downlink is compressed (then fp16(model), or delta8's served chain)."""
+        if self.downlink is None:
+            return self.state
+        return {t.name: self.downlink.base[t.name] for t in self.layout.tensors}
+
+    def fetched(self, held: Held | None) -> ServedModel:
+        """What a site fetches: `served`, or under a compressed downlink the encoded model (a delta8 delta if
+        the site holds the model it applies to)."""
+        return self.served if self.downlink is None else self.downlink.served(held)
 
     def round_sum(self, sites: int) -> WeightedSum:
         """An empty running sum for the next round's `sites` sites: the job's one sum, zeroed in place
@@ -268,8 +311,16 @@ class ActiveJob:
             self.total.reset(sites=sites)
         return self.total
 
-    def set_model(self, layout: Layout, blob) -> None:
-        """The new global model; what sites fetch is it plus whatever the strategy serves with it."""
+    def downlink_step(self, round_: int, state: dict[str, np.ndarray]) -> Step | None:
+        """What a compressed downlink will serve for the model `state` (set_model takes it), computed before the
+        round's model is stored: IntegrityError if the model cannot travel so (fp16: beyond float16's range)."""
+        if self.downlink is None:
+            return None
+        return self.downlink.prepare(round_, {**state, **served_extras(self.strategy, state)})
+
+    def set_model(self, layout: Layout, blob, round_: int, step: Step | None = None) -> None:
+        """The new global model (after round `round_`); what sites fetch is it plus whatever the strategy serves
+        with it, encoded as compression.downlink says (`step`: prepared by downlink_step)."""
         self.layout, self.blob = layout, blob
         self.state = decode(layout, blob)
         extra = served_extras(self.strategy, self.state)
@@ -277,10 +328,15 @@ class ActiveJob:
             ServedModel.in_memory(layout, blob)
         self.update_layout = Layout.build(
             [(t.name, t.dtype, t.shape) for t in layout.tensors] + update_extras(self.strategy, layout))
+        if self.downlink is not None:
+            self.downlink.take(step or self.downlink.prepare(round_, {**self.state, **extra}))
 
     def release_model(self) -> None:
-        """Drop the in-memory model before the next one is built (rules that do not read it)."""
+        """Drop the in-memory model before the next one is built (rules that do not read it); a delta8 chain
+        stays, since the next model's delta is taken from it."""
         self.state = self.blob = self.served = None
+        if self.downlink is not None:
+            self.downlink.release()
 
     def serve_from_checkpoint(self, store: Store, round_: int) -> None:
         """Drop the in-memory model; FetchModel then streams the checkpoint file (shared page cache)."""
@@ -327,8 +383,13 @@ class SyncRounds:
             return None
         # The global model exists once: the wire blob; the state dict is views over it. A job
         # whose engine never reads the model (plain FedAvg) serves it from the checkpoint file.
-        job = ActiveJob(row, cfg, strategy, layout, {}, blob, row.current_round, activated=ctx.monotonic())
-        job.set_model(layout, blob)
+        job = ActiveJob(row, cfg, strategy, layout, {}, blob, row.current_round, activated=ctx.monotonic(),
+                        codec=compressed_uplink(cfg), downlink=downlink_of(cfg))
+        try:
+            job.set_model(layout, blob, row.current_round)
+        except IntegrityError as exc:   # a model compression.downlink cannot carry (fp16: beyond its range)
+            store.set_job(row.id, status=JobStatus.FAILED, message=str(exc), event=("job_failed", 0, "", str(exc)))
+            return None
         if not job.in_memory:
             job.serve_from_checkpoint(store, row.current_round)
         log.info("job %s active at round %d", row.id, row.current_round)
@@ -399,8 +460,8 @@ class SyncRounds:
         check_unanswered(task_id, status, site in rs.outcomes_for(site))
         return grant
 
-    def served(self, grant: TaskGrant) -> ServedModel:
-        return self.job.served
+    def served(self, grant: TaskGrant, held: Held | None = None) -> ServedModel:
+        return self.job.fetched(held)
 
     def upload(self, site: str, grant: TaskGrant, header: UpdateHeader,
                cut: Callable[[BaseException], None]) -> Upload:
@@ -420,15 +481,24 @@ class SyncRounds:
                                      reason=Reason.NUM_SAMPLES)
             weight = header.num_samples if masked else rs.weight(site, header.num_samples)
             metrics = kept_metrics(job, site_metrics(rs, site, header.eval_metrics, header.metrics, weight))
-            layout.require_same(header.require_layout(), what="masked input" if masked else "update")
+            coded = job.codec is not None and not masked
+            if coded:   # a compressed Δ: its wire layout is checked against the model's, and decoded as it folds
+                layout = header.require_layout()
+                job.codec.check_layout(job.update_layout, layout, round_=grant.round)
+            else:
+                layout.require_same(header.require_layout(), what="masked input" if masked else "update")
             if masked:
                 fold = rs.secure.masked.begin()
+            elif coded:
+                model, wire, codec, round_ = job.update_layout, layout, job.codec, grant.round
+                fold = CodedFold(rs.total, 1 if uniform_weights(job.strategy, dp) else weight,
+                                 lambda: codec.decoder(model, wire, round_=round_))
             elif rs.total is not None:
                 fold = rs.total.begin(1 if uniform_weights(job.strategy, dp) else weight)
             else:
                 fold = None
             upload = Upload(layout, self.ctx.store.spool / f"{grant.task_id}.part", fold=fold,
-                            distance=Distance(layout, job.state) if dp is not None and not masked else None,
+                            distance=Distance(layout, job.base) if dp is not None and not (masked or coded) else None,
                             owner=rs, weight=weight, metrics=metrics)
         except IntegrityError as exc:
             self._record(rs, grant, site, TaskStatus.REJECTED, str(exc), code=exc.reason)
@@ -695,6 +765,11 @@ class SyncRounds:
         elif not job.in_memory and mean_is_model(job.strategy):
             # Plain FedAvg: the mean goes block by block into the checkpoint sites then stream.
             self._close_training_round(rs, None, rs.total.mean_blocks())
+        elif job.codec is not None:
+            # Compressed updates are Δs from the model the sites started from: base + Σ w·Δ / Σ w.
+            mean = self._central_noise(rs, base_plus_mean(job.base, rs.total))
+            self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.state, mean,
+                                                          sorted(rs.contributors)))
         else:
             if not reads_current(job.strategy):
                 job.release_model()   # the old model goes before the new one
@@ -761,7 +836,7 @@ class SyncRounds:
                                       round_=rs.round, site=site)
                     log.warning("job %s round %d site %s: rejected (%s)", job.row.id, rs.round, site, reason)
                 mean = {}
-                for name, current in job.state.items():
+                for name, current in job.base.items():   # sites masked Δ from the model they decoded
                     mean[name] = (current.astype(np.float64) + delta[name]).astype(current.dtype)
                 rs.contributors, rs.samples = list(sec.u3), weight
                 mean = self._central_noise(rs, mean)   # central DP: on the unmasked mean of the survivors
@@ -797,6 +872,8 @@ class SyncRounds:
         """state_blob, when given, is the new model's wire blob (`state` views it, or is None): a bytes-like
         blob, or an iterator of its blocks when the model is only ever served from the checkpoint."""
         job, store = self.job, self.ctx.store
+        # First, so that a model the downlink cannot carry fails the round before any of it is stored.
+        step = job.downlink_step(rs.round, state) if state is not None else None
         if state_blob is not None:
             layout, blob = job.update_layout, state_blob
         else:
@@ -820,7 +897,7 @@ class SyncRounds:
                 ledger[(rs.round, "", "privacy", "noise_reproducible")] = 1.0
             store.record_metrics(job.row.id, ledger)
         if state is not None:
-            job.set_model(layout, blob)
+            job.set_model(layout, blob, rs.round, step)
         if not job.in_memory:
             job.serve_from_checkpoint(store, rs.round)   # sites stream it from the checkpoint just written
         job.model_round = rs.round

@@ -18,6 +18,12 @@ class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_SECAGG_MASKED_INPUT: _ClassVar[TaskKind]
     TASK_SECAGG_UNMASK: _ClassVar[TaskKind]
 
+class ModelEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_DENSE: _ClassVar[ModelEncoding]
+    MODEL_FP16: _ClassVar[ModelEncoding]
+    MODEL_DELTA8: _ClassVar[ModelEncoding]
+
 class ResultStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RESULT_UNSPECIFIED: _ClassVar[ResultStatus]
@@ -32,6 +38,9 @@ TASK_SECAGG_ADVERTISE: TaskKind
 TASK_SECAGG_SHARE: TaskKind
 TASK_SECAGG_MASKED_INPUT: TaskKind
 TASK_SECAGG_UNMASK: TaskKind
+MODEL_DENSE: ModelEncoding
+MODEL_FP16: ModelEncoding
+MODEL_DELTA8: ModelEncoding
 RESULT_UNSPECIFIED: ResultStatus
 RESULT_EVALUATED: ResultStatus
 RESULT_DECLINED: ResultStatus
@@ -216,10 +225,14 @@ class RevealMessage(_message.Message):
     def __init__(self, reveals: _Optional[_Iterable[_Union[ShareReveal, _Mapping]]] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
-    __slots__ = ("task_id",)
+    __slots__ = ("task_id", "have_round", "have_sha256")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    HAVE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    HAVE_SHA256_FIELD_NUMBER: _ClassVar[int]
     task_id: str
-    def __init__(self, task_id: _Optional[str] = ...) -> None: ...
+    have_round: int
+    have_sha256: bytes
+    def __init__(self, task_id: _Optional[str] = ..., have_round: _Optional[int] = ..., have_sha256: _Optional[bytes] = ...) -> None: ...
 
 class ModelMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -230,14 +243,20 @@ class ModelMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[ModelHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class ModelHeader(_message.Message):
-    __slots__ = ("job_id", "round", "manifest")
+    __slots__ = ("job_id", "round", "manifest", "encoding", "base_round", "sha256")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     manifest: _tensor_pb2.Manifest
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., manifest: _Optional[_Union[_tensor_pb2.Manifest, _Mapping]] = ...) -> None: ...
+    encoding: ModelEncoding
+    base_round: int
+    sha256: bytes
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., manifest: _Optional[_Union[_tensor_pb2.Manifest, _Mapping]] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_round: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("task_id", "job_id", "round", "nonce", "num_samples", "metrics", "eval_metrics", "manifest")
