@@ -63,7 +63,8 @@ class WeightedSum:
             else:
                 self._parts[i].fill(0)
         self.total_weight = 0
-        self.count = 0   # complete updates in the sum; each element carries count × _MAGIC_BITS extra
+        self.count = 0   # complete updates in the sum
+        self._magic = 0  # dense folds among them: each element carries _magic × _MAGIC_BITS extra
         self.sites = max(1, sites)
         self._bound = 0.0
         self._poisoned = ""
@@ -125,7 +126,7 @@ class WeightedSum:
     def acc(self) -> np.ndarray:
         """The whole fixed-point sum as one array (a copy, for inspection)."""
         self._require_clean()
-        parts = [part - _as_int64(self.count * _MAGIC_BITS) for part in self._parts]
+        parts = [part - _as_int64(self._magic * _MAGIC_BITS) for part in self._parts]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def sums(self) -> dict[str, np.ndarray]:
@@ -134,7 +135,7 @@ class WeightedSum:
         self._require_clean()
         out = {}
         for t, part in zip(self.layout.tensors, self._parts):
-            fixed = part - _as_int64(self.count * _MAGIC_BITS)   # wraps back
+            fixed = part - _as_int64(self._magic * _MAGIC_BITS)   # wraps back
             out[t.name] = (fixed.astype(np.float64) / _SCALE).reshape(t.shape)
         return out
 
@@ -196,6 +197,25 @@ class WeightedSum:
             used += n * dtype.itemsize
         return used
 
+    def fold_piece(self, piece, weight: int, sign: int) -> None:
+        """Add (sign 1) or take back (sign -1) w·v of one decoded piece (plexus.compression's DensePiece at
+        [start, start + len) or SparsePiece at its indices) as the integers rint(fl(v·w)·2**32), with no
+        _MAGIC_BITS: elements a piece does not name add nothing. Call with the lock held."""
+        part = self._parts[piece.tensor]
+        values = np.asarray(piece.values, dtype=np.float64)
+        indices = getattr(piece, "indices", None)
+        for k in range(0, values.size, FOLD_ELEMENTS):
+            scaled = values[k:k + FOLD_ELEMENTS] * float(weight)   # fl(v·w)
+            scaled *= _SCALE                                        # a power of two: exact
+            fixed = np.rint(scaled).astype(np.int64)
+            if indices is None:
+                start = piece.start + k
+                target = part[start:start + fixed.size]
+                (np.add if sign > 0 else np.subtract)(target, fixed, out=target)
+            else:   # indices within a piece are distinct (strictly increasing): fancy-index add is exact
+                where = indices[k:k + FOLD_ELEMENTS]
+                part[where] = (part[where] + fixed) if sign > 0 else (part[where] - fixed)
+
     def mean_blob(self, *, release: bool = False) -> np.ndarray:
         """The weighted mean as a wire blob, written block by block.
 
@@ -240,7 +260,7 @@ class WeightedSum:
         """Elements k.. of tensor i's mean, len(out) of them, cast to its dtype into out."""
         m = len(out)
         fixed, values = self._i64[:m], self._f64[:m]
-        np.subtract(self._parts[i][k:k + m], _as_int64(self.count * _MAGIC_BITS), out=fixed)   # wraps back
+        np.subtract(self._parts[i][k:k + m], _as_int64(self._magic * _MAGIC_BITS), out=fixed)   # wraps back
         np.copyto(values, fixed, casting="unsafe")
         values /= _SCALE * self.total_weight
         if out.dtype.kind != "f":
@@ -300,6 +320,7 @@ class Fold:
                                      reason=Reason.SIZE)
             self.state = "done"
             total.count += 1
+            total._magic += 1
             total.total_weight += self.weight
 
     def undo(self, journal) -> None:
@@ -319,6 +340,90 @@ class Fold:
             if position != self.position:
                 total._poisoned = (f"an update could not be taken out again: its journal held {position} of the "
                                    f"{self.position} bytes folded")
+            total._bound -= self.weight * self._peak
+            if self.state == "done":
+                total.count -= 1
+                total._magic -= 1
+                total.total_weight -= self.weight
+            self.state = "undone"
+
+    def _require_open(self) -> None:
+        if self.state != "open":
+            raise RoundClosed("this update was taken out of the round's sum: the round closed while it was "
+                              "arriving, or it was refused")
+
+
+class CodedFold:
+    """One compressed update (plexus.compression) entering a WeightedSum as it streams: each wire chunk goes
+    through the codec's Decoder, and every decoded piece is folded exactly, dense pieces over their element
+    range and sparse pieces scatter-added at their indices. Each element adds rint(fl(v·w)·2**32), the same
+    integer a dense fold of the decoded update adds there, so the streamed fold equals the dense fold of the
+    decoded update bit for bit; nothing dense is ever built. undo() decodes the journal again and subtracts.
+    """
+
+    def __init__(self, total: WeightedSum, weight: int, decoder):
+        total.check_fits(weight, 0.0)
+        total._require_clean()
+        self.total, self.weight = total, weight
+        self.decoder = decoder()          # a fresh Decoder for the stream
+        self._new_decoder = decoder
+        self.received = 0                 # wire bytes fed to the decoder and folded
+        self._peak = 0.0
+        self.state = "open"               # open | done | undone
+
+    @property
+    def peak(self) -> float:
+        return self._peak
+
+    @property
+    def norm(self) -> float:
+        """The L2 norm of the decoded update so far (DP's clip check)."""
+        return float(np.sqrt(self.decoder.sum_sq))
+
+    def add(self, piece: bytes | memoryview, max_abs: float = 0.0) -> None:
+        """Decode the next wire chunk and fold what it completes (max_abs is the wire's; the decoded peak counts)."""
+        total = self.total
+        with total._lock:
+            self._require_open()
+            pieces = list(self.decoder.feed(piece))
+            peak = self.decoder.max_abs
+            if peak > self._peak:   # reserve the range before anything is added
+                total.check_fits(self.weight, peak, reserved=self.weight * self._peak)
+                total._bound += self.weight * (peak - self._peak)
+                self._peak = peak
+            for p in pieces:
+                total.fold_piece(p, self.weight, 1)
+            self.received += len(memoryview(piece).cast("B"))
+
+    def finish(self) -> None:
+        total = self.total
+        with total._lock:
+            self._require_open()
+            self.decoder.finish()
+            self.state = "done"
+            total.count += 1
+            total.total_weight += self.weight
+
+    def undo(self, journal) -> None:
+        """Take this update back out: the first `received` journal bytes decoded again, every piece subtracted."""
+        total = self.total
+        with total._lock:
+            if self.state == "undone":
+                return
+            decoder, left = self._new_decoder(), self.received
+            try:
+                for block in journal():
+                    data = memoryview(block).cast("B")[:left]
+                    left -= len(data)
+                    for p in decoder.feed(data):
+                        total.fold_piece(p, self.weight, -1)
+                    if left <= 0:
+                        break
+            except IntegrityError as exc:   # the journal no longer decodes as it did
+                total._poisoned = f"a compressed update could not be taken out again: {exc}"
+            if left > 0:
+                total._poisoned = (f"a compressed update could not be taken out again: its journal held "
+                                   f"{self.received - left} of the {self.received} bytes folded")
             total._bound -= self.weight * self._peak
             if self.state == "done":
                 total.count -= 1

@@ -58,8 +58,8 @@ class Upload:
 
     @property
     def norm(self) -> float:
-        """Its distance from the global model (only with `distance`)."""
-        return self.distance.norm
+        """Its distance from the global model: measured by `distance`, or, for a compressed Δ, by its fold."""
+        return self.distance.norm if self.distance is not None else self.fold.norm
 
     def accept(self) -> None:
         """The upload is complete and accepted: it counts in the sum for good."""

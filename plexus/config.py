@@ -22,10 +22,11 @@ from plexus.errors import ConfigError
 from plexus.typed_yaml import Cell, in_range, matching, non_empty, one_of
 
 __all__ = [
-    "AdminConfig", "Cell", "CoordinatorConfig", "DPSGDSpec", "DPSpec", "DataSpec", "DatasetSpec", "EmulationSpec",
+    "AdminConfig", "Cell", "CompressionSpec", "CoordinatorConfig", "DownlinkSpec", "DPSGDSpec", "DPSpec", "DataSpec",
+    "DatasetSpec", "EmulationSpec",
     "FeatureSpec", "LabelSpec", "ModelSpec",
     "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SiteConfig", "SitesSpec",
-    "StrategySpec", "TrainSpec", "dump_round_config", "load_admin_config",
+    "StrategySpec", "TrainSpec", "UplinkSpec", "dump_round_config", "load_admin_config",
     "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
     "split_address",
 ]
@@ -303,6 +304,45 @@ class AsyncSpec:
     cohort_timeout_s: float = field(default=60.0, metadata=in_range(0, lo_open=True))
 
 
+UPLINK_CODECS = ("none", "fp16", "int8", "topk", "adacomp", "randk")
+DOWNLINK_CODECS = ("none", "fp16", "delta8")
+# Which uplink codec takes which optional key (plexus.compression reads them; None there means its default).
+UPLINK_KEYS = {"block": ("int8",), "fraction": ("topk", "randk"), "k": ("topk", "randk"),
+               "error_feedback": ("topk", "randk"), "bin_conv": ("adacomp",), "bin_dense": ("adacomp",)}
+# Rules over the weighted mean of plain model tensors: a compressed update is a Δ they can fold. Robust rules
+# and ensembles judge each whole update in the clear, and SCAFFOLD's Δc travels beside the update.
+COMPRESSIBLE_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "cwt", "swt")
+
+
+@dataclass(frozen=True, slots=True)
+class UplinkSpec:
+    """How a site's update travels (plexus.compression): as a compressed Δ from the model it was served."""
+
+    codec: str = field(default="none", metadata=one_of(*UPLINK_CODECS))
+    block: int | None = field(default=None, metadata={**in_range(16, 65536), "omit_none": True})       # int8: 256
+    fraction: float | None = field(default=None, metadata={**in_range(0, 1, lo_open=True), "omit_none": True})
+    k: int | None = field(default=None, metadata={**in_range(1, 2 ** 31), "omit_none": True})
+    error_feedback: bool | None = field(default=None, metadata={"omit_none": True})   # topk, randk: true
+    bin_conv: int | None = field(default=None, metadata={**in_range(1, 1 << 20), "omit_none": True})    # adacomp: 50
+    bin_dense: int | None = field(default=None, metadata={**in_range(1, 1 << 20), "omit_none": True})   # adacomp: 500
+
+
+@dataclass(frozen=True, slots=True)
+class DownlinkSpec:
+    """How the global model travels to the sites: exact, fp16, or an 8-bit delta against the site's last model."""
+
+    codec: str = field(default="none", metadata=one_of(*DOWNLINK_CODECS))
+    block: int | None = field(default=None, metadata={**in_range(16, 65536), "omit_none": True})       # delta8: 256
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionSpec:
+    """Update compression, each direction separately (docs/compression.md)."""
+
+    uplink: UplinkSpec = field(default_factory=UplinkSpec)
+    downlink: DownlinkSpec = field(default_factory=DownlinkSpec)
+
+
 # Server rules that take a staleness-weighted mean of deltas, so they run asynchronously.
 ASYNC_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 
@@ -324,6 +364,8 @@ class RoundConfig:
     seed: int = field(default=0, metadata=in_range(0, 2**63 - 1))
     # Set: asynchronous training (coordinator/drivers/async_.py) with `rounds` versions; absent: synchronous rounds.
     asynchronous: AsyncSpec | None = field(default=None, metadata={"omit_none": True})
+    # Set: updates (and models) travel compressed (plexus.compression); absent: dense float32 both ways.
+    compression: CompressionSpec | None = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -682,7 +724,7 @@ def _sites_problem(spec: SitesSpec) -> tuple[str, str] | None:
 
 
 def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
-    problem = _async_problem(cfg)
+    problem = _async_problem(cfg) or _compression_problem(cfg)
     if problem:
         return problem
     if cfg.train.steps is not None and cfg.privacy.dp_sgd is not None:
@@ -728,6 +770,40 @@ def _async_problem(cfg: RoundConfig) -> tuple[str, str] | None:
     return None
 
 
+def _uplink_problem(spec: UplinkSpec) -> tuple[str, str] | None:
+    for key, codecs_ in UPLINK_KEYS.items():
+        if getattr(spec, key) is not None and spec.codec not in codecs_:
+            return key, (f"codec {spec.codec!r} does not take {key} (only {' and '.join(codecs_)} do); remove it")
+    if spec.codec in ("topk", "randk") and (spec.fraction is None) == (spec.k is None):
+        return "codec", (f"{spec.codec} sends k entries per tensor: give exactly one of fraction (of each tensor's "
+                         "elements, e.g. 0.01) or k (per tensor)")
+    return None
+
+
+def _downlink_problem(spec: DownlinkSpec) -> tuple[str, str] | None:
+    if spec.block is not None and spec.codec != "delta8":
+        return "block", f"codec {spec.codec!r} does not take block (only delta8 does); remove it"
+    return None
+
+
+def _compression_problem(cfg: RoundConfig) -> tuple[str, str] | None:
+    spec = cfg.compression
+    if spec is None or (spec.uplink.codec == "none" and spec.downlink.codec == "none"):
+        return None
+    if cfg.asynchronous is not None:
+        return "compression", ("asynchronous jobs do not take compression yet (their buffers fold whole models "
+                               "weighted by staleness); remove compression or the asynchronous block")
+    if spec.uplink.codec != "none" and cfg.strategy.name not in COMPRESSIBLE_STRATEGIES:
+        return "compression", (f"strategy {cfg.strategy.name!r} cannot take compressed updates: robust rules and "
+                               "ensembles judge each site's whole update in the clear, and SCAFFOLD sends its Δc "
+                               f"beside it; compressed updates go with {', '.join(COMPRESSIBLE_STRATEGIES)}")
+    if cfg.privacy.secure_aggregation and spec.uplink.codec in ("topk", "adacomp"):
+        return "compression", (f"uplink codec {spec.uplink.codec!r} sends each site's own choice of coordinates, "
+                               "and a masked sum needs the same coordinates at every site; under "
+                               "privacy.secure_aggregation use randk (indices shared by seed), int8 or fp16")
+    return None
+
+
 def _schema_model_problem(cfg: RoundConfig) -> tuple[str, str] | None:
     """A declared CSV schema must give the model exactly the inputs and classes its args expect."""
     if cfg.data.features is None:
@@ -765,7 +841,8 @@ def _coordinator_problem(cfg: CoordinatorConfig) -> tuple[str, str] | None:
 _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
     DatasetSpec: _dataset_problem, DPSpec: _dp_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
     RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem,
-    CheckpointsSpec: _checkpoints_problem, CoordinatorConfig: _coordinator_problem}
+    CheckpointsSpec: _checkpoints_problem, CoordinatorConfig: _coordinator_problem, UplinkSpec: _uplink_problem,
+    DownlinkSpec: _downlink_problem}
 # Post-read steps: fn(reader, obj, entries, path) -> obj.
 _AFTER_READ = {StrategySpec: _read_strategy_args}
 

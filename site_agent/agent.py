@@ -33,6 +33,7 @@ from site_agent.local import LocalResult, local_update, needs_served, served_lay
 from site_agent.policy import policy_digest, refusal
 from site_agent.state import JobState, job_id_refusal
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
+from site_agent.uplink import Coded, coded_uplink, encode_update, model_delta, residual_layout, rounding_rng
 
 log = logging.getLogger("plexus.site")
 
@@ -125,7 +126,12 @@ class SiteAgent:
                 self.handle(stub, task)
 
     def handle(self, stub, task: fpb.Task) -> None:
-        """Run one task; policy refusals and local failures are reported, never silently dropped."""
+        """Run one task; policy refusals and local failures are reported, never silently dropped.
+
+        A TRAIN task of a job with an uplink codec (site_agent/uplink.py) sends its coded Δ: train → DP clip
+        (+ noise share if distributed) → add the residual → encode → DP bound on the decoded sent vector →
+        stream; the new residual is kept only once the coordinator accepted the update.
+        """
         reason = job_id_refusal(task.job_id)
         if reason:
             return self._decline(stub, task, reason)
@@ -152,12 +158,16 @@ class SiteAgent:
         try:
             if task.kind in SECAGG_LATER_PHASES or (cohorts and task.kind == fpb.TASK_SECAGG_ADVERTISE):
                 return self._secagg_phase(stub, task, job)
+            coded = coded_uplink(job) if task.kind == fpb.TASK_TRAIN else None   # None: the whole model travels
             data = self.load_data(job.data)
             model = build_job_model(job)
             served = self._fetch(stub, task, served_layout(job, model))
             names = set(model.state_dict())
             incoming = {k: v for k, v in served.items() if k in names}
             load_numpy_state(model, incoming)
+            # Read before training: a damaged residual fails the task before it touches the data.
+            residual = (state.residual(residual_layout(Layout.of(state_views(model))))
+                        if coded is not None and coded.feedback else None)
             kind = "evaluate" if task.kind == fpb.TASK_EVALUATE else "train"
             if trains:
                 state.count_round()
@@ -166,7 +176,7 @@ class SiteAgent:
             if task.kind == fpb.TASK_EVALUATE:
                 return self.report(stub, task, fpb.RESULT_EVALUATED, "", self.to_report(job, eval_metrics)[0])
             if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or cohorts
-                    or needs_served(job)):
+                    or needs_served(job) or coded is not None):
                 served = incoming = {}   # the model holds the weights now: let the fetched copy go
             started = self._clock()
             if job.privacy.dp_sgd is not None:
@@ -177,22 +187,59 @@ class SiteAgent:
                 log.info("job %s round %d: stopped during the emulated slowdown; the update is not sent",
                          task.job_id, task.round)
                 return None
-            if job.privacy.dp is not None:
-                self._clip_and_noise(model, incoming, job, task)
+            clipped = self._clip_and_noise(model, incoming, job, task) if job.privacy.dp is not None else None
             eval_metrics, result = self.to_report(job, eval_metrics, local.result)
             if task.kind == fpb.TASK_SECAGG_ADVERTISE:
                 return self._advertise(stub, task, job, incoming, model, result, eval_metrics)
             if cohorts:
                 return self._keep(stub, task, incoming, model, result, eval_metrics)
+            if coded is not None:
+                upload = self._code(coded, job, task, model, incoming, clipped, residual, local)
         except grpc.RpcError:
             raise
         except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:  # IntegrityError too
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
             return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
-        update = {**local.update, **state_views(model)}   # the model as it stands (after any DP clipping) + extras
+        if coded is not None:
+            update = upload.wire
+        else:
+            update = {**local.update, **state_views(model)}   # the model as it stands (after any DP clipping) + extras
         if self._submit(stub, task, update, result, eval_metrics):
             local.commit()   # e.g. SCAFFOLD's control variate: kept only once the coordinator took the update
+            if coded is not None and upload.residual is not None:
+                self._keep_residual(state, task, upload.residual)
+
+    @staticmethod
+    def _code(codec, job: RoundConfig, task, model, incoming: dict, clipped: dict | None, residual: dict | None,
+              local: LocalResult) -> Coded:
+        """The coded Δ = trained − incoming (the DP-clipped Δ under privacy.dp) with the residual folded in."""
+        trained = state_views(model)
+        if extra := sorted(set(local.update) - set(trained)):
+            raise ValueError(f"strategy {job.strategy.name!r} sends tensors beside the model ({extra[:3]}), which "
+                             "cannot travel in a compressed update; remove compression.uplink from the job")
+        if clipped is None:
+            delta = model_delta(trained, incoming)
+        else:
+            delta = {k: v.astype(np.float32) for k, v in clipped.items()}
+        dp = job.privacy.dp
+        return encode_update(codec, Layout.of(trained), delta, residual, round_=task.round,
+                             rng=rounding_rng(task.seed), clip_norm=None if dp is None else dp.clip_norm)
+
+    @staticmethod
+    def _keep_residual(state: JobState, task, residual: dict) -> None:
+        """Keep the residual of an accepted update. Should that fail, drop the old one: the accepted update
+        already carried it, and sending it again would count it twice."""
+        try:
+            state.keep_residual(residual)
+        except OSError as exc:
+            log.error("job %s round %d: the update was accepted but its residual could not be kept (%s); the "
+                      "residual restarts from zero", task.job_id, task.round, exc)
+            try:
+                state.drop_residual()
+            except OSError as again:
+                log.error("job %s: the old residual could not be removed either (%s); the next update will "
+                          "send it a second time", task.job_id, again)
 
     def _emulate_slowdown(self, trained_s: float) -> bool:
         """emulation.slowdown: wait (slowdown − 1) × trained_s, cut short by `stop`; False if it was."""
@@ -379,8 +426,9 @@ class SiteAgent:
         return result
 
     @staticmethod
-    def _clip_and_noise(model, incoming: dict, job: RoundConfig, task) -> None:
-        """DP-FedAvg at the site: clip Δ to clip_norm; in distributed mode also add this site's share of noise."""
+    def _clip_and_noise(model, incoming: dict, job: RoundConfig, task) -> dict[str, np.ndarray]:
+        """DP-FedAvg at the site: clip Δ to clip_norm; in distributed mode also add this site's share of noise.
+        The model then holds incoming + Δ; returns that Δ (float64)."""
         dp = job.privacy.dp
         trained = state_to_numpy(model)
         delta, _ = clip_update({k: trained[k].astype(np.float64) - incoming[k] for k in trained}, dp.clip_norm)
@@ -390,6 +438,7 @@ class SiteAgent:
             std = distributed_std(dp.noise_multiplier, dp.clip_norm, job.sites.min)
             delta = add_noise(delta, std, noise_key(None, task.job_id, task.round, "site"))
         load_numpy_state(model, {k: (incoming[k] + delta[k]).astype(trained[k].dtype) for k in trained})
+        return delta
 
     def advertised_rows(self) -> dict[str, int]:
         """Training rows per dataset that loads (sent at Join, for steps proportional to site size).

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save
 
 from plexus.accounting import PrivacyLedger
 from plexus.errors import IntegrityError
 from plexus.files import write_atomically
+from plexus.wire import Layout
 
 # The coordinator names jobs `<round config name>-<8 hex digits>`; the name is 1-64 of these characters.
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -42,9 +47,10 @@ def job_path(state_dir: Path, kind: str, job_id: str, suffix: str) -> Path:
 
 
 class JobState:
-    """This site's own record of one job: the rounds it trained and the DP-SGD privacy it spent.
+    """This site's own record of one job: the rounds it trained, the DP-SGD privacy it spent, and the
+    error-feedback residual of its compressed updates.
 
-    The site's policy checks these, never the round number a task claims, so a
+    The site's policy checks the first two, never the round number a task claims, so a
     coordinator replaying tasks cannot walk the site past max_rounds or max_epsilon.
     """
 
@@ -52,6 +58,7 @@ class JobState:
         self.job_id = job_id
         self._rounds = job_path(state_dir, "rounds", job_id, ".json")
         self._ledger = job_path(state_dir, "dp_sgd", job_id, ".json")
+        self._residual = job_path(state_dir, "residual", job_id, ".safetensors")
 
     def rounds_trained(self) -> int:
         """Training tasks this site has started for the job (0 for a new job)."""
@@ -78,6 +85,44 @@ class JobState:
 
     def keep_ledger(self, ledger: PrivacyLedger) -> None:
         self._write(self._ledger, ledger.to_json())
+
+    def residual(self, like: Layout) -> dict[str, np.ndarray] | None:
+        """The error-feedback residual kept with the last accepted update; None (a zero residual) before any.
+
+        `like` is the layout it must have (the job's float tensors, float32). A file that cannot be read, does
+        not have that layout or holds NaN/Inf is an IntegrityError: dropping it silently would lose what the
+        site owes the model, and using it would send garbage.
+        """
+        if not self._residual.exists():
+            return None
+        # Named relative to state_dir: this reason goes to the coordinator, local paths do not.
+        where = (f"this site's update residual for job {self.job_id!r} (residual/{self.job_id}.safetensors in its "
+                 "state_dir)")
+        fix = "delete the file to restart the residual from zero (the part of earlier updates not yet sent is lost)"
+        try:
+            stored = load_file(self._residual)   # safetensors: a header and raw bytes, never pickle
+            layout = Layout.of(stored)
+        except Exception as exc:   # safetensors raises its own SafetensorError for a torn or foreign file
+            raise IntegrityError(f"{where} cannot be read ({type(exc).__name__}); {fix}") from None
+        if layout != like:
+            want = {t.name: (t.dtype, t.shape) for t in like.tensors}
+            found = {t.name: (t.dtype, t.shape) for t in layout.tensors}
+            differs = sorted(set(want) ^ set(found)) or sorted(n for n in want if want[n] != found[n])
+            raise IntegrityError(f"{where} does not match the job's model (differs at {differs[:5]}); it belongs to "
+                                 f"another model or is damaged; {fix}")
+        if not all(np.isfinite(a).all() for a in stored.values()):
+            raise IntegrityError(f"{where} holds NaN or infinite values, so it is damaged; {fix}")
+        return stored
+
+    def keep_residual(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Replace the residual (atomically, mode 0600); call only once the coordinator accepted the update."""
+        self._residual.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(self._residual, save({n: np.ascontiguousarray(arrays[n]) for n in sorted(arrays)}),
+                         mode=0o600)
+
+    def drop_residual(self) -> None:
+        """Forget the residual (a zero residual from now on)."""
+        self._residual.unlink(missing_ok=True)
 
     @staticmethod
     def _write(path: Path, text: str) -> None:

@@ -21,7 +21,7 @@ class DriverRig:
 
     driver_class: type = None
 
-    def __init__(self, path, job_yaml: str, *, store_clock: bool = False):
+    def __init__(self, path, job_yaml: str, *, store_clock: bool = False, model: dict | None = None):
         self.now = 1000.0
         self.store = Store(path / "state", **({"clock": lambda: self.now} if store_clock else {}))
         self.presence = Presence(threading.RLock(), online_window_s=50.0, monotonic=lambda: self.now)
@@ -29,7 +29,7 @@ class DriverRig:
                            notify=lambda: None, models=None, model_limits=None)
         cfg = parse_round_config(job_yaml, source="test job")
         self.job_id = f"job-{uuid.uuid4().hex[:8]}"
-        self.store.save_checkpoint(self.job_id, 0, {"w": np.zeros(4, np.float32)})
+        self.store.save_checkpoint(self.job_id, 0, model or {"w": np.zeros(4, np.float32)})
         self.store.add_job(self.job_id, cfg.name, dump_round_config(cfg), cfg.strategy.name, cfg.rounds, "test")
         self.driver = self.take_up()
 

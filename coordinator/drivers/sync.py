@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.aggregate import WeightedSum
+from coordinator.aggregate import CodedFold, WeightedSum
 from coordinator.drivers import Context
 from coordinator.drivers.rounds import Action, RoundView, can_open, decide, retry_allowed, training_over
 from coordinator.intake import Upload
@@ -34,6 +34,7 @@ from coordinator.tasks import (
     site_seed,
 )
 from plexus.accounting import client_epsilon, load_client_accountant, round_sampling_rate
+from plexus.compression import uplink_codec
 from plexus.config import RoundConfig, parse_round_config
 from plexus.dp import NOT_PRIVATE, Distance, add_noise, central_std, check_clipped, noise_key
 from plexus.errors import (
@@ -111,6 +112,25 @@ def strategy_done(strategy, model_round: int) -> bool:
 
 def local_steps(strategy, site: str, sizes: dict[str, int]) -> int:
     return strategy.schedule.local_steps(site, sizes)
+
+
+def compressed_uplink(cfg: RoundConfig):
+    """The job's uplink codec when its plain updates travel compressed (None: the whole model travels as it is;
+    under secure aggregation the codec shapes the masked input instead, in SecureRound)."""
+    spec = cfg.compression
+    if spec is None or spec.uplink.codec == "none" or cfg.privacy.secure_aggregation:
+        return None
+    return uplink_codec(spec.uplink, seed=cfg.seed)
+
+
+def base_plus_mean(base: dict[str, np.ndarray], total: WeightedSum) -> dict[str, np.ndarray]:
+    """base + Σ w·Δ / Σ w per tensor, in float64, cast back to each tensor's dtype (integers rounded)."""
+    out = {}
+    for name, delta_sum in total.sums().items():
+        value = base[name].astype(np.float64) + delta_sum / total.total_weight
+        dtype = base[name].dtype
+        out[name] = (np.rint(value) if dtype.kind in "iu" else value).astype(dtype)
+    return out
 
 
 def samples_at_random(cfg: RoundConfig) -> bool:
@@ -248,6 +268,7 @@ class ActiveJob:
     opened_any: bool = False                 # a round has opened since then
     budget_stop: str = ""                    # set when the next round would exceed dp.target_epsilon
     total: WeightedSum | None = None         # the running sum, kept from round to round (round_sum)
+    codec: object = None                     # the uplink codec (plexus.compression) when updates travel compressed
     retried: dict[int, int] = field(default_factory=dict)   # round -> times it was opened again (sites.retries)
     epsilons: dict[int, float] = field(default_factory=dict)   # DP: ε after round n, computed as it opened
     rates: dict[int, float] | None = None    # DP: round n's sampling rate q (read from the ledger once)
@@ -257,7 +278,13 @@ class ActiveJob:
         """Whether the engine itself reads the global model (else sites stream it from the checkpoint file)."""
         s = self.strategy
         return bool(reads_current(s) or holds_updates(s) or self.cfg.privacy.dp is not None
-                    or self.cfg.privacy.secure_aggregation or self.update_layout != self.layout)
+                    or self.cfg.privacy.secure_aggregation or self.update_layout != self.layout
+                    or self.codec is not None)
+
+    @property
+    def base(self) -> dict[str, np.ndarray]:
+        """The model the sites start from this round: a compressed update is a Δ from it."""
+        return self.state
 
     def round_sum(self, sites: int) -> WeightedSum:
         """An empty running sum for the next round's `sites` sites: the job's one sum, zeroed in place
@@ -327,7 +354,8 @@ class SyncRounds:
             return None
         # The global model exists once: the wire blob; the state dict is views over it. A job
         # whose engine never reads the model (plain FedAvg) serves it from the checkpoint file.
-        job = ActiveJob(row, cfg, strategy, layout, {}, blob, row.current_round, activated=ctx.monotonic())
+        job = ActiveJob(row, cfg, strategy, layout, {}, blob, row.current_round, activated=ctx.monotonic(),
+                        codec=compressed_uplink(cfg))
         job.set_model(layout, blob)
         if not job.in_memory:
             job.serve_from_checkpoint(store, row.current_round)
@@ -420,15 +448,24 @@ class SyncRounds:
                                      reason=Reason.NUM_SAMPLES)
             weight = header.num_samples if masked else rs.weight(site, header.num_samples)
             metrics = kept_metrics(job, site_metrics(rs, site, header.eval_metrics, header.metrics, weight))
-            layout.require_same(header.require_layout(), what="masked input" if masked else "update")
+            coded = job.codec is not None and not masked
+            if coded:   # a compressed Δ: its wire layout is checked against the model's, and decoded as it folds
+                layout = header.require_layout()
+                job.codec.check_layout(job.update_layout, layout, round_=grant.round)
+            else:
+                layout.require_same(header.require_layout(), what="masked input" if masked else "update")
             if masked:
                 fold = rs.secure.masked.begin()
+            elif coded:
+                model, wire, codec, round_ = job.update_layout, layout, job.codec, grant.round
+                fold = CodedFold(rs.total, 1 if uniform_weights(job.strategy, dp) else weight,
+                                 lambda: codec.decoder(model, wire, round_=round_))
             elif rs.total is not None:
                 fold = rs.total.begin(1 if uniform_weights(job.strategy, dp) else weight)
             else:
                 fold = None
             upload = Upload(layout, self.ctx.store.spool / f"{grant.task_id}.part", fold=fold,
-                            distance=Distance(layout, job.state) if dp is not None and not masked else None,
+                            distance=Distance(layout, job.state) if dp is not None and not (masked or coded) else None,
                             owner=rs, weight=weight, metrics=metrics)
         except IntegrityError as exc:
             self._record(rs, grant, site, TaskStatus.REJECTED, str(exc), code=exc.reason)
@@ -690,6 +727,11 @@ class SyncRounds:
         elif not job.in_memory and mean_is_model(job.strategy):
             # Plain FedAvg: the mean goes block by block into the checkpoint sites then stream.
             self._close_training_round(rs, None, rs.total.mean_blocks())
+        elif job.codec is not None:
+            # Compressed updates are Δs from the model the sites started from: base + Σ w·Δ / Σ w.
+            mean = self._central_noise(rs, base_plus_mean(job.base, rs.total))
+            self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.state, mean,
+                                                          sorted(rs.contributors)))
         else:
             if not reads_current(job.strategy):
                 job.release_model()   # the old model goes before the new one

@@ -11,8 +11,6 @@ is fixed in docs/strategies-internals.md.
 from __future__ import annotations
 
 from coordinator.strategies.base import (
-    DENSE,
-    DenseCodec,
     FedAvg,
     FedProx,
     MeanRule,
@@ -35,7 +33,7 @@ from plexus.config import RoundConfig, strategy_args
 from plexus.errors import ConfigError
 
 __all__ = [
-    "CWT", "DENSE", "SWT", "Cyclic", "DenseCodec", "Ensemble", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM",
+    "CWT", "SWT", "Cyclic", "Ensemble", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM",
     "FedProx", "FedYogi", "Krum", "MeanRule", "Median", "Members", "MultiKrum", "REGISTRY", "Rule", "Sampling",
     "Scaffold", "Schedule", "Single", "State", "Strategy", "TrimmedMean", "Update", "UpdatesRule", "keeps_mean",
     "make_strategy", "refuses_dp", "refuses_secure_aggregation", "sample_sites",

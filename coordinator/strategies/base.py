@@ -69,38 +69,12 @@ def cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return values.astype(dtype)
 
 
-# Update codecs -----------------------------------------------------------------------------
-
-class DenseCodec:
-    """How an update travels: the identity, every tensor dense as the update layout says.
-
-    The contract for a codec (a later issue adds compressing ones): the site calls
-    `encode(update)` on the tensors it would upload and sends what it returns; the
-    coordinator turns what arrives back into update tensors with `decode` before folding
-    them into the round's sum or handing them to an UpdatesRule (a codec whose encoding is
-    linear may instead fold encoded updates and decode the sum once). decode(encode(u))
-    must equal u bit for bit for a lossless codec; a lossy one documents its error.
-    """
-
-    name: ClassVar[str] = "dense"
-
-    def encode(self, update: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
-        return update
-
-    def decode(self, encoded: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
-        return encoded
-
-
-DENSE = DenseCodec()
-
-
 # Rules ------------------------------------------------------------------------------------
 
 class Rule:
     """How a round's results become the next global model; no I/O. Subclass MeanRule or UpdatesRule."""
 
     name: ClassVar[str] = ""          # the strategy.name it answers to
-    codec: ClassVar[DenseCodec] = DENSE
     # Why secure aggregation (which shows the coordinator only Σ w_k x_k) cannot compute the rule, and why
     # DP-FedAvg (clip + noise on the weighted mean) would lose its meaning; empty: it can, it would not.
     clear_reason: ClassVar[str] = ""

@@ -12,6 +12,7 @@ import pytest
 
 from coordinator.strategies import (
     REGISTRY,
+    MeanRule,
     Strategy,
     Update,
     UpdatesRule,
@@ -22,7 +23,7 @@ from coordinator.strategies import (
     sample_sites,
 )
 from coordinator.strategies.robust import krum_scores
-from plexus.config import STRATEGY_ARGS, parse_round_config
+from plexus.config import COMPRESSIBLE_STRATEGIES, STRATEGY_ARGS, parse_round_config
 from plexus.errors import ConfigError, IntegrityError
 from plexus.wire import Layout
 
@@ -592,9 +593,9 @@ def test_the_rule_type_and_its_few_attributes_say_what_the_engine_needs(name):
     assert view == ENGINE_VIEW[name]
 
 
-def test_every_rule_sends_its_updates_dense_for_now():
-    update = {"w": f32(1.5, -2.0), "n": np.array([3], np.int64)}
-    for cls in REGISTRY.values():
-        assert cls.codec.name == "dense"
-        decoded = cls.codec.decode(cls.codec.encode(update))
-        assert {k: v.tobytes() for k, v in decoded.items()} == {k: v.tobytes() for k, v in update.items()}
+def test_the_strategies_that_take_compressed_updates_are_the_mean_rules_with_nothing_beside_the_model():
+    """A compressed update is a Δ of the model's tensors folded into a weighted mean (plexus.config's list, which
+    the config checks read, must name exactly those rules)."""
+    plain_mean = {name for name, cls in REGISTRY.items()
+                  if issubclass(cls, MeanRule) and cls.update_extras is MeanRule.update_extras}
+    assert set(COMPRESSIBLE_STRATEGIES) == plain_mean

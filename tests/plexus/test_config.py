@@ -246,7 +246,7 @@ def test_dump_parse_round_trip_property(cfg):
     [
         # unknown keys, top level and nested, list the allowed keys
         (MINIMAL + "roundz: 4\n", "job.yaml:5: roundz: unknown key",
-         "allowed keys: asynchronous, data, model, name, privacy, rounds, seed, sites, strategy, train"),
+         "allowed keys: asynchronous, compression, data, model, name, privacy, rounds, seed, sites, strategy, train"),
         (MINIMAL + "train:\n  optimizer:\n    lr: 0.1\n    nesterov: true\n",
          "job.yaml:8: train.optimizer.nesterov: unknown key",
          "allowed keys: lr, momentum, name, weight_decay"),
@@ -321,7 +321,8 @@ def test_dump_parse_round_trip_property(cfg):
         (MINIMAL.replace("{name: mlp}", "{name: mlp, args: [1]}"),
          "job.yaml:2: model.args: expected a mapping, got a list", ""),
         # document shape and syntax
-        ("", "job.yaml:1: (top level): the document is empty", "write a mapping with keys: asynchronous, data, model"),
+        ("", "job.yaml:1: (top level): the document is empty",
+         "write a mapping with keys: asynchronous, compression, data, model"),
         ("# only a comment\n", "job.yaml:1: (top level): the document is empty", ""),
         ("- name: job\n", "job.yaml:1: (top level): expected a mapping, got a list", ""),
         ("name: job\nmodel: {name: mlp\n", "job.yaml:3: (yaml):", "fix the YAML syntax"),
@@ -735,3 +736,60 @@ def test_an_asynchronous_block_round_trips_and_a_synchronous_config_dumps_withou
     assert cfg.asynchronous.buffer == 4 and cfg.asynchronous.staleness.fn == "hinge"
     assert parse_round_config(dump_round_config(cfg)) == cfg
     assert "asynchronous" not in dump_round_config(parse_round_config(MINIMAL))
+
+
+# --- the compression block ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "prefix", "detail"),
+    [
+        (MINIMAL + "compression: {uplink: {codec: zip}}\n", "job.yaml:5: compression.uplink.codec:", "topk"),
+        (MINIMAL + "compression:\n  uplink: {codec: int8, fraction: 0.1}\n", "job.yaml:6: compression.uplink.fraction:",
+         "only topk and randk"),
+        (MINIMAL + "compression:\n  uplink: {codec: topk}\n", "job.yaml:6: compression.uplink.codec:",
+         "exactly one of fraction"),
+        (MINIMAL + "compression:\n  uplink: {codec: randk, fraction: 0.1, k: 5}\n", "job.yaml:6: compression.uplink",
+         "exactly one of fraction"),
+        (MINIMAL + "compression:\n  uplink: {codec: topk, fraction: 0}\n", "job.yaml:6: compression.uplink.fraction:",
+         "out of range"),
+        (MINIMAL + "compression:\n  uplink: {codec: int8, block: 8}\n", "job.yaml:6: compression.uplink.block:",
+         "out of range"),
+        (MINIMAL + "compression:\n  uplink: {codec: adacomp, error_feedback: false}\n",
+         "job.yaml:6: compression.uplink.error_feedback:", "only topk and randk"),
+        (MINIMAL + "compression:\n  downlink: {codec: fp16, block: 64}\n", "job.yaml:6: compression.downlink.block:",
+         "only delta8"),
+        (MINIMAL + "compression:\n  downlink: {codec: delta4}\n", "job.yaml:6: compression.downlink.codec:", "delta8"),
+        (MINIMAL + "compression: {uplink: {codec: topk, k: 10}}\nsites: {min: 3}\n"
+         "privacy: {secure_aggregation: true}\n",
+         "job.yaml:5: compression:", "use randk"),
+        (MINIMAL + "compression: {uplink: {codec: adacomp}}\nsites: {min: 3}\n"
+         "privacy: {secure_aggregation: true}\n",
+         "job.yaml:5: compression:", "same coordinates at every site"),
+        (MINIMAL + "compression: {uplink: {codec: int8}}\nstrategy: {name: krum}\n", "job.yaml:5: compression:",
+         "judge each site's whole update"),
+        (MINIMAL + "compression: {uplink: {codec: int8}}\nstrategy: {name: scaffold}\n", "job.yaml:5: compression:",
+         "Δc"),
+        (MINIMAL + "compression: {downlink: {codec: fp16}}\nasynchronous: {buffer: 2}\n", "job.yaml:5: compression:",
+         "asynchronous jobs do not take compression yet"),
+    ],
+)
+def test_compression_config_errors(text, prefix, detail):
+    message = round_error(text)
+    assert message.startswith(prefix), message
+    assert detail in message, message
+
+
+def test_a_compression_block_round_trips_and_a_config_without_it_dumps_without_it():
+    cfg = parse_round_config(MINIMAL + "compression:\n  uplink: {codec: topk, fraction: 0.01}\n"
+                             "  downlink: {codec: delta8, block: 128}\n")
+    assert (cfg.compression.uplink.codec, cfg.compression.uplink.fraction) == ("topk", 0.01)
+    assert cfg.compression.uplink.k is None and cfg.compression.uplink.error_feedback is None
+    assert (cfg.compression.downlink.codec, cfg.compression.downlink.block) == ("delta8", 128)
+    assert parse_round_config(dump_round_config(cfg)) == cfg
+    assert "compression" not in dump_round_config(parse_round_config(MINIMAL))
+    # secure aggregation takes the codecs whose coordinates every site shares
+    for codec in ("int8", "fp16", "randk, k: 3"):
+        ok = parse_round_config(MINIMAL + f"compression: {{uplink: {{codec: {codec}}}}}\nsites: {{min: 3}}\n"
+                                "privacy: {secure_aggregation: true}\n")
+        assert ok.privacy.secure_aggregation

@@ -1,0 +1,824 @@
+"""Update compression: uplink codecs for a site's Δ = trained − served, downlink codecs for the served model,
+and the streaming Decoder the coordinator folds compressed updates from.
+
+An uplink codec turns each float tensor `n` of Δ into wire entries `n/<codec>.<part>` (plain wire tensors, so
+an update is still one `plexus.wire` layout and blob); a non-float tensor travels as `n/dense.values`, exact.
+Names sort so that an entry's scales or indices arrive before the values they govern. The coordinator never
+rebuilds a dense update from a sparse one: the Decoder checks the codec's semantics as the bytes stream in and
+hands out pieces (dense runs or sparse index/value sets) whose values are exactly what `decode` computes.
+
+numpy only: the coordinator imports this module and never imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from plexus.errors import IntegrityError, Reason
+from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, TensorMeta
+
+F32 = np.dtype("<f4")
+MIN_BLOCK, MAX_BLOCK = 16, 65536
+_DENSE = "dense.values"
+
+
+@dataclass(frozen=True)
+class DensePiece:
+    """Decoded values of model tensor number `tensor` at flat positions [start, start + len(values))."""
+
+    tensor: int
+    start: int
+    values: np.ndarray   # float64, each value exactly the float32 (or integer) decode() yields
+
+
+@dataclass(frozen=True)
+class SparsePiece:
+    """Decoded values of model tensor number `tensor` at `indices`; every other position decodes to 0."""
+
+    tensor: int
+    indices: np.ndarray   # int64, strictly increasing
+    values: np.ndarray    # float64, each value exactly the float32 decode() yields
+
+
+Piece = DensePiece | SparsePiece
+
+
+def k_of(numel: int, *, fraction: float | None = None, k: int | None = None) -> int:
+    """How many entries topk/randk send for a tensor of numel elements: min(N, k) or max(1, ceil(fraction·N)),
+    never more than N."""
+    if k is not None:
+        return min(numel, int(k))
+    if fraction is None:
+        raise ValueError("k_of needs exactly one of fraction and k")
+    # round() first: 0.3 × 10 is 3.0000000000000004 in floating point and must not become 4.
+    return min(numel, max(1, math.ceil(round(fraction * numel, 9))))
+
+
+@functools.lru_cache(maxsize=32)
+def randk_indices(seed: int, round_: int, name: str, numel: int, k: int) -> np.ndarray:
+    """The k coordinates randk sends for tensor `name` in round `round_`, sorted (int64), drawn without
+    replacement from PCG64 seeded by SHA-256 of "plexus/v1/randk/<seed>/<round>/<name>", so every site and the
+    coordinator draw the same set without sending it.
+
+    Only PCG64's raw 64-bit output is used (numpy keeps bit generators' streams stable across versions, but not
+    Generator methods such as choice), mapped to [0, numel) by a 128-bit multiply-shift: sites and a coordinator
+    on different numpy releases still agree."""
+    if not 0 <= k <= numel:
+        raise ValueError(f"randk: cannot draw {k} of {numel} coordinates")
+    if k == numel:
+        every = np.arange(numel, dtype=np.int64)
+        every.flags.writeable = False
+        return every
+    digest = hashlib.sha256("/".join(["plexus/v1", "randk", str(seed), str(round_), name]).encode()).digest()
+    bits = np.random.PCG64(int.from_bytes(digest, "big"))
+    n = np.uint64(numel)
+    picked = np.empty(0, np.int64)
+    while picked.size < k:   # the first k distinct draws of the stream, in stream order
+        want = k - picked.size
+        raw = bits.random_raw(want + want // 8 + 16).astype(np.uint64)
+        hi, lo = raw >> np.uint64(32), raw & np.uint64(0xFFFFFFFF)
+        draw = ((hi * n + ((lo * n) >> np.uint64(32))) >> np.uint64(32)).astype(np.int64)   # floor(raw·numel/2**64)
+        _, first = np.unique(draw, return_index=True)
+        fresh = draw[np.sort(first)]
+        fresh = fresh[~np.isin(fresh, picked)]
+        picked = np.concatenate([picked, fresh[:want]])
+    picked.sort()
+    picked.flags.writeable = False   # cached: every decoder of the round shares this one array
+    return picked
+
+
+# What a codec uses where the config leaves its key out (plexus.config keeps None for "not given").
+DEFAULT_BLOCK, DEFAULT_BIN_CONV, DEFAULT_BIN_DENSE = 256, 50, 500
+
+
+def _default(value, default):
+    return default if value is None else value
+
+
+def _check_name(name: str) -> None:
+    if "/" in name:
+        raise ValueError(f"tensor name {name!r} contains '/'; compressed updates name their entries "
+                         "'<tensor>/<codec>.<part>', so model tensor names must not")
+
+
+def _require_finite(name: str, values: np.ndarray, what: str = "Δ") -> None:
+    if values.size and not np.isfinite(values).all():
+        at = int(np.flatnonzero(~np.isfinite(values))[0])
+        raise IntegrityError(f"{what} of tensor {name!r} is {values[at]} at element {at}; refusing to encode "
+                             "a non-finite update", reason=Reason.NON_FINITE)
+
+
+def _block_peaks(x: np.ndarray, block: int) -> np.ndarray:
+    """max |x| over each run of `block` elements (the last run may be shorter)."""
+    if not x.size:
+        return np.zeros(0, x.dtype)
+    return np.maximum.reduceat(np.abs(x), np.arange(0, x.size, block))
+
+
+def _dequant(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """q · scale in float32: the one place int8 values become numbers, on both ends (an overflow to ±Inf is
+    refused by the caller)."""
+    with np.errstate(over="ignore"):
+        return q.astype(F32) * scales.astype(F32, copy=False)
+
+
+def _block_scales(scales: np.ndarray, start: int, count: int, block: int) -> np.ndarray:
+    return scales[np.arange(start, start + count) // block]
+
+
+# Uplink -----------------------------------------------------------------------------------------
+
+class UplinkCodec:
+    """How a site's update travels up: the base of the codecs in UPLINK.
+
+    The codecs other than 'none' compress each float tensor of Δ. `feedback`: the site keeps a residual R,
+    encodes G = Δ + R and keeps G − sent (exactly) for the next round. `shared_indices`: every site's entries
+    are the same coordinates, so a masked sum (secure aggregation) of the entries means something.
+    """
+
+    name: ClassVar[str] = "none"
+    shared_indices: ClassVar[bool] = True
+
+    def __init__(self, spec, *, seed: int):
+        self.spec = spec
+        self.seed = int(seed)
+        self.feedback = False
+
+    def wire_layout(self, model: Layout, *, round_: int, counts: Mapping[str, int] | None = None) -> Layout:
+        """The layout an update for `model` must have (counts: adacomp's data-dependent m per tensor)."""
+        specs = []
+        for t in model.tensors:
+            _check_name(t.name)
+            if t.dtype not in FLOAT_DTYPES:
+                specs.append((f"{t.name}/{_DENSE}", t.dtype, (t.numel,)))
+            else:
+                specs += [(f"{t.name}/{part}", dtype, shape) for part, dtype, shape in self._parts(t, counts)]
+        return Layout.build(specs)
+
+    def _parts(self, t: TensorMeta, counts: Mapping[str, int] | None) -> list[tuple[str, str, tuple[int, ...]]]:
+        raise NotImplementedError
+
+    def _counts(self, model: Layout, wire: Layout) -> dict[str, int] | None:
+        return None
+
+    def check_layout(self, model: Layout, wire: Layout, *, round_: int) -> None:
+        """IntegrityError(reason=LAYOUT) naming the first way `wire` differs from what this codec sends."""
+        expected = self.wire_layout(model, round_=round_, counts=self._counts(model, wire))
+        if expected == wire:
+            return
+        mine = {t.name: t for t in expected.tensors}
+        theirs = {t.name: t for t in wire.tensors}
+        if missing := sorted(mine.keys() - theirs.keys()):
+            raise IntegrityError(f"{self.name} update lacks entr(ies) {missing[:5]}", reason=Reason.LAYOUT)
+        if extra := sorted(theirs.keys() - mine.keys()):
+            raise IntegrityError(f"{self.name} update has entr(ies) {extra[:5]} that a {self.name} update of the "
+                                 "job's model does not have", reason=Reason.LAYOUT)
+        for name, t in mine.items():
+            o = theirs[name]
+            if (t.dtype, t.shape) != (o.dtype, o.shape):
+                raise IntegrityError(f"{self.name} update entry {name!r} is {o.dtype}{list(o.shape)}; expected "
+                                     f"{t.dtype}{list(t.shape)}{self._why_shape(model, name)}",
+                                     reason=Reason.LAYOUT)
+
+    def _why_shape(self, model: Layout, entry: str) -> str:
+        return ""
+
+    def encode(self, delta: Mapping[str, np.ndarray], *, round_: int, residual: Mapping[str, np.ndarray] | None,
+               rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(wire tensors, new residual) for Δ; the residual is {} without feedback. With feedback the codec
+        encodes G = Δ + R (float32) and the new residual is G − sent, exact: sent + new R == G."""
+        residual = residual or {}
+        if self.feedback and (stray := sorted(residual.keys() - delta.keys())):
+            raise ValueError(f"the residual has tensor(s) {stray[:5]} that the update lacks")
+        wire: dict[str, np.ndarray] = {}
+        kept: dict[str, np.ndarray] = {}
+        for name in sorted(delta):
+            _check_name(name)
+            d = np.asarray(delta[name])
+            if d.dtype.kind != "f":
+                wire[f"{name}/{_DENSE}"] = np.ascontiguousarray(d).reshape(-1)
+                continue
+            d32 = np.ascontiguousarray(d, dtype=F32).reshape(-1)
+            _require_finite(name, d32)
+            g = d32
+            if self.feedback and name in residual:
+                r = np.asarray(residual[name], dtype=F32)
+                if r.shape != d.shape:
+                    raise ValueError(f"residual of tensor {name!r} has shape {list(r.shape)}; the update has "
+                                     f"{list(d.shape)}")
+                g = d32 + r.reshape(-1)
+                _require_finite(name, g, "Δ + residual")
+            parts, rest = self._encode_tensor(name, d32, g, d.ndim, round_, rng)
+            wire.update({f"{name}/{part}": values for part, values in parts.items()})
+            if self.feedback:
+                kept[name] = rest.reshape(d.shape)
+        return wire, kept
+
+    def _encode_tensor(self, name: str, delta: np.ndarray, g: np.ndarray, ndim: int, round_: int,
+                       rng: np.random.Generator) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """(entries by part, new residual or None) for one float tensor; delta and g are flat float32."""
+        raise NotImplementedError
+
+    def decoder(self, model: Layout, wire: Layout, *, round_: int) -> Decoder:
+        """A streaming Decoder for an update of this layout (checked here first)."""
+        self.check_layout(model, wire, round_=round_)
+        return Decoder(self, model, wire, round_=round_)
+
+    def decode(self, model: Layout, wire: Mapping[str, np.ndarray], *, round_: int) -> dict[str, np.ndarray]:
+        """The whole dense Δ (float32 for float tensors; 'none': the model as sent), with every check the
+        Decoder makes: it runs the Decoder over the entries, so the arithmetic is the same."""
+        layout = Layout.of(wire)
+        dec = self.decoder(model, layout, round_=round_)
+        out: dict[str, np.ndarray] = {}
+        for t in model.tensors:
+            if self.name != "none" and t.dtype in FLOAT_DTYPES:
+                out[t.name] = np.zeros(t.shape, F32)
+        for meta in layout.tensors:
+            values = np.ascontiguousarray(wire[meta.name], dtype=DTYPES[meta.dtype]).reshape(-1)
+            entry = dec._entry_of(meta.name)
+            if entry.part == _DENSE:   # exact in its own dtype (float64 pieces would round int64)
+                out[model.tensors[entry.tensor].name] = values.reshape(model.tensors[entry.tensor].shape).copy()
+            for piece in dec.feed(values.view(np.uint8)):
+                if entry.part == _DENSE:
+                    continue
+                flat = out[model.tensors[piece.tensor].name].reshape(-1)
+                if isinstance(piece, DensePiece):
+                    flat[piece.start:piece.start + len(piece.values)] = piece.values
+                else:
+                    flat[piece.indices] = piece.values
+        dec.finish()
+        return out
+
+
+class NoneUplink(UplinkCodec):
+    """No compression: the trained model itself travels, exactly as without a compression block."""
+
+    def wire_layout(self, model: Layout, *, round_: int, counts: Mapping[str, int] | None = None) -> Layout:
+        return model
+
+    def check_layout(self, model: Layout, wire: Layout, *, round_: int) -> None:
+        model.require_same(wire)
+
+    def encode(self, delta, *, round_, residual, rng):
+        return {name: np.asarray(values) for name, values in delta.items()}, {}
+
+
+class Fp16Uplink(UplinkCodec):
+    """Δ rounded to float16 (round to nearest even); |Δ| beyond 65504 is refused."""
+
+    name = "fp16"
+
+    def _parts(self, t, counts):
+        return [("fp16.values", "F16", (t.numel,))]
+
+    def _encode_tensor(self, name, delta, g, ndim, round_, rng):
+        peak = float(np.abs(g).max()) if g.size else 0.0
+        if peak > float(np.finfo(np.float16).max):
+            raise IntegrityError(f"Δ of tensor {name!r} reaches {peak:.6g}, beyond float16's range (65504); use "
+                                 "codec int8, or none", reason=Reason.NORM)
+        return {"fp16.values": g.astype("<f2")}, None
+
+
+class Int8Uplink(UplinkCodec):
+    """Δ as int8 with one float32 scale per `block` elements (max|x|/127), stochastically rounded: unbiased,
+    |error| < scale per element."""
+
+    name = "int8"
+
+    def __init__(self, spec, *, seed: int):
+        super().__init__(spec, seed=seed)
+        self.block = int(_default(spec.block, DEFAULT_BLOCK))
+        if not MIN_BLOCK <= self.block <= MAX_BLOCK:
+            raise ValueError(f"int8 block must be {MIN_BLOCK}..{MAX_BLOCK} elements; got {spec.block}")
+
+    def _parts(self, t, counts):
+        return [("int8.scales", "F32", (-(-t.numel // self.block),)), ("int8.values", "I8", (t.numel,))]
+
+    def _encode_tensor(self, name, delta, g, ndim, round_, rng):
+        scales = (_block_peaks(g, self.block) / np.float32(127)).astype(F32)
+        return {"int8.scales": scales,
+                "int8.values": _stochastic_int8(g, _block_scales(scales, 0, g.size, self.block), rng)}, None
+
+
+def _stochastic_int8(x: np.ndarray, scale: np.ndarray | np.float32, rng: np.random.Generator) -> np.ndarray:
+    """q = floor(x/s + u), u ~ U[0, 1), clipped to ±127 (x/s can exceed 127 by a rounding error): E[q·s] = x.
+    Where s is 0 (an all-zero block, or a scale that underflowed), q is 0."""
+    s = np.broadcast_to(np.asarray(scale, np.float64), x.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.where(s > 0, x.astype(np.float64) / s, 0.0)
+    return np.clip(np.floor(y + rng.random(x.size)), -127, 127).astype(np.int8)
+
+
+class _SparseUplink(UplinkCodec):
+    """Shared by topk and randk: k_of(N) values per tensor, optional error feedback."""
+
+    def __init__(self, spec, *, seed: int):
+        super().__init__(spec, seed=seed)
+        self.fraction, self.k = spec.fraction, spec.k
+        if (self.fraction is None) == (self.k is None):
+            raise ValueError(f"{self.name} takes exactly one of fraction and k")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise ValueError(f"{self.name} fraction must be in (0, 1]; got {self.fraction}")
+        if self.k is not None and self.k < 1:
+            raise ValueError(f"{self.name} k must be at least 1; got {self.k}")
+        self.feedback = bool(_default(spec.error_feedback, True))
+
+    def k_of(self, numel: int) -> int:
+        return k_of(numel, fraction=self.fraction, k=self.k)
+
+    def _why_shape(self, model, entry):
+        name = entry.rpartition("/")[0]
+        for t in model.tensors:
+            if t.name == name:
+                return f" ({self.name} sends k_of({t.numel}) = {self.k_of(t.numel)} entries of it)"
+        return ""
+
+
+class TopkUplink(_SparseUplink):
+    """The k entries of largest |G| (ties: the lower index), sent exactly as float32."""
+
+    name = "topk"
+    shared_indices = False
+
+    def _parts(self, t, counts):
+        k = self.k_of(t.numel)
+        return [("topk.indices", "U32", (k,)), ("topk.values", "F32", (k,))]
+
+    def _encode_tensor(self, name, delta, g, ndim, round_, rng):
+        idx = top_indices(g, self.k_of(g.size))
+        rest = None
+        if self.feedback:
+            rest = g.copy()
+            rest[idx] = 0
+        return {"topk.indices": idx.astype("<u4"), "topk.values": g[idx]}, rest
+
+
+def top_indices(g: np.ndarray, k: int) -> np.ndarray:
+    """The sorted indices of the k largest |g|; among equal |g|, lower indices first. O(N), no sort of g."""
+    n = g.size
+    if k >= n:
+        return np.arange(n, dtype=np.int64)
+    if k <= 0:
+        return np.zeros(0, np.int64)
+    a = np.abs(g)
+    threshold = np.partition(a, n - k)[n - k]
+    above = np.flatnonzero(a > threshold)
+    tied = np.flatnonzero(a == threshold)[:k - above.size]
+    return np.sort(np.concatenate([above, tied])).astype(np.int64)
+
+
+class RandkUplink(_SparseUplink):
+    """k coordinates drawn by a PRG every site and the coordinator share (randk_indices), so only the values
+    travel. Without feedback they are scaled by N/k (an unbiased estimate); with it, unscaled, and the
+    residual keeps the rest."""
+
+    name = "randk"
+
+    def _parts(self, t, counts):
+        return [("randk.values", "F32", (self.k_of(t.numel),))]
+
+    def _encode_tensor(self, name, delta, g, ndim, round_, rng):
+        n = g.size
+        idx = randk_indices(self.seed, round_, name, n, self.k_of(n))
+        if self.feedback:
+            rest = g.copy()
+            rest[idx] = 0
+            return {"randk.values": g[idx]}, rest
+        values = (g[idx].astype(np.float64) * (n / idx.size)).astype(F32) if idx.size else g[idx]
+        _require_finite(name, values, "Δ·N/k")
+        return {"randk.values": values}, None
+
+
+class AdacompUplink(UplinkCodec):
+    """AdaComp (Chen et al., AAAI 2018): per tensor G = R + Δ, H = G + Δ; in bins of bin_conv (ndim >= 3) or
+    bin_dense elements, send the entries with |H| >= max|G| of their bin, as int8 with one scale per tensor
+    (max|sent G|/127, stochastic rounding); the rest, and the quantisation error, stay in the residue."""
+
+    name = "adacomp"
+    shared_indices = False
+
+    def __init__(self, spec, *, seed: int):
+        super().__init__(spec, seed=seed)
+        self.bin_conv = int(_default(spec.bin_conv, DEFAULT_BIN_CONV))
+        self.bin_dense = int(_default(spec.bin_dense, DEFAULT_BIN_DENSE))
+        if self.bin_conv < 1 or self.bin_dense < 1:
+            raise ValueError(f"adacomp bins must hold at least 1 element; got bin_conv {spec.bin_conv}, "
+                             f"bin_dense {spec.bin_dense}")
+        self.feedback = True
+
+    def _parts(self, t, counts):
+        if counts is None or t.name not in counts:
+            raise ValueError(f"adacomp's layout depends on how many entries of {t.name!r} were sent; pass counts")
+        m = counts[t.name]
+        return [("adacomp.indices", "U32", (m,)), ("adacomp.scale", "F32", (1,)), ("adacomp.values", "I8", (m,))]
+
+    def _counts(self, model, wire):
+        sent = {t.name: t for t in wire.tensors}
+        counts = {}
+        for t in model.tensors:
+            meta = sent.get(f"{t.name}/adacomp.indices")
+            if meta is None or t.dtype not in FLOAT_DTYPES:
+                counts[t.name] = 0   # the comparison then names the missing entry
+                continue
+            if len(meta.shape) != 1 or meta.shape[0] > t.numel:
+                raise IntegrityError(f"adacomp update entry {meta.name!r} has shape {list(meta.shape)}; it must "
+                                     f"list at most the tensor's {t.numel} elements, [m]", reason=Reason.LAYOUT)
+            counts[t.name] = meta.shape[0]
+        return counts
+
+    def _encode_tensor(self, name, delta, g, ndim, round_, rng):
+        n = g.size
+        size = self.bin_conv if ndim >= 3 else self.bin_dense
+        bin_peaks = np.repeat(_block_peaks(g, size), size)[:n]
+        chosen = np.flatnonzero(np.abs(g + delta) >= bin_peaks)
+        picked = g[chosen]
+        peak = np.abs(picked).max() if picked.size else np.float32(0)
+        scale = np.float32(peak) / np.float32(127)
+        q = _stochastic_int8(picked, scale, rng)
+        sent = _dequant(q, scale)
+        rest = picked - sent
+        # G − sent is exact in float32 except when a small |G| < scale/2 rounded up to ±scale and the
+        # difference needs more bits than float32 has: those round to 0 instead (the residue keeps them
+        # whole), so sent + new R == G always. TwoSum (Knuth) gives the rounding error of G − sent exactly.
+        back = rest - picked
+        error = (picked - (rest - back)) + (-sent - back)
+        q[error != 0] = 0
+        keep = q != 0
+        rest = g.copy()
+        rest[chosen[keep]] = picked[keep] - sent[keep]
+        return {"adacomp.indices": chosen[keep].astype("<u4"), "adacomp.scale": np.array([scale], F32),
+                "adacomp.values": q[keep]}, rest
+
+
+UPLINK: dict[str, type[UplinkCodec]] = {
+    "none": NoneUplink,
+    "fp16": Fp16Uplink,
+    "int8": Int8Uplink,
+    "topk": TopkUplink,
+    "adacomp": AdacompUplink,
+    "randk": RandkUplink,
+}
+
+
+def uplink_codec(spec, *, seed: int) -> UplinkCodec:
+    """The uplink codec an UplinkSpec names; `seed` is the job's seed (randk's shared draws)."""
+    cls = UPLINK.get(spec.codec)
+    if cls is None:
+        raise ValueError(f"unknown uplink codec {spec.codec!r}; choose one of {sorted(UPLINK)}")
+    return cls(spec, seed=seed)
+
+
+# The streaming decoder --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Entry:
+    meta: TensorMeta   # the wire entry
+    tensor: int        # its model tensor's index
+    numel: int         # the model tensor's element count
+    part: str          # "int8.values", "topk.indices", ...; "dense.values" for dense ones (all of 'none')
+
+
+class Decoder:
+    """Fed an update's wire blob in order, split anywhere (mid-element, mid-entry); yields decoded pieces.
+
+    The bytes have passed plexus.wire.Receiver (order, size, finite floats); the Decoder checks what the codec
+    means by them, as they stream, and refuses with IntegrityError: indices not below N or not strictly
+    increasing (across chunk edges too), int8 value −128, scales negative or not finite, values that decode to
+    ±Inf. A refused stream is dead. Holds one tensor's indices (O(k); int8: its scales, O(N/block)), and one
+    chunk's piece at a time: never a dense copy of a sparse update. Iterate each feed() to its end before the
+    next one, and do not change the fed buffer until then.
+    """
+
+    def __init__(self, codec: UplinkCodec, model: Layout, wire: Layout, *, round_: int):
+        self.sum_sq = 0.0   # Σ decoded value² so far
+        self.max_abs = 0.0  # max |decoded value| so far
+        self._codec, self._round = codec, round_
+        index = {t.name: i for i, t in enumerate(model.tensors)}
+        self._entries = []
+        for meta in wire.tensors:
+            name, part = (meta.name, _DENSE) if codec.name == "none" else meta.name.rpartition("/")[::2]
+            tensor = index[name]
+            self._entries.append(_Entry(meta, tensor, model.tensors[tensor].numel, part))
+        self._by_name = {e.meta.name: e for e in self._entries}
+        self._total = wire.total_bytes
+        self._received = 0
+        self._at = -1        # the current entry
+        self._pos = 0        # bytes of it received
+        self._elem = 0       # whole elements of it decoded
+        self._partial = bytearray()
+        self._pending = False
+        self._failed: IntegrityError | None = None
+        self._indices: np.ndarray | None = None
+        self._last = -1
+        self._scales: np.ndarray | None = None
+        self._scale = np.float32(0)
+        self._next_entry()
+
+    def _entry_of(self, name: str) -> _Entry:
+        return self._by_name[name]
+
+    def feed(self, data: bytes | bytearray | memoryview) -> Iterator[Piece]:
+        """The pieces decoded from the next bytes of the blob (lazily: iterate to the end)."""
+        self._require_usable()
+        view = memoryview(data).cast("B")
+        if self._received + len(view) > self._total:
+            self._failed = IntegrityError(f"update has more than the {self._total} bytes its layout needs",
+                                          reason=Reason.SIZE)
+            raise self._failed
+        self._received += len(view)
+        self._pending = True
+        return self._pieces(view)
+
+    def finish(self) -> None:
+        """IntegrityError unless the whole blob has been decoded."""
+        self._require_usable()
+        if self._received != self._total:
+            raise IntegrityError(f"update ended after {self._received} of {self._total} bytes; it is incomplete",
+                                 reason=Reason.SIZE)
+
+    def _require_usable(self) -> None:
+        if self._failed is not None:
+            raise IntegrityError(f"this update was refused: {self._failed}", reason=self._failed.reason)
+        if self._pending:
+            raise RuntimeError("the pieces of the last feed() were not all taken; iterate each feed() to its end")
+
+    def _pieces(self, view: memoryview) -> Iterator[Piece]:
+        try:
+            at = 0
+            while at < len(view):
+                entry = self._entries[self._at]
+                size = DTYPES[entry.meta.dtype].itemsize
+                seg = view[at:at + entry.meta.nbytes - self._pos]
+                at += len(seg)
+                self._pos += len(seg)
+                if self._partial:   # an element split by the last edge
+                    need = size - len(self._partial)
+                    self._partial += seg[:need]
+                    seg = seg[need:]
+                    if len(self._partial) == size:
+                        element = np.frombuffer(bytes(self._partial), DTYPES[entry.meta.dtype])
+                        self._partial.clear()
+                        yield from self._decode(entry, element)
+                whole = len(seg) // size * size
+                if whole:
+                    yield from self._decode(entry, np.frombuffer(seg[:whole], DTYPES[entry.meta.dtype]))
+                self._partial += seg[whole:]
+                if self._pos == entry.meta.nbytes:
+                    self._next_entry()
+        except IntegrityError as exc:
+            self._failed = exc
+            raise
+        self._pending = False
+
+    def _next_entry(self) -> None:
+        """Move to the next entry with bytes, setting up the state its values need."""
+        while True:
+            self._at += 1
+            self._pos = self._elem = 0
+            if self._at >= len(self._entries):
+                return
+            entry = self._entries[self._at]
+            if entry.part.endswith(".indices"):
+                self._indices = np.empty(entry.meta.numel, np.int64)
+                self._last = -1
+            elif entry.part == "int8.scales":
+                self._scales = np.empty(entry.meta.numel, F32)
+            elif entry.part == "randk.values":
+                self._indices = randk_indices(self._codec.seed, self._round, entry.meta.name.rpartition("/")[0],
+                                              entry.numel, entry.meta.numel)
+            elif entry.part == "adacomp.scale":
+                self._scale = np.float32(0)
+            if entry.meta.nbytes:
+                return
+
+    def _decode(self, entry: _Entry, values: np.ndarray) -> Iterator[Piece]:
+        start = self._elem
+        self._elem += values.size
+        part = entry.part
+        if part == _DENSE or part == "fp16.values":
+            yield DensePiece(entry.tensor, start, self._account(entry, start, values))
+        elif part == "int8.scales":
+            self._scales[start:start + values.size] = self._check_scales(entry, start, values)
+        elif part == "int8.values":
+            self._refuse_min(entry, start, values)
+            decoded = _dequant(values, _block_scales(self._scales, start, values.size, self._codec.block))
+            yield DensePiece(entry.tensor, start, self._account(entry, start, decoded))
+        elif part.endswith(".indices"):
+            self._indices[start:start + values.size] = self._check_indices(entry, start, values)
+        elif part == "adacomp.scale":
+            self._scale = self._check_scales(entry, start, values)[0]
+        elif part == "adacomp.values":
+            self._refuse_min(entry, start, values)
+            yield SparsePiece(entry.tensor, self._indices[start:start + values.size],
+                              self._account(entry, start, _dequant(values, self._scale)))
+        else:   # topk.values, randk.values: float32 as sent
+            yield SparsePiece(entry.tensor, self._indices[start:start + values.size],
+                              self._account(entry, start, values))
+
+    def _check_indices(self, entry: _Entry, start: int, values: np.ndarray) -> np.ndarray:
+        idx = values.astype(np.int64)
+        steps = np.diff(idx, prepend=self._last)
+        bad = np.flatnonzero((steps <= 0) | (idx >= entry.numel))
+        if bad.size:
+            j = int(bad[0])
+            if idx[j] >= entry.numel:
+                why = f"is out of range: the tensor has {entry.numel} elements"
+            else:
+                why = f"does not exceed the one before it ({int(idx[j] - steps[j])}); indices must strictly increase"
+            raise IntegrityError(f"entry {entry.meta.name!r}: index {int(idx[j])} at position {start + j} {why}",
+                                 reason=Reason.LAYOUT)
+        self._last = int(idx[-1])
+        return idx
+
+    def _check_scales(self, entry: _Entry, start: int, values: np.ndarray) -> np.ndarray:
+        bad = np.flatnonzero(~(values >= 0) | ~np.isfinite(values))
+        if bad.size:
+            j = int(bad[0])
+            raise IntegrityError(f"entry {entry.meta.name!r}: scale {values[j]} at position {start + j}; scales "
+                                 "must be finite and >= 0",
+                                 reason=Reason.NON_FINITE if not np.isfinite(values[j]) else Reason.LAYOUT)
+        return values
+
+    def _refuse_min(self, entry: _Entry, start: int, values: np.ndarray) -> None:
+        bad = np.flatnonzero(values == -128)
+        if bad.size:
+            raise IntegrityError(f"entry {entry.meta.name!r}: value -128 at position {start + int(bad[0])}; int8 "
+                                 "values are -127..127", reason=Reason.LAYOUT)
+
+    def _account(self, entry: _Entry, start: int, values: np.ndarray) -> np.ndarray:
+        """values as float64 (exact), added to sum_sq and max_abs; a non-finite one is refused."""
+        out = values.astype(np.float64)
+        if out.size:
+            peak = float(np.max(np.abs(out)))
+            if not math.isfinite(peak):
+                j = int(np.flatnonzero(~np.isfinite(out))[0])
+                raise IntegrityError(f"entry {entry.meta.name!r}: element {start + j} decodes to {out[j]}",
+                                     reason=Reason.NON_FINITE)
+            self.max_abs = max(self.max_abs, peak)
+            self.sum_sq += float(np.dot(out, out))
+        return out
+
+
+# Downlink ---------------------------------------------------------------------------------------
+
+class DownlinkCodec:
+    """How the served model travels down; this base class is 'none': every tensor as it is."""
+
+    name: ClassVar[str] = "none"
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def wire_layout(self, model: Layout) -> Layout:
+        """The layout of the served wire tensors for `model`."""
+        specs = []
+        for t in model.tensors:
+            _check_name(t.name)
+            if t.dtype not in FLOAT_DTYPES:
+                specs.append((f"{t.name}/{_DENSE}", t.dtype, (t.numel,)))
+            else:
+                specs += [(f"{t.name}/{part}", dtype, shape) for part, dtype, shape in self._parts(t)]
+        return Layout.build(specs)
+
+    def _parts(self, t: TensorMeta) -> list[tuple[str, str, tuple[int, ...]]]:
+        raise NotImplementedError
+
+    def encode(self, model: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None
+               ) -> dict[str, np.ndarray]:
+        out = {}
+        for name in sorted(model):
+            _check_name(name)
+            x = np.asarray(model[name])
+            if x.dtype.kind != "f":
+                out[f"{name}/{_DENSE}"] = np.ascontiguousarray(x).reshape(-1)
+            else:
+                out.update({f"{name}/{part}": v for part, v in self._encode_tensor(name, x, base).items()})
+        return out
+
+    def _encode_tensor(self, name: str, x: np.ndarray, base) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def decode(self, model: Layout, wire: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None
+               ) -> dict[str, np.ndarray]:
+        layout = Layout.of(wire)
+        self.wire_layout(model).require_same(layout, what=f"{self.name} model")
+        out = {}
+        for t in model.tensors:
+            if t.dtype not in FLOAT_DTYPES:
+                values = np.asarray(wire[f"{t.name}/{_DENSE}"])
+            else:
+                values = self._decode_tensor(t, wire, base)
+                _require_finite(t.name, values, "the decoded model")
+            out[t.name] = values.astype(DTYPES[t.dtype]).reshape(t.shape)
+        return out
+
+    def _decode_tensor(self, t: TensorMeta, wire: Mapping[str, np.ndarray], base) -> np.ndarray:
+        raise NotImplementedError
+
+
+class NoneDownlink(DownlinkCodec):
+    """The model as it is."""
+
+    def wire_layout(self, model: Layout) -> Layout:
+        return model
+
+    def encode(self, model, base):
+        return {name: np.asarray(values) for name, values in model.items()}
+
+    def decode(self, model, wire, base):
+        model.require_same(Layout.of(wire), what="served model")
+        return {t.name: np.asarray(wire[t.name]).reshape(t.shape) for t in model.tensors}
+
+
+class Fp16Downlink(DownlinkCodec):
+    """Float tensors rounded to float16 (nearest even)."""
+
+    name = "fp16"
+
+    def _parts(self, t):
+        return [("fp16.values", "F16", (t.numel,))]
+
+    def _encode_tensor(self, name, x, base):
+        peak = float(np.abs(x).max()) if x.size else 0.0
+        if not peak <= float(np.finfo(np.float16).max):
+            raise IntegrityError(f"model tensor {name!r} reaches {peak:.6g}, beyond float16's range (65504); use "
+                                 "downlink codec delta8, or none", reason=Reason.NORM)
+        return {"fp16.values": x.reshape(-1).astype("<f2")}
+
+    def _decode_tensor(self, t, wire, base):
+        return np.asarray(wire[f"{t.name}/fp16.values"]).astype(F32)
+
+
+class Delta8Downlink(DownlinkCodec):
+    """Float tensors as int8 steps from `base` (the model the site holds), one float32 scale per block
+    (max|model − base|/127), rounded to nearest: decoded = base + q·scale in float32, |error| <= scale/2."""
+
+    name = "delta8"
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.block = int(_default(spec.block, DEFAULT_BLOCK))
+        if not MIN_BLOCK <= self.block <= MAX_BLOCK:
+            raise ValueError(f"delta8 block must be {MIN_BLOCK}..{MAX_BLOCK} elements; got {spec.block}")
+
+    def _parts(self, t):
+        return [("delta8.scales", "F32", (-(-t.numel // self.block),)), ("delta8.values", "I8", (t.numel,))]
+
+    def _base(self, name: str, base, shape) -> np.ndarray:
+        if base is None or name not in base:
+            raise ValueError(f"delta8 sends the model as steps from the one the site holds; no base for {name!r}")
+        b = np.asarray(base[name])
+        if b.shape != tuple(shape):
+            raise ValueError(f"base tensor {name!r} has shape {list(b.shape)}; the model has {list(shape)}")
+        return b.astype(F32).reshape(-1)
+
+    def _encode_tensor(self, name, x, base):
+        d = x.astype(np.float64).reshape(-1) - self._base(name, base, x.shape).astype(np.float64)
+        _require_finite(name, d, "model − base")
+        scales = (_block_peaks(d, self.block) / 127).astype(F32)
+        s = _block_scales(scales, 0, d.size, self.block).astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(s > 0, np.rint(d / s), 0.0)
+        return {"delta8.scales": scales, "delta8.values": np.clip(q, -127, 127).astype(np.int8)}
+
+    def _decode_tensor(self, t, wire, base):
+        scales = np.asarray(wire[f"{t.name}/delta8.scales"], F32)
+        q = np.asarray(wire[f"{t.name}/delta8.values"])
+        if (bad := np.flatnonzero(~(scales >= 0) | ~np.isfinite(scales))).size:
+            raise IntegrityError(f"served {t.name!r}: delta8 scale {scales[bad[0]]} at position {int(bad[0])}; "
+                                 "scales must be finite and >= 0", reason=Reason.LAYOUT)
+        if (bad := np.flatnonzero(q == -128)).size:
+            raise IntegrityError(f"served {t.name!r}: delta8 value -128 at position {int(bad[0])}; int8 values "
+                                 "are -127..127", reason=Reason.LAYOUT)
+        b = self._base(t.name, base, t.shape)
+        return b + _dequant(q, _block_scales(scales, 0, q.size, self.block))
+
+
+DOWNLINK: dict[str, type[DownlinkCodec]] = {"none": NoneDownlink, "fp16": Fp16Downlink, "delta8": Delta8Downlink}
+
+
+def downlink_codec(spec) -> DownlinkCodec:
+    """The downlink codec a DownlinkSpec names."""
+    cls = DOWNLINK.get(spec.codec)
+    if cls is None:
+        raise ValueError(f"unknown downlink codec {spec.codec!r}; choose one of {sorted(DOWNLINK)}")
+    return cls(spec)
+
+
+def downlink_encode(spec, model: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None = None
+                    ) -> dict[str, np.ndarray]:
+    """The wire tensors that serve `model` (delta8: against `base`, the model the site holds)."""
+    return downlink_codec(spec).encode(model, base)
+
+
+def downlink_decode(spec, model_layout: Layout, wire: Mapping[str, np.ndarray],
+                    base: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The model a site trains from, decoded from served wire tensors (checked: IntegrityError)."""
+    return downlink_codec(spec).decode(model_layout, wire, base)

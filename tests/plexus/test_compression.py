@@ -1,0 +1,669 @@
+"""Tests for plexus.compression: every codec's round trip and error, error feedback, the shared randk draw,
+and the streaming Decoder (split anywhere, equal to decode() bit for bit, refusing malformed updates)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import tracemalloc
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from plexus.compression import (
+    DOWNLINK,
+    UPLINK,
+    DensePiece,
+    SparsePiece,
+    downlink_codec,
+    downlink_decode,
+    downlink_encode,
+    k_of,
+    randk_indices,
+    top_indices,
+    uplink_codec,
+)
+from plexus.errors import IntegrityError, Reason
+from plexus.wire import Layout, encode
+
+
+@dataclass(frozen=True)
+class Up:
+    """Stands in for plexus.config.UplinkSpec (same fields)."""
+
+    codec: str = "none"
+    block: int = 256
+    fraction: float | None = None
+    k: int | None = None
+    error_feedback: bool = True
+    bin_conv: int = 50
+    bin_dense: int = 500
+
+
+@dataclass(frozen=True)
+class Down:
+    codec: str = "none"
+    block: int = 256
+
+
+SPECS = {
+    "none": Up(),
+    "fp16": Up("fp16"),
+    "int8": Up("int8", block=16),
+    "topk": Up("topk", fraction=0.1),
+    "topk-nofb": Up("topk", k=3, error_feedback=False),
+    "randk": Up("randk", k=5),
+    "randk-nofb": Up("randk", fraction=0.25, error_feedback=False),
+    "adacomp": Up("adacomp", bin_conv=9, bin_dense=20),
+}
+
+
+def _delta(seed: int = 0) -> dict[str, np.ndarray]:
+    """A small model-shaped Δ: a conv kernel, a dense matrix, a bias, a float16 tensor, an integer counter,
+    a scalar and an empty tensor."""
+    rng = np.random.default_rng(seed)
+    return {
+        "conv.weight": rng.normal(size=(4, 2, 3, 3)).astype(np.float32),
+        "fc.weight": (rng.normal(size=(10, 13)) * 0.01).astype(np.float32),
+        "fc.bias": np.array([0.0, -0.0, 1.0, -2.5, 3e-5, 0.0, 7.0], np.float32),
+        "half": rng.normal(size=(5,)).astype(np.float16),
+        "bn.num_batches_tracked": np.array(12, np.int64),
+        "scalar": np.array(0.25, np.float32),
+        "empty": np.zeros((0, 3), np.float32),
+    }
+
+
+def _model_layout(delta: dict[str, np.ndarray]) -> Layout:
+    return Layout.of(delta)
+
+
+def _stream(decoder, blob: bytes, cuts) -> list:
+    """Feed blob cut at the given positions; return every piece."""
+    pieces, edges = [], [0, *sorted(set(cuts)), len(blob)]
+    for a, b in zip(edges, edges[1:]):
+        if b > a:
+            pieces += list(decoder.feed(memoryview(blob)[a:b]))
+    decoder.finish()
+    return pieces
+
+
+def _reassemble(model: Layout, pieces) -> dict[str, np.ndarray]:
+    """Dense float64 tensors from pieces (what a fold would add), zeros where nothing arrived."""
+    out = {t.name: np.zeros(t.numel, np.float64) for t in model.tensors}
+    for p in pieces:
+        flat = out[model.tensors[p.tensor].name]
+        assert p.values.dtype == np.float64
+        if isinstance(p, DensePiece):
+            flat[p.start:p.start + p.values.size] = p.values
+        else:
+            assert p.indices.dtype == np.int64 and np.all(np.diff(p.indices) > 0)
+            flat[p.indices] = p.values
+    return out
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float64).reshape(-1).view(np.int64)
+
+
+def _encode(key: str, delta=None, *, round_: int = 3, residual=None, seed: int = 0):
+    codec = uplink_codec(SPECS[key], seed=11)
+    delta = _delta() if delta is None else delta
+    wire, rest = codec.encode(delta, round_=round_, residual=residual, rng=np.random.default_rng(seed))
+    return codec, delta, wire, rest
+
+
+def _refused(codec, model: Layout, wire: dict, *, round_: int = 0, chunk: int = 1):
+    """Feed the blob of hand-made wire tensors chunk bytes at a time; return the IntegrityError."""
+    layout, blob = encode(wire)
+    with pytest.raises(IntegrityError) as info:
+        dec = codec.decoder(model, layout, round_=round_)
+        _stream(dec, bytes(blob), range(chunk, len(blob), chunk))
+    return info.value
+
+
+# Registries and parameters -------------------------------------------------------------------
+
+def test_registries_are_plain_dicts_and_unknown_names_list_them():
+    assert sorted(UPLINK) == ["adacomp", "fp16", "int8", "none", "randk", "topk"]
+    assert sorted(DOWNLINK) == ["delta8", "fp16", "none"]
+    with pytest.raises(ValueError, match=r"\['adacomp', 'fp16', 'int8', 'none', 'randk', 'topk'\]"):
+        uplink_codec(Up("zstd"), seed=0)
+    with pytest.raises(ValueError, match=r"\['delta8', 'fp16', 'none'\]"):
+        downlink_codec(Down("int8"))
+
+
+def test_codec_flags():
+    flags = {key: (c.name, c.feedback, c.shared_indices) for key, c in
+             ((key, uplink_codec(spec, seed=0)) for key, spec in SPECS.items())}
+    assert flags == {
+        "none": ("none", False, True), "fp16": ("fp16", False, True), "int8": ("int8", False, True),
+        "topk": ("topk", True, False), "topk-nofb": ("topk", False, False), "randk": ("randk", True, True),
+        "randk-nofb": ("randk", False, True), "adacomp": ("adacomp", True, False),
+    }
+
+
+@pytest.mark.parametrize("spec, message", [
+    (Up("topk"), "exactly one of fraction and k"),
+    (Up("randk", fraction=0.1, k=3), "exactly one of fraction and k"),
+    (Up("topk", fraction=1.5), r"fraction must be in \(0, 1\]"),
+    (Up("randk", k=0), "k must be at least 1"),
+    (Up("int8", block=8), "block must be 16..65536"),
+    (Up("adacomp", bin_dense=0), "at least 1 element"),
+])
+def test_bad_parameters_are_refused(spec, message):
+    with pytest.raises(ValueError, match=message):
+        uplink_codec(spec, seed=0)
+
+
+def test_k_of():
+    assert k_of(10, fraction=0.3) == 3        # not 4: 0.3 × 10 is 3.0000000000000004
+    assert k_of(10, fraction=0.01) == 1
+    assert k_of(10, fraction=1.0) == 10
+    assert k_of(10, k=4) == 4
+    assert k_of(3, k=4) == 3
+    assert k_of(0, fraction=0.5) == 0 and k_of(0, k=2) == 0   # never more than N
+
+
+def test_layouts_follow_the_spec_table():
+    delta = _delta()
+    model = _model_layout(delta)
+    rows = lambda layout: {t.name: (t.dtype, t.shape) for t in layout.tensors}   # noqa: E731
+    assert uplink_codec(SPECS["none"], seed=0).wire_layout(model, round_=0) == model
+    int8 = rows(uplink_codec(SPECS["int8"], seed=0).wire_layout(model, round_=0))
+    assert int8["conv.weight/int8.scales"] == ("F32", (5,)) and int8["conv.weight/int8.values"] == ("I8", (72,))
+    assert int8["bn.num_batches_tracked/dense.values"] == ("I64", (1,))
+    assert int8["half/int8.values"] == ("I8", (5,)) and int8["empty/int8.scales"] == ("F32", (0,))
+    topk = rows(uplink_codec(SPECS["topk"], seed=0).wire_layout(model, round_=0))
+    assert topk["fc.weight/topk.indices"] == ("U32", (13,)) and topk["fc.weight/topk.values"] == ("F32", (13,))
+    assert topk["scalar/topk.values"] == ("F32", (1,)) and topk["empty/topk.values"] == ("F32", (0,))
+    assert rows(uplink_codec(SPECS["randk"], seed=0).wire_layout(model, round_=0))["fc.bias/randk.values"] == (
+        "F32", (5,))
+    ada = rows(uplink_codec(SPECS["adacomp"], seed=0).wire_layout(
+        model, round_=0, counts={t.name: 1 for t in model.tensors}))
+    assert ada["fc.bias/adacomp.indices"] == ("U32", (1,)) and ada["fc.bias/adacomp.scale"] == ("F32", (1,))
+    with pytest.raises(ValueError, match="pass counts"):
+        uplink_codec(SPECS["adacomp"], seed=0).wire_layout(model, round_=0)
+    # Scales and indices come before the values they govern.
+    names = [t.name for t in uplink_codec(SPECS["int8"], seed=0).wire_layout(model, round_=0).tensors]
+    assert names.index("fc.weight/int8.scales") + 1 == names.index("fc.weight/int8.values")
+
+
+# Round trips --------------------------------------------------------------------------------
+
+def test_none_is_the_identity_on_the_model():
+    codec, delta, wire, rest = _encode("none")
+    assert rest == {} and all(wire[n] is delta[n] or np.array_equal(wire[n], delta[n]) for n in delta)
+    decoded = codec.decode(_model_layout(delta), wire, round_=0)
+    for name, values in delta.items():
+        assert decoded[name].dtype == values.dtype and np.array_equal(decoded[name], values)
+
+
+def test_fp16_exact_where_representable_and_within_half_an_ulp_elsewhere():
+    exact = np.array([0.0, -0.0, 1.0, -2.5, 0.125, 65504.0, 2.0 ** -24, -1000.5], np.float32)
+    rough = np.random.default_rng(1).normal(size=200).astype(np.float32)
+    delta = {"a": exact, "b": rough, "n": np.array([3, -4], np.int32)}
+    codec, _, wire, rest = _encode("fp16", delta)
+    decoded = codec.decode(_model_layout(delta), wire, round_=0)
+    assert rest == {} and decoded["a"].dtype == np.float32
+    assert np.array_equal(_bits(decoded["a"]), _bits(exact))            # -0.0 stays -0.0
+    assert np.all(np.abs(decoded["b"] - rough) <= np.abs(rough) * 2.0 ** -11)
+    assert np.array_equal(decoded["n"], [3, -4]) and decoded["n"].dtype == np.int32
+    with pytest.raises(IntegrityError, match="'a'.*65504") as info:
+        codec.encode({"a": np.array([7e4], np.float32)}, round_=0, residual=None, rng=np.random.default_rng(0))
+    assert info.value.reason is Reason.NORM
+
+
+def test_int8_scales_and_error_bound():
+    x = np.concatenate([
+        np.arange(-127, 128, dtype=np.float32)[:32] * np.float32(0.5),   # block 0, 1: multiples of the scale
+        np.zeros(16, np.float32),                                        # block 2: all zero -> scale 0
+        np.random.default_rng(2).normal(size=21).astype(np.float32),     # blocks 3, 4 (a short last block)
+    ])
+    codec, _, wire, _ = _encode("int8", {"x": x})
+    scales, q = wire["x/int8.scales"], wire["x/int8.values"]
+    assert scales.dtype == np.float32 and q.dtype == np.int8 and scales.size == 5
+    peaks = [np.abs(x[i:i + 16]).max() for i in range(0, x.size, 16)]
+    assert np.array_equal(scales, np.array(peaks, np.float32) / np.float32(127))
+    assert scales[2] == 0 and not q[32:48].any() and q.min() >= -127
+    decoded = codec.decode(_model_layout({"x": x}), wire, round_=0)["x"]
+    # x = n·0.5 with scale 0.5 (block 0 peaks at 63.5): x/s is an integer, so stochastic rounding is exact.
+    assert scales[0] == np.float32(0.5) and np.array_equal(decoded[:16], x[:16])
+    # Elsewhere q ∈ {floor(x/s), floor(x/s) + 1}: |error| < s, plus float32 rounding of q·s.
+    per_element = np.repeat(scales, 16)[:x.size].astype(np.float64)
+    assert np.all(np.abs(decoded.astype(np.float64) - x) <= per_element * (1 + 2.0 ** -20))
+
+
+def test_int8_stochastic_rounding_is_unbiased():
+    """E[q·s] = x: the mean of 4000 encodings lies within 5 standard errors of x for every element (fixed seeds,
+    so it cannot flake), and a value between two steps really is rounded both ways."""
+    codec = uplink_codec(Up("int8", block=16), seed=0)
+    x = np.random.default_rng(3).normal(size=32).astype(np.float32)
+    model = _model_layout({"x": x})
+    runs = 4000
+    total = np.zeros(x.size, np.float64)
+    rng = np.random.default_rng(4)
+    seen = set()
+    for _ in range(runs):
+        wire, _ = codec.encode({"x": x}, round_=0, residual=None, rng=rng)
+        decoded = codec.decode(model, wire, round_=0)["x"].astype(np.float64)
+        total += decoded
+        seen.add(int(wire["x/int8.values"][1]))
+    scale = np.repeat(wire["x/int8.scales"], 16).astype(np.float64)
+    # Var(q·s) = s²·p(1−p) <= s²/4, so the standard error of the mean is at most s / (2·sqrt(runs)).
+    stderr = scale / (2 * math.sqrt(runs))
+    assert np.all(np.abs(total / runs - x) <= 5 * stderr + 1e-12)
+    assert len(seen) == 2   # element 1 sits between two steps and goes both ways
+
+
+# Error feedback ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", ["topk", "randk", "adacomp"])
+def test_error_feedback_is_exact_over_rounds(key):
+    """decoded(sent) + new R == Δ + old R exactly (in float32 and in real arithmetic), round after round."""
+    codec = uplink_codec(SPECS[key], seed=5)
+    rng = np.random.default_rng(6)
+    residual = None
+    for round_ in range(4):
+        delta = {k: v for k, v in _delta(round_).items()}
+        delta["heavy"] = (rng.normal(size=300) * np.exp(rng.normal(size=300) * 3)).astype(np.float32)
+        model = _model_layout(delta)
+        wire, new = codec.encode(delta, round_=round_, residual=residual, rng=rng)
+        decoded = codec.decode(model, wire, round_=round_)
+        assert sorted(new) == sorted(n for n, v in delta.items() if v.dtype.kind == "f")
+        for name in new:
+            g = delta[name].astype(np.float32) + (residual[name] if residual else 0)
+            assert new[name].dtype == np.float32 and new[name].shape == delta[name].shape
+            assert np.array_equal(decoded[name] + new[name], g)
+            assert np.array_equal(decoded[name].astype(np.float64) + new[name].astype(np.float64),
+                                  g.astype(np.float64))
+        assert np.array_equal(decoded["bn.num_batches_tracked"], delta["bn.num_batches_tracked"])
+        residual = new
+
+
+def test_without_feedback_there_is_no_residual():
+    for key in ("fp16", "int8", "topk-nofb", "randk-nofb"):
+        _, _, _, rest = _encode(key, residual={"fc.bias": np.ones(7, np.float32)})
+        assert rest == {}
+
+
+def test_residual_must_match_the_update():
+    codec = uplink_codec(SPECS["topk"], seed=0)
+    with pytest.raises(ValueError, match="shape"):
+        codec.encode(_delta(), round_=0, residual={"fc.bias": np.ones(3, np.float32)}, rng=np.random.default_rng())
+    with pytest.raises(ValueError, match="'gone'"):
+        codec.encode(_delta(), round_=0, residual={"gone": np.ones(3, np.float32)}, rng=np.random.default_rng())
+
+
+def test_non_finite_and_slashed_names_are_refused_at_the_site():
+    for key in ("fp16", "int8", "topk", "randk", "adacomp"):
+        with pytest.raises(IntegrityError, match="'w'.*element 1") as info:
+            _encode(key, {"w": np.array([1.0, np.nan, 2.0], np.float32)})
+        assert info.value.reason is Reason.NON_FINITE
+    with pytest.raises(ValueError, match="'/'"):
+        _encode("int8", {"a/b": np.ones(3, np.float32)})
+
+
+# topk, randk, adacomp --------------------------------------------------------------------------
+
+def test_topk_picks_the_largest_magnitudes_ties_by_lower_index():
+    g = np.array([0.1, -5.0, 3.0, 3.0, -3.0, 0.0, 2.0], np.float32)
+    assert top_indices(g, 3).tolist() == [1, 2, 3]
+    assert top_indices(g, 4).tolist() == [1, 2, 3, 4]
+    assert top_indices(g, 0).tolist() == [] and top_indices(g, 9).tolist() == list(range(7))
+    codec = uplink_codec(Up("topk", k=3), seed=0)
+    wire, rest = codec.encode({"g": g}, round_=0, residual=None, rng=np.random.default_rng())
+    assert wire["g/topk.indices"].dtype == np.uint32 and wire["g/topk.indices"].tolist() == [1, 2, 3]
+    assert wire["g/topk.values"].tolist() == [-5.0, 3.0, 3.0]
+    assert rest["g"].tolist() == [np.float32(0.1), 0, 0, 0, -3, 0, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, -2.5, 1e-3, 7.0]), min_size=1, max_size=40),
+       st.integers(0, 45))
+def test_topk_matches_a_stable_sort(values, k):
+    g = np.array(values, np.float32)
+    expect = np.sort(np.argsort(-np.abs(g), kind="stable")[:k])
+    assert top_indices(g, k).tolist() == expect.tolist()
+
+
+def test_randk_indices_are_shared_and_fresh_each_round():
+    a = randk_indices(42, 3, "fc.weight", 1000, 50)
+    assert a.dtype == np.int64 and a.size == 50 and np.all(np.diff(a) > 0) and a[-1] < 1000
+    assert np.array_equal(a, randk_indices(42, 3, "fc.weight", 1000, 50))
+    assert not np.array_equal(a, randk_indices(42, 4, "fc.weight", 1000, 50))
+    assert not np.array_equal(a, randk_indices(42, 3, "fc.bias", 1000, 50))
+    assert not np.array_equal(a, randk_indices(43, 3, "fc.weight", 1000, 50))
+    # Only PCG64's raw stream decides (stable across numpy releases): the first 50 distinct floor(raw·N / 2**64),
+    # recomputed here with Python integers.
+    digest = hashlib.sha256(b"plexus/v1/randk/42/3/fc.weight").digest()
+    stream, expect = np.random.PCG64(int.from_bytes(digest, "big")), []
+    while len(expect) < 50:
+        for raw in stream.random_raw(8).tolist():
+            i = raw * 1000 >> 64
+            if i not in expect and len(expect) < 50:
+                expect.append(i)
+    assert a.tolist() == sorted(expect)
+    assert randk_indices(1, 1, "x", 5, 5).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_randk_sends_values_at_the_shared_indices():
+    delta = {"w": np.arange(1, 21, dtype=np.float32)}
+    fb = uplink_codec(Up("randk", k=4), seed=9)
+    wire, rest = fb.encode(delta, round_=2, residual=None, rng=np.random.default_rng())
+    idx = randk_indices(9, 2, "w", 20, 4)
+    assert list(wire) == ["w/randk.values"] and np.array_equal(wire["w/randk.values"], delta["w"][idx])
+    assert np.all(rest["w"][idx] == 0) and rest["w"].sum() == delta["w"].sum() - delta["w"][idx].sum()
+    plain = uplink_codec(Up("randk", k=4, error_feedback=False), seed=9)
+    wire, rest = plain.encode(delta, round_=2, residual=None, rng=np.random.default_rng())
+    assert rest == {} and np.array_equal(wire["w/randk.values"], delta["w"][idx] * np.float32(5))   # N/k = 5
+
+
+def test_randk_without_feedback_is_unbiased():
+    """Scaled by N/k, the estimate's mean over rounds (fresh indices each) approaches Δ."""
+    delta = {"w": np.random.default_rng(7).normal(size=20).astype(np.float32)}
+    codec = uplink_codec(Up("randk", k=5, error_feedback=False), seed=1)
+    model = _model_layout(delta)
+    runs, rng = 2000, np.random.default_rng(0)
+    total = sum(codec.decode(model, codec.encode(delta, round_=r, residual=None, rng=rng)[0], round_=r)["w"]
+                .astype(np.float64) for r in range(runs))
+    # Each round the element is N/k·x with probability k/N, else 0: variance x²(N/k − 1) = 3x².
+    stderr = np.abs(delta["w"]) * math.sqrt(3 / runs)
+    assert np.all(np.abs(total / runs - delta["w"]) <= 5 * stderr)
+
+
+def test_adacomp_selects_by_bin_and_quantises_with_one_scale():
+    # One dense bin of 8 (bin_dense 8): G = Δ (no residue), H = 2Δ; |H| >= max|G| = 4 means |Δ| >= 2.
+    delta = np.array([0.5, -4.0, 2.0, 1.9, -2.0, 0.0, 3.0, 0.1, 1.0, -1.0], np.float32)   # second bin: peak 1
+    codec = uplink_codec(Up("adacomp", bin_dense=8), seed=0)
+    wire, rest = codec.encode({"d": delta}, round_=0, residual=None, rng=np.random.default_rng(0))
+    assert wire["d/adacomp.indices"].tolist() == [1, 2, 4, 6, 8, 9]
+    scale = wire["d/adacomp.scale"]
+    assert scale.dtype == np.float32 and scale[0] == np.float32(4.0) / np.float32(127)
+    q = wire["d/adacomp.values"]
+    assert q.dtype == np.int8 and q[0] == -127
+    sent = np.zeros(10, np.float32)
+    sent[wire["d/adacomp.indices"]] = q.astype(np.float32) * scale[0]
+    assert np.all(np.abs(sent - delta)[wire["d/adacomp.indices"]] <= scale[0])
+    assert np.array_equal(sent + rest["d"], delta)
+    # A conv kernel (ndim >= 3) uses bin_conv; an all-zero tensor sends nothing.
+    zero = {"k": np.zeros((2, 2, 2, 2), np.float32)}
+    wire, rest = codec.encode(zero, round_=0, residual=None, rng=np.random.default_rng(0))
+    assert wire["k/adacomp.indices"].size == 0 and wire["k/adacomp.values"].size == 0
+
+
+def test_adacomp_compression_on_random_normal_tensors():
+    """i.i.d. N(0, 0.01²) updates (no structure, a hard case): the first round sends 10.8% of a dense
+    tensor's entries (7.4× fewer bytes than float32), and with the residue accumulating, 3.1% (25.9×) by round 6;
+    a conv kernel with bins of 50: 22% (3.6×), then 13% (6.2×). Real gradients compress further (the paper's
+    40×/200× are end to end on trained networks)."""
+    codec = uplink_codec(Up("adacomp"), seed=1)
+    rng = np.random.default_rng(0)
+    for shape, first, last in (((256, 512), 7.0, 25.0), ((64, 32, 3, 3), 3.5, 6.0)):
+        residual = None
+        ratios = []
+        for round_ in range(6):
+            delta = {"w": (rng.normal(size=shape) * 0.01).astype(np.float32)}
+            wire, residual = codec.encode(delta, round_=round_, residual=residual, rng=rng)
+            assert wire["w/adacomp.values"].size < delta["w"].size
+            ratios.append(delta["w"].nbytes / encode(wire)[0].total_bytes)
+        assert ratios[0] > first and ratios[-1] > last, ratios
+
+
+# Streaming ---------------------------------------------------------------------------------
+
+def _check_stream(key: str, cuts_of, *, seed: int = 0):
+    codec, delta, wire, _ = _encode(key, seed=seed)
+    model = _model_layout(delta)
+    layout, blob = encode(wire)
+    blob = bytes(blob)
+    expect = codec.decode(model, wire, round_=3)
+    for cuts in cuts_of(len(blob)):
+        dec = codec.decoder(model, layout, round_=3)
+        pieces = _stream(dec, blob, cuts)
+        got = _reassemble(model, pieces)
+        for name, values in expect.items():
+            assert np.array_equal(_bits(got[name]), _bits(values)), (key, name, cuts[:5])
+        flat = np.concatenate([v.reshape(-1).astype(np.float64) for v in expect.values()])
+        assert dec.max_abs == np.abs(flat).max()
+        assert dec.sum_sq == pytest.approx(float(np.dot(flat, flat)), rel=1e-12)
+        kind = SparsePiece if codec.name in ("topk", "randk", "adacomp") else DensePiece
+        assert all(isinstance(p, kind) for p in pieces if model.tensors[p.tensor].dtype != "I64")
+
+
+@pytest.mark.parametrize("key", list(SPECS))
+def test_streamed_pieces_equal_decode_for_every_split(key):
+    def splits(n):
+        rng = np.random.default_rng(8)
+        yield []                                              # one chunk
+        for step in (1, 3, 7):
+            yield list(range(step, n, step))
+        for _ in range(5):
+            yield sorted(rng.choice(np.arange(1, n), size=min(n - 1, 12), replace=False).tolist())
+    _check_stream(key, splits)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(list(SPECS)), st.integers(0, 2**16), st.data())
+def test_streaming_property(key, seed, data):
+    def splits(n):
+        yield data.draw(st.lists(st.integers(1, n - 1), max_size=20))
+    _check_stream(key, splits, seed=seed)
+
+
+def test_sparse_decoder_memory_is_independent_of_n():
+    """A 50M-element tensor: the decoder holds k indices and a chunk, never an N-element array."""
+    model = Layout.build([("w", "F32", (50_000_000,))])
+    cases = {
+        "topk": (Up("topk", k=10), {"w/topk.indices": np.arange(0, 50_000_000, 5_000_000, dtype=np.uint32),
+                                    "w/topk.values": np.ones(10, np.float32)}),
+        "randk": (Up("randk", k=10), {"w/randk.values": np.ones(10, np.float32)}),
+        "adacomp": (Up("adacomp"), {"w/adacomp.indices": np.arange(0, 50_000_000, 5_000_000, dtype=np.uint32),
+                                    "w/adacomp.scale": np.ones(1, np.float32),
+                                    "w/adacomp.values": np.ones(10, np.int8)}),
+    }
+    for spec, wire in cases.values():
+        layout, blob = encode(wire)
+        tracemalloc.start()
+        try:
+            dec = uplink_codec(spec, seed=0).decoder(model, layout, round_=0)
+            pieces = _stream(dec, bytes(blob), range(7, len(blob), 7))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1_000_000 and sum(p.values.size for p in pieces) == 10
+
+
+# Malformed updates ---------------------------------------------------------------------------
+
+def _topk(indices, values=None, n=10):
+    model = Layout.build([("w", "F32", (n,))])
+    values = np.ones(len(indices), np.float32) if values is None else np.asarray(values, np.float32)
+    return uplink_codec(Up("topk", k=len(indices)), seed=0), model, {
+        "w/topk.indices": np.asarray(indices, np.uint32), "w/topk.values": values}
+
+
+@pytest.mark.parametrize("indices, chunk, message", [
+    ([1, 4, 10], 1, "index 10 at position 2 is out of range: the tensor has 10 elements"),
+    ([1, 4, 2**32 - 1], 5, "index 4294967295 at position 2 is out of range"),
+    ([1, 4, 4], 3, r"index 4 at position 2 does not exceed the one before it \(4\)"),
+    ([1, 5, 3], 4, r"index 3 at position 2 does not exceed the one before it \(5\)"),     # across a chunk edge
+    ([7, 2, 3], 1, r"index 2 at position 1 does not exceed the one before it \(7\)"),
+])
+def test_bad_indices_are_refused(indices, chunk, message):
+    codec, model, wire = _topk(indices)
+    error = _refused(codec, model, wire, chunk=chunk)
+    assert error.reason is Reason.LAYOUT and "'w/topk.indices'" in str(error)
+    assert re.search(message, str(error)), str(error)
+
+
+def test_an_out_of_range_index_split_across_chunk_edges_is_refused():
+    # 65536 = bytes 00 00 01 00: the first two bytes alone look like 0.
+    codec, model, wire = _topk([3, 65536])
+    layout, blob = encode(wire)
+    dec = codec.decoder(model, layout, round_=0)
+    assert list(dec.feed(blob[:6])) == []
+    with pytest.raises(IntegrityError, match="index 65536 at position 1 is out of range") as info:
+        list(dec.feed(blob[6:]))
+    assert info.value.reason is Reason.LAYOUT
+    with pytest.raises(IntegrityError, match="refused"):   # a refused stream stays refused
+        dec.finish()
+
+
+def test_randk_and_adacomp_indices_are_checked_too():
+    model = Layout.build([("w", "F32", (10,))])
+    ada = uplink_codec(Up("adacomp"), seed=0)
+    error = _refused(ada, model, {"w/adacomp.indices": np.array([2, 2], np.uint32),
+                                  "w/adacomp.scale": np.ones(1, np.float32),
+                                  "w/adacomp.values": np.ones(2, np.int8)})
+    assert error.reason is Reason.LAYOUT and "'w/adacomp.indices': index 2 at position 1" in str(error)
+
+
+@pytest.mark.parametrize("codec_key, wire, message, reason", [
+    ("int8", {"w/int8.scales": np.array([1.0], np.float32), "w/int8.values": np.array([1, -128, 0], np.int8)},
+     "'w/int8.values': value -128 at position 1", Reason.LAYOUT),
+    ("int8", {"w/int8.scales": np.array([np.nan], np.float32), "w/int8.values": np.zeros(3, np.int8)},
+     "'w/int8.scales': scale nan at position 0", Reason.NON_FINITE),
+    ("int8", {"w/int8.scales": np.array([-0.5], np.float32), "w/int8.values": np.zeros(3, np.int8)},
+     "'w/int8.scales': scale -0.5 at position 0", Reason.LAYOUT),
+    ("int8", {"w/int8.scales": np.array([np.inf], np.float32), "w/int8.values": np.zeros(3, np.int8)},
+     "scale inf", Reason.NON_FINITE),
+    ("int8", {"w/int8.scales": np.array([3e38], np.float32), "w/int8.values": np.array([0, 127, 0], np.int8)},
+     "'w/int8.values': element 1 decodes to inf", Reason.NON_FINITE),
+    ("adacomp", {"w/adacomp.indices": np.array([0, 1], np.uint32), "w/adacomp.scale": np.ones(1, np.float32),
+                 "w/adacomp.values": np.array([3, -128], np.int8)},
+     "'w/adacomp.values': value -128 at position 1", Reason.LAYOUT),
+    ("adacomp", {"w/adacomp.indices": np.array([0], np.uint32), "w/adacomp.scale": np.array([-1.0], np.float32),
+                 "w/adacomp.values": np.array([3], np.int8)},
+     "'w/adacomp.scale': scale -1.0", Reason.LAYOUT),
+    ("adacomp", {"w/adacomp.indices": np.array([0], np.uint32), "w/adacomp.scale": np.array([np.nan], np.float32),
+                 "w/adacomp.values": np.array([3], np.int8)},
+     "'w/adacomp.scale': scale nan", Reason.NON_FINITE),
+    ("topk", {"w/topk.indices": np.array([0], np.uint32), "w/topk.values": np.array([np.inf], np.float32)},
+     "'w/topk.values': element 0 decodes to inf", Reason.NON_FINITE),
+])
+def test_bad_values_are_refused(codec_key, wire, message, reason):
+    spec = {"int8": Up("int8", block=16), "adacomp": Up("adacomp"), "topk": Up("topk", k=1)}[codec_key]
+    model = Layout.build([("w", "F32", (3,))])
+    for chunk in (1, 2, 64):
+        error = _refused(uplink_codec(spec, seed=0), model, wire, chunk=chunk)
+        assert error.reason is reason and message in str(error), str(error)
+    # decode() makes the same checks.
+    with pytest.raises(IntegrityError, match=message.split(":")[0]):
+        uplink_codec(spec, seed=0).decode(model, wire, round_=0)
+
+
+@pytest.mark.parametrize("spec, wire, message", [
+    (Up("topk", k=2), {"w/topk.indices": np.arange(3, dtype=np.uint32), "w/topk.values": np.ones(3, np.float32)},
+     r"'w/topk.indices' is U32\[3\]; expected U32\[2\] \(topk sends k_of\(10\) = 2 entries of it\)"),
+    (Up("randk", fraction=0.5), {"w/randk.values": np.ones(4, np.float32)},
+     r"'w/randk.values' is F32\[4\]; expected F32\[5\]"),
+    (Up("topk", k=2), {"w/topk.values": np.ones(2, np.float32)}, r"lacks entr\(ies\) \['w/topk.indices'\]"),
+    (Up("topk", k=2), {"w/topk.indices": np.arange(2, dtype=np.uint32), "w/topk.values": np.ones(2, np.float32),
+                       "w/topk.extra": np.ones(2, np.float32)}, r"has entr\(ies\) \['w/topk.extra'\]"),
+    (Up("topk", k=2), {"w/topk.indices": np.arange(2, dtype=np.int32), "w/topk.values": np.ones(2, np.float32)},
+     r"'w/topk.indices' is I32\[2\]; expected U32\[2\]"),
+    (Up("int8", block=16), {"w/int8.scales": np.ones(1, np.float32), "w/int8.values": np.ones(10, np.uint8)},
+     r"'w/int8.values' is U8\[10\]; expected I8\[10\]"),
+    (Up("int8", block=16), {"w/int8.scales": np.ones(2, np.float32), "w/int8.values": np.ones(10, np.int8)},
+     r"'w/int8.scales' is F32\[2\]; expected F32\[1\]"),
+    (Up("fp16"), {"w/fp16.values": np.ones(10, np.float32)}, r"'w/fp16.values' is F32\[10\]; expected F16\[10\]"),
+    (Up("fp16"), {"w": np.ones(10, np.float32)}, r"lacks entr\(ies\) \['w/fp16.values'\]"),
+    (Up("adacomp"), {"w/adacomp.indices": np.arange(2, dtype=np.uint32), "w/adacomp.scale": np.ones(1, np.float32),
+                     "w/adacomp.values": np.ones(3, np.int8)}, r"'w/adacomp.values' is I8\[3\]; expected I8\[2\]"),
+    (Up("adacomp"), {"w/adacomp.indices": np.arange(11, dtype=np.uint32), "w/adacomp.scale": np.ones(1, np.float32),
+                     "w/adacomp.values": np.ones(11, np.int8)}, r"at most the tensor's 10 elements"),
+    (Up("adacomp"), {"w/adacomp.indices": np.zeros((1, 1), np.uint32), "w/adacomp.scale": np.ones(1, np.float32),
+                     "w/adacomp.values": np.ones(1, np.int8)}, r"shape \[1, 1\]"),
+    (Up("adacomp"), {"w/adacomp.indices": np.arange(1, dtype=np.uint32), "w/adacomp.scale": np.ones(2, np.float32),
+                     "w/adacomp.values": np.ones(1, np.int8)}, r"'w/adacomp.scale' is F32\[2\]; expected F32\[1\]"),
+    (Up(), {"w": np.ones(10, np.float16)}, "'w' is F16"),
+])
+def test_bad_layouts_are_refused(spec, wire, message):
+    model = Layout.build([("w", "F32", (10,))])
+    codec = uplink_codec(spec, seed=0)
+    with pytest.raises(IntegrityError, match=message) as info:
+        codec.check_layout(model, Layout.of(wire), round_=0)
+    assert info.value.reason is Reason.LAYOUT
+    with pytest.raises(IntegrityError, match=message):
+        codec.decoder(model, Layout.of(wire), round_=0)
+
+
+def test_missing_and_extra_bytes_are_refused():
+    codec, model, wire = _topk([1, 2])
+    layout, blob = encode(wire)
+    dec = codec.decoder(model, layout, round_=0)
+    list(dec.feed(blob[:-1]))
+    with pytest.raises(IntegrityError, match="ended after 15 of 16 bytes") as info:
+        dec.finish()
+    assert info.value.reason is Reason.SIZE
+    dec = codec.decoder(model, layout, round_=0)
+    with pytest.raises(IntegrityError, match="more than the 16 bytes") as info:
+        list(dec.feed(bytes(blob) + b"\0"))
+    assert info.value.reason is Reason.SIZE
+
+
+def test_each_feed_must_be_drained_before_the_next():
+    codec, model, wire = _topk([1, 2])
+    layout, blob = encode(wire)
+    dec = codec.decoder(model, layout, round_=0)
+    dec.feed(blob[:9])   # not iterated
+    with pytest.raises(RuntimeError, match="iterate each feed"):
+        dec.feed(blob[9:])
+
+
+# Downlink ----------------------------------------------------------------------------------
+
+def _served(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.normal(size=(40, 5)).astype(np.float32), "b": np.array([0.0, -0.5, 65504.0], np.float32),
+            "n": np.array([4, 5], np.int64)}
+
+
+def test_downlink_none_and_fp16():
+    model = _served()
+    layout = Layout.of(model)
+    none = Down()
+    same = downlink_decode(none, layout, downlink_encode(none, model))
+    assert all(np.array_equal(same[k], model[k]) and same[k].dtype == model[k].dtype for k in model)
+    wire = downlink_encode(Down("fp16"), model)
+    assert sorted(wire) == ["b/fp16.values", "n/dense.values", "w/fp16.values"]
+    assert downlink_codec(Down("fp16")).wire_layout(layout) == Layout.of(wire)
+    decoded = downlink_decode(Down("fp16"), layout, wire)
+    assert decoded["w"].dtype == np.float32 and np.array_equal(decoded["b"], model["b"])
+    assert np.all(np.abs(decoded["w"] - model["w"]) <= np.abs(model["w"]) * 2.0 ** -11)
+    assert np.array_equal(decoded["n"], model["n"]) and decoded["n"].dtype == np.int64
+    with pytest.raises(IntegrityError, match="float16's range"):
+        downlink_encode(Down("fp16"), {"w": np.array([1e5], np.float32)})
+
+
+def test_downlink_delta8_against_the_base():
+    base = _served(0)
+    model = {k: (v + np.float32(0.01) * np.arange(v.size, dtype=np.float32).reshape(v.shape)
+                 if v.dtype.kind == "f" else v + 1) for k, v in base.items()}
+    spec = Down("delta8", block=16)
+    wire = downlink_encode(spec, model, base)
+    assert wire["w/delta8.values"].dtype == np.int8 and wire["w/delta8.scales"].shape == (13,)
+    assert downlink_codec(spec).wire_layout(Layout.of(model)) == Layout.of(wire)
+    decoded = downlink_decode(spec, Layout.of(model), wire, base)
+    scale = np.repeat(wire["w/delta8.scales"], 16)[:200].reshape(40, 5).astype(np.float64)
+    ulp = np.spacing(np.abs(model["w"])).astype(np.float64)
+    assert np.all(np.abs(decoded["w"].astype(np.float64) - model["w"]) <= scale / 2 + ulp)
+    assert np.array_equal(decoded["n"], model["n"])
+    # Deterministic (round to nearest), and exact when nothing changed.
+    assert all(np.array_equal(a, b) for a, b in zip(wire.values(), downlink_encode(spec, model, base).values()))
+    same = downlink_decode(spec, Layout.of(base), downlink_encode(spec, base, base), base)
+    assert all(np.array_equal(same[k], base[k]) for k in base)
+    with pytest.raises(ValueError, match="no base for 'b'"):
+        downlink_encode(spec, model, None)
+    bad = dict(wire, **{"w/delta8.values": np.where(wire["w/delta8.values"] == 127, -128, 1).astype(np.int8)})
+    bad["w/delta8.values"][3] = -128
+    with pytest.raises(IntegrityError, match="value -128 at position"):
+        downlink_decode(spec, Layout.of(model), bad, base)
+    bad = dict(wire, **{"w/delta8.scales": -wire["w/delta8.scales"] - 1})
+    with pytest.raises(IntegrityError, match="scale -"):
+        downlink_decode(spec, Layout.of(model), bad, base)
+    with pytest.raises(IntegrityError, match="lacks"):
+        downlink_decode(spec, Layout.of(model), {"w/delta8.values": wire["w/delta8.values"]}, base)
