@@ -17,12 +17,13 @@ dialling its own bench.wan relay (unshaped here) that counts the bytes each way:
 and downlink per round. The namespace's lo counters are recorded as well; every site byte crosses lo twice
 there (site -> relay -> coordinator), plus the admin client's.
 
-accuracy: in process, like bench.strategies: the job's round config, the coordinator's strategy objects, the
-site's own training (`site_agent.local.local_update`) on the model the site decoded from its download, the
-site's codec (`plexus.compression.uplink_codec(...).encode`) on Δ = trained − served with its residual,
-the coordinator's streaming `Decoder` over the encoded wire blob and its exact fixed-point `WeightedSum`
-(over the decoded Δ, which the spec makes bit-identical to folding the decoder's pieces), and the new
-model current + Σ w_k Δ_k / Σ w_k. Accuracy after R rounds on the same test sets as bench.strategies.
+accuracy: in process, like bench.strategies, with the product's own halves: the job's round config, the
+coordinator's strategy objects, the site's training (`site_agent.local.local_update`) on the model it decoded
+from its download, then the site's coding (`site_agent.uplink`: model_delta, encode_update with its residual and
+rounding_rng) and the coordinator's (`coordinator.drivers.sync.compressed_uplink`, the codec's check_layout, a
+`CodedFold` into the exact `WeightedSum` fed the wire blob in chunks, `base_plus_mean`, the strategy's step).
+Accuracy after R rounds on bench.strategies' test sets. `--compare BYTES_JSON` checks each final model against
+the real federation's of the same case: equal, bit for bit, for every uplink codec.
 
 wan: a real federation as in `bytes`, each site's relay shaped to `--rate` each way with `--rtt` (RTT/2 per
 direction), a model of >= 10M parameters. `--model mlp` (default): a wide MLP on the four heart-disease
@@ -106,15 +107,6 @@ def compression_available() -> str | None:
     if "compression" not in {f.name for f in dataclasses.fields(RoundConfig)}:
         missing.append("RoundConfig.compression")
     return None if not missing else f"this tree has no {' or '.join(missing)} (issue #15 not merged yet)"
-
-
-def codecs():
-    """plexus.compression, imported when a compressed case first needs it (it does not exist before issue #15)."""
-    try:
-        return importlib.import_module("plexus.compression")
-    except ModuleNotFoundError:
-        raise RuntimeError("plexus.compression is not in this tree yet (issue #15); only the 'none' cases "
-                           "can run") from None
 
 
 def runnable(cases: list[str], say) -> list[str]:
@@ -205,6 +197,15 @@ def model_bytes(model: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+def model_digest(state: dict) -> str:
+    """SHA-256 of a model's wire blob: the same model, bit for bit, has the same digest."""
+    import hashlib
+
+    from plexus.wire import encode
+
+    return hashlib.sha256(encode(state)[1]).hexdigest()
+
+
 # --- one real federation (runs inside the case's network namespace, see bench.run.child) -------------------
 def run_case(spec: dict) -> dict:
     """Coordinator + one site process per site, each behind its own bench.wan relay; per-round bytes each way.
@@ -273,6 +274,8 @@ def run_case(spec: dict) -> dict:
             detail = wait_until(lambda: (d := client.job(job_id)).summary.status in ("completed", "failed", "aborted")
                                 and d, 60, "the job to end", fleet)
             per_site = wan.counters()
+            version, state = client.download(job_id)   # the latest model: compare with accuracy mode's
+            result["final_model"] = {"version": version, "sha256": model_digest(state)}
         result.update(status=detail.summary.status, message=detail.summary.message)
         if detail.summary.status != "completed" and reached is None:
             raise RuntimeError(f"job ended {detail.summary.status}: {detail.summary.message}")
@@ -353,47 +356,30 @@ def task_for(name: str, quick: bool):
 
 def downlink(spec, current: dict, base: dict | None) -> tuple[dict, int]:
     """What a site trains from this round and the payload bytes of its download. `base`: the model this site
-    decoded last round (delta8's reference), None before its first."""
-    if spec is None or spec.codec == "none":
+    decoded last round (delta8's reference), None before its first; a site that holds no model yet gets it
+    whole (delta8 has nothing to step from)."""
+    if spec is None or spec.codec == "none" or (spec.codec == "delta8" and base is None):
         return {k: v.copy() for k, v in current.items()}, sum(v.nbytes for v in current.values())
+    from plexus.compression import downlink_decode, downlink_encode
     from plexus.wire import Layout
 
-    pc = codecs()
-    wire = pc.downlink_encode(spec, current, base)
-    return pc.downlink_decode(spec, Layout.of(current), wire, base), sum(a.nbytes for a in wire.values())
-
-
-def uplink(codec, model_layout, delta: dict, residual: dict | None, round_: int, rng) -> tuple[dict, dict, int]:
-    """The site encodes Δ (+ residual); the coordinator checks the wire layout and streams the blob through the
-    codec's Decoder, in 64 KiB chunks as the Receiver would hand them over. (decoded Δ as float64 per tensor,
-    the site's new residual, the wire payload bytes)."""
-    from plexus.wire import encode, iter_chunks
-
-    wire, new_residual = codec.encode(delta, round_=round_, residual=residual, rng=rng)
-    wire_layout, blob = encode(wire)
-    codec.check_layout(model_layout, wire_layout, round_=round_)
-    decoder = codec.decoder(model_layout, wire_layout, round_=round_)
-    dense = [np.zeros(t.numel, np.float64) for t in model_layout.tensors]
-    for _, chunk in iter_chunks(blob, CHUNK_BYTES):
-        for piece in decoder.feed(chunk):
-            flat = dense[piece.tensor]
-            if hasattr(piece, "indices"):      # SparsePiece
-                flat[piece.indices] += piece.values
-            else:                              # DensePiece
-                flat[piece.start:piece.start + len(piece.values)] += piece.values
-    decoder.finish()
-    decoded = {t.name: d.reshape(t.shape) for t, d in zip(model_layout.tensors, dense)}
-    return decoded, new_residual, len(blob)
+    wire = downlink_encode(spec, current, base)
+    return downlink_decode(spec, Layout.of(current), wire, base), sum(a.nbytes for a in wire.values())
 
 
 def simulate(task, job, job_id: str, state_root: Path) -> tuple[dict, list[dict]]:
-    """R rounds of the job, every site in every round: the final model and per-round payload bytes each way."""
-    from coordinator.aggregate import WeightedSum
+    """R rounds of the job, every site in every round: the final model and per-round payload bytes each way.
+
+    The site's half is site_agent's: local_update, then for a coded uplink model_delta and encode_update (its
+    residual; rounding drawn by rounding_rng from the task seed), the residual kept once accepted (always, here).
+    The coordinator's half is SyncRounds': the codec's check_layout, a CodedFold per update fed the wire blob in
+    64 KiB chunks, base_plus_mean, the strategy's step; without a codec, the exact fold of the whole model."""
+    from coordinator.aggregate import CodedFold, WeightedSum
     from coordinator.drivers import sync as rules
     from coordinator.strategies import make_strategy
     from coordinator.tasks import site_seed
-    from plexus.models import build_job_model, load_numpy_state, state_to_numpy
-    from plexus.wire import Layout, encode
+    from plexus.models import build_job_model, load_numpy_state, state_to_numpy, state_views
+    from plexus.wire import Layout, encode, iter_chunks
     from site_agent.local import local_update
 
     names = sorted(task.sites)
@@ -402,18 +388,21 @@ def simulate(task, job, job_id: str, state_root: Path) -> tuple[dict, list[dict]
         raise ValueError(f"{job.strategy.name} holds whole updates; compression runs only on mean rules")
     current = state_to_numpy(build_job_model(job))
     model_layout = Layout.of(current)
-    delta_layout = Layout.build([(t.name, "F64", t.shape) for t in model_layout.tensors])
     spec = getattr(job, "compression", None)
-    codec = None if spec is None or spec.uplink.codec == "none" else codecs().uplink_codec(spec.uplink, seed=job.seed)
+    coded = spec is not None and spec.uplink.codec != "none"
+    if coded:
+        from site_agent.uplink import coded_uplink, encode_update, model_delta, rounding_rng
+
+        site_codec, coordinator_codec = coded_uplink(job), rules.compressed_uplink(job)
     down_spec = None if spec is None else spec.downlink
     sizes = {s: len(task.sites[s].y_train) for s in names}
-    held: dict[str, dict] = {}        # site -> the model it decoded last round
-    residuals: dict[str, dict] = {}   # site -> its residual (kept once the update was accepted: always, here)
+    held: dict[str, dict] = {}                # site -> the model it decoded last round
+    residuals: dict[str, dict | None] = {}    # site -> its residual (kept once the update was accepted: always)
     stats = []
     for round_ in range(1, job.rounds + 1):
         participants = rules.choose(strategy, round_, names, names)
         rules.opened(strategy, round_, participants, names)
-        total = WeightedSum(model_layout if codec is None else delta_layout)
+        total = WeightedSum(model_layout)
         up_bytes = down_bytes = 0
         for site in participants:
             start, nbytes = downlink(down_spec, current, held.get(site))
@@ -426,32 +415,31 @@ def simulate(task, job, job_id: str, state_root: Path) -> tuple[dict, list[dict]
                                  site=site, job_id=job_id, seed=seed,
                                  local_steps=rules.local_steps(strategy, site, sizes), state_dir=state_root / site)
             weight = 1 if rules.uniform_weights(strategy, None) else local.result.num_samples
-            if codec is None:   # today: the trained model travels whole
+            if not coded:   # today: the trained model travels whole
                 _, blob = encode(local.update)
-                values = local.update.values()
-                up_bytes += len(blob)
+                max_abs = max((float(np.abs(a).max()) for a in local.update.values() if a.size), default=0.0)
+                total.fold([blob], weight, max_abs, nbytes=len(blob))
             else:
-                delta = {k: local.update[k] - start[k] for k in current}   # float32 (or the tensor's own dtype)
-                values, residuals[site], nbytes = uplink(codec, model_layout, delta, residuals.get(site), round_,
-                                                         np.random.default_rng(seed))
-                _, blob = encode(values)
-                values = values.values()
-                up_bytes += nbytes
-            max_abs = max((float(np.abs(a).max()) for a in values if a.size), default=0.0)
-            total.fold([blob], weight, max_abs, nbytes=len(blob))
+                trained = state_views(model)
+                upload = encode_update(site_codec, Layout.of(trained), model_delta(trained, start),
+                                       residuals.get(site) if site_codec.feedback else None, round_=round_,
+                                       rng=rounding_rng(seed))
+                wire_layout, blob = encode(upload.wire)
+                coordinator_codec.check_layout(model_layout, wire_layout, round_=round_)
+                fold = CodedFold(total, weight, lambda w=wire_layout, r=round_:
+                                 coordinator_codec.decoder(model_layout, w, round_=r))
+                for _, chunk in iter_chunks(blob, CHUNK_BYTES):
+                    fold.add(chunk)
+                fold.finish()
+                residuals[site] = upload.residual
+            up_bytes += len(blob)
             local.commit()
-        mean = total.mean()
-        if codec is not None:   # current + Σ w_k Δ_k / Σ w_k
-            mean = {k: _cast(current[k].astype(np.float64) + mean[k], current[k].dtype) for k in current}
+        mean = rules.base_plus_mean(current, total) if coded else total.mean()
         current = rules.aggregate_mean(strategy, round_, current if rules.reads_current(strategy) else None, mean,
                                        sorted(participants))
-        current = {k: np.asarray(v) for k, v in current.items()}
+        current = {k: np.array(v) for k, v in current.items()}
         stats.append({"up": up_bytes, "down": down_bytes})
     return current, stats
-
-
-def _cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    return (values if dtype.kind == "f" else np.rint(values)).astype(dtype)
 
 
 def accuracy_cell(dataset: str, case: str, seed: int, rounds: int | None, quick: bool, fraction: float,
@@ -479,7 +467,7 @@ def accuracy_cell(dataset: str, case: str, seed: int, rounds: int | None, quick:
     model = build_job_model(job)
     load_numpy_state(model, final)
     return {"dataset": dataset, "case": case, "seed": seed, "rounds": rounds, "scores": strategies.scores(model, task),
-            "per_round": stats, "seconds": time.monotonic() - t0}
+            "per_round": stats, "final_model_sha256": model_digest(final), "seconds": time.monotonic() - t0}
 
 
 # --- modes --------------------------------------------------------------------------------------------------
@@ -542,8 +530,32 @@ def mode_accuracy(args, say) -> dict:
             results.append(r)
     summary = summarise_accuracy(results)
     say("\n" + accuracy_table(summary))
-    return {"seeds": list(range(args.seeds)), "quick": args.quick, "runs": results, "summary": summary,
-            "recipes": {d: recipe(d, args.quick, args.rounds) for d in args.datasets}}
+    fidelity = compare(results, args.compare, args.quick, say) if args.compare else None
+    return {"fidelity": fidelity, "seeds": list(range(args.seeds)), "quick": args.quick, "runs": results,
+            "summary": summary, "recipes": {d: recipe(d, args.quick, args.rounds) for d in args.datasets}}
+
+
+def compare(results: list[dict], path: Path, quick: bool, say) -> dict:
+    """Each in-process final model against the real federation's of the same case in a `bytes` results file
+    (seed 0, every site, the same rounds): equal digests mean the loop here is the federation, bit for bit."""
+    runs = json.loads(path.read_text())["runs"]
+    full = {"heart": 4, "fmnist": 8}
+    out = {}
+    for r in results:
+        if "error" in r or r["seed"] != 0 or quick:
+            continue
+        fed = next((f for f in runs if f.get("dataset") == r["dataset"] and f.get("case") == r["case"]
+                    and f.get("rounds") == r["rounds"] and f.get("sites") == full[r["dataset"]]
+                    and f.get("final_model", {}).get("version") == r["rounds"]), None)
+        if fed is None:
+            continue
+        same = fed["final_model"]["sha256"] == r["final_model_sha256"]
+        out[f"{r['dataset']} {r['case']}"] = same
+        say(f"{r['dataset']} {r['case']}: in-process model {'==' if same else '!='} the real federation's "
+            f"after {r['rounds']} rounds ({'bit for bit' if same else 'DIFFERENT'})")
+    if not out:
+        say(f"--compare: no run in {path} matches (seed 0, every site, {results[0].get('rounds')} rounds)")
+    return out
 
 
 def recipe(dataset: str, quick: bool, rounds: int | None) -> dict:
@@ -682,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--rounds", type=int, help="rounds (default: heart 50, fmnist 12, as bench.strategies)")
     a.add_argument("--quick", action="store_true", help="bench.strategies' --quick data (2k F-MNIST images)")
     a.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    a.add_argument("--compare", type=Path, metavar="BYTES_JSON",
+                   help="check each final model against the real federation's in a `bytes` results file")
     w = sub.add_parser("wan", parents=[common], help="time to target over emulated WAN links, real federations")
     w.add_argument("--model", choices=["mlp", "vector"], default="mlp")
     w.add_argument("--codecs", type=_list, default=list(WAN_CODECS))
