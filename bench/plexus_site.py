@@ -67,7 +67,8 @@ class BenchSiteAgent(SiteAgent):
             return self.report(stub, task, fpb.RESULT_DECLINED, reason)
         if task.kind == fpb.TASK_EVALUATE:   # nothing to evaluate on a bare vector
             return self.report(stub, task, fpb.RESULT_EVALUATED, "", {})
-        if task.kind != fpb.TASK_TRAIN:      # secure aggregation: the stock protocol code, trivial training
+        if task.kind != fpb.TASK_TRAIN or getattr(job, "compression", None) is not None:
+            # Secure aggregation, update compression (issue #15): the stock code, with trivial training
             return super().handle(stub, task)
         layout = self._layout(job)
         stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=call_timeout(task))

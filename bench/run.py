@@ -66,6 +66,10 @@ def child(spec: dict) -> dict:
         from bench import flower_side
 
         return flower_side.run_case(spec["size"], spec["sites"], spec["rounds"], workdir, chunks=spec["chunks"])
+    if kind == "compression":
+        from bench import compression
+
+        return compression.run_case(spec)
     if kind == "aggregate":
         from bench import aggregate_speed
 

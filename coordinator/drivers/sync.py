@@ -768,14 +768,18 @@ class SyncRounds:
         elif job.codec is not None:
             # Compressed updates are Δs from the model the sites started from: base + Σ w·Δ / Σ w.
             mean = self._central_noise(rs, base_plus_mean(job.base, rs.total))
-            self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.state, mean,
+            self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.base, mean,
                                                           sorted(rs.contributors)))
         else:
-            if not reads_current(job.strategy):
+            # A rule steps from the model the sites started from (job.base: under a compressed downlink, the
+            # model they decoded), so its pseudo-gradient is their mean Δ and no quantisation error of the
+            # downlink enters it.
+            current = job.base if reads_current(job.strategy) else None
+            if current is None:
                 job.release_model()   # the old model goes before the new one
             blob = rs.total.mean_blob(release=True)
             mean = self._central_noise(rs, decode(job.update_layout, blob))
-            state = aggregate_mean(job.strategy, rs.round, job.state, mean, sorted(rs.contributors))
+            state = aggregate_mean(job.strategy, rs.round, current, mean, sorted(rs.contributors))
             reuse = state is mean and job.cfg.privacy.dp is None
             self._close_training_round(rs, state, blob if reuse else None)
 
@@ -840,7 +844,7 @@ class SyncRounds:
                     mean[name] = (current.astype(np.float64) + delta[name]).astype(current.dtype)
                 rs.contributors, rs.samples = list(sec.u3), weight
                 mean = self._central_noise(rs, mean)   # central DP: on the unmasked mean of the survivors
-                self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.state, mean,
+                self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.base, mean,
                                                               sorted(rs.contributors)))
                 return
         except PlexusError as exc:   # too few sites answered a phase, or too few honest shares
