@@ -42,8 +42,8 @@ SECURE = "privacy: {secure_aggregation: true, secagg: {phase_timeout_s: 600}}\n"
 
 def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int = 4, timeout_s: float = 900,
              deadline_s: float = 600, secure: bool = False, settings: dict | None = None,
-             uplink: str | None = None) -> dict:
-    """`uplink`: the job's compression.uplink block as YAML flow (e.g. "{codec: int8}"); None: no compression."""
+             compression: str | None = None) -> dict:
+    """`compression`: the job's compression block as YAML flow (e.g. "{uplink: {codec: int8}}"); None: none."""
     from plexus.admin_client import AdminClient
 
     root = workdir / "pki"
@@ -53,7 +53,7 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PLEXUS_LOG=os.environ.get("PLEXUS_LOG", "WARNING"))
     result: dict = {"system": "plexus", "size": size, "sites": sites, "rounds": rounds, "chunks": chunks,
-                    "model_bytes": size * 4, "secure": secure, "uplink": uplink}
+                    "model_bytes": size * 4, "secure": secure, "compression": compression}
     try:
         # cwd: `python -m` puts it first on sys.path, so every process runs this checkout's code
         # (bench/run.py --at-commit: the archived one), not the caller's cwd nor the editable install.
@@ -79,7 +79,7 @@ def run_case(size: int, sites: int, rounds: int, workdir: Path, *, chunks: int =
             lo0 = lo_counters()
             job_id = client.submit(JOB.format(size=size, sites=sites, rounds=rounds, chunks=chunks,
                                               deadline=deadline_s) + (SECURE if secure else "")
-                                   + (f"compression: {{uplink: {uplink}}}\n" if uplink else "")).job_id
+                                   + (f"compression: {compression}\n" if compression else "")).job_id
             closes: dict[int, tuple[float, tuple[int, int]]] = {}
             phases: dict[tuple[int, str], tuple[int, int]] = {}   # (round, "secagg_mask", ...) -> lo counters
             status = "unknown"

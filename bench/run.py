@@ -61,7 +61,7 @@ def child(spec: dict) -> dict:
 
         return plexus_side.run_case(spec["size"], spec["sites"], spec["rounds"], workdir, chunks=spec["chunks"],
                                     secure=spec.get("secure", False), settings=spec.get("settings"),
-                                    uplink=spec.get("uplink"))
+                                    compression=spec.get("compression"))
     if kind == "flower":
         from bench import flower_side
 

@@ -1,7 +1,7 @@
 """Secure aggregation's cost: one federation round with and without it, side by side.
 
     python -m bench.secagg_cost [--sizes 1M,10M] [--sites 4,8,16] [--rounds 3] [--codec none,int8,randk]
-                                [--randk-fraction 0.1] [--out secagg.json]
+                                [--randk-fraction 0.1] [--downlink delta8] [--out secagg.json]
 
 Each (P, N) case runs plain and secure alternately, each in its own network namespace so loopback
 byte counts are that federation's alone (see README.md). Round time = time between consecutive
@@ -11,6 +11,7 @@ round closes after the first round; bytes = loopback payload per round.
 16, randk a fraction of the entries in 32) and compares each with the uncompressed secure round: the
 whole round's bytes (the model download included, which the uplink codec does not shrink) and the
 secure protocol's (shares, masked inputs, reveals: from the share phase's event to the round's close).
+--downlink also serves the model compressed (fp16 or delta8) in every secure run but the uncompressed one.
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ from bench.run import label, netns_available, parse_size, run_child
 SECURE_CODECS = ("none", "int8", "fp16", "randk")
 
 
-def uplink_of(codec: str, fraction: float) -> str | None:
-    """The job's compression.uplink block for `codec` (None: no compression block at all, as before)."""
-    if codec == "none":
-        return None
-    return f"{{codec: randk, fraction: {fraction}}}" if codec == "randk" else f"{{codec: {codec}}}"
+def compression_of(codec: str, fraction: float, downlink: str) -> str | None:
+    """The job's compression block for uplink `codec` and the downlink codec (None: no block at all, as before)."""
+    parts = []
+    if codec != "none":
+        parts.append(f"uplink: {{codec: randk, fraction: {fraction}}}" if codec == "randk" else
+                     f"uplink: {{codec: {codec}}}")
+    if downlink != "none":
+        parts.append(f"downlink: {{codec: {downlink}}}")
+    return f"{{{', '.join(parts)}}}" if parts else None
 
 
 def mib(value) -> str:
@@ -44,6 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--codec", default="none", help=f"uplink codecs of the secure runs, of {', '.join(SECURE_CODECS)}")
     ap.add_argument("--randk-fraction", type=float, default=0.1)
+    ap.add_argument("--downlink", default="none", choices=("none", "fp16", "delta8"),
+                    help="the served model's codec in the compressed secure runs (the baseline stays uncompressed)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     codecs = args.codec.split(",")
@@ -52,6 +59,8 @@ def main(argv=None) -> int:
         ap.error(f"--codec {', '.join(unknown)}: secure aggregation takes {', '.join(SECURE_CODECS)}")
     if "none" not in codecs:
         codecs.insert(0, "none")   # the uncompressed secure round: what the others are compared with
+    if args.downlink != "none":   # "none" stays the uncompressed baseline; its compressed-downlink run is its own
+        codecs = ["none"] + [f"{c}+{args.downlink}" for c in codecs]
     netns = netns_available()
     if not netns:
         print("note: no network namespaces here; loopback bytes include everything else on the machine")
@@ -62,9 +71,11 @@ def main(argv=None) -> int:
                 runs = {}
                 for name in ["plain", *codecs]:
                     secure = name != "plain"
+                    uplink, _, downlink = name.partition("+")
                     spec = {"kind": "plexus", "size": size, "sites": sites, "rounds": args.rounds, "chunks": 4,
-                            "secure": secure, "uplink": uplink_of(name, args.randk_fraction) if secure else None,
-                            "workdir": str(Path(tmp) / f"{size}-{sites}-{name}")}
+                            "secure": secure, "workdir": str(Path(tmp) / f"{size}-{sites}-{name}"),
+                            "compression": compression_of(uplink, args.randk_fraction, downlink or "none")
+                            if secure else None}
                     runs[name] = run_child(spec, netns=netns, timeout_s=1800)
                 row = {"size": size, "sites": sites, "plain": runs["plain"], "secure": runs["none"],
                        "codecs": {c: runs[c] for c in codecs}}
@@ -88,7 +99,7 @@ def main(argv=None) -> int:
                         f"{what} x{r[key] / secure[key]:.3f}" for what, key in (
                             ("round", "bytes_per_round"), ("protocol", "protocol_bytes_per_round"))
                         if r.get(key) and secure.get(key))
-                    name = f"randk {args.randk_fraction:g}" if codec == "randk" else codec
+                    name = codec.replace("randk", f"randk {args.randk_fraction:g}")
                     print(f"      secure {name:<10} {r['median_round_s']:7.3f}s  round {mib(r['bytes_per_round'])}  "
                           f"protocol {mib(r.get('protocol_bytes_per_round'))}   vs none: {ratios}", flush=True)
     if args.out:
