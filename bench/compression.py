@@ -66,12 +66,12 @@ FRACTION = 0.01
 UPLINK = {   # codec -> the round config's compression.uplink block (topk/randk get `fraction` added)
     "none": {"codec": "none"},
     "fp16": {"codec": "fp16"},
-    "int8": {"codec": "int8", "block": 256},
+    "int8": {"codec": "int8"},                 # blocks of 256 (its default; refused under secure aggregation)
     "randk": {"codec": "randk"},
     "topk": {"codec": "topk"},
     "adacomp": {"codec": "adacomp"},
 }
-DOWNLINK = {"none": {"codec": "none"}, "fp16": {"codec": "fp16"}, "delta8": {"codec": "delta8", "block": 256}}
+DOWNLINK = {"none": {"codec": "none"}, "fp16": {"codec": "fp16"}, "delta8": {"codec": "delta8"}}   # delta8: 256
 CODECS = ("none", "fp16", "int8", "randk", "topk", "adacomp")
 SECURE_CODECS = ("none", "int8", "randk")     # topk/adacomp cannot be summed under masks (the spec refuses them)
 WAN_CODECS = CODECS + ("int8/delta8",)

@@ -46,8 +46,8 @@ def test_the_cases_make_the_round_configs_the_spec_describes():
     assert compression.compression_block("none") is None and compression.compression_block("sa:none") is None
     assert compression.compression_block("topk") == {"uplink": {"codec": "topk", "fraction": 0.01}}
     assert compression.compression_block("sa:randk", 0.1) == {"uplink": {"codec": "randk", "fraction": 0.1}}
-    assert compression.compression_block("int8/delta8") == {"uplink": {"codec": "int8", "block": 256},
-                                                            "downlink": {"codec": "delta8", "block": 256}}
+    assert compression.compression_block("int8/delta8") == {"uplink": {"codec": "int8"},
+                                                            "downlink": {"codec": "delta8"}}
     with pytest.raises(ValueError):
         compression.compression_block("zip")
     fed = compression.federation("heart", 3)
