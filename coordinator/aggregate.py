@@ -272,7 +272,31 @@ class WeightedSum:
         return decode(self.layout, self.mean_blob())
 
 
-class Fold:
+class _Entering:
+    """What every update entering a WeightedSum shares: its state, and leaving the sum's books when undone."""
+
+    total: WeightedSum
+    weight: int
+    state: str
+    _peak: float
+
+    def _leave(self, *, dense: bool) -> None:
+        """Give back its part of the range and, if it had finished, its count and weight. Lock held."""
+        total = self.total
+        total._bound -= self.weight * self._peak
+        if self.state == "done":
+            total.count -= 1
+            total._magic -= int(dense)
+            total.total_weight -= self.weight
+        self.state = "undone"
+
+    def _require_open(self) -> None:
+        if self.state != "open":
+            raise RoundClosed("this update was taken out of the round's sum: the round closed while it was "
+                              "arriving, or it was refused")
+
+
+class Fold(_Entering):
     """One update entering a WeightedSum piece by piece (WeightedSum.begin).
 
     add() folds each piece as it arrives; finish() counts the update once it is complete; undo()
@@ -340,20 +364,10 @@ class Fold:
             if position != self.position:
                 total._poisoned = (f"an update could not be taken out again: its journal held {position} of the "
                                    f"{self.position} bytes folded")
-            total._bound -= self.weight * self._peak
-            if self.state == "done":
-                total.count -= 1
-                total._magic -= 1
-                total.total_weight -= self.weight
-            self.state = "undone"
-
-    def _require_open(self) -> None:
-        if self.state != "open":
-            raise RoundClosed("this update was taken out of the round's sum: the round closed while it was "
-                              "arriving, or it was refused")
+            self._leave(dense=True)
 
 
-class CodedFold:
+class CodedFold(_Entering):
     """One compressed update (plexus.compression) entering a WeightedSum as it streams: each wire chunk goes
     through the codec's Decoder, and every decoded piece is folded exactly, dense pieces over their element
     range and sparse pieces scatter-added at their indices. Each element adds rint(fl(v·w)·2**32), the same
@@ -424,16 +438,7 @@ class CodedFold:
             if left > 0:
                 total._poisoned = (f"a compressed update could not be taken out again: its journal held "
                                    f"{self.received - left} of the {self.received} bytes folded")
-            total._bound -= self.weight * self._peak
-            if self.state == "done":
-                total.count -= 1
-                total.total_weight -= self.weight
-            self.state = "undone"
-
-    def _require_open(self) -> None:
-        if self.state != "open":
-            raise RoundClosed("this update was taken out of the round's sum: the round closed while it was "
-                              "arriving, or it was refused")
+            self._leave(dense=False)
 
 
 def _as_int64(value: int) -> np.int64:

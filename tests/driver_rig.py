@@ -52,6 +52,10 @@ class DriverRig:
         """What Engine.submit_update does with the driver; `chunks(blob, cuts)` gives the stream as (offset, data)
         chunks (default: 4 bytes each), `cuts` what the driver asked to cut it with."""
         header, blob = self.header(grant, values, num_samples, **fields)
+        return self.stream(site, grant, header, blob, chunks=chunks)
+
+    def stream(self, site: str, grant: TaskGrant, header: UpdateHeader, blob, *, chunks=None) -> str:
+        """Stream an update's blob under its header as Engine.submit_update does; the driver's reply."""
         cuts = []
         upload = self.driver.upload(site, grant, header, cuts.append)
         try:

@@ -119,16 +119,7 @@ class Rig(DriverRig):
         layout, blob = encode(tensors)
         header = UpdateHeader(task=Binding(grant.task_id, grant.job_id, grant.round, grant.nonce),
                               num_samples=num_samples, layout=layout)
-        upload = self.driver.upload(site, grant, header, lambda exc: None)
-        try:
-            try:
-                upload.receive((o, bytes(d)) for o, d in iter_chunks(blob, 4))
-            except BaseException as exc:
-                self.driver.refused(site, grant, upload, exc)
-                raise
-            return self.driver.accepted(site, grant, header, upload)
-        finally:
-            self.driver.ended_upload(site, upload)
+        return self.stream(site, grant, header, blob)
 
     def outcome(self, site: str) -> tuple[str, str]:
         return next((status, reason) for s, status, r, reason in self.store.site_events(self.job_id) if s == site)

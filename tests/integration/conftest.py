@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator import aggregate
 from plexus import pki
 
 from integration.harness import HOSPITAL_OF, Federation, Processes
@@ -36,3 +37,22 @@ def procs(tmp_path):
     p = Processes(tmp_path)
     yield p
     p.stop_all()
+
+
+@pytest.fixture
+def masked_blobs(monkeypatch):
+    """Every masked input the coordinator's masked sum took in whole: (its layout, its bytes as received)."""
+    seen, pieces = [], {}
+    add, finish = aggregate.MaskedFold.add, aggregate.MaskedFold.finish
+
+    def recording_add(self, piece, max_abs=0.0):
+        pieces.setdefault(id(self), []).append(bytes(piece))
+        return add(self, piece, max_abs)
+
+    def recording_finish(self):
+        finish(self)
+        seen.append((self.total.layout, b"".join(pieces.pop(id(self)))))
+
+    monkeypatch.setattr(aggregate.MaskedFold, "add", recording_add)
+    monkeypatch.setattr(aggregate.MaskedFold, "finish", recording_finish)
+    return seen

@@ -18,7 +18,7 @@ from site_agent.training import train_local
 
 from integration.harness import HOSPITAL_OF, scaled, wait_until
 from integration.rogue import rogue_federation, site_agents
-from integration.test_secure_aggregation import CLIP, DropsOut, masked_inputs, start_agent  # noqa: F401  (fixture)
+from integration.test_secure_aggregation import CLIP, DropsOut, start_agent, u32
 from state_db import query
 
 ASYNC_SECURE_JOB = """\
@@ -59,7 +59,7 @@ def first_updates(job_yaml: str, sites, tasks: dict[str, int] | None = None
     return initial, deltas, samples
 
 
-def test_an_asynchronous_secure_job_makes_its_versions_from_cohorts_of_three(federation, masked_inputs):  # noqa: F811
+def test_an_asynchronous_secure_job_makes_its_versions_from_cohorts_of_three(federation, masked_blobs):
     for name in "abcd":
         start_agent(federation, name)
     federation.wait_online(*"abcd")
@@ -74,6 +74,7 @@ def test_an_asynchronous_secure_job_makes_its_versions_from_cohorts_of_three(fed
     metrics = {(m.round, m.site, m.name): m.value for m in detail.metrics if m.kind == "async"}
     assert metrics[(2, "", "cohort_round")] > metrics[(1, "", "cohort_round")] > 2    # one id per cohort
     # a site's update only ever reached the coordinator masked: uniform-looking bytes, one per contribution
+    masked_inputs = u32(masked_blobs)
     assert len(masked_inputs) >= 6
     for vector in masked_inputs:
         counts = np.bincount(vector.view(np.uint8), minlength=256)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator import aggregate
 from plexus.config import UplinkSpec, parse_round_config
 from plexus.datasets import heart_disease
 from plexus.models import build_model, state_to_numpy
@@ -23,25 +22,6 @@ def compressed_job(codec: str, clip: float, *, seed: int) -> str:
     return heart_job(rounds=1, min=3, seed=seed, deadline=scaled(5)) + (
         f"privacy: {{secure_aggregation: true, secagg: {{clip: {clip}, phase_timeout_s: {scaled(2)}}}}}\n"
         f"compression: {{uplink: {{codec: {codec}}}}}\n")
-
-
-@pytest.fixture
-def masked_blobs(monkeypatch):
-    """Every masked input the coordinator's masked sum took in whole: (its layout, its bytes as received)."""
-    seen, pieces = [], {}
-    add, finish = aggregate.MaskedFold.add, aggregate.MaskedFold.finish
-
-    def recording_add(self, piece, max_abs=0.0):
-        pieces.setdefault(id(self), []).append(bytes(piece))
-        return add(self, piece, max_abs)
-
-    def recording_finish(self):
-        finish(self)
-        seen.append((self.total.layout, b"".join(pieces.pop(id(self)))))
-
-    monkeypatch.setattr(aggregate.MaskedFold, "add", recording_add)
-    monkeypatch.setattr(aggregate.MaskedFold, "finish", recording_finish)
-    return seen
 
 
 def run(federation, job_yaml: str) -> str:
