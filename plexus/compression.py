@@ -102,6 +102,19 @@ def _default(value, default):
     return default if value is None else value
 
 
+def _wire_layout(model: Layout, parts) -> Layout:
+    """Each float tensor n of `model` as its codec's entries n/<part> (`parts(t)`: (part, dtype, shape) triples),
+    any other tensor as n/dense.values in its own dtype."""
+    specs = []
+    for t in model.tensors:
+        _check_name(t.name)
+        if t.dtype not in FLOAT_DTYPES:
+            specs.append((f"{t.name}/{_DENSE}", t.dtype, (t.numel,)))
+        else:
+            specs += [(f"{t.name}/{part}", dtype, shape) for part, dtype, shape in parts(t)]
+    return Layout.build(specs)
+
+
 def _check_name(name: str) -> None:
     if "/" in name:
         raise ValueError(f"tensor name {name!r} contains '/'; compressed updates name their entries "
@@ -153,14 +166,7 @@ class UplinkCodec:
 
     def wire_layout(self, model: Layout, *, round_: int, counts: Mapping[str, int] | None = None) -> Layout:
         """The layout an update for `model` must have (counts: adacomp's data-dependent m per tensor)."""
-        specs = []
-        for t in model.tensors:
-            _check_name(t.name)
-            if t.dtype not in FLOAT_DTYPES:
-                specs.append((f"{t.name}/{_DENSE}", t.dtype, (t.numel,)))
-            else:
-                specs += [(f"{t.name}/{part}", dtype, shape) for part, dtype, shape in self._parts(t, counts)]
-        return Layout.build(specs)
+        return _wire_layout(model, lambda t: self._parts(t, counts))
 
     def _parts(self, t: TensorMeta, counts: Mapping[str, int] | None) -> list[tuple[str, str, tuple[int, ...]]]:
         raise NotImplementedError
@@ -678,14 +684,7 @@ class DownlinkCodec:
 
     def wire_layout(self, model: Layout) -> Layout:
         """The layout of the served wire tensors for `model`."""
-        specs = []
-        for t in model.tensors:
-            _check_name(t.name)
-            if t.dtype not in FLOAT_DTYPES:
-                specs.append((f"{t.name}/{_DENSE}", t.dtype, (t.numel,)))
-            else:
-                specs += [(f"{t.name}/{part}", dtype, shape) for part, dtype, shape in self._parts(t)]
-        return Layout.build(specs)
+        return _wire_layout(model, self._parts)
 
     def _parts(self, t: TensorMeta) -> list[tuple[str, str, tuple[int, ...]]]:
         raise NotImplementedError

@@ -42,15 +42,20 @@ def frac_bits(clip: float) -> int:
     return _HEADROOM_BITS - ceil_log2
 
 
-def quantize(delta: np.ndarray, weight: float, clip: float, bits: int) -> np.ndarray:
-    """round(clip(delta, ±clip) * weight * 2**bits) as uint32 (two's complement mod 2**32), same shape."""
-    delta = np.asarray(delta)
+def _check_inputs(delta: np.ndarray, weight: float) -> None:
+    """TypeError/ValueError unless delta holds real numbers and 0 < weight <= 1."""
     if not (np.issubdtype(delta.dtype, np.floating) or np.issubdtype(delta.dtype, np.integer)):
         raise TypeError(f"delta must hold real numbers, not {delta.dtype}")
     if isinstance(weight, bool) or not isinstance(weight, (int, float, np.floating, np.integer)):
         raise TypeError(f"weight must be a number, not {type(weight).__name__}")
     if not 0 < weight <= 1:
         raise ValueError(f"weight must be in (0, 1] (num_samples / total_weight), got {weight}")
+
+
+def quantize(delta: np.ndarray, weight: float, clip: float, bits: int) -> np.ndarray:
+    """round(clip(delta, ±clip) * weight * 2**bits) as uint32 (two's complement mod 2**32), same shape."""
+    delta = np.asarray(delta)
+    _check_inputs(delta, weight)
     check_int(bits, "bits")
     limit = frac_bits(clip)
     if bits > limit:
@@ -154,12 +159,7 @@ class Field:
         if self.bits == 32:
             return quantize(np.asarray(delta).reshape(-1), weight, self.clip, self.frac_bits)
         delta = np.asarray(delta).reshape(-1)
-        if not (np.issubdtype(delta.dtype, np.floating) or np.issubdtype(delta.dtype, np.integer)):
-            raise TypeError(f"delta must hold real numbers, not {delta.dtype}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float, np.floating, np.integer)):
-            raise TypeError(f"weight must be a number, not {type(weight).__name__}")
-        if not 0 < weight <= 1:
-            raise ValueError(f"weight must be in (0, 1] (num_samples / total_weight), got {weight}")
+        _check_inputs(delta, weight)
         if rng is None:
             rng = np.random.default_rng(secrets.randbits(128))
         x = _clipped(delta, self.clip)

@@ -55,13 +55,6 @@ def _job_text(uplink: str | None = None, extra: str = "") -> str:
     return JOB + ("" if uplink is None else f"compression: {{uplink: {uplink}}}\n") + extra
 
 
-@pytest.fixture(scope="module")
-def kit(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pki") / "federation"
-    pki.init_federation(root, "compression-test", hosts=["127.0.0.1"])
-    return pki.add_site(root, "a")
-
-
 class Refused(grpc.RpcError):
     """What a real stub raises when the coordinator refuses an update."""
 

@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from plexus import pki
 from plexus.config import DatasetSpec, EmulationSpec, PolicySpec, SiteConfig, parse_round_config
 from plexus.models import build_job_model, state_to_numpy
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
@@ -31,13 +30,6 @@ rounds: 5
 sites: {min: 3}
 privacy: {secure_aggregation: SECURE}
 """
-
-
-@pytest.fixture(scope="module")
-def kit(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pki") / "federation"
-    pki.init_federation(root, "emulation-test", hosts=["127.0.0.1"])
-    return pki.add_site(root, "a")
 
 
 class Waits(threading.Event):
