@@ -167,6 +167,30 @@ def async_spec(detail: admin_pb2.JobDetail):
         return None
 
 
+def compression_summary(detail: admin_pb2.JobDetail) -> str | None:
+    """How the job's updates and models travel, for `job show` ("uplink topk (fraction 0.01, error feedback),
+    downlink delta8"); None without a compression block (or a config this CLI cannot read)."""
+    from plexus.config import parse_round_config
+    from plexus.errors import ConfigError
+
+    try:
+        cfg = parse_round_config(detail.config_yaml, source=f"job {detail.summary.job_id}")
+    except ConfigError:
+        return None
+    if cfg.compression is None:
+        return None
+    up, down = cfg.compression.uplink, cfg.compression.downlink
+    given = [f"{key} {getattr(up, key):g}" for key in ("fraction", "k", "block", "bin_conv", "bin_dense")
+             if getattr(up, key) is not None]
+    if up.codec in ("topk", "randk"):   # on unless turned off; randk under secure aggregation keeps none
+        default = not (up.codec == "randk" and cfg.privacy.secure_aggregation)
+        feedback = default if up.error_feedback is None else up.error_feedback
+        given.append("error feedback" if feedback else "no error feedback")
+    uplink = f"uplink {up.codec}" + (f" ({', '.join(given)})" if given else "")
+    downlink = f"downlink {down.codec}" + (f" (block {down.block})" if down.block is not None else "")
+    return f"{uplink}, {downlink}"
+
+
 def async_ledger(detail: admin_pb2.JobDetail) -> dict[int, dict[str, dict[str, float]]]:
     """An asynchronous job's flush records (kind "async"): version -> site ("" for the version as a whole) ->
     name -> value (updates, staleness_mean, staleness_<τ>, contributions, refused_stale)."""

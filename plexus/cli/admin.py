@@ -124,7 +124,7 @@ def _job_show(args) -> int:
 
 def print_job(detail, *, as_json: bool = False) -> None:
     """What `plexus job show` prints of a JobDetail."""
-    from plexus.admin_client import async_view, epsilon_by_round, mean_eval, noise_reproducible
+    from plexus.admin_client import async_view, compression_summary, epsilon_by_round, mean_eval, noise_reproducible
     from plexus.dp import NOT_PRIVATE
 
     evals = mean_eval(detail)
@@ -142,6 +142,8 @@ def print_job(detail, *, as_json: bool = False) -> None:
     print(printable(f"job {s.job_id}  ({s.name}, {s.strategy})  status: {s.status}  {where}"))
     if view is not None:
         print(f"  {_async_mode(view['mode'])}")
+    if (travels := compression_summary(detail)) is not None:
+        print(f"  compression: {travels}")
     if s.message:
         print(f"  {printable(s.message)}")
     if noise_reproducible(detail):

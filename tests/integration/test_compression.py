@@ -129,3 +129,4 @@ def test_a_site_sending_an_out_of_range_index_is_refused_with_invalid_argument_a
     rounds = {r.round: r for r in admin.job(job_id).rounds}
     assert sorted(rounds[1].contributors) == ["a", "b", "c"]
     assert task.kind == fpb.TASK_TRAIN
+
