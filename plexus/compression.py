@@ -3,7 +3,7 @@ and the streaming Decoder the coordinator folds compressed updates from.
 
 An uplink codec turns each float tensor `n` of Δ into wire entries `n/<codec>.<part>` (plain wire tensors, so
 an update is still one `plexus.wire` layout and blob); a non-float tensor travels as `n/dense.values`, exact.
-Names sort so that an entry's scales or indices arrive before the values they govern. The coordinator never
+Names sort so that an entry's scales or gaps arrive before the values they govern. The coordinator never
 rebuilds a dense update from a sparse one: the Decoder checks the codec's semantics as the bytes stream in and
 hands out pieces (dense runs or sparse index/value sets) whose values are exactly what `decode` computes.
 
@@ -26,6 +26,7 @@ from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, TensorMeta
 
 F32 = np.dtype("<f4")
 MIN_BLOCK, MAX_BLOCK = 16, 65536
+MAX_GAP = 65535   # the largest step between two sent indices a U16 gap can hold
 _DENSE = "dense.values"
 
 
@@ -348,22 +349,40 @@ class _SparseUplink(UplinkCodec):
 
 
 class TopkUplink(_SparseUplink):
-    """The k entries of largest |G| (ties: the lower index), sent exactly as float32."""
+    """The k entries of largest |G| (ties: the lower index) as gaps and int8 values (_sparse_entries), every
+    chosen entry kept even where q is 0. With error feedback the residual keeps the quantisation error as well
+    as the entries not sent; without it that error is simply lost.
+
+    m = k + fillers, and how many fillers depends on where the k entries lie: the decoder cannot know it before
+    it reads the gaps, so check_layout only bounds m (k <= m <= k + (N − k) // 65535) and the Decoder checks
+    the gaps themselves as they stream."""
 
     name = "topk"
     shared_indices = False
 
     def _parts(self, t, counts):
-        k = self.k_of(t.numel)
-        return [("topk.indices", "U32", (k,)), ("topk.values", "F32", (k,))]
+        m = self.k_of(t.numel) if counts is None else counts[t.name]   # without counts: no fillers
+        return _gap_parts(self.name, m)
+
+    def _counts(self, model, wire):
+        return _gap_counts(self, model, wire)
+
+    def _m_range(self, numel: int) -> tuple[int, int, str]:
+        k = self.k_of(numel)
+        return k, k + (numel - k) // MAX_GAP, (f"k_of({numel}) = {k} entries and a filler for each {MAX_GAP} "
+                                               "positions between them")
+
+    def _why_shape(self, model, entry):
+        return " (one per gap)" if entry.endswith(".values") else ""
 
     def _encode_tensor(self, name, delta, g, ndim, round_, rng):
         idx = top_indices(g, self.k_of(g.size))
+        scale, q, rest_chosen = _int8_exact(g[idx], rng)
         rest = None
         if self.feedback:
             rest = g.copy()
-            rest[idx] = 0
-        return {"topk.indices": idx.astype("<u4"), "topk.values": g[idx]}, rest
+            rest[idx] = rest_chosen
+        return _sparse_entries(self.name, idx, scale, q), rest
 
 
 def top_indices(g: np.ndarray, k: int) -> np.ndarray:
@@ -404,8 +423,9 @@ class RandkUplink(_SparseUplink):
 
 class AdacompUplink(UplinkCodec):
     """AdaComp (Chen et al., AAAI 2018): per tensor G = R + Δ, H = G + Δ; in bins of bin_conv (ndim >= 3) or
-    bin_dense elements, send the entries with |H| >= max|G| of their bin, as int8 with one scale per tensor
-    (max|sent G|/127, stochastic rounding); the rest, and the quantisation error, stay in the residue."""
+    bin_dense elements, send the entries with |H| >= max|G| of their bin, as gaps and int8 values with one
+    scale per tensor (_int8_exact, _sparse_entries; entries whose q is 0 are dropped, fillers aside); the rest,
+    and the quantisation error, stay in the residue."""
 
     name = "adacomp"
     shared_indices = False
@@ -422,45 +442,84 @@ class AdacompUplink(UplinkCodec):
     def _parts(self, t, counts):
         if counts is None or t.name not in counts:
             raise ValueError(f"adacomp's layout depends on how many entries of {t.name!r} were sent; pass counts")
-        m = counts[t.name]
-        return [("adacomp.indices", "U32", (m,)), ("adacomp.scale", "F32", (1,)), ("adacomp.values", "I8", (m,))]
+        return _gap_parts(self.name, counts[t.name])
 
     def _counts(self, model, wire):
-        sent = {t.name: t for t in wire.tensors}
-        counts = {}
-        for t in model.tensors:
-            meta = sent.get(f"{t.name}/adacomp.indices")
-            if meta is None or t.dtype not in FLOAT_DTYPES:
-                counts[t.name] = 0   # the comparison then names the missing entry
-                continue
-            if len(meta.shape) != 1 or meta.shape[0] > t.numel:
-                raise IntegrityError(f"adacomp update entry {meta.name!r} has shape {list(meta.shape)}; it must "
-                                     f"list at most the tensor's {t.numel} elements, [m]", reason=Reason.LAYOUT)
-            counts[t.name] = meta.shape[0]
-        return counts
+        return _gap_counts(self, model, wire)
+
+    def _m_range(self, numel: int) -> tuple[int, int, str]:
+        # Fillers sit at distinct positions of the tensor like the entries they bridge, so m <= N.
+        return 0, numel, f"at most the tensor's {numel} elements"
+
+    def _why_shape(self, model, entry):
+        return " (one per gap)" if entry.endswith(".values") else ""
 
     def _encode_tensor(self, name, delta, g, ndim, round_, rng):
         n = g.size
         size = self.bin_conv if ndim >= 3 else self.bin_dense
         bin_peaks = np.repeat(_block_peaks(g, size), size)[:n]
         chosen = np.flatnonzero(np.abs(g + delta) >= bin_peaks)
-        picked = g[chosen]
-        peak = np.abs(picked).max() if picked.size else np.float32(0)
-        scale = np.float32(peak) / np.float32(127)
-        q = _stochastic_int8(picked, scale, rng)
-        sent = _dequant(q, scale)
-        rest = picked - sent
-        # G − sent is exact in float32 except when a small |G| < scale/2 rounded up to ±scale and the
-        # difference needs more bits than float32 has: those round to 0 instead (the residue keeps them
-        # whole), so sent + new R == G always. TwoSum (Knuth) gives the rounding error of G − sent exactly.
-        back = rest - picked
-        error = (picked - (rest - back)) + (-sent - back)
-        q[error != 0] = 0
-        keep = q != 0
+        scale, q, rest_chosen = _int8_exact(g[chosen], rng)
         rest = g.copy()
-        rest[chosen[keep]] = picked[keep] - sent[keep]
-        return {"adacomp.indices": chosen[keep].astype("<u4"), "adacomp.scale": np.array([scale], F32),
-                "adacomp.values": q[keep]}, rest
+        rest[chosen] = rest_chosen
+        keep = q != 0
+        return _sparse_entries(self.name, chosen[keep], scale, q[keep]), rest
+
+
+def _int8_exact(picked: np.ndarray, rng: np.random.Generator) -> tuple[np.float32, np.ndarray, np.ndarray]:
+    """(scale, q, rest) for the values a sparse codec sends: one float32 scale max|picked|/127, q by
+    _stochastic_int8, and rest = picked − q·scale, exact: q·scale + rest == picked bit for bit in float32.
+
+    picked − q·scale is exact in float32 except when a small |x| < scale/2 rounded up to ±scale and the
+    difference needs more bits than float32 has: those q become 0 instead (rest keeps x whole). TwoSum (Knuth)
+    gives the rounding error of picked − q·scale exactly."""
+    peak = np.abs(picked).max() if picked.size else np.float32(0)
+    scale = np.float32(peak) / np.float32(127)
+    q = _stochastic_int8(picked, scale, rng)
+    sent = _dequant(q, scale)
+    rest = picked - sent
+    back = rest - picked
+    inexact = (picked - (rest - back)) + (-sent - back) != 0
+    q[inexact] = 0
+    rest[inexact] = picked[inexact]
+    return scale, q, rest
+
+
+def _gap_parts(codec: str, m: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(f"{codec}.gaps", "U16", (m,)), (f"{codec}.scale", "F32", (1,)), (f"{codec}.values", "I8", (m,))]
+
+
+def _sparse_entries(codec: str, idx: np.ndarray, scale: np.float32, q: np.ndarray) -> dict[str, np.ndarray]:
+    """Strictly increasing indices idx with int8 values q as <codec>.gaps (idx_j − idx_{j−1}, idx_{−1} = −1),
+    .scale and .values. A gap above MAX_GAP cannot be written: a filler entry (value 0) every MAX_GAP positions
+    bridges it, (gap − 1) // MAX_GAP of them, so there are at most (N − len(idx)) // MAX_GAP fillers."""
+    gaps = np.diff(idx.astype(np.int64), prepend=-1)
+    fill = (gaps - 1) // MAX_GAP
+    at = np.arange(idx.size) + np.cumsum(fill)   # where each entry lands among entries and fillers
+    m = idx.size + int(fill.sum())
+    out_gaps = np.full(m, MAX_GAP, np.int64)
+    out_gaps[at] = gaps - fill * MAX_GAP
+    values = np.zeros(m, np.int8)
+    values[at] = q
+    return {f"{codec}.gaps": out_gaps.astype("<u2"), f"{codec}.scale": np.array([scale], F32),
+            f"{codec}.values": values}
+
+
+def _gap_counts(codec: UplinkCodec, model: Layout, wire: Layout) -> dict[str, int]:
+    """Each tensor's m as its <codec>.gaps entry gives it, refused unless within codec._m_range(N)."""
+    sent = {t.name: t for t in wire.tensors}
+    counts = {}
+    for t in model.tensors:
+        meta = sent.get(f"{t.name}/{codec.name}.gaps")
+        if meta is None or t.dtype not in FLOAT_DTYPES:
+            counts[t.name] = 0   # the comparison then names the missing entry
+            continue
+        low, high, what = codec._m_range(t.numel)
+        if len(meta.shape) != 1 or not low <= meta.shape[0] <= high:
+            raise IntegrityError(f"{codec.name} update entry {meta.name!r} has shape {list(meta.shape)}; it must "
+                                 f"be [m] with {low} <= m <= {high}: {what}", reason=Reason.LAYOUT)
+        counts[t.name] = meta.shape[0]
+    return counts
 
 
 UPLINK: dict[str, type[UplinkCodec]] = {
@@ -488,18 +547,18 @@ class _Entry:
     meta: TensorMeta   # the wire entry
     tensor: int        # its model tensor's index
     numel: int         # the model tensor's element count
-    part: str          # "int8.values", "topk.indices", ...; "dense.values" for dense ones (all of 'none')
+    part: str          # "int8.values", "topk.gaps", ...; "dense.values" for dense ones (all of 'none')
 
 
 class Decoder:
     """Fed an update's wire blob in order, split anywhere (mid-element, mid-entry); yields decoded pieces.
 
     The bytes have passed plexus.wire.Receiver (order, size, finite floats); the Decoder checks what the codec
-    means by them, as they stream, and refuses with IntegrityError: indices not below N or not strictly
-    increasing (across chunk edges too), int8 value −128, scales negative or not finite, values that decode to
-    ±Inf. A refused stream is dead. Holds one tensor's indices (O(k); int8: its scales, O(N/block)), and one
-    chunk's piece at a time: never a dense copy of a sparse update. Iterate each feed() to its end before the
-    next one, and do not change the fed buffer until then.
+    means by them, as they stream, and refuses with IntegrityError: a gap of 0 (a repeated index) or one that
+    takes the index to N or beyond (the running index carries across chunk edges), int8 value −128, scales
+    negative or not finite, values that decode to ±Inf. A refused stream is dead. Holds one tensor's indices
+    (O(m); int8: its scales, O(N/block)), and one chunk's piece at a time: never a dense copy of a sparse
+    update. Iterate each feed() to its end before the next one, and do not change the fed buffer until then.
     """
 
     def __init__(self, codec: UplinkCodec, model: Layout, wire: Layout, *, round_: int):
@@ -591,7 +650,7 @@ class Decoder:
             if self._at >= len(self._entries):
                 return
             entry = self._entries[self._at]
-            if entry.part.endswith(".indices"):
+            if entry.part.endswith(".gaps"):
                 self._indices = np.empty(entry.meta.numel, np.int64)
                 self._last = -1
             elif entry.part == "int8.scales":
@@ -599,7 +658,7 @@ class Decoder:
             elif entry.part == "randk.values":
                 self._indices = randk_indices(self._codec.seed, self._round, entry.meta.name.rpartition("/")[0],
                                               entry.numel, entry.meta.numel)
-            elif entry.part == "adacomp.scale":
+            elif entry.part.endswith(".scale"):
                 self._scale = np.float32(0)
             if entry.meta.nbytes:
                 return
@@ -616,30 +675,31 @@ class Decoder:
             self._refuse_min(entry, start, values)
             decoded = _dequant(values, _block_scales(self._scales, start, values.size, self._codec.block))
             yield DensePiece(entry.tensor, start, self._account(entry, start, decoded))
-        elif part.endswith(".indices"):
-            self._indices[start:start + values.size] = self._check_indices(entry, start, values)
-        elif part == "adacomp.scale":
+        elif part.endswith(".gaps"):
+            self._indices[start:start + values.size] = self._check_gaps(entry, start, values)
+        elif part.endswith(".scale"):
             self._scale = self._check_scales(entry, start, values)[0]
-        elif part == "adacomp.values":
+        elif part in ("topk.values", "adacomp.values"):
             self._refuse_min(entry, start, values)
             yield SparsePiece(entry.tensor, self._indices[start:start + values.size],
                               self._account(entry, start, _dequant(values, self._scale)))
-        else:   # topk.values, randk.values: float32 as sent
+        else:   # randk.values: float32 as sent
             yield SparsePiece(entry.tensor, self._indices[start:start + values.size],
                               self._account(entry, start, values))
 
-    def _check_indices(self, entry: _Entry, start: int, values: np.ndarray) -> np.ndarray:
-        idx = values.astype(np.int64)
-        steps = np.diff(idx, prepend=self._last)
-        bad = np.flatnonzero((steps <= 0) | (idx >= entry.numel))
+    def _check_gaps(self, entry: _Entry, start: int, gaps: np.ndarray) -> np.ndarray:
+        """The indices the gaps lead to from the last one (self._last); each gap must be >= 1, each index < N."""
+        idx = self._last + np.cumsum(gaps, dtype=np.int64)
+        bad = np.flatnonzero((gaps == 0) | (idx >= entry.numel))
         if bad.size:
             j = int(bad[0])
-            if idx[j] >= entry.numel:
-                why = f"is out of range: the tensor has {entry.numel} elements"
+            if gaps[j] == 0:
+                why = (f"gap 0 at position {start + j} repeats index {int(idx[j])}; indices must strictly increase "
+                       "(every gap at least 1)")
             else:
-                why = f"does not exceed the one before it ({int(idx[j] - steps[j])}); indices must strictly increase"
-            raise IntegrityError(f"entry {entry.meta.name!r}: index {int(idx[j])} at position {start + j} {why}",
-                                 reason=Reason.LAYOUT)
+                why = (f"index {int(idx[j])} at position {start + j} is out of range: the tensor has {entry.numel} "
+                       "elements")
+            raise IntegrityError(f"entry {entry.meta.name!r}: {why}", reason=Reason.LAYOUT)
         self._last = int(idx[-1])
         return idx
 

@@ -130,8 +130,10 @@ def rig(tmp_path):
     yield from rigs(tmp_path, Rig)
 
 
-def topk(indices, values):
-    return {"w/topk.indices": np.array(indices, np.uint32), "w/topk.values": np.array(values, np.float32)}
+def topk(gaps, values, scale=1.0):
+    """A topk wire of w: index j is the sum of gaps[:j + 1] minus 1; value j is values[j]·scale."""
+    return {"w/topk.gaps": np.array(gaps, np.uint16), "w/topk.scale": np.array([scale], np.float32),
+            "w/topk.values": np.array(values, np.int8)}
 
 
 def test_a_round_of_compressed_updates_makes_the_base_plus_the_weighted_mean_delta(rig):
@@ -139,8 +141,8 @@ def test_a_round_of_compressed_updates_makes_the_base_plus_the_weighted_mean_del
     r.join("a", "b")
     r.driver.tick(r.now)
     grants = {s: r.driver.grant(s) for s in ("a", "b")}
-    assert "accepted" in r.send_wire("a", grants["a"], topk([0, 3], [4.0, -2.0]), num_samples=100)
-    r.send_wire("b", grants["b"], topk([1, 3], [8.0, 2.0]), num_samples=300)
+    assert "accepted" in r.send_wire("a", grants["a"], topk([1, 3], [8, -4], 0.5), num_samples=100)   # 0, 3
+    r.send_wire("b", grants["b"], topk([2, 2], [8, 2]), num_samples=300)                             # 1, 3
     r.driver.tick(r.now)
     model = r.store.load_checkpoint(r.job_id, 1)["w"]
     # base [1,1,1,1] + (100·[4,0,0,-2] + 300·[0,8,0,2]) / 400 = [1,1,1,1] + [1,6,0,1]
@@ -148,10 +150,10 @@ def test_a_round_of_compressed_updates_makes_the_base_plus_the_weighted_mean_del
 
 
 @pytest.mark.parametrize(("tensors", "problem"), [
-    (topk([0, 4], [1.0, 1.0]), "out of range"),
-    (topk([2, 2], [1.0, 1.0]), "strictly increase"),
-    (topk([3, 1], [1.0, 1.0]), "strictly increase"),
-    (topk([0, 1, 2], [1.0, 1.0, 1.0]), "k"),
+    (topk([1, 4], [1, 1]), "out of range"),            # indices 0, 4
+    (topk([1, 65535], [1, 1]), "out of range"),        # a gap far past the end
+    (topk([3, 0], [1, 1]), "strictly increase"),       # indices 2, 2
+    (topk([1, 1, 1], [1, 1, 1]), "k"),
     ({"w": np.zeros(4, np.float32)}, "w"),   # a dense model where a compressed Δ is due
 ])
 def test_a_malformed_compressed_update_is_refused_and_the_round_goes_on(rig, tensors, problem):
@@ -162,6 +164,6 @@ def test_a_malformed_compressed_update_is_refused_and_the_round_goes_on(rig, ten
     with pytest.raises(IntegrityError, match=problem):
         r.send_wire("b", grants["b"], tensors)
     assert r.outcome("b")[0] == "rejected"
-    r.send_wire("a", grants["a"], topk([0, 1], [1.0, 3.0]))
+    r.send_wire("a", grants["a"], topk([1, 1], [1, 3]))   # indices 0, 1
     r.driver.tick(r.now)   # b has its answer (refused): the round closes on a's update alone
     assert r.store.load_checkpoint(r.job_id, 1)["w"].tolist() == [2.0, 4.0, 1.0, 1.0]

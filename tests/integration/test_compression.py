@@ -113,10 +113,10 @@ def test_a_site_sending_an_out_of_range_index_is_refused_with_invalid_argument_a
     layout, model = raw.fetch(task)
     tensors, _ = codec.encode({k: np.ones_like(v) for k, v in model.items()}, round_=task.round, residual=None,
                               rng=np.random.default_rng(0))
-    name = next(k for k in tensors if k.endswith("/topk.indices"))
+    name = next(k for k in tensors if k.endswith("/topk.gaps"))
     bad = dict(tensors)
     bad[name] = tensors[name].copy()
-    bad[name][-1] = 10 ** 9                                    # beyond the tensor
+    bad[name][-1] = 65535          # every tensor of the mlp is smaller: its last index runs past the end
     with pytest.raises(grpc.RpcError) as refused:
         raw.submit(task, bad)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "range" in refused.value.details()

@@ -176,19 +176,24 @@ def test_layouts_follow_the_spec_table():
     assert int8["conv.weight/int8.scales"] == ("F32", (5,)) and int8["conv.weight/int8.values"] == ("I8", (72,))
     assert int8["bn.num_batches_tracked/dense.values"] == ("I64", (1,))
     assert int8["half/int8.values"] == ("I8", (5,)) and int8["empty/int8.scales"] == ("F32", (0,))
-    topk = rows(uplink_codec(SPECS["topk"], seed=0).wire_layout(model, round_=0))
-    assert topk["fc.weight/topk.indices"] == ("U32", (13,)) and topk["fc.weight/topk.values"] == ("F32", (13,))
-    assert topk["scalar/topk.values"] == ("F32", (1,)) and topk["empty/topk.values"] == ("F32", (0,))
+    topk = rows(uplink_codec(SPECS["topk"], seed=0).wire_layout(model, round_=0))   # no counts: no fillers
+    assert topk["fc.weight/topk.gaps"] == ("U16", (13,)) and topk["fc.weight/topk.values"] == ("I8", (13,))
+    assert topk["fc.weight/topk.scale"] == ("F32", (1,)) and topk["empty/topk.scale"] == ("F32", (1,))
+    assert topk["scalar/topk.values"] == ("I8", (1,)) and topk["empty/topk.gaps"] == ("U16", (0,))
     assert rows(uplink_codec(SPECS["randk"], seed=0).wire_layout(model, round_=0))["fc.bias/randk.values"] == (
         "F32", (5,))
     ada = rows(uplink_codec(SPECS["adacomp"], seed=0).wire_layout(
         model, round_=0, counts={t.name: 1 for t in model.tensors}))
-    assert ada["fc.bias/adacomp.indices"] == ("U32", (1,)) and ada["fc.bias/adacomp.scale"] == ("F32", (1,))
+    assert ada["fc.bias/adacomp.gaps"] == ("U16", (1,)) and ada["fc.bias/adacomp.scale"] == ("F32", (1,))
+    assert ada["fc.bias/adacomp.values"] == ("I8", (1,))
     with pytest.raises(ValueError, match="pass counts"):
         uplink_codec(SPECS["adacomp"], seed=0).wire_layout(model, round_=0)
-    # Scales and indices come before the values they govern.
+    # Scales and gaps come before the values they govern.
     names = [t.name for t in uplink_codec(SPECS["int8"], seed=0).wire_layout(model, round_=0).tensors]
     assert names.index("fc.weight/int8.scales") + 1 == names.index("fc.weight/int8.values")
+    names = [t.name for t in uplink_codec(SPECS["topk"], seed=0).wire_layout(model, round_=0).tensors]
+    assert names.index("fc.weight/topk.gaps") + 1 == names.index("fc.weight/topk.scale")
+    assert names.index("fc.weight/topk.scale") + 1 == names.index("fc.weight/topk.values")
 
 
 # Round trips --------------------------------------------------------------------------------
@@ -315,9 +320,83 @@ def test_topk_picks_the_largest_magnitudes_ties_by_lower_index():
     assert top_indices(g, 0).tolist() == [] and top_indices(g, 9).tolist() == list(range(7))
     codec = uplink_codec(Up("topk", k=3), seed=0)
     wire, rest = codec.encode({"g": g}, round_=0, residual=None, rng=np.random.default_rng())
-    assert wire["g/topk.indices"].dtype == np.uint32 and wire["g/topk.indices"].tolist() == [1, 2, 3]
-    assert wire["g/topk.values"].tolist() == [-5.0, 3.0, 3.0]
-    assert rest["g"].tolist() == [np.float32(0.1), 0, 0, 0, -3, 0, 2]
+    assert list(wire) == ["g/topk.gaps", "g/topk.scale", "g/topk.values"]
+    assert wire["g/topk.gaps"].dtype == np.uint16 and wire["g/topk.gaps"].tolist() == [2, 1, 1]   # 1, 2, 3
+    scale = wire["g/topk.scale"]
+    assert scale.dtype == np.float32 and scale.tolist() == [np.float32(5) / np.float32(127)]
+    q = wire["g/topk.values"]
+    assert q.dtype == np.int8 and q[0] == -127 and set(q[1:].tolist()) <= {76, 77}   # 3/scale = 76.2
+    sent = q.astype(np.float32) * scale[0]
+    assert np.array_equal(sent + rest["g"][[1, 2, 3]], g[[1, 2, 3]])   # the quantisation error stays behind
+    assert rest["g"][[0, 4, 5, 6]].tolist() == [np.float32(0.1), -3, 0, 2]
+
+
+def test_topk_keeps_every_chosen_entry_even_where_q_is_0():
+    """One scale per tensor: a chosen entry far below the peak may round to 0; it still travels, so m == k."""
+    g = np.array([1000.0, 0.0, 1e-3, -1e-3, 0.5], np.float32)
+    codec = uplink_codec(Up("topk", k=4), seed=0)
+    wire, rest = codec.encode({"g": g}, round_=0, residual=None, rng=np.random.default_rng(0))
+    assert np.cumsum(wire["g/topk.gaps"]).tolist() == [1, 3, 4, 5] and wire["g/topk.values"][0] == 127
+    assert wire["g/topk.values"][1:3].tolist() == [0, 0]   # ±1e-3 against a scale of 7.9
+    decoded = codec.decode(_model_layout({"g": g}), wire, round_=0)["g"]
+    assert np.array_equal(decoded + rest["g"], g)
+    plain = uplink_codec(Up("topk", k=4, error_feedback=False), seed=0)
+    wire, rest = plain.encode({"g": g}, round_=0, residual=None, rng=np.random.default_rng(0))
+    assert rest == {} and wire["g/topk.values"].size == 4   # without feedback the error is lost
+
+
+def test_a_gap_beyond_65535_is_bridged_by_fillers_that_decode_to_zero():
+    g = np.zeros(200_000, np.float32)
+    g[0], g[199_999], g[100_000] = 1.0, -2.0, 0.5
+    codec = uplink_codec(Up("topk", k=2), seed=0)
+    wire, _ = codec.encode({"w": g}, round_=0, residual=None, rng=np.random.default_rng(0))
+    # 0, then fillers at 65535, 131070, 196605 (gaps of 65535 with value 0), then 199999.
+    assert wire["w/topk.gaps"].tolist() == [1, 65535, 65535, 65535, 3394]
+    assert wire["w/topk.values"][1:4].tolist() == [0, 0, 0] and wire["w/topk.values"][-1] == -127
+    model = Layout.build([("w", "F32", (200_000,))])
+    layout, blob = encode(wire)
+    assert layout.total_bytes == 5 * 3 + 4
+    pieces = _stream(codec.decoder(model, layout, round_=0), bytes(blob), range(5, len(blob), 5))
+    indices = np.concatenate([p.indices for p in pieces])
+    values = np.concatenate([p.values for p in pieces])
+    assert indices.tolist() == [0, 65535, 131070, 196605, 199999] and values[1:4].tolist() == [0, 0, 0]
+    decoded = codec.decode(model, wire, round_=0)["w"]
+    assert np.flatnonzero(decoded).tolist() == [0, 199_999] and decoded[199_999] == -2.0
+    # (N − k) // 65535 = 3 fillers is the most k = 2 entries can need: a fourth is refused by the layout.
+    more = dict(wire, **{"w/topk.gaps": np.array([1, 1, 65535, 65535, 65535, 3393], np.uint16),
+                         "w/topk.values": np.zeros(6, np.int8)})
+    with pytest.raises(IntegrityError, match=r"has shape \[6\]; it must be \[m\] with 2 <= m <= 5"):
+        codec.check_layout(model, Layout.of(more), round_=0)
+
+
+@pytest.mark.parametrize("n, k", [(10_000, 100), (300_000, 10_000), (65_535, 1)])
+def test_topk_sends_3_bytes_an_entry_and_4_a_tensor(n, k):
+    """Without fillers (random entries of a 300,000-element tensor at 1/30 lie far closer than 65535 apart):
+    3·k + 4 bytes, so fraction 1/30 sends 40× fewer bytes than float32 (it took 1/80 at 8 bytes an entry)."""
+    g = np.random.default_rng(n).normal(size=n).astype(np.float32)
+    wire, _ = uplink_codec(Up("topk", k=k), seed=0).encode({"w": g}, round_=0, residual=None,
+                                                           rng=np.random.default_rng(0))
+    assert encode(wire)[0].total_bytes == 3 * k + 4   # one U16 gap and one I8 value an entry, one F32 scale
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300_000), st.data())
+def test_fillers_are_exactly_where_the_gaps_need_them(n, data):
+    """Any strictly increasing indices (clustered or far apart): the gaps and values lead back to exactly
+    them and their values, every filler is 0, and m never exceeds k + (N − k) // 65535."""
+    k = data.draw(st.integers(1, min(n, 8)))
+    chosen = np.array(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=k, max_size=k))), np.int64)
+    g = np.zeros(n, np.float32)
+    g[chosen] = 127 - np.arange(k, dtype=np.float32)   # scale 127/127 = 1: q·scale is exact
+    codec = uplink_codec(Up("topk", k=k), seed=0)
+    wire, _ = codec.encode({"w": g}, round_=0, residual=None, rng=np.random.default_rng(0))
+    gaps = wire["w/topk.gaps"].astype(np.int64)
+    assert gaps.size == 0 or (gaps.min() >= 1 and gaps.max() <= 65535)
+    idx = np.cumsum(gaps) - 1
+    q = wire["w/topk.values"]
+    assert idx[q != 0].tolist() == chosen.tolist() and k <= q.size <= k + (n - k) // 65535
+    decoded = codec.decode(Layout.build([("w", "F32", (n,))]), wire, round_=0)["w"]
+    assert np.array_equal(decoded, g)
 
 
 @settings(max_examples=60, deadline=None)
@@ -379,29 +458,31 @@ def test_adacomp_selects_by_bin_and_quantises_with_one_scale():
     delta = np.array([0.5, -4.0, 2.0, 1.9, -2.0, 0.0, 3.0, 0.1, 1.0, -1.0], np.float32)   # second bin: peak 1
     codec = uplink_codec(Up("adacomp", bin_dense=8), seed=0)
     wire, rest = codec.encode({"d": delta}, round_=0, residual=None, rng=np.random.default_rng(0))
-    assert wire["d/adacomp.indices"].tolist() == [1, 2, 4, 6, 8, 9]
+    assert wire["d/adacomp.gaps"].dtype == np.uint16 and wire["d/adacomp.gaps"].tolist() == [2, 1, 2, 2, 2, 1]
+    chosen = np.cumsum(wire["d/adacomp.gaps"]) - 1
+    assert chosen.tolist() == [1, 2, 4, 6, 8, 9]
     scale = wire["d/adacomp.scale"]
     assert scale.dtype == np.float32 and scale[0] == np.float32(4.0) / np.float32(127)
     q = wire["d/adacomp.values"]
     assert q.dtype == np.int8 and q[0] == -127
     sent = np.zeros(10, np.float32)
-    sent[wire["d/adacomp.indices"]] = q.astype(np.float32) * scale[0]
-    assert np.all(np.abs(sent - delta)[wire["d/adacomp.indices"]] <= scale[0])
+    sent[chosen] = q.astype(np.float32) * scale[0]
+    assert np.all(np.abs(sent - delta)[chosen] <= scale[0])
     assert np.array_equal(sent + rest["d"], delta)
     # A conv kernel (ndim >= 3) uses bin_conv; an all-zero tensor sends nothing.
     zero = {"k": np.zeros((2, 2, 2, 2), np.float32)}
     wire, rest = codec.encode(zero, round_=0, residual=None, rng=np.random.default_rng(0))
-    assert wire["k/adacomp.indices"].size == 0 and wire["k/adacomp.values"].size == 0
+    assert wire["k/adacomp.gaps"].size == 0 and wire["k/adacomp.values"].size == 0
 
 
 def test_adacomp_compression_on_random_normal_tensors():
     """i.i.d. N(0, 0.01²) updates (no structure, a hard case): the first round sends 10.8% of a dense
-    tensor's entries (7.4× fewer bytes than float32), and with the residue accumulating, 3.1% (25.9×) by round 6;
-    a conv kernel with bins of 50: 22% (3.6×), then 13% (6.2×). Real gradients compress further (the paper's
-    40×/200× are end to end on trained networks)."""
+    tensor's entries (12.4× fewer bytes than float32 at 3 bytes an entry), and with the residue accumulating,
+    3.1% (43.1×) by round 6; a conv kernel with bins of 50: 22% (6.0×), then 13% (10.4×). Real gradients
+    compress further (the paper's 40×/200× are end to end on trained networks)."""
     codec = uplink_codec(Up("adacomp"), seed=1)
     rng = np.random.default_rng(0)
-    for shape, first, last in (((256, 512), 7.0, 25.0), ((64, 32, 3, 3), 3.5, 6.0)):
+    for shape, first, last in (((256, 512), 12.0, 42.0), ((64, 32, 3, 3), 5.9, 10.0)):
         residual = None
         ratios = []
         for round_ in range(6):
@@ -453,16 +534,30 @@ def test_streaming_property(key, seed, data):
     _check_stream(key, splits, seed=seed)
 
 
+def _gap_wire(codec: str, indices, values, *, scale: float = 1.0) -> dict[str, np.ndarray]:
+    """A hand-made <codec>.gaps/.scale/.values wire for sorted indices, with a filler (value 0) wherever a
+    gap would exceed 65535 (written out plainly, not with the codec's own code)."""
+    gaps, q, last = [], [], -1
+    for i, v in zip(indices, values):
+        while i - last > 65535:
+            last += 65535
+            gaps.append(65535)
+            q.append(0)
+        gaps.append(i - last)
+        q.append(v)
+        last = i
+    return {f"w/{codec}.gaps": np.array(gaps, np.uint16), f"w/{codec}.scale": np.array([scale], np.float32),
+            f"w/{codec}.values": np.array(q, np.int8)}
+
+
 def test_sparse_decoder_memory_is_independent_of_n():
-    """A 50M-element tensor: the decoder holds k indices and a chunk, never an N-element array."""
+    """A 50M-element tensor: the decoder holds m indices and a chunk, never an N-element array."""
     model = Layout.build([("w", "F32", (50_000_000,))])
+    spread = np.arange(0, 50_000_000, 5_000_000)   # 76 fillers between neighbours
     cases = {
-        "topk": (Up("topk", k=10), {"w/topk.indices": np.arange(0, 50_000_000, 5_000_000, dtype=np.uint32),
-                                    "w/topk.values": np.ones(10, np.float32)}),
+        "topk": (Up("topk", k=10), _gap_wire("topk", spread, np.ones(10))),
         "randk": (Up("randk", k=10), {"w/randk.values": np.ones(10, np.float32)}),
-        "adacomp": (Up("adacomp"), {"w/adacomp.indices": np.arange(0, 50_000_000, 5_000_000, dtype=np.uint32),
-                                    "w/adacomp.scale": np.ones(1, np.float32),
-                                    "w/adacomp.values": np.ones(10, np.int8)}),
+        "adacomp": (Up("adacomp"), _gap_wire("adacomp", spread, np.ones(10))),
     }
     for spec, wire in cases.values():
         layout, blob = encode(wire)
@@ -473,52 +568,74 @@ def test_sparse_decoder_memory_is_independent_of_n():
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-        assert peak < 1_000_000 and sum(p.values.size for p in pieces) == 10
+        assert peak < 1_000_000 and sum(np.count_nonzero(p.values) for p in pieces) == 10
+        if spec.codec != "randk":   # randk's coordinates are the shared draw's
+            assert np.concatenate([p.indices[p.values != 0] for p in pieces]).tolist() == spread.tolist()
 
 
 # Malformed updates ---------------------------------------------------------------------------
 
-def _topk(indices, values=None, n=10):
+def _topk(gaps, values=None, n=10, scale=1.0):
+    """A topk codec with k = len(gaps), the model [n] and a hand-made wire of these gaps."""
     model = Layout.build([("w", "F32", (n,))])
-    values = np.ones(len(indices), np.float32) if values is None else np.asarray(values, np.float32)
-    return uplink_codec(Up("topk", k=len(indices)), seed=0), model, {
-        "w/topk.indices": np.asarray(indices, np.uint32), "w/topk.values": values}
+    values = np.ones(len(gaps), np.int8) if values is None else np.asarray(values, np.int8)
+    return uplink_codec(Up("topk", k=len(gaps)), seed=0), model, {
+        "w/topk.gaps": np.asarray(gaps, np.uint16), "w/topk.scale": np.array([scale], np.float32),
+        "w/topk.values": values}
 
 
-@pytest.mark.parametrize("indices, chunk, message", [
-    ([1, 4, 10], 1, "index 10 at position 2 is out of range: the tensor has 10 elements"),
-    ([1, 4, 2**32 - 1], 5, "index 4294967295 at position 2 is out of range"),
-    ([1, 4, 4], 3, r"index 4 at position 2 does not exceed the one before it \(4\)"),
-    ([1, 5, 3], 4, r"index 3 at position 2 does not exceed the one before it \(5\)"),     # across a chunk edge
-    ([7, 2, 3], 1, r"index 2 at position 1 does not exceed the one before it \(7\)"),
+@pytest.mark.parametrize("gaps, chunk, message", [
+    ([2, 3, 6], 1, "index 10 at position 2 is out of range: the tensor has 10 elements"),
+    ([2, 65535, 65535], 5, "index 65536 at position 1 is out of range"),              # a large gap sum
+    ([6, 2, 3], 2, "index 10 at position 2 is out of range"),                         # summed across chunk edges
+    ([2, 3, 0], 3, r"gap 0 at position 2 repeats index 4; indices must strictly increase"),
+    ([2, 4, 0], 4, r"gap 0 at position 2 repeats index 5"),                           # across a chunk edge
+    ([8, 0, 1], 1, r"gap 0 at position 1 repeats index 7"),
+    ([0, 1, 1], 64, r"gap 0 at position 0 repeats index -1"),                        # idx_{-1} = -1 is no index
 ])
-def test_bad_indices_are_refused(indices, chunk, message):
-    codec, model, wire = _topk(indices)
+def test_bad_gaps_are_refused(gaps, chunk, message):
+    codec, model, wire = _topk(gaps)
     error = _refused(codec, model, wire, chunk=chunk)
-    assert error.reason is Reason.LAYOUT and "'w/topk.indices'" in str(error)
+    assert error.reason is Reason.LAYOUT and "'w/topk.gaps'" in str(error)
     assert re.search(message, str(error)), str(error)
 
 
-def test_an_out_of_range_index_split_across_chunk_edges_is_refused():
-    # 65536 = bytes 00 00 01 00: the first two bytes alone look like 0.
-    codec, model, wire = _topk([3, 65536])
+def test_a_gap_split_across_chunk_edges_is_read_whole():
+    # 256 = bytes 00 01: the first byte alone looks like a gap of 0 (a repeated index).
+    codec, model, wire = _topk([3, 256], n=300)
     layout, blob = encode(wire)
     dec = codec.decoder(model, layout, round_=0)
-    assert list(dec.feed(blob[:6])) == []
-    with pytest.raises(IntegrityError, match="index 65536 at position 1 is out of range") as info:
-        list(dec.feed(blob[6:]))
+    assert list(dec.feed(blob[:3])) == []
+    pieces = list(dec.feed(blob[3:]))
+    dec.finish()
+    assert [p.indices.tolist() for p in pieces] == [[2, 258]]
+    # The same bytes against a 10-element tensor: index 258 is out of range, found only once the gap is whole.
+    codec, model, wire = _topk([3, 256])
+    dec = codec.decoder(model, layout, round_=0)
+    assert list(dec.feed(blob[:3])) == []
+    with pytest.raises(IntegrityError, match="index 258 at position 1 is out of range") as info:
+        list(dec.feed(blob[3:]))
     assert info.value.reason is Reason.LAYOUT
     with pytest.raises(IntegrityError, match="refused"):   # a refused stream stays refused
         dec.finish()
 
 
-def test_randk_and_adacomp_indices_are_checked_too():
+def test_adacomp_gaps_are_checked_too():
     model = Layout.build([("w", "F32", (10,))])
     ada = uplink_codec(Up("adacomp"), seed=0)
-    error = _refused(ada, model, {"w/adacomp.indices": np.array([2, 2], np.uint32),
+    error = _refused(ada, model, {"w/adacomp.gaps": np.array([3, 0], np.uint16),
                                   "w/adacomp.scale": np.ones(1, np.float32),
                                   "w/adacomp.values": np.ones(2, np.int8)})
-    assert error.reason is Reason.LAYOUT and "'w/adacomp.indices': index 2 at position 1" in str(error)
+    assert error.reason is Reason.LAYOUT and "'w/adacomp.gaps': gap 0 at position 1 repeats index 2" in str(error)
+    error = _refused(ada, model, {"w/adacomp.gaps": np.array([9, 2], np.uint16),
+                                  "w/adacomp.scale": np.ones(1, np.float32),
+                                  "w/adacomp.values": np.ones(2, np.int8)}, chunk=3)
+    assert "'w/adacomp.gaps': index 10 at position 1 is out of range" in str(error)
+
+
+def _sparse(codec, gaps, scale, values):
+    return {f"w/{codec}.gaps": np.array(gaps, np.uint16), f"w/{codec}.scale": np.array([scale], np.float32),
+            f"w/{codec}.values": np.array(values, np.int8)}
 
 
 @pytest.mark.parametrize("codec_key, wire, message, reason", [
@@ -532,17 +649,14 @@ def test_randk_and_adacomp_indices_are_checked_too():
      "scale inf", Reason.NON_FINITE),
     ("int8", {"w/int8.scales": np.array([3e38], np.float32), "w/int8.values": np.array([0, 127, 0], np.int8)},
      "'w/int8.values': element 1 decodes to inf", Reason.NON_FINITE),
-    ("adacomp", {"w/adacomp.indices": np.array([0, 1], np.uint32), "w/adacomp.scale": np.ones(1, np.float32),
-                 "w/adacomp.values": np.array([3, -128], np.int8)},
+    ("adacomp", _sparse("adacomp", [1, 1], 1.0, [3, -128]),
      "'w/adacomp.values': value -128 at position 1", Reason.LAYOUT),
-    ("adacomp", {"w/adacomp.indices": np.array([0], np.uint32), "w/adacomp.scale": np.array([-1.0], np.float32),
-                 "w/adacomp.values": np.array([3], np.int8)},
-     "'w/adacomp.scale': scale -1.0", Reason.LAYOUT),
-    ("adacomp", {"w/adacomp.indices": np.array([0], np.uint32), "w/adacomp.scale": np.array([np.nan], np.float32),
-                 "w/adacomp.values": np.array([3], np.int8)},
-     "'w/adacomp.scale': scale nan", Reason.NON_FINITE),
-    ("topk", {"w/topk.indices": np.array([0], np.uint32), "w/topk.values": np.array([np.inf], np.float32)},
-     "'w/topk.values': element 0 decodes to inf", Reason.NON_FINITE),
+    ("adacomp", _sparse("adacomp", [1], -1.0, [3]), "'w/adacomp.scale': scale -1.0", Reason.LAYOUT),
+    ("adacomp", _sparse("adacomp", [1], np.nan, [3]), "'w/adacomp.scale': scale nan", Reason.NON_FINITE),
+    ("topk", _sparse("topk", [2], 1.0, [-128]), "'w/topk.values': value -128 at position 0", Reason.LAYOUT),
+    ("topk", _sparse("topk", [2], -0.5, [3]), "'w/topk.scale': scale -0.5", Reason.LAYOUT),
+    ("topk", _sparse("topk", [2], np.nan, [3]), "'w/topk.scale': scale nan", Reason.NON_FINITE),
+    ("topk", _sparse("topk", [1], 3e38, [127]), "'w/topk.values': element 0 decodes to inf", Reason.NON_FINITE),
 ])
 def test_bad_values_are_refused(codec_key, wire, message, reason):
     spec = {"int8": Up("int8", block=16), "adacomp": Up("adacomp"), "topk": Up("topk", k=1)}[codec_key]
@@ -556,29 +670,40 @@ def test_bad_values_are_refused(codec_key, wire, message, reason):
 
 
 @pytest.mark.parametrize("spec, wire, message", [
-    (Up("topk", k=2), {"w/topk.indices": np.arange(3, dtype=np.uint32), "w/topk.values": np.ones(3, np.float32)},
-     r"'w/topk.indices' is U32\[3\]; expected U32\[2\] \(topk sends k_of\(10\) = 2 entries of it\)"),
+    (Up("topk", k=2), _sparse("topk", [1, 1, 1], 1.0, [1, 1, 1]),
+     r"'w/topk.gaps' has shape \[3\]; it must be \[m\] with 2 <= m <= 2: k_of\(10\) = 2 entries and a filler"),
+    (Up("topk", k=2), _sparse("topk", [1], 1.0, [1]), r"'w/topk.gaps' has shape \[1\]; it must be \[m\] with 2"),
+    (Up("topk", k=2), _sparse("topk", [1, 1], 1.0, [1, 1, 1]),
+     r"'w/topk.values' is I8\[3\]; expected I8\[2\] \(one per gap\)"),
     (Up("randk", fraction=0.5), {"w/randk.values": np.ones(4, np.float32)},
      r"'w/randk.values' is F32\[4\]; expected F32\[5\]"),
-    (Up("topk", k=2), {"w/topk.values": np.ones(2, np.float32)}, r"lacks entr\(ies\) \['w/topk.indices'\]"),
-    (Up("topk", k=2), {"w/topk.indices": np.arange(2, dtype=np.uint32), "w/topk.values": np.ones(2, np.float32),
-                       "w/topk.extra": np.ones(2, np.float32)}, r"has entr\(ies\) \['w/topk.extra'\]"),
-    (Up("topk", k=2), {"w/topk.indices": np.arange(2, dtype=np.int32), "w/topk.values": np.ones(2, np.float32)},
-     r"'w/topk.indices' is I32\[2\]; expected U32\[2\]"),
+    (Up("topk", k=2), {"w/topk.scale": np.ones(1, np.float32), "w/topk.values": np.ones(2, np.int8)},
+     r"lacks entr\(ies\) \['w/topk.gaps'\]"),
+    (Up("topk", k=2), {"w/topk.gaps": np.ones(2, np.uint16), "w/topk.values": np.ones(2, np.int8)},
+     r"lacks entr\(ies\) \['w/topk.scale'\]"),
+    (Up("topk", k=2), dict(_sparse("topk", [1, 1], 1.0, [1, 1]), **{"w/topk.extra": np.ones(2, np.float32)}),
+     r"has entr\(ies\) \['w/topk.extra'\]"),
+    (Up("topk", k=2), dict(_sparse("topk", [1, 1], 1.0, [1, 1]), **{"w/topk.gaps": np.ones(2, np.int32)}),
+     r"'w/topk.gaps' is I32\[2\]; expected U16\[2\]"),
+    (Up("topk", k=2), dict(_sparse("topk", [1, 1], 1.0, [1, 1]), **{"w/topk.values": np.ones(2, np.float32)}),
+     r"'w/topk.values' is F32\[2\]; expected I8\[2\]"),
+    (Up("topk", k=2), {"w/topk.indices": np.arange(2, dtype=np.uint32), "w/topk.values": np.ones(2, np.float32)},
+     r"lacks entr\(ies\) \['w/topk.gaps', 'w/topk.scale'\]"),   # the former (index, float32) format
     (Up("int8", block=16), {"w/int8.scales": np.ones(1, np.float32), "w/int8.values": np.ones(10, np.uint8)},
      r"'w/int8.values' is U8\[10\]; expected I8\[10\]"),
     (Up("int8", block=16), {"w/int8.scales": np.ones(2, np.float32), "w/int8.values": np.ones(10, np.int8)},
      r"'w/int8.scales' is F32\[2\]; expected F32\[1\]"),
     (Up("fp16"), {"w/fp16.values": np.ones(10, np.float32)}, r"'w/fp16.values' is F32\[10\]; expected F16\[10\]"),
     (Up("fp16"), {"w": np.ones(10, np.float32)}, r"lacks entr\(ies\) \['w/fp16.values'\]"),
-    (Up("adacomp"), {"w/adacomp.indices": np.arange(2, dtype=np.uint32), "w/adacomp.scale": np.ones(1, np.float32),
-                     "w/adacomp.values": np.ones(3, np.int8)}, r"'w/adacomp.values' is I8\[3\]; expected I8\[2\]"),
-    (Up("adacomp"), {"w/adacomp.indices": np.arange(11, dtype=np.uint32), "w/adacomp.scale": np.ones(1, np.float32),
-                     "w/adacomp.values": np.ones(11, np.int8)}, r"at most the tensor's 10 elements"),
-    (Up("adacomp"), {"w/adacomp.indices": np.zeros((1, 1), np.uint32), "w/adacomp.scale": np.ones(1, np.float32),
-                     "w/adacomp.values": np.ones(1, np.int8)}, r"shape \[1, 1\]"),
-    (Up("adacomp"), {"w/adacomp.indices": np.arange(1, dtype=np.uint32), "w/adacomp.scale": np.ones(2, np.float32),
-                     "w/adacomp.values": np.ones(1, np.int8)}, r"'w/adacomp.scale' is F32\[2\]; expected F32\[1\]"),
+    (Up("adacomp"), _sparse("adacomp", [1, 1], 1.0, [1, 1, 1]),
+     r"'w/adacomp.values' is I8\[3\]; expected I8\[2\] \(one per gap\)"),
+    (Up("adacomp"), _sparse("adacomp", [1] * 11, 1.0, [1] * 11), r"at most the tensor's 10 elements"),
+    (Up("adacomp"), dict(_sparse("adacomp", [1], 1.0, [1]), **{"w/adacomp.gaps": np.ones((1, 1), np.uint16)}),
+     r"shape \[1, 1\]"),
+    (Up("adacomp"), dict(_sparse("adacomp", [1], 1.0, [1]), **{"w/adacomp.scale": np.ones(2, np.float32)}),
+     r"'w/adacomp.scale' is F32\[2\]; expected F32\[1\]"),
+    (Up("adacomp"), dict(_sparse("adacomp", [1], 1.0, [1]), **{"w/adacomp.gaps": np.ones(1, np.uint32)}),
+     r"'w/adacomp.gaps' is U32\[1\]; expected U16\[1\]"),
     (Up(), {"w": np.ones(10, np.float16)}, "'w' is F16"),
 ])
 def test_bad_layouts_are_refused(spec, wire, message):
@@ -592,26 +717,27 @@ def test_bad_layouts_are_refused(spec, wire, message):
 
 
 def test_missing_and_extra_bytes_are_refused():
-    codec, model, wire = _topk([1, 2])
+    codec, model, wire = _topk([2, 1])
     layout, blob = encode(wire)
+    assert layout.total_bytes == 2 * 3 + 4
     dec = codec.decoder(model, layout, round_=0)
     list(dec.feed(blob[:-1]))
-    with pytest.raises(IntegrityError, match="ended after 15 of 16 bytes") as info:
+    with pytest.raises(IntegrityError, match="ended after 9 of 10 bytes") as info:
         dec.finish()
     assert info.value.reason is Reason.SIZE
     dec = codec.decoder(model, layout, round_=0)
-    with pytest.raises(IntegrityError, match="more than the 16 bytes") as info:
+    with pytest.raises(IntegrityError, match="more than the 10 bytes") as info:
         list(dec.feed(bytes(blob) + b"\0"))
     assert info.value.reason is Reason.SIZE
 
 
 def test_each_feed_must_be_drained_before_the_next():
-    codec, model, wire = _topk([1, 2])
+    codec, model, wire = _topk([2, 1])
     layout, blob = encode(wire)
     dec = codec.decoder(model, layout, round_=0)
-    dec.feed(blob[:9])   # not iterated
+    dec.feed(blob[:5])   # not iterated
     with pytest.raises(RuntimeError, match="iterate each feed"):
-        dec.feed(blob[9:])
+        dec.feed(blob[5:])
 
 
 # Downlink ----------------------------------------------------------------------------------
