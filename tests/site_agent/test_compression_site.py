@@ -22,11 +22,12 @@ from plexus.dp import clip_update
 from plexus.errors import IntegrityError
 from plexus.models import build_job_model, state_to_numpy, state_views
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.wire import Layout, assemble, decode, encode, iter_chunks
+from plexus.wire import Layout, assemble, decode, encode
 from site_agent.agent import SiteAgent
 from site_agent.state import JobState
 from site_agent.uplink import coded_uplink, encode_update, model_delta, residual_layout, rounding_rng
 
+from fake_coordinator import FakeCoordinator
 from integration.rogue import Outcome, RogueCoordinator, site_agents
 
 JOB = """\
@@ -55,41 +56,8 @@ def _job_text(uplink: str | None = None, extra: str = "") -> str:
     return JOB + ("" if uplink is None else f"compression: {{uplink: {uplink}}}\n") + extra
 
 
-class Refused(grpc.RpcError):
-    """What a real stub raises when the coordinator refuses an update."""
-
-    def code(self):
-        return grpc.StatusCode.INVALID_ARGUMENT
-
-    def details(self):
-        return "update refused"
-
-
-class Coordinator:
-    """The stub's calls a task makes, answered and recorded; it serves the job's initial model."""
-
-    def __init__(self, job_text: str):
-        self.layout, self.blob = encode(state_to_numpy(build_job_model(parse_round_config(job_text))))
-        self.updates, self.results = [], []
-        self.refuse = False
-
-    def served(self) -> dict[str, np.ndarray]:
-        return decode(self.layout, self.blob)
-
-    def FetchModel(self, request, timeout):
-        yield fpb.ModelMessage(header=fpb.ModelHeader(manifest=self.layout.to_proto()))
-        for offset, data in iter_chunks(self.blob, 1 << 16):
-            yield fpb.ModelMessage(chunk={"offset": offset, "data": bytes(data)})
-
-    def SubmitUpdate(self, messages, timeout):
-        self.updates.append(list(messages))
-        if self.refuse:
-            raise Refused()
-        return fpb.SubmitReply(accepted=True, message="accepted")
-
-    def ReportResult(self, result, timeout):
-        self.results.append(result)
-        return fpb.ResultReply()
+def Coordinator(job_text: str) -> FakeCoordinator:
+    return FakeCoordinator(parse_round_config(job_text))
 
 
 class Recording(SiteAgent):

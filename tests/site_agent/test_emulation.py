@@ -13,11 +13,10 @@ import time
 import pytest
 
 from plexus.config import DatasetSpec, EmulationSpec, PolicySpec, SiteConfig, parse_round_config
-from plexus.models import build_job_model, state_to_numpy
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.wire import encode, iter_chunks
 from site_agent.agent import SiteAgent
 
+from fake_coordinator import FakeCoordinator
 from timing import scaled
 
 TRAIN_S = 0.25   # what each training task takes by the agent's (fake) clock
@@ -59,29 +58,7 @@ class SlowTrainer(SiteAgent):
         return result
 
 
-class Coordinator:
-    """The stub's calls a task makes, answered and recorded."""
-
-    def __init__(self, job):
-        self.layout, self.blob = encode(state_to_numpy(build_job_model(job)))
-        self.updates, self.secagg, self.results = [], [], []
-
-    def FetchModel(self, request, timeout):
-        yield fpb.ModelMessage(header=fpb.ModelHeader(manifest=self.layout.to_proto()))
-        for offset, data in iter_chunks(self.blob, 1 << 16):
-            yield fpb.ModelMessage(chunk={"offset": offset, "data": bytes(data)})
-
-    def SubmitUpdate(self, messages, timeout):
-        self.updates.append(list(messages))
-        return fpb.SubmitReply(accepted=True, message="accepted")
-
-    def SecAgg(self, message, timeout):
-        self.secagg.append(message)
-        return fpb.ResultReply()
-
-    def ReportResult(self, result, timeout):
-        self.results.append(result)
-        return fpb.ResultReply()
+Coordinator = FakeCoordinator
 
 
 def _agent(kit, tmp_path, slowdown: float | None) -> SlowTrainer:
