@@ -20,7 +20,7 @@ there (site -> relay -> coordinator), plus the admin client's.
 accuracy: in process, like bench.strategies, with the product's own halves: the job's round config, the
 coordinator's strategy objects, the site's training (`site_agent.local.local_update`) on the model it decoded
 from its download, then the site's coding (`site_agent.uplink`: model_delta, encode_update with its residual and
-rounding_rng) and the coordinator's (`coordinator.drivers.sync.compressed_uplink`, the codec's check_layout, a
+rounding_rng) and the coordinator's (`plexus.compression.job_uplink`, the codec's check_layout, a
 `CodedFold` into the exact `WeightedSum` fed the wire blob in chunks, `base_plus_mean`, the strategy's step).
 Accuracy after R rounds on bench.strategies' test sets. `--compare BYTES_JSON` checks each final model against
 the real federation's of the same case: equal, bit for bit, for every uplink codec.
@@ -391,9 +391,10 @@ def simulate(task, job, job_id: str, state_root: Path) -> tuple[dict, list[dict]
     spec = getattr(job, "compression", None)
     coded = spec is not None and spec.uplink.codec != "none"
     if coded:
-        from site_agent.uplink import coded_uplink, encode_update, model_delta, rounding_rng
+        from plexus.compression import job_uplink
+        from site_agent.uplink import encode_update, model_delta, rounding_rng
 
-        site_codec, coordinator_codec = coded_uplink(job), rules.compressed_uplink(job)
+        site_codec, coordinator_codec = job_uplink(job), job_uplink(job)   # one for each side, as in a federation
     down_spec = None if spec is None else spec.downlink
     sizes = {s: len(task.sites[s].y_train) for s in names}
     held: dict[str, dict] = {}                # site -> the model it decoded last round

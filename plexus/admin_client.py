@@ -154,28 +154,30 @@ def mean_metrics(detail: admin_pb2.JobDetail, kind: str) -> dict[int, dict[str, 
     return out
 
 
-def async_spec(detail: admin_pb2.JobDetail):
-    """The job's `asynchronous:` block (plexus.config.AsyncSpec), or None for a synchronous job. A config this
-    CLI cannot read (one written by a coordinator of another version) is None too: the job is shown as any
-    job is, its rounds and metrics as they are."""
+def job_config(detail: admin_pb2.JobDetail):
+    """The job's round config, or None for a config this CLI cannot read (one written by a coordinator of another
+    version): the job is then shown as any job is, its rounds and metrics as they are."""
     from plexus.config import parse_round_config
     from plexus.errors import ConfigError
 
     try:
-        return parse_round_config(detail.config_yaml, source=f"job {detail.summary.job_id}").asynchronous
+        return parse_round_config(detail.config_yaml, source=f"job {detail.summary.job_id}")
     except ConfigError:
         return None
+
+
+def async_spec(detail: admin_pb2.JobDetail):
+    """The job's `asynchronous:` block (plexus.config.AsyncSpec), or None for a synchronous job (or one whose
+    config this CLI cannot read)."""
+    cfg = job_config(detail)
+    return None if cfg is None else cfg.asynchronous
 
 
 def compression_summary(detail: admin_pb2.JobDetail) -> str | None:
     """How the job's updates and models travel, for `job show` ("uplink topk (fraction 0.01, error feedback),
     downlink delta8"); None without a compression block (or a config this CLI cannot read)."""
-    from plexus.config import parse_round_config
-    from plexus.errors import ConfigError
-
-    try:
-        cfg = parse_round_config(detail.config_yaml, source=f"job {detail.summary.job_id}")
-    except ConfigError:
+    cfg = job_config(detail)
+    if cfg is None:
         return None
     if cfg.compression is None:
         return None

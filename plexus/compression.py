@@ -532,6 +532,16 @@ UPLINK: dict[str, type[UplinkCodec]] = {
 }
 
 
+def job_uplink(job) -> UplinkCodec | None:
+    """A round config's uplink codec, or None when its updates travel as whole models: no compression block,
+    codec none, or secure aggregation (whose masked input its codec shapes instead: plexus.secagg.plan). The one
+    place both the site and the coordinator decide it."""
+    spec = job.compression.uplink if job.compression is not None else None
+    if spec is None or spec.codec == "none" or job.privacy.secure_aggregation:
+        return None
+    return uplink_codec(spec, seed=job.seed)
+
+
 def uplink_codec(spec, *, seed: int) -> UplinkCodec:
     """The uplink codec an UplinkSpec names; `seed` is the job's seed (randk's shared draws)."""
     cls = UPLINK.get(spec.codec)

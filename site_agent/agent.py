@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from plexus import __version__, staleness, transport
+from plexus.compression import job_uplink
 from plexus.config import SITE_BACKOFF_CAP_S, SITE_BACKOFF_JITTER, DataSpec, RoundConfig, SiteConfig, parse_round_config
 from plexus.datasets import DataError, Split, csv_train_rows, load_for_job
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
@@ -34,7 +35,7 @@ from site_agent.local import LocalResult, local_update, needs_served, served_lay
 from site_agent.policy import policy_digest, refusal
 from site_agent.state import JobState, ServedChain, job_id_refusal
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
-from site_agent.uplink import Coded, coded_uplink, encode_update, model_delta, residual_layout, rounding_rng
+from site_agent.uplink import Coded, encode_update, model_delta, residual_layout, rounding_rng
 
 log = logging.getLogger("plexus.site")
 
@@ -159,7 +160,7 @@ class SiteAgent:
         try:
             if task.kind in SECAGG_LATER_PHASES or (cohorts and task.kind == fpb.TASK_SECAGG_ADVERTISE):
                 return self._secagg_phase(stub, task, job)
-            coded = coded_uplink(job) if task.kind == fpb.TASK_TRAIN else None   # None: the whole model travels
+            coded = job_uplink(job) if task.kind == fpb.TASK_TRAIN else None   # None: the whole model travels
             data = self.load_data(job.data)
             model = build_job_model(job)
             served = self._fetch(stub, task, served_layout(job, model), job)

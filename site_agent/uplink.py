@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plexus.compression import UplinkCodec, uplink_codec
+from plexus.compression import UplinkCodec
 from plexus.wire import FLOAT_DTYPES, Layout
 
 
@@ -38,15 +38,6 @@ class Coded:
 
     wire: dict[str, np.ndarray]
     residual: dict[str, np.ndarray] | None   # None: the codec keeps no residual (nothing to write)
-
-
-def coded_uplink(job) -> UplinkCodec | None:
-    """The job's uplink codec, or None when its updates travel as whole models (no compression block, codec
-    none, or secure aggregation, whose masked path codes its own updates)."""
-    spec = job.compression.uplink if job.compression is not None else None
-    if spec is None or spec.codec == "none" or job.privacy.secure_aggregation:
-        return None
-    return uplink_codec(spec, seed=job.seed)
 
 
 def rounding_rng(seed: int) -> np.random.Generator:

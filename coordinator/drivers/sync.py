@@ -35,7 +35,7 @@ from coordinator.tasks import (
     site_seed,
 )
 from plexus.accounting import client_epsilon, load_client_accountant, round_sampling_rate
-from plexus.compression import uplink_codec
+from plexus.compression import job_uplink
 from plexus.config import MIN_GRID_LEVELS, SECURE_FIELD_BITS, RoundConfig, max_secure_sites, parse_round_config
 from plexus.dp import NOT_PRIVATE, Distance, add_noise, central_std, check_clipped, noise_key
 from plexus.errors import (
@@ -119,15 +119,6 @@ def downlink_of(cfg: RoundConfig) -> Downlink | None:
     """The job's compressed downlink (compression.downlink fp16 or delta8); None: the model travels as it is."""
     spec = cfg.compression.downlink if cfg.compression is not None else None
     return Downlink(spec) if spec is not None and spec.codec != "none" else None
-
-
-def compressed_uplink(cfg: RoundConfig):
-    """The job's uplink codec when its plain updates travel compressed (None: the whole model travels as it is;
-    under secure aggregation the codec shapes the masked input instead, in SecureRound)."""
-    spec = cfg.compression
-    if spec is None or spec.uplink.codec == "none" or cfg.privacy.secure_aggregation:
-        return None
-    return uplink_codec(spec.uplink, seed=cfg.seed)
 
 
 def base_plus_mean(base: dict[str, np.ndarray], total: WeightedSum) -> dict[str, np.ndarray]:
@@ -384,7 +375,7 @@ class SyncRounds:
         # The global model exists once: the wire blob; the state dict is views over it. A job
         # whose engine never reads the model (plain FedAvg) serves it from the checkpoint file.
         job = ActiveJob(row, cfg, strategy, layout, {}, blob, row.current_round, activated=ctx.monotonic(),
-                        codec=compressed_uplink(cfg), downlink=downlink_of(cfg))
+                        codec=job_uplink(cfg), downlink=downlink_of(cfg))
         try:
             job.set_model(layout, blob, row.current_round)
         except IntegrityError as exc:   # a model compression.downlink cannot carry (fp16: beyond its range)

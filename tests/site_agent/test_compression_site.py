@@ -17,6 +17,7 @@ import pytest
 from safetensors.numpy import save
 
 from plexus import pki
+from plexus.compression import job_uplink
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig, parse_round_config
 from plexus.dp import clip_update
 from plexus.errors import IntegrityError
@@ -25,7 +26,7 @@ from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.wire import Layout, assemble, decode, encode
 from site_agent.agent import SiteAgent
 from site_agent.state import JobState
-from site_agent.uplink import coded_uplink, encode_update, model_delta, residual_layout, rounding_rng
+from site_agent.uplink import encode_update, model_delta, residual_layout, rounding_rng
 
 from fake_coordinator import FakeCoordinator
 from integration.rogue import Outcome, RogueCoordinator, site_agents
@@ -160,7 +161,7 @@ def test_a_damaged_or_foreign_residual_is_an_error_that_says_how_to_fix_it(tmp_p
 def test_the_update_decodes_to_delta_plus_old_residual_minus_new(kit, tmp_path, case):
     text = _job_text(CODECS[case])
     job = parse_round_config(text)
-    codec, model = coded_uplink(job), _model_layout(text)
+    codec, model = job_uplink(job), _model_layout(text)
     agent, stub, state = _agent(kit, tmp_path), Coordinator(text), JobState(tmp_path, "squeeze")
     served = _f32(stub.served(), model)
     assert codec.feedback == (case in FEEDBACK)
@@ -188,10 +189,10 @@ def test_the_update_decodes_to_delta_plus_old_residual_minus_new(kit, tmp_path, 
 
 
 def test_a_job_naming_only_the_codec_gets_the_codec_defaults():
-    assert coded_uplink(parse_round_config(_job_text("{codec: topk, fraction: 0.1}"))).feedback
-    assert coded_uplink(parse_round_config(_job_text("{codec: randk, k: 3}"))).feedback
-    assert coded_uplink(parse_round_config(_job_text("{codec: int8}"))).block == 256
-    codec = coded_uplink(parse_round_config(_job_text("{codec: adacomp}")))
+    assert job_uplink(parse_round_config(_job_text("{codec: topk, fraction: 0.1}"))).feedback
+    assert job_uplink(parse_round_config(_job_text("{codec: randk, k: 3}"))).feedback
+    assert job_uplink(parse_round_config(_job_text("{codec: int8}"))).block == 256
+    codec = job_uplink(parse_round_config(_job_text("{codec: adacomp}")))
     assert (codec.bin_conv, codec.bin_dense) == (50, 500)
 
 
@@ -263,7 +264,7 @@ def test_under_dp_the_sent_vector_is_scaled_to_clip_norm_and_the_residual_keeps_
     clip = 0.05
     text = _job_text(CODECS[case], DP.replace("CLIP", str(clip)))
     job = parse_round_config(text)
-    codec, model = coded_uplink(job), _model_layout(text)
+    codec, model = job_uplink(job), _model_layout(text)
     state = JobState(tmp_path, "squeeze")
     old = None
     if codec.feedback:   # a large residual: G is far longer than clip_norm, so the sent vector must be scaled
@@ -292,7 +293,7 @@ def test_encode_update_scales_every_codec_to_the_bound():
     delta = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in layout.tensors}
     residual = {t.name: 3 * rng.standard_normal(t.shape).astype(np.float32) for t in layout.tensors}
     for uplink in CODECS.values():
-        codec = coded_uplink(parse_round_config(_job_text(uplink)))
+        codec = job_uplink(parse_round_config(_job_text(uplink)))
         coded = encode_update(codec, layout, delta, residual, round_=4, rng=rounding_rng(1), clip_norm=1.0)
         sent = _f32(codec.decode(layout, coded.wire, round_=4), layout)
         assert 1 - 1e-3 <= _norm(sent) <= 1.0, uplink
