@@ -63,7 +63,7 @@ class SmallCells(ValueError):
     """The site's sums hold cells with fewer rows than its policy's min_cell_count (and more than none)."""
 
     def __init__(self, cells: list[str], min_cell_count: int):
-        self.cells = cells
+        self.cells, self.min_cell_count = cells, min_cell_count
         shown = "; ".join(cells[:20]) + (f"; and {len(cells) - 20} more" if len(cells) > 20 else "")
         super().__init__(f"{len(cells)} cell(s) would hold 1 to {min_cell_count - 1} rows, fewer than this site's "
                          f"min_cell_count {min_cell_count} (empty cells are fine): {shown}")
