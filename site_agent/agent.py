@@ -291,6 +291,12 @@ class SiteAgent:
         layout, delta = _model_delta(model, incoming)
         extras = {name: np.asarray(value, np.float64).reshape(-1) for name, value in update.items()
                   if name not in delta}
+        clip = job.privacy.secagg.clip
+        if over := sorted(name for name, value in extras.items() if np.abs(value).max(initial=0.0) > clip):
+            # Here only: telling the coordinator would tell it more about this site's data than the sum does.
+            log.warning("job %s round %d: update extras %s exceed privacy.secagg.clip %g and are cut to it before "
+                        "masking, so the pooled sums will be wrong; the job needs a larger clip (docs/privacy.md)",
+                        task.job_id, task.round, over[:5], clip)
         session = SiteSession(task.job_id, task.round, self.config.site,
                               min_cohort=self.config.policy.min_secure_cohort)
         weight = 1 if weighs_sites_equally(job) else result.num_samples
