@@ -616,6 +616,7 @@ def test_asynchronous_strategies_send_nothing_beside_the_model():
 def test_the_summing_strategies_are_the_uniform_rules_secure_aggregation_computes():
     """A site reads SUMMING_STRATEGIES to advertise weight 1 in a secure round; the coordinator reads the rule's
     weighting, and refuses any other advert: both must name the same rules."""
-    uniform = {name for name, cls in REGISTRY.items() if issubclass(cls, MeanRule) and cls.weighting == "uniform"
-               and not refuses_secure_aggregation(cls)}
-    assert uniform == SUMMING_STRATEGIES & set(REGISTRY)
+    secure_means = {name: cls for name, cls in REGISTRY.items()
+                    if issubclass(cls, MeanRule) and not refuses_secure_aggregation(cls)}
+    assert {name for name, cls in secure_means.items() if cls.weighting == "uniform"} == \
+        SUMMING_STRATEGIES & set(secure_means)
