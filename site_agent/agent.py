@@ -23,6 +23,7 @@ from plexus.compression import job_uplink
 from plexus.config import (
     SITE_BACKOFF_CAP_S,
     SITE_BACKOFF_JITTER,
+    SUMMING_STRATEGIES,
     DataSpec,
     RoundConfig,
     SiteConfig,
@@ -197,7 +198,9 @@ class SiteAgent:
                 log.info("job %s round %d: stopped during the emulated slowdown; the update is not sent",
                          task.job_id, task.round)
                 return None
-            clipped = self._clip_and_noise(model, incoming, job, task) if job.privacy.dp is not None else None
+            # A summing strategy's site half is its own DP (rows clipped, noise on the sums): no DP-FedAvg on top.
+            dp_fedavg = job.privacy.dp is not None and job.strategy.name not in SUMMING_STRATEGIES
+            clipped = self._clip_and_noise(model, incoming, job, task) if dp_fedavg else None
             eval_metrics, result = self.to_report(job, eval_metrics, local.result)
             if task.kind == fpb.TASK_SECAGG_ADVERTISE:
                 return self._advertise(stub, task, job, incoming, model, local.update, result, eval_metrics)
@@ -433,7 +436,7 @@ class SiteAgent:
     def local_update(self, job: RoundConfig, model, served: dict, data: Split, task) -> LocalResult:
         """This round's local work for the job's strategy; benchmarks override it with a trivial step."""
         return local_update(job, model, served, data, site=self.config.site, job_id=task.job_id, seed=task.seed,
-                            local_steps=task.local_steps, state_dir=self.config.state_dir)
+                            local_steps=task.local_steps, state_dir=self.config.state_dir, round_=task.round)
 
     def evaluate(self, model, data: Split) -> dict[str, float]:
         """Metrics of `model` on this site's held-out rows."""
