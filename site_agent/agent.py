@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import threading
 import time
@@ -20,7 +21,17 @@ import numpy as np
 
 from plexus import __version__, staleness, transport
 from plexus.compression import job_uplink
-from plexus.config import SITE_BACKOFF_CAP_S, SITE_BACKOFF_JITTER, DataSpec, RoundConfig, SiteConfig, parse_round_config
+from plexus.config import (
+    SECAGG_MAX_CLIP,
+    SITE_BACKOFF_CAP_S,
+    SITE_BACKOFF_JITTER,
+    SUMMING_STRATEGIES,
+    DataSpec,
+    DatasetSpec,
+    RoundConfig,
+    SiteConfig,
+    parse_round_config,
+)
 from plexus.datasets import DataError, Split, csv_train_rows, load_for_job
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition, IntegrityError
@@ -31,7 +42,16 @@ from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto, mask_
 from plexus.wire import DEFAULT_CHUNK_BYTES, DTYPES, Layout, assemble, chunk_size, decode, encode_chunks
 from site_agent.audit import AuditWriteFailed, SiteAudit
 from site_agent.downlink import downlink_spec, fetch_model, model_header
-from site_agent.local import LocalResult, local_update, needs_served, served_layout
+from site_agent.local import (
+    LocalResult,
+    check_statistics_columns,
+    evaluates,
+    local_update,
+    needs_served,
+    raw_table,
+    reads_raw_table,
+    served_layout,
+)
 from site_agent.policy import policy_digest, refusal
 from site_agent.state import JobState, ServedChain, job_id_refusal
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
@@ -73,6 +93,7 @@ class SiteAgent:
         self._channel: grpc.Channel | None = None
         self.chunk_bytes = chunk_bytes
         self._data: dict[DataSpec, Split] = {}
+        self._tables: dict[DatasetSpec, dict[str, np.ndarray]] = {}   # raw tables, for statistics jobs
         self._secure: dict[tuple[str, int], _Pending] = {}
         self._kept: dict[tuple[str, int], _Kept] = {}   # asynchronous secure jobs: (job, base version) -> update
         self.audit = SiteAudit(config.state_dir, actor=f"site:{config.site}")
@@ -148,7 +169,7 @@ class SiteAgent:
         try:
             reason = self._refusal(job, state, trains)
             if not reason:
-                self.load_data(job.data)   # the schema check: data that cannot serve the job declines it
+                self.job_data(job)   # the schema check: data that cannot serve the job declines it
         except DataError as exc:   # the local detail (file, rows, values) stays in this site's log
             log.warning("dataset %r cannot serve job %s: %s", job.data.dataset, task.job_id, exc)
             reason = exc.remote
@@ -160,8 +181,10 @@ class SiteAgent:
         try:
             if task.kind in SECAGG_LATER_PHASES or (cohorts and task.kind == fpb.TASK_SECAGG_ADVERTISE):
                 return self._secagg_phase(stub, task, job)
+            if task.kind == fpb.TASK_EVALUATE and not evaluates(job):   # a statistics job's sums are no model
+                return self.report(stub, task, fpb.RESULT_EVALUATED, "", {})
             coded = job_uplink(job) if task.kind == fpb.TASK_TRAIN else None   # None: the whole model travels
-            data = self.load_data(job.data)
+            data = self.job_data(job)
             model = build_job_model(job)
             served = self._fetch(stub, task, served_layout(job, model), job)
             names = set(model.state_dict())
@@ -174,7 +197,7 @@ class SiteAgent:
             if trains:
                 state.count_round()
             self.audit.ran(task.job_id, task.round, job.data.dataset, job.model.name, kind)
-            eval_metrics = self.evaluate(model, data)
+            eval_metrics = self.evaluate(model, data) if evaluates(job) else {}
             if task.kind == fpb.TASK_EVALUATE:
                 return self.report(stub, task, fpb.RESULT_EVALUATED, "", self.to_report(job, eval_metrics)[0])
             if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or cohorts
@@ -199,6 +222,10 @@ class SiteAgent:
                 upload = self._code(coded, job, task, model, incoming, clipped, residual, local)
         except grpc.RpcError:
             raise
+        except DataError as exc:   # found by the local work (a statistics job's small cells): declined, as above
+            log.warning("dataset %r cannot serve job %s: %s", job.data.dataset, task.job_id, exc)
+            self._secure.pop((task.job_id, task.round), None)
+            return self._decline(stub, task, exc.remote)
         except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:  # IntegrityError too
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
@@ -281,9 +308,13 @@ class SiteAgent:
         trained = state_to_numpy(model)
         layout = Layout.of(trained)
         delta = [(trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1) for t in layout.tensors]
+        summing = job.strategy.name in SUMMING_STRATEGIES
+        if summing:
+            check_sums_fit(delta, job.privacy.secagg.clip)
         session = SiteSession(task.job_id, task.round, self.config.site,
                               min_cohort=self.config.policy.min_secure_cohort)
-        weight = 1 if job.privacy.dp is not None else result.num_samples  # DP-FedAvg weighs sites equally
+        # DP-FedAvg weighs sites equally; sums are added, so the coordinator's uniform mean times |U| is their sum.
+        weight = 1 if job.privacy.dp is not None or summing else result.num_samples
         advert = session.advertise(weight, self.kit.key_pem, self.kit.cert_pem)
         for key in [k for k in self._secure if k[0] == task.job_id]:
             del self._secure[key]  # an older round of this job can never resume
@@ -418,7 +449,8 @@ class SiteAgent:
     def local_update(self, job: RoundConfig, model, served: dict, data: Split, task) -> LocalResult:
         """This round's local work for the job's strategy; benchmarks override it with a trivial step."""
         return local_update(job, model, served, data, site=self.config.site, job_id=task.job_id, seed=task.seed,
-                            local_steps=task.local_steps, state_dir=self.config.state_dir)
+                            local_steps=task.local_steps, state_dir=self.config.state_dir,
+                            min_cell_count=self.config.policy.min_cell_count)
 
     def evaluate(self, model, data: Split) -> dict[str, float]:
         """Metrics of `model` on this site's held-out rows."""
@@ -466,6 +498,17 @@ class SiteAgent:
         if data not in self._data:
             self._data[data] = load_for_job(self.config.datasets[data.dataset], data)
         return self._data[data]
+
+    def job_data(self, job: RoundConfig):
+        """What the job's local work reads: its training Split (load_data), or for a statistics job the dataset's
+        raw table (read once), its columns checked against the job's. DataError when the data cannot serve it."""
+        if not reads_raw_table(job):
+            return self.load_data(job.data)
+        spec = self.config.datasets[job.data.dataset]
+        if spec not in self._tables:
+            self._tables[spec] = raw_table(spec, job.data.dataset)
+        check_statistics_columns(job, self._tables[spec])
+        return self._tables[spec]
 
     def _fetch(self, stub, task: fpb.Task, expected: Layout, job: RoundConfig) -> dict:
         """The served model (layout `expected`), decoded as the job's compression.downlink says."""
@@ -538,6 +581,21 @@ class _Kept:
     num_samples: int       # n (1 under DP)
     metrics: dict[str, float]
     eval_metrics: dict[str, float]
+
+
+def check_sums_fit(delta: list[np.ndarray], clip: float) -> None:
+    """ValueError unless every value of a summing strategy's update lies within ±privacy.secagg.clip: secure
+    aggregation clips each coordinate to it, which would make a sum (a count) wrong without anyone noticing."""
+    largest = max((float(np.max(np.abs(d))) for d in delta if d.size), default=0.0)
+    if largest <= clip:
+        return
+    need = 2.0 ** math.ceil(math.log2(largest))   # the order of magnitude only: the coordinator sees this reason
+    fix = (f"set privacy.secagg.clip to at least {need:g}" if need <= SECAGG_MAX_CLIP else
+           f"they exceed the largest clip, {SECAGG_MAX_CLIP:g}, so they cannot be summed securely: describe fewer "
+           "rows or smaller values per site, or set privacy.secure_aggregation: false")
+    raise ValueError(f"this site's sums reach up to {need:g} in magnitude, beyond privacy.secagg.clip = {clip:g}, "
+                     "and secure aggregation clips every value to ±clip, which would leave the pooled sums wrong; "
+                     f"{fix}")
 
 
 def in_cohorts(job: RoundConfig) -> bool:
