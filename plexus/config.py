@@ -25,11 +25,11 @@ from plexus.typed_yaml import Cell, in_range, matching, non_empty, one_of
 __all__ = [
     "AdminConfig", "Cell", "CompressionSpec", "CoordinatorConfig", "DownlinkSpec", "DPSGDSpec", "DPSpec", "DataSpec",
     "DatasetSpec", "EmulationSpec",
-    "FeatureSpec", "LabelSpec", "ModelSpec",
-    "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SiteConfig", "SitesSpec",
-    "StrategySpec", "TrainSpec", "UplinkSpec", "dump_round_config", "load_admin_config",
-    "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
-    "split_address",
+    "FeatureSpec", "GroupSpec", "LabelSpec", "ModelSpec",
+    "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SiteConfig", "SitesSpec", "StatColumnSpec",
+    "StatDPSpec", "StatisticsSpec", "StrategySpec", "TrainSpec", "UplinkSpec", "dump_round_config",
+    "load_admin_config", "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
+    "split_address", "statistics_args", "statistics_spec_from_args",
 ]
 
 from plexus.datasets import HOSPITALS, cell_number, feature_inputs
@@ -357,6 +357,89 @@ class CompressionSpec:
 
     uplink: UplinkSpec = field(default_factory=UplinkSpec)
     downlink: DownlinkSpec = field(default_factory=DownlinkSpec)
+
+
+# Statistics jobs (plexus.statistics): which columns, how they are binned and grouped, optional DP. ------------
+
+
+def _stat_range() -> dict:
+    def check(value: tuple[float, ...]) -> str | None:
+        if len(value) != 2 or not value[0] < value[1]:
+            return f"{list(value)!r} is not a range; write [lo, hi] with lo < hi, e.g. [0, 100]"
+        return None
+
+    return {"check": check}
+
+
+def _quantiles() -> dict:
+    def check(value: tuple[float, ...]) -> str | None:
+        bad = [q for q in value if not 0 <= q <= 1]
+        if bad:
+            return f"{bad[0]!r} is not a quantile; use values in [0, 1], e.g. [0.25, 0.5, 0.75]"
+        if len(set(value)) != len(value):
+            return "lists a quantile twice; list each once"
+        return None
+
+    return {"check": check}
+
+
+@dataclass(frozen=True, slots=True)
+class StatColumnSpec:
+    """One raw table column a statistics job describes: numeric (optionally binned) or categorical."""
+
+    name: str
+    # Numeric: [lo, hi], the histogram's span and, under DP, the clamp that bounds one row's effect on a sum.
+    range: tuple[float, ...] | None = field(default=None, metadata={**_stat_range(), **_OMIT_NONE})
+    bins: int | None = field(default=None, metadata={**in_range(1, 10_000), **_OMIT_NONE})   # equal-width bins
+    # Set: categorical, counted per category; cells are compared as text ("0" is not "0.0").
+    categories: tuple[Cell, ...] | None = field(default=None, metadata={**non_empty(), **_OMIT_NONE})
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """Every statistic is computed over all rows and again per category of this column."""
+
+    column: str
+    categories: tuple[Cell, ...] = field(metadata=non_empty())
+
+
+@dataclass(frozen=True, slots=True)
+class StatDPSpec:
+    """Differential privacy for a statistics job: noise on every query's pooled sums, epsilon per query."""
+
+    mechanism: str = field(metadata=one_of("laplace", "gaussian"))
+    epsilon: float = field(metadata=in_range(0, lo_open=True))
+    delta: float = field(default=1e-5, metadata=in_range(0, 1, lo_open=True, hi_open=True))   # gaussian only
+
+
+# Covariance sums one tensor per pair of numeric columns: this many columns make ~20,000 pairs.
+MAX_COVARIANCE_COLUMNS = 200
+
+
+@dataclass(frozen=True, slots=True)
+class StatisticsSpec:
+    """A statistics job's `statistics:` block: the columns, grouping, quantiles, covariance, min/max and DP."""
+
+    columns: tuple[StatColumnSpec, ...] = field(metadata=non_empty())
+    group_by: GroupSpec | None = field(default=None, metadata=_OMIT_NONE)
+    quantiles: tuple[float, ...] = field(default=(), metadata=_quantiles())   # from the histograms
+    covariance: bool = False
+    min_max: bool = True
+    dp: StatDPSpec | None = field(default=None, metadata=_OMIT_NONE)
+
+
+def statistics_spec_from_args(args: dict) -> StatisticsSpec:
+    """The StatisticsSpec whose plain data `statistics_args` gave (a statistics job's model args), checked."""
+    source = "<statistics args>"
+    node = typed_yaml.compose(yaml.safe_dump(args), source)
+    reader = typed_yaml.Reader(source, checks=_CROSS_CHECKS)
+    return reader.read(StatisticsSpec, node if node is not None else typed_yaml.empty_mapping(), "model.args")
+
+
+def statistics_args(spec: StatisticsSpec) -> dict:
+    """The block as plain data (lists, strings, numbers), unset keys left out; `statistics_spec_from_args`
+    reads it back to an equal spec."""
+    return _to_plain(spec)
 
 
 # Server rules that take a staleness-weighted mean of deltas, so they run asynchronously.
@@ -752,7 +835,7 @@ def _sites_problem(spec: SitesSpec) -> tuple[str, str] | None:
 
 
 def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
-    problem = _statistics_problem(cfg) or _async_problem(cfg) or _compression_problem(cfg)
+    problem = _statistics_job_problem(cfg) or _async_problem(cfg) or _compression_problem(cfg)
     if problem:
         return problem
     if cfg.train.steps is not None and cfg.privacy.dp_sgd is not None:
@@ -776,7 +859,7 @@ def statistics_derived(spec: StatisticsSpec) -> dict[str, Any]:
 
 def _derive_statistics_job(reader: typed_yaml.Reader, node: Node, path: str) -> Node:
     """Before a round config is read: a `kind: statistics` job gets the model, rounds and strategy its statistics
-    block derives, where they are not written (written ones must equal them: _statistics_problem)."""
+    block derives, where they are not written (written ones must equal them: _statistics_job_problem)."""
     if not isinstance(node, MappingNode):
         return node   # the reader says what is wrong with it
     entries = {k.value: (k, v) for k, v in node.value if isinstance(k, ScalarNode)}
@@ -810,7 +893,7 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _statistics_problem(cfg: RoundConfig) -> tuple[str, str] | None:
+def _statistics_job_problem(cfg: RoundConfig) -> tuple[str, str] | None:
     if cfg.kind != "statistics":
         if cfg.statistics is not None:
             return "statistics", ("describes a statistics job, and this is a training job; add `kind: statistics` "
@@ -945,6 +1028,55 @@ def _schema_model_problem(cfg: RoundConfig) -> tuple[str, str] | None:
     return None
 
 
+def _stat_column_problem(spec: StatColumnSpec) -> tuple[str, str] | None:
+    if spec.categories is not None:
+        for key in ("range", "bins"):
+            if getattr(spec, key) is not None:
+                return key, (f"applies to numeric columns only, and {spec.name!r} is categorical (it has "
+                             "`categories`); remove it, or remove `categories` to describe the column as numbers")
+        if len(set(spec.categories)) != len(spec.categories):
+            return "categories", "lists a value twice; list each category once"
+    if spec.bins is not None and spec.range is None:
+        return "bins", f"needs `range: [lo, hi]`, the span the {spec.bins} equal-width bins divide; add it"
+    return None
+
+
+def _group_problem(spec: GroupSpec) -> tuple[str, str] | None:
+    if len(set(spec.categories)) != len(spec.categories):
+        return "categories", "lists a value twice; list each group once"
+    return None
+
+
+def _statistics_problem(spec: StatisticsSpec) -> tuple[str, str] | None:
+    names = [c.name for c in spec.columns]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return "columns", f"lists column(s) {twice} more than once; list each column once"
+    numeric = [c for c in spec.columns if c.categories is None]
+    if spec.quantiles and not any(c.bins is not None for c in numeric):
+        return "quantiles", ("are read from histograms, and no column has one; give the numeric columns to "
+                             "describe `range: [lo, hi]` and `bins` (quantiles apply to every column with bins)")
+    if spec.covariance and len(numeric) < 2:
+        return "covariance", (f"needs at least 2 numeric columns (columns without `categories`), and there "
+                              f"{'is' if len(numeric) == 1 else 'are'} {len(numeric)}; add one or remove it")
+    if spec.covariance and len(numeric) > MAX_COVARIANCE_COLUMNS:
+        return "covariance", (f"over {len(numeric)} numeric columns would sum {len(numeric) * (len(numeric) - 1) // 2} "
+                              f"pairs; covariance takes at most {MAX_COVARIANCE_COLUMNS} numeric columns")
+    if spec.dp is not None:
+        if spec.min_max:
+            return "min_max", ("cannot be released under dp: a minimum or maximum is one row's value, which no "
+                               "noise calibrated to a range hides; set min_max: false")
+        unbounded = [c.name for c in numeric if c.range is None]
+        if unbounded:
+            return "dp", (f"needs `range: [lo, hi]` on every numeric column, to bound what one row adds to a sum "
+                          f"(values are clamped to it under dp); add a range to {', '.join(map(repr, unbounded))}")
+        if spec.dp.mechanism == "gaussian" and spec.dp.epsilon >= 1:
+            return "dp", (f"epsilon is {spec.dp.epsilon:g}, and the Gaussian mechanism's noise "
+                          "sigma = sensitivity * sqrt(2 ln(1.25/delta)) / epsilon is proven for epsilon < 1 only; "
+                          "use an epsilon below 1, or mechanism: laplace")
+    return None
+
+
 # Cross-field checks: fn(obj) -> (key, "<problem>; <fix>") or None.
 def _checkpoints_problem(spec: CheckpointsSpec) -> tuple[str, str] | None:
     if spec.keep_every is not None and spec.keep_last is None:
@@ -966,7 +1098,8 @@ _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
     DatasetSpec: _dataset_problem, DPSpec: _dp_problem, PrivacySpec: _privacy_problem, SitesSpec: _sites_problem,
     RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem,
     CheckpointsSpec: _checkpoints_problem, CoordinatorConfig: _coordinator_problem, UplinkSpec: _uplink_problem,
-    DownlinkSpec: _downlink_problem}
+    DownlinkSpec: _downlink_problem, StatColumnSpec: _stat_column_problem, GroupSpec: _group_problem,
+    StatisticsSpec: _statistics_problem}
 # Post-read steps: fn(reader, obj, entries, path) -> obj; pre-read steps: fn(reader, node, path) -> node.
 _AFTER_READ = {StrategySpec: _read_strategy_args}
 _BEFORE_READ = {RoundConfig: _derive_statistics_job}

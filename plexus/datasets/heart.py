@@ -10,6 +10,7 @@ import numpy as np
 
 from plexus.datasets.checks import SPLIT_FIELDS, make_split, open_text, parse_number, reject_fields
 from plexus.datasets.split import Split, stratified_split
+from plexus.datasets.tables import Table, read_table
 from plexus.errors import ConfigError, IntegrityError
 
 HOSPITALS = ("cleveland", "hungary", "switzerland", "va")
@@ -74,6 +75,20 @@ def load(spec: Any) -> Split:
     return heart_disease(
         spec.hospital, path=spec.path, test_fraction=spec.test_fraction, seed=spec.split_seed
     )
+
+
+def hospital_table(hospital: str, *, path: Path | None = None) -> Table:
+    """Every row of one hospital in the UCI CSV, as text, none dropped (statistics describe them all)."""
+    if hospital not in _HOSPITAL_COLUMN:
+        raise ConfigError(f"unknown hospital {hospital!r}; expected one of {list(HOSPITALS)}")
+    table = read_table(HEART_DISEASE_CSV if path is None else Path(path))
+    missing = [c for c in _HEART_COLUMNS if c not in table.columns]
+    if missing:
+        raise IntegrityError(f"{table.path} is not the UCI heart-disease CSV: missing columns {missing}")
+    rows = [row for row in table.rows if _hospital_of(dict(zip(table.header, row))) == _HOSPITAL_COLUMN[hospital]]
+    if not rows:
+        raise IntegrityError(f"{table.path} has no rows for hospital {_HOSPITAL_COLUMN[hospital]!r}")
+    return Table(table.path, table.header, rows, table.delimiter)
 
 
 def _heart_rows(path: Path, hospital_column: str) -> tuple[np.ndarray, np.ndarray]:
