@@ -142,10 +142,8 @@ class Statistics(Plain):
     def train(self, run: Run) -> LocalResult:
         try:
             sums = stats.site_sums(run.job.statistics, run.data, min_cell_count=run.min_cell_count)
-        except stats.SmallCells as exc:
-            why = (f"{exc} (this site's policy.min_cell_count is {run.min_cell_count}: it sends no cell counting "
-                   "fewer rows, other than none)")
-            raise DataError(why, f"dataset {run.job.data.dataset!r}: {why}") from None
+        except stats.SmallCells as exc:   # names cells of the job's spec (group, column, bin), not their counts
+            raise DataError(str(exc), f"dataset {run.job.data.dataset!r}: {exc}") from None
         load_numpy_state(run.model, {name: np.asarray(value) for name, value in sums.items()})
         # Every site counts once (num_samples 1): its sums are added, never weighed by its rows.
         return LocalResult(result=TrainResult(num_samples=1, steps=0, metrics={}), update=state_views(run.model),
@@ -183,6 +181,13 @@ def evaluates(job: Any) -> bool:
     return local_training(job).evaluates
 
 
+def served_layout(job: Any, model: nn.Module) -> Layout:
+    """What FetchModel must deliver for this job: the model's tensors plus the strategy's served extras."""
+    state = state_views(model)  # the shapes exactly as the wire carries them (0-d tensors travel as [1])
+    specs = [(name, dtype_name(a.dtype), a.shape) for name, a in state.items()]
+    return Layout.build(specs + local_training(job).served_extras(state))
+
+
 def raw_table(dataset: Any, name: str) -> dict[str, np.ndarray]:
     """The raw table (column -> values) of the site's dataset entry `dataset`, configured as `name`: DataError,
     whose `remote` says what may leave the site, when it cannot be read as one."""
@@ -190,7 +195,10 @@ def raw_table(dataset: Any, name: str) -> dict[str, np.ndarray]:
         return stats.read_table(dataset)
     except DataError as exc:
         raise DataError(str(exc), f"dataset {name!r}: {exc.remote}") from None
-    except (ValueError, OSError) as exc:   # their text may name the file: it stays in this site's log
+    except (ValueError, OSError) as exc:
+        if dataset.kind not in ("csv", "heart-disease"):   # refused for its kind: nothing of the data in that
+            raise DataError(str(exc), f"dataset {name!r}: {exc}") from None
+        # Their text may name the file: it stays in this site's log.
         raise DataError(str(exc), f"dataset {name!r} cannot be read as a table at this site "
                                   f"({type(exc).__name__}); the site's log says why") from None
 
