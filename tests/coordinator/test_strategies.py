@@ -547,7 +547,8 @@ def test_ensemble_config_cross_checks():
 def test_registry_names():
     assert sorted(REGISTRY) == sorted(STRATEGY_ARGS)   # the config schema and the rules name the same strategies
     assert sorted(REGISTRY) == sorted(["fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "scaffold",
-                                       "median", "trimmed_mean", "krum", "multi_krum", "cwt", "swt", "ensemble"])
+                                       "median", "trimmed_mean", "krum", "multi_krum", "cwt", "swt", "ensemble",
+                                       "statistics"])
     assert all(REGISTRY[name].name == name for name in REGISTRY)
 
 
