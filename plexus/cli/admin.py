@@ -142,7 +142,14 @@ def _job_show(args) -> int:
 
 def print_job(detail, *, as_json: bool = False, statistics: tuple | None = None) -> None:
     """What `plexus job show` prints of a JobDetail; `statistics`: a statistics job's (figures, DP ledger)."""
-    from plexus.admin_client import async_view, compression_summary, epsilon_by_round, mean_eval, noise_reproducible
+    from plexus.admin_client import (
+        async_view,
+        compression_summary,
+        epsilon_by_round,
+        mean_eval,
+        noise_reproducible,
+        statistics_spec,
+    )
     from plexus.dp import NOT_PRIVATE
 
     evals = mean_eval(detail)
@@ -176,7 +183,8 @@ def print_job(detail, *, as_json: bool = False, statistics: tuple | None = None)
     elif detail.rounds:
         rows = [{"round": r.round, "status": r.status, "sites": len(r.contributors), "samples": r.total_samples,
                  "secs": _secs(r), **_evaluated(r.round, eps, evals)} for r in detail.rounds]
-        print("\nrounds (eval_* = the incoming global model on the sites' held-out rows):")
+        print("\nrounds:" if statistics_spec(detail) is not None else
+              "\nrounds (eval_* = the incoming global model on the sites' held-out rows):")
         table(list(dict.fromkeys(k for r in rows for k in r)), rows)
     # An update in the unflushed buffer (or kept at its site for a secure cohort) is waiting, not missing:
     # _show_async lists it.
