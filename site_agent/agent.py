@@ -591,8 +591,9 @@ def check_sums_fit(delta: list[np.ndarray], clip: float) -> None:
         return
     need = 2.0 ** math.ceil(math.log2(largest))   # the order of magnitude only: the coordinator sees this reason
     fix = (f"set privacy.secagg.clip to at least {need:.10g}" if need <= SECAGG_MAX_CLIP else
-           f"they exceed the largest clip, {SECAGG_MAX_CLIP}, so they cannot be summed securely: describe fewer "
-           "rows or smaller values per site, or set privacy.secure_aggregation: false")
+           f"they exceed the largest clip, {SECAGG_MAX_CLIP}, so secure aggregation cannot sum them: send smaller "
+           "sums (a statistics job: centre numeric columns with a `range`, or leave out the largest), or set "
+           "privacy.secure_aggregation: false")
     raise ValueError(f"this site's sums reach up to {need:.10g} in magnitude, beyond privacy.secagg.clip = {clip:.10g}, "
                      "and secure aggregation clips every value to ±clip, which would leave the pooled sums wrong; "
                      f"{fix}")
