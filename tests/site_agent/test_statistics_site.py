@@ -170,3 +170,28 @@ def test_check_sums_fit():
         check_sums_fit([np.array([3.0, -4.5])], 4.0)
     with pytest.raises(ValueError, match="they exceed the largest clip, 1048576, so secure aggregation cannot sum them"):
         check_sums_fit([np.array([3e6])], 2.0 ** 20)
+
+
+def test_max_epsilon_and_min_dp_noise_read_a_statistics_jobs_own_dp():
+    from site_agent.policy import refusal
+
+    def job(dp: str = ""):
+        text = JOB.replace("SECURE", "false").replace("CLIP", "4").replace("MIN_MAX", "false")
+        return parse_round_config(text.replace("  min_max: false\n", f"  min_max: false\n  dp: {dp}\n" if dp else
+                                               "  min_max: false\n"))
+
+    installed = {"statistics"}
+    capped = PolicySpec(allowed_models=("statistics",), max_epsilon=8.0)
+    assert refusal(capped, job(), installed) == ("this site's policy caps ε at 8.0, and the statistics job has no "
+                                                 "statistics.dp (its ε is unbounded)")
+    queries = len(stats.dp_ledger(job("{mechanism: laplace, epsilon: 0.5}").statistics).queries)
+    assert queries == 8 and refusal(capped, job("{mechanism: laplace, epsilon: 1.0}"), installed) is None
+    assert refusal(capped, job("{mechanism: laplace, epsilon: 1.5}"), installed) == (
+        "the statistics job's ε is 12 over its 8 queries (1.5 each, added up), above this site's policy.max_epsilon "
+        "8.0; set statistics.dp.epsilon to at most 1, or describe fewer columns")
+    noisy = PolicySpec(allowed_models=("statistics",), min_dp_noise=1.5)
+    # Laplace at ε 0.5 per query: scale / sensitivity = 1 / ε = 2.
+    assert refusal(noisy, job("{mechanism: laplace, epsilon: 0.5}"), installed) is None
+    assert "below this site's policy.min_dp_noise 1.5" in refusal(noisy, job("{mechanism: laplace, epsilon: 1.0}"),
+                                                                  installed)
+    assert refusal(noisy, job(), installed).endswith("adds no differential-privacy noise (set statistics.dp)")
