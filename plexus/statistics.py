@@ -63,7 +63,7 @@ class SmallCells(ValueError):
     """The site's sums hold cells with fewer rows than its policy's min_cell_count (and more than none)."""
 
     def __init__(self, cells: list[str], min_cell_count: int):
-        self.cells = cells
+        self.cells, self.min_cell_count = cells, min_cell_count
         shown = "; ".join(cells[:20]) + (f"; and {len(cells) - 20} more" if len(cells) > 20 else "")
         super().__init__(f"{len(cells)} cell(s) would hold 1 to {min_cell_count - 1} rows, fewer than this site's "
                          f"min_cell_count {min_cell_count} (empty cells are fine): {shown}")
@@ -205,38 +205,19 @@ def site_sums(spec: StatisticsSpec, table: dict[str, np.ndarray], *,
     members = _members(spec, table)
     sums = {name: np.zeros(shape) for name, _, shape in layout(spec)}
     sums[f"{SUM_PREFIX}rows"][:] = members.sum(axis=1)
-    numbers = {}
+    centred = {}
     for j, column in enumerate(spec.columns):
-        at = f"{SUM_PREFIX}c{j}/"
-        if column.categories is not None:
+        if column.categories is None:
+            centred[j] = _numeric_sums(spec, j, table[column.name], members, sums)
+        else:
             text = _texts(table[column.name])
             for k, category in enumerate(column.categories):
-                sums[at + "categories"][:, k] = (members & (text == category)).sum(axis=1)
-            sums[at + "missing"][:] = (members & (text == "")).sum(axis=1)
-            continue
-        x, _ = _numbers(table[column.name])
-        present = ~np.isnan(x)
-        numbers[j] = (x, present, _centred(spec, column, x))
-        sums[at + "count"][:] = (members & present).sum(axis=1)
-        sums[at + "missing"][:] = (members & ~present).sum(axis=1)
-        for g, rows in enumerate(members):
-            centred = numbers[j][2][rows & present]
-            sums[at + "sum"][g] = centred.sum()
-            sums[at + "sumsq"][g] = (centred * centred).sum()
-            if spec.min_max and centred.size:
-                sums[f"{MIN_PREFIX}c{j}"][g] = x[rows & present].min()
-                sums[f"{MAX_PREFIX}c{j}"][g] = x[rows & present].max()
-            elif spec.min_max:
-                sums[f"{MIN_PREFIX}c{j}"][g], sums[f"{MAX_PREFIX}c{j}"][g] = _EMPTY_MIN, _EMPTY_MAX
-        if column.bins is not None:
-            cell = _hist_cells(column, x)
-            for g, rows in enumerate(members):
-                sums[at + "hist"][g] = np.bincount(cell[rows & present], minlength=column.bins + 2)
+                sums[f"{SUM_PREFIX}c{j}/categories"][:, k] = (members & (text == category)).sum(axis=1)
+            sums[f"{SUM_PREFIX}c{j}/missing"][:] = (members & (text == "")).sum(axis=1)
     for i, j in _pairs(spec):
-        (_, present_i, ci), (_, present_j, cj) = numbers[i], numbers[j]
-        both = present_i & present_j
+        both = ~np.isnan(centred[i]) & ~np.isnan(centred[j])
         for g, rows in enumerate(members):
-            a, b = ci[rows & both], cj[rows & both]
+            a, b = centred[i][rows & both], centred[j][rows & both]
             sums[f"{SUM_PREFIX}cov/c{i}-c{j}"][g] = [a.size, a.sum(), b.sum(), (a * a).sum(), (b * b).sum(),
                                                      (a * b).sum()]
     if min_cell_count is not None:
@@ -244,6 +225,27 @@ def site_sums(spec: StatisticsSpec, table: dict[str, np.ndarray], *,
         if small:
             raise SmallCells(small, min_cell_count)
     return sums
+
+
+def _numeric_sums(spec: StatisticsSpec, j: int, values: np.ndarray, members: np.ndarray,
+                  sums: dict[str, np.ndarray]) -> np.ndarray:
+    """Fill column j's count, missing, sums, histogram and min/max; returns its centred values (NaN: missing)."""
+    column, at = spec.columns[j], f"{SUM_PREFIX}c{j}/"
+    x, _ = _numbers(values)
+    present = ~np.isnan(x)
+    centred = _centred(spec, column, x)
+    cells = _hist_cells(column, x) if column.bins is not None else None
+    for g, rows in enumerate(members):
+        mine = rows & present
+        sums[at + "count"][g], sums[at + "missing"][g] = mine.sum(), (rows & ~present).sum()
+        sums[at + "sum"][g] = centred[mine].sum()
+        sums[at + "sumsq"][g] = (centred[mine] * centred[mine]).sum()
+        if cells is not None:
+            sums[at + "hist"][g] = np.bincount(cells[mine], minlength=column.bins + 2)
+        if spec.min_max:
+            sums[f"{MIN_PREFIX}c{j}"][g] = x[mine].min() if mine.any() else _EMPTY_MIN
+            sums[f"{MAX_PREFIX}c{j}"][g] = x[mine].max() if mine.any() else _EMPTY_MAX
+    return centred
 
 
 def _members(spec: StatisticsSpec, table: dict[str, np.ndarray]) -> np.ndarray:
@@ -264,9 +266,9 @@ def _centred(spec: StatisticsSpec, column: StatColumnSpec, x: np.ndarray) -> np.
 def _hist_cells(column: StatColumnSpec, x: np.ndarray) -> np.ndarray:
     """Each value's cell of stats/c{j}/hist: 0 below the range, 1..bins the bins as np.histogram fills them
     (half-open [a, b), the last one closed), bins + 1 above; missing values land anywhere (callers mask them)."""
-    edges = _edges(column)
-    index = np.searchsorted(edges, np.nan_to_num(x), side="right")   # 0 below, bins + 1 above or at hi
-    index[np.nan_to_num(x) == edges[-1]] = column.bins
+    edges, x = _edges(column), np.nan_to_num(x)
+    index = np.searchsorted(edges, x, side="right")   # 0 below, bins + 1 above or at hi
+    index[x == edges[-1]] = column.bins
     return index
 
 
@@ -338,46 +340,22 @@ def _check_vector(expected: list, sums: dict[str, np.ndarray], what: str) -> Non
 def figures(spec: StatisticsSpec, pooled: dict[str, np.ndarray]) -> list[Figure]:
     """The figures of the pooled sums, column by column, each over every group.
 
-    Variance and covariance use ddof 1 and pairwise-complete rows, as pandas does. A quantile q is estimated
-    from the histogram: pandas' q-quantile interpolates linearly between the order statistics at ranks
-    floor(h) and ceil(h), h = q·(n − 1); each of the two is estimated by spreading its bin's values evenly
-    over the bin, so when both lie within the range the estimate is within one bin width of the exact
-    quantile. It is None when either lies outside the range (below/above cells) or the column has no values.
+    Statistics: rows (per group); numeric columns count, missing, sum, mean, var, std, min, max, "quantile q",
+    "histogram [a, b)" (with "< lo" and "> hi" cells); categorical columns count, missing, "category c"; pairs
+    "a × b" count (rows with both), cov, corr. Variance and covariance use ddof 1 and pairwise-complete rows,
+    as pandas does. A quantile q is estimated from the histogram: pandas' q-quantile interpolates linearly
+    between the order statistics at ranks floor(h) and ceil(h), h = q·(n − 1); each of the two is estimated by
+    spreading its bin's values evenly over the bin, so when both lie within the range the estimate is within
+    one bin width of the exact quantile. It is None when either lies outside the range or there are no values.
     """
     _check_vector(layout(spec), pooled, "the pooled sums")
     labels = group_labels(spec)
     out = [Figure(label, "", "rows", float(n)) for label, n in zip(labels, pooled[f"{SUM_PREFIX}rows"])]
     for j, column in enumerate(spec.columns):
-        at = f"{SUM_PREFIX}c{j}/"
         for g, label in enumerate(labels):
-            def add(statistic: str, value: float | None) -> None:
-                out.append(Figure(label, column.name, statistic, None if value is None else float(value)))
-
-            if column.categories is not None:
-                counts = pooled[at + "categories"][g]
-                add("count", counts.sum())
-                add("missing", pooled[at + "missing"][g])
-                for category, n in zip(column.categories, counts):
-                    add(f"category {category}", n)
-                continue
-            n, s, ss = (pooled[at + stat][g] for stat in ("count", "sum", "sumsq"))
-            c = _centre(column)
-            var = max(ss - s * s / n, 0.0) / (n - 1) if n > 1 else None
-            add("count", n)
-            add("missing", pooled[at + "missing"][g])
-            add("sum", s + n * c)
-            add("mean", s / n + c if n > 0 else None)
-            add("var", var)
-            add("std", None if var is None else math.sqrt(var))
-            if spec.min_max:
-                add("min", pooled[f"{MIN_PREFIX}c{j}"][g] if n > 0 else None)
-                add("max", pooled[f"{MAX_PREFIX}c{j}"][g] if n > 0 else None)
-            if column.bins is not None:
-                hist = pooled[at + "hist"][g]
-                for q in spec.quantiles:
-                    add(f"quantile {q:g}", _quantile(column, hist, q))
-                for bin_, count in zip(_bin_labels(column), hist):
-                    add(f"histogram {bin_}", count)
+            stats = (_categorical_figures if column.categories is not None else _numeric_figures)(spec, j, g, pooled)
+            out += [Figure(label, column.name, statistic, None if value is None else float(value))
+                    for statistic, value in stats]
     for i, j in _pairs(spec):
         name = f"{spec.columns[i].name} × {spec.columns[j].name}"
         for g, label in enumerate(labels):
@@ -387,6 +365,29 @@ def figures(spec: StatisticsSpec, pooled: dict[str, np.ndarray]) -> list[Figure]
             corr = (sij - si * sj / n) / math.sqrt(spread) if spread > 0 else None
             out += [Figure(label, name, "count", float(n)), Figure(label, name, "cov", cov),
                     Figure(label, name, "corr", corr)]
+    return out
+
+
+def _categorical_figures(spec: StatisticsSpec, j: int, g: int, pooled: dict) -> list[tuple[str, float | None]]:
+    column, counts = spec.columns[j], pooled[f"{SUM_PREFIX}c{j}/categories"][g]
+    return [("count", counts.sum()), ("missing", pooled[f"{SUM_PREFIX}c{j}/missing"][g]),
+            *((f"category {c}", n) for c, n in zip(column.categories, counts))]
+
+
+def _numeric_figures(spec: StatisticsSpec, j: int, g: int, pooled: dict) -> list[tuple[str, float | None]]:
+    column, at = spec.columns[j], f"{SUM_PREFIX}c{j}/"
+    n, s, ss = (pooled[at + stat][g] for stat in ("count", "sum", "sumsq"))
+    c = _centre(column)   # the sums are of x − c
+    var = max(ss - s * s / n, 0.0) / (n - 1) if n > 1 else None
+    out = [("count", n), ("missing", pooled[at + "missing"][g]), ("sum", s + n * c),
+           ("mean", s / n + c if n > 0 else None), ("var", var), ("std", None if var is None else math.sqrt(var))]
+    if spec.min_max:
+        out += [("min", pooled[f"{MIN_PREFIX}c{j}"][g] if n > 0 else None),
+                ("max", pooled[f"{MAX_PREFIX}c{j}"][g] if n > 0 else None)]
+    if column.bins is not None:
+        hist = pooled[at + "hist"][g]
+        out += [(f"quantile {q:g}", _quantile(column, hist, q)) for q in spec.quantiles]
+        out += [(f"histogram {bin_}", count) for bin_, count in zip(_bin_labels(column), hist)]
     return out
 
 
