@@ -26,8 +26,8 @@ from plexus.config import (
     SITE_BACKOFF_CAP_S,
     SITE_BACKOFF_JITTER,
     SUMMING_STRATEGIES,
-    DataSpec,
     DatasetSpec,
+    DataSpec,
     RoundConfig,
     SiteConfig,
     parse_round_config,
@@ -594,9 +594,9 @@ def check_sums_fit(delta: list[np.ndarray], clip: float) -> None:
            f"they exceed the largest clip, {SECAGG_MAX_CLIP}, so secure aggregation cannot sum them: send smaller "
            "sums (a statistics job: centre numeric columns with a `range`, or leave out the largest), or set "
            "privacy.secure_aggregation: false")
-    raise ValueError(f"this site's sums reach up to {need:.10g} in magnitude, beyond privacy.secagg.clip = {clip:.10g}, "
-                     "and secure aggregation clips every value to ±clip, which would leave the pooled sums wrong; "
-                     f"{fix}")
+    raise ValueError(f"this site's sums reach up to {need:.10g} in magnitude, beyond privacy.secagg.clip = "
+                     f"{clip:.10g}, and secure aggregation clips every value to ±clip, which would leave the pooled "
+                     f"sums wrong; {fix}")
 
 
 def in_cohorts(job: RoundConfig) -> bool:

@@ -39,7 +39,7 @@ class _Pooling:
 
 def privacy_ledger(ledger: stats.DPLedger) -> dict[str, float]:
     """What the job-level "privacy" metrics record of add_dp_noise's ledger: ε and δ in total (basic composition),
-    the number of queries and each one's ε. The queries themselves follow from the spec (plexus.statistics.dp_ledger)."""
+    the number of queries and each one's ε. The queries themselves follow from the spec (statistics.dp_ledger)."""
     return {"epsilon": ledger.epsilon, "delta": ledger.delta, "queries": float(len(ledger.queries)),
             "epsilon_per_query": max((q.epsilon for q in ledger.queries), default=0.0)}
 

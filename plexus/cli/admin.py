@@ -120,9 +120,9 @@ def _job_list(args) -> int:
 
 
 def _job_show(args) -> int:
-    from plexus.admin_client import job_statistics, statistics_spec
-
     import grpc
+
+    from plexus.admin_client import job_statistics, statistics_spec
 
     statistics = denied = None
     with _client(args) as client:

@@ -78,7 +78,8 @@ def test_written_model_rounds_and_strategy_are_accepted_when_they_are_what_the_b
 @pytest.mark.parametrize("extra, says", [
     ("rounds: 3\n", "job.yaml:13: rounds: is 3, and a statistics job is one round of sums; remove it: a statistics "
                     "job derives model, rounds and strategy from its statistics block"),
-    ("strategy: {name: fedavg}\n", "job.yaml:13: strategy: is 'fedavg' with args {}, not {name: statistics}; remove it"),
+    ("strategy: {name: fedavg}\n",
+     "job.yaml:13: strategy: is 'fedavg' with args {}, not {name: statistics}; remove it"),
     ("model: {name: mlp, args: {in_features: 3}}\n", "job.yaml:13: model: names model 'mlp'; remove it"),
     ("model: {name: statistics}\n", "job.yaml:13: model: has args other than the statistics block; remove it"),
     ("train: {epochs: 2}\n", "job.yaml:13: train: does not apply to a statistics job, which trains nothing and sends "

@@ -168,7 +168,7 @@ def test_check_sums_fit():
     with pytest.raises(ValueError, match="reach up to 8 in magnitude, beyond privacy.secagg.clip = 4, .* set "
                                          "privacy.secagg.clip to at least 8$"):
         check_sums_fit([np.array([3.0, -4.5])], 4.0)
-    with pytest.raises(ValueError, match="they exceed the largest clip, 1048576, so secure aggregation cannot sum them"):
+    with pytest.raises(ValueError, match="exceed the largest clip, 1048576, so secure aggregation cannot sum them"):
         check_sums_fit([np.array([3e6])], 2.0 ** 20)
 
 
