@@ -102,6 +102,12 @@ def test_dp_noise_comes_from_the_rules_generator_and_its_ledger_says_what_was_sp
     assert not np.array_equal(noisy["stats/rows"], a["stats/rows"] + b["stats/rows"])
     assert rule.ledger() == {"epsilon": ledger.epsilon, "delta": 0.0, "queries": float(len(ledger.queries)),
                              "epsilon_per_query": 0.5}
+    # Under secure aggregation the same noise goes on the sum the mean gives back.
+    secure = _job(secure=True, dp="{mechanism: laplace, epsilon: 0.5}")
+    rule = Statistics(secure.statistics, rng=np.random.default_rng(7))
+    out = rule.step(1, None, {k: (a[k] + b[k]) / 2 for k in a}, ["a", "b"], population=2)
+    assert all(np.allclose(out[k], expected[k], rtol=0, atol=1e-9) for k in expected)
+    assert rule.ledger()["epsilon"] == ledger.epsilon
     # Without an injected generator, the noise is fresh OS randomness: never the same twice.
     first, second = (ClearStatistics(job.statistics).combine(1, {}, [Update("a", 1, a)]) for _ in range(2))
     assert not np.array_equal(first["stats/c0/sum"], second["stats/c0/sum"])
