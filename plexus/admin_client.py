@@ -166,6 +166,32 @@ def job_config(detail: admin_pb2.JobDetail):
         return None
 
 
+def statistics_spec(detail: admin_pb2.JobDetail):
+    """A statistics job's `statistics:` block (plexus.config.StatisticsSpec), or None for a training job (or one
+    whose config this CLI cannot read)."""
+    cfg = job_config(detail)
+    return None if cfg is None or cfg.kind != "statistics" else cfg.statistics
+
+
+def job_statistics(client: AdminClient, detail: admin_pb2.JobDetail, round_: int = -1):
+    """(round, figures, DP ledger) of a statistics job: the plexus.statistics figures of the pooled sums of its
+    closed round (-1: the latest), and the ledger of statistics.dp (None without). PlexusError for a training job
+    or one not pooled yet."""
+    from plexus import statistics as stats
+    from plexus.errors import PlexusError
+
+    s = detail.summary
+    spec = statistics_spec(detail)
+    if spec is None:
+        raise PlexusError(f"job {s.job_id} is a training job, whose result is a model, not statistics; download "
+                          "it as safetensors (-o FILE.safetensors)")
+    if s.current_round < 1 or round_ == 0:
+        raise PlexusError(f"job {s.job_id} has not pooled its sites' sums yet (status {s.status}); follow it with "
+                          f"`plexus job watch {s.job_id}`")
+    got, sums = client.download(s.job_id, round_)
+    return got, stats.figures(spec, sums), None if spec.dp is None else stats.dp_ledger(spec)
+
+
 def async_spec(detail: admin_pb2.JobDetail):
     """The job's `asynchronous:` block (plexus.config.AsyncSpec), or None for a synchronous job (or one whose
     config this CLI cannot read)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from plexus import typed_yaml
 from plexus.errors import ConfigError
@@ -126,6 +127,7 @@ def _sha256_values() -> dict:
 
 # Secure aggregation over fewer sites than this is refused (job config: sites.min; site: policy.min_secure_cohort).
 MIN_SECURE_COHORT = 3
+SECAGG_MAX_CLIP = 2 ** 20   # privacy.secagg.clip: at most this (a 32-bit field then keeps 10 fraction bits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +254,9 @@ class SecAggSpec:
 
     # None: a majority of the sites. Never 1: one share would rebuild a site's secret on its own.
     threshold: int | None = field(default=None, metadata=in_range(2))
-    clip: float = field(default=4.0, metadata=in_range(0, 2 ** 20, lo_open=True))
+    # Summing strategies (SUMMING_STRATEGIES) send sums: clip must cover each site's largest |sum| (a site refuses
+    # to send one it would clip), and the pooled sums come back to within |U|²·2**-frac_bits(clip) / 2.
+    clip: float = field(default=4.0, metadata=in_range(0, SECAGG_MAX_CLIP, lo_open=True))
     phase_timeout_s: float = field(default=30.0, metadata=in_range(0, 3600, lo_open=True))
 
 
@@ -444,6 +448,7 @@ ASYNC_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedad
 # so the round's mean times its contributors is the pooled sum. Read by both halves: in a secure round the site
 # advertises weight 1 and the coordinator refuses any other (a signed advert cannot be re-weighted).
 SUMMING_STRATEGIES = frozenset({"lbfgs", "newton", "statistics"})
+JOB_KINDS = ("train", "statistics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,6 +470,11 @@ class RoundConfig:
     asynchronous: AsyncSpec | None = field(default=None, metadata={"omit_none": True})
     # Set: updates (and models) travel compressed (plexus.compression); absent: dense float32 both ways.
     compression: CompressionSpec | None = field(default=None, metadata={"omit_none": True})
+    # "statistics": one round of sums over the sites' raw tables (plexus.statistics, docs/statistics.md); its
+    # model, rounds and strategy derive from the `statistics` block (_derive_statistics_job). Left out of the
+    # dumped config at "train", so that agents older than this key still read a training job.
+    kind: str = field(default="train", metadata={**one_of(*JOB_KINDS), "omit_default": True})
+    statistics: StatisticsSpec | None = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,6 +513,9 @@ class PolicySpec:
     # Secure aggregation: the fewest sites this site masks its update with, shares secrets among and reveals
     # shares for. A sum over fewer sites tells the coordinator too much (over one site: that site's update).
     min_secure_cohort: int = field(default=MIN_SECURE_COHORT, metadata=in_range(2, 10_000))
+    # Statistics jobs: decline to contribute any cell (a group, histogram bin or category) counting 1..k-1 of this
+    # site's rows, naming the cells. None: every cell is sent.
+    min_cell_count: int | None = field(default=None, metadata=in_range(1, 1_000_000))
 
 
 SITE_NAME = r"[a-z0-9][a-z0-9_-]{0,62}"
@@ -609,7 +622,7 @@ STRATEGY_ARGS: dict[str, type] = {
     "fedavg": NoArgs, "fedprox": FedProxArgs, "fedavgm": FedAvgMArgs, "fedadam": FedAdamArgs,
     "fedyogi": FedAdamArgs, "fedadagrad": FedAdagradArgs, "scaffold": ScaffoldArgs, "median": NoArgs,
     "trimmed_mean": TrimmedMeanArgs, "krum": KrumArgs, "multi_krum": MultiKrumArgs, "cwt": CWTArgs,
-    "swt": SWTArgs, "ensemble": EnsembleArgs}
+    "swt": SWTArgs, "ensemble": EnsembleArgs, "statistics": NoArgs}
 
 
 def weighs_sites_equally(cfg: RoundConfig) -> bool:
@@ -828,7 +841,7 @@ def _sites_problem(spec: SitesSpec) -> tuple[str, str] | None:
 
 
 def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
-    problem = _async_problem(cfg) or _compression_problem(cfg)
+    problem = _statistics_job_problem(cfg) or _async_problem(cfg) or _compression_problem(cfg)
     if problem:
         return problem
     if cfg.train.steps is not None and cfg.privacy.dp_sgd is not None:
@@ -839,6 +852,88 @@ def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
                          f"{MIN_SECURE_COHORT} sites in every sum (the sum of one site is its update; of two, each "
                          f"learns the other's); set sites.min to {MIN_SECURE_COHORT} or more")
     return _schema_model_problem(cfg)
+
+
+STATISTICS_MODEL = "statistics"   # the model registry name and strategy of every statistics job
+
+
+def statistics_derived(spec: StatisticsSpec) -> dict[str, Any]:
+    """The keys a statistics job derives from its `statistics` block, as plain data: model, rounds, strategy."""
+    return {"model": {"name": STATISTICS_MODEL, "args": statistics_args(spec)}, "rounds": 1,
+            "strategy": {"name": STATISTICS_MODEL, "args": {}}}
+
+
+def _derive_statistics_job(reader: typed_yaml.Reader, node: Node, path: str) -> Node:
+    """Before a round config is read: a `kind: statistics` job gets the model, rounds and strategy its statistics
+    block derives, where they are not written (written ones must equal them: _statistics_job_problem)."""
+    if not isinstance(node, MappingNode):
+        return node   # the reader says what is wrong with it
+    entries = {k.value: (k, v) for k, v in node.value if isinstance(k, ScalarNode)}
+    kind = entries.get("kind", (None, None))[1]
+    if not (isinstance(kind, ScalarNode) and kind.tag == "tag:yaml.org,2002:str" and kind.value == "statistics"):
+        return node
+    if "statistics" not in entries:
+        reader.fail(kind, _join(path, "kind"), "is statistics, but the job has no `statistics:` block; add one "
+                                               "listing the columns to describe (docs/statistics.md)")
+    # A reader of its own: the main one reads the block again, and would take that for a repeat through an alias.
+    spec = typed_yaml.Reader(reader.source, reader.base, checks=reader.checks, after=reader.after).read(
+        StatisticsSpec, entries["statistics"][1], _join(path, "statistics"))
+    added = []
+    for key, value in statistics_derived(spec).items():
+        if key not in entries:
+            key_node = ScalarNode("tag:yaml.org,2002:str", key, kind.start_mark, kind.end_mark)
+            added.append((key_node, _marked(typed_yaml.compose(yaml.safe_dump(value), reader.source), kind)))
+    return MappingNode(node.tag, [*node.value, *added], node.start_mark, node.end_mark, node.flow_style)
+
+
+def _marked(node: Node, at: Node) -> Node:
+    """`node` and everything in it marked at `at`, where an error in a derived value then points."""
+    node.start_mark, node.end_mark = at.start_mark, at.end_mark
+    for item in node.value if isinstance(node, (MappingNode, SequenceNode)) else ():
+        for child in item if isinstance(item, tuple) else (item,):
+            _marked(child, at)
+    return node
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _statistics_job_problem(cfg: RoundConfig) -> tuple[str, str] | None:
+    if cfg.kind != "statistics":
+        if cfg.statistics is not None:
+            return "statistics", ("describes a statistics job, and this is a training job; add `kind: statistics` "
+                                  "(and remove model, rounds, strategy and train), or remove the block")
+        return None
+    derived = statistics_derived(cfg.statistics)
+    fix = "remove it: a statistics job derives model, rounds and strategy from its statistics block"
+    if cfg.model != ModelSpec(**derived["model"]):
+        what = (f"names model {cfg.model.name!r}" if cfg.model.name != STATISTICS_MODEL
+                else "has args other than the statistics block")
+        return "model", f"{what}; {fix}"
+    if cfg.rounds != 1:
+        return "rounds", f"is {cfg.rounds}, and a statistics job is one round of sums; {fix}"
+    if cfg.strategy.name != STATISTICS_MODEL or cfg.strategy.args:
+        return "strategy", f"is {cfg.strategy.name!r} with args {cfg.strategy.args}, not {{name: statistics}}; {fix}"
+    for key, unset in (("train", TrainSpec()), ("compression", None), ("asynchronous", None)):
+        if getattr(cfg, key) != unset:
+            return key, (f"does not apply to a statistics job, which trains nothing and sends its sums once, "
+                         f"exactly; remove `{key}:`")
+    if cfg.data.label is not None:
+        return "data", ("label and features declare a training job's inputs; a statistics job reads the raw columns "
+                        "its statistics block names: remove data.label and data.features")
+    for key in ("dp", "dp_sgd"):
+        if getattr(cfg.privacy, key) is not None:
+            return "privacy", (f"{key} noises training updates; a statistics job adds its noise per query: remove "
+                               f"privacy.{key} and set statistics.dp (mechanism, epsilon)")
+    if cfg.sites.fraction is not None or cfg.sites.count is not None:
+        return "sites", ("fraction and count sample the sites of a round, and a statistics job pools the rows of "
+                         "every site; remove them")
+    if cfg.privacy.secure_aggregation and cfg.statistics.min_max:
+        return "statistics", ("min_max is on (the default), and under privacy.secure_aggregation the coordinator "
+                              "sees only the sum of the sites' values: a min is not a sum; set "
+                              "statistics.min_max: false, or privacy.secure_aggregation: false")
+    return None
 
 
 def _async_problem(cfg: RoundConfig) -> tuple[str, str] | None:
@@ -1011,8 +1106,9 @@ _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
     CheckpointsSpec: _checkpoints_problem, CoordinatorConfig: _coordinator_problem, UplinkSpec: _uplink_problem,
     DownlinkSpec: _downlink_problem, StatColumnSpec: _stat_column_problem, GroupSpec: _group_problem,
     StatisticsSpec: _statistics_problem}
-# Post-read steps: fn(reader, obj, entries, path) -> obj.
+# Post-read steps: fn(reader, obj, entries, path) -> obj; pre-read steps: fn(reader, node, path) -> node.
 _AFTER_READ = {StrategySpec: _read_strategy_args}
+_BEFORE_READ = {RoundConfig: _derive_statistics_job}
 
 # Bounds on a config's size, checked before and while it is read: a round config arrives from any operator
 # over the network and is parsed again by every site. Nothing real comes near them (a job with 500
@@ -1023,11 +1119,12 @@ MAX_CONFIG_BYTES = 1 << 20          # site, coordinator and admin configs: local
 
 def _parse(text: str, cls: type, source: str) -> Any:
     return typed_yaml.parse(text, cls, source=source, max_bytes=_max_bytes(cls), checks=_CROSS_CHECKS,
-                            after=_AFTER_READ)
+                            after=_AFTER_READ, before=_BEFORE_READ)
 
 
 def _load(path: Path, cls: type) -> Any:
-    return typed_yaml.load(path, cls, max_bytes=_max_bytes(cls), checks=_CROSS_CHECKS, after=_AFTER_READ)
+    return typed_yaml.load(path, cls, max_bytes=_max_bytes(cls), checks=_CROSS_CHECKS, after=_AFTER_READ,
+                           before=_BEFORE_READ)
 
 
 def _max_bytes(cls: type) -> int:

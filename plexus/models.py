@@ -144,6 +144,31 @@ class Vector(nn.Module):
         raise RuntimeError("the 'vector' model is a parameter container for benchmarks; it has no forward pass")
 
 
+class Statistics(nn.Module):
+    """A statistics job's "model": one zero float64 buffer per sum plexus.statistics.layout lists, so that the
+    sums travel as any model does (served, summed, checkpointed, downloaded). It has no forward pass.
+
+    The arguments are the job's statistics block as plain data (plexus.config.statistics_args).
+    """
+
+    def __init__(self, **statistics: Any) -> None:
+        super().__init__()
+        from plexus import statistics as stats
+        from plexus.config import statistics_spec_from_args
+        from plexus.wire import DTYPES
+
+        spec = statistics_spec_from_args(statistics)
+        for name, dtype, shape in stats.layout(spec):
+            if "." in name:   # state names are dotted paths of submodules; a buffer's own name cannot hold one
+                raise ConfigError(f"model 'statistics': sum {name!r} has a '.' in its name; plexus.statistics.layout "
+                                  "must name its sums without one")
+            self.register_buffer(name, torch.from_numpy(np.zeros(shape, dtype=DTYPES[dtype])))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the 'statistics' model holds a statistics job's sums and has no forward pass; nothing "
+                           "evaluates or trains it (plexus.statistics.figures reads its sums)")
+
+
 class Ensemble(nn.Module):
     """K member models whose softmaxes are mixed with the normalised buffer `weights` (uniform while it sums to 0).
 
@@ -177,7 +202,7 @@ def member_seed(seed: int, index: int) -> int:
 
 
 REGISTRY: dict[str, Callable[..., nn.Module]] = {
-    "logistic": Logistic, "linear": Linear, "mlp": MLP, "cnn": CNN, "vector": Vector}
+    "logistic": Logistic, "linear": Linear, "mlp": MLP, "cnn": CNN, "vector": Vector, "statistics": Statistics}
 
 
 def installed_models() -> set[str]:
@@ -217,7 +242,8 @@ def build_model(name: str, args: Mapping[str, Any], *, seed: int, members: int =
         try:
             model = factory(**args)
         except ConfigError as e:
-            raise ConfigError(f"{e}; accepted arguments: {_accepted(factory)}") from None
+            accepted = _accepted(factory)   # none listed: the factory checks its own (e.g. statistics)
+            raise ConfigError(f"{e}; accepted arguments: {accepted}" if accepted else str(e)) from None
     if not isinstance(model, nn.Module):
         raise TypeError(f"model {name!r} factory returned {type(model).__name__}, not a torch.nn.Module")
     return model

@@ -2,8 +2,8 @@
 
 Every problem raises ConfigError reading ``<source>:<line>: <key.path>: <problem>; <fix>``.
 A schema (plexus.config) is plain dataclasses: range checks in field metadata
-(``metadata={"check": fn}``, fn(value) -> "<problem>; <fix>" or None), cross-field checks
-and post-read steps in the mappings passed to `parse`/`load`.
+(``metadata={"check": fn}``, fn(value) -> "<problem>; <fix>" or None), cross-field checks,
+pre-read and post-read steps in the mappings passed to `parse`/`load`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ __all__ = ["MAX_ITEMS", "PLAIN_EXP_FLOAT", "Cell", "Reader", "in_range", "load",
            "parse", "parse_value"]
 
 # A cross-field check: fn(obj) -> (key, "<problem>; <fix>") or None. A post-read step:
-# fn(reader, obj, entries, path) -> obj, for a value whose reading depends on its siblings.
+# fn(reader, obj, entries, path) -> obj, for a value whose reading depends on its siblings. A pre-read step:
+# fn(reader, node, path) -> node, for keys derived from others before the mapping is read (a required key
+# that another key implies).
 CrossCheck = Callable[[Any], "tuple[str, str] | None"]
 AfterRead = Callable[["Reader", Any, "dict[str, tuple[Node, Node]]", str], Any]
+BeforeRead = Callable[["Reader", Node, str], Node]
 
 
 class Cell(str):
@@ -136,18 +139,20 @@ def _hints(cls: type) -> dict[str, Any]:
 class Reader:
     """Reads a composed YAML node tree into the type a dataclass field declares.
 
-    `checks` and `after` map a dataclass to its cross-field check and post-read step.
+    `checks`, `after` and `before` map a dataclass to its cross-field check, post-read and pre-read step.
     `arguments_of` (e.g. "strategy 'fedprox'") words the keys of the dataclass read at the top
     as that thing's arguments, and reads a quoted exponent number ('1e-3') as a number, as
     free-form argument values always were.
     """
 
     def __init__(self, source: str, base: Path | None = None, *, checks: Mapping[type, CrossCheck] | None = None,
-                 after: Mapping[type, AfterRead] | None = None, arguments_of: str = "") -> None:
+                 after: Mapping[type, AfterRead] | None = None, arguments_of: str = "",
+                 before: Mapping[type, BeforeRead] | None = None) -> None:
         self.source = source
         self.base = base
         self.checks = checks or {}
         self.after = after or {}
+        self.before = before or {}
         self.arguments_of = arguments_of
         self._seen: set[int] = set()
 
@@ -172,6 +177,8 @@ class Reader:
         return self.scalar(tp, node, path)
 
     def read_dataclass(self, cls: type, node: Node, path: str) -> Any:
+        if cls in self.before:
+            node = self.before[cls](self, node, path)
         fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("derived")}
         allowed = ", ".join(sorted(fields))
         entries = self.entries(node, path, fix=f"write a mapping with keys: {allowed}")
@@ -288,7 +295,8 @@ class Reader:
 
 
 def parse(text: str, cls: type, *, source: str, base: Path | None = None, max_bytes: int,
-          checks: Mapping[type, CrossCheck] | None = None, after: Mapping[type, AfterRead] | None = None) -> Any:
+          checks: Mapping[type, CrossCheck] | None = None, after: Mapping[type, AfterRead] | None = None,
+          before: Mapping[type, BeforeRead] | None = None) -> Any:
     """`cls` read from YAML text of at most `max_bytes`; `source` labels error messages."""
     keys = ", ".join(sorted(f.name for f in dataclasses.fields(cls) if not f.metadata.get("derived")))
     check_size(len(text.encode("utf-8", "replace")), max_bytes, source)
@@ -297,7 +305,7 @@ def parse(text: str, cls: type, *, source: str, base: Path | None = None, max_by
         raise ConfigError(f"{source}:1: (top level): the document is empty; "
                           f"write a mapping with keys: {keys}")
     try:
-        return Reader(source, base, checks=checks, after=after).read(cls, root, "")
+        return Reader(source, base, checks=checks, after=after, before=before).read(cls, root, "")
     except RecursionError:
         raise ConfigError(f"{source}:1: (top level): nested too deeply; flatten the document") from None
 
@@ -340,7 +348,7 @@ def check_size(size: int, max_bytes: int, source: str) -> None:
 
 
 def load(path: Path, cls: type, *, max_bytes: int, checks: Mapping[type, CrossCheck] | None = None,
-         after: Mapping[type, AfterRead] | None = None) -> Any:
+         after: Mapping[type, AfterRead] | None = None, before: Mapping[type, BeforeRead] | None = None) -> Any:
     """`cls` read from a UTF-8 YAML file; relative paths in it resolve against its folder."""
     path = Path(path)
     try:
@@ -351,4 +359,4 @@ def load(path: Path, cls: type, *, max_bytes: int, checks: Mapping[type, CrossCh
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: config file is not UTF-8 text; save it as UTF-8") from None
     return parse(text, cls, source=str(path), base=Path(os.path.abspath(path)).parent, max_bytes=max_bytes,
-                 checks=checks, after=after)
+                 checks=checks, after=after, before=before)

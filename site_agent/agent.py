@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import threading
 import time
@@ -21,9 +22,11 @@ import numpy as np
 from plexus import __version__, staleness, transport
 from plexus.compression import job_uplink
 from plexus.config import (
+    SECAGG_MAX_CLIP,
     SITE_BACKOFF_CAP_S,
     SITE_BACKOFF_JITTER,
     SUMMING_STRATEGIES,
+    DatasetSpec,
     DataSpec,
     RoundConfig,
     SiteConfig,
@@ -40,7 +43,16 @@ from plexus.secagg import NO_EXTRAS, SiteSession, advert_from_proto, advert_to_p
 from plexus.wire import DEFAULT_CHUNK_BYTES, DTYPES, Layout, assemble, chunk_size, decode, encode_chunks
 from site_agent.audit import AuditWriteFailed, SiteAudit
 from site_agent.downlink import downlink_spec, fetch_model, model_header
-from site_agent.local import LocalResult, local_update, needs_served, served_layout
+from site_agent.local import (
+    LocalResult,
+    check_statistics_columns,
+    evaluates,
+    local_update,
+    needs_served,
+    raw_table,
+    reads_raw_table,
+    served_layout,
+)
 from site_agent.policy import policy_digest, refusal
 from site_agent.state import JobState, ServedChain, job_id_refusal
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
@@ -82,6 +94,7 @@ class SiteAgent:
         self._channel: grpc.Channel | None = None
         self.chunk_bytes = chunk_bytes
         self._data: dict[DataSpec, Split] = {}
+        self._tables: dict[DatasetSpec, dict[str, np.ndarray]] = {}   # raw tables, for statistics jobs
         self._secure: dict[tuple[str, int], _Pending] = {}
         self._kept: dict[tuple[str, int], _Kept] = {}   # asynchronous secure jobs: (job, base version) -> update
         self.audit = SiteAudit(config.state_dir, actor=f"site:{config.site}")
@@ -157,7 +170,7 @@ class SiteAgent:
         try:
             reason = self._refusal(job, state, trains)
             if not reason:
-                self.load_data(job.data)   # the schema check: data that cannot serve the job declines it
+                self.job_data(job)   # the schema check: data that cannot serve the job declines it
         except DataError as exc:   # the local detail (file, rows, values) stays in this site's log
             log.warning("dataset %r cannot serve job %s: %s", job.data.dataset, task.job_id, exc)
             reason = exc.remote
@@ -169,8 +182,10 @@ class SiteAgent:
         try:
             if task.kind in SECAGG_LATER_PHASES or (cohorts and task.kind == fpb.TASK_SECAGG_ADVERTISE):
                 return self._secagg_phase(stub, task, job)
+            if task.kind == fpb.TASK_EVALUATE and not evaluates(job):   # a statistics job's sums are no model
+                return self.report(stub, task, fpb.RESULT_EVALUATED, "", {})
             coded = job_uplink(job) if task.kind == fpb.TASK_TRAIN else None   # None: the whole model travels
-            data = self.load_data(job.data)
+            data = self.job_data(job)
             model = build_job_model(job)
             served = self._fetch(stub, task, served_layout(job, model), job)
             names = set(model.state_dict())
@@ -183,7 +198,7 @@ class SiteAgent:
             if trains:
                 state.count_round()
             self.audit.ran(task.job_id, task.round, job.data.dataset, job.model.name, kind)
-            eval_metrics = self.evaluate(model, data)
+            eval_metrics = self.evaluate(model, data) if evaluates(job) else {}
             if task.kind == fpb.TASK_EVALUATE:
                 return self.report(stub, task, fpb.RESULT_EVALUATED, "", self.to_report(job, eval_metrics)[0])
             if not (job.privacy.dp is not None or task.kind == fpb.TASK_SECAGG_ADVERTISE or cohorts
@@ -210,6 +225,10 @@ class SiteAgent:
                 upload = self._code(coded, job, task, model, incoming, clipped, residual, local)
         except grpc.RpcError:
             raise
+        except DataError as exc:   # found by the local work (a statistics job's small cells): declined, as above
+            log.warning("dataset %r cannot serve job %s: %s", job.data.dataset, task.job_id, exc)
+            self._secure.pop((task.job_id, task.round), None)
+            return self._decline(stub, task, exc.remote)
         except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:  # IntegrityError too
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
@@ -294,12 +313,8 @@ class SiteAgent:
         layout, delta = _model_delta(model, incoming)
         extras = {name: np.asarray(value, np.float64).reshape(-1) for name, value in update.items()
                   if name not in delta}
-        clip = job.privacy.secagg.clip
-        if over := sorted(name for name, value in extras.items() if np.abs(value).max(initial=0.0) > clip):
-            # Here only: telling the coordinator would tell it more about this site's data than the sum does.
-            log.warning("job %s round %d: update extras %s exceed privacy.secagg.clip %g and are cut to it before "
-                        "masking, so the pooled sums will be wrong; the job needs a larger clip (docs/privacy.md)",
-                        task.job_id, task.round, over[:5], clip)
+        if job.strategy.name in SUMMING_STRATEGIES:   # the model tensors of a statistics job, the exact/* extras
+            check_sums_fit([*delta.values(), *extras.values()], job.privacy.secagg.clip)
         session = SiteSession(task.job_id, task.round, self.config.site,
                               min_cohort=self.config.policy.min_secure_cohort)
         weight = 1 if weighs_sites_equally(job) else result.num_samples
@@ -436,7 +451,8 @@ class SiteAgent:
     def local_update(self, job: RoundConfig, model, served: dict, data: Split, task) -> LocalResult:
         """This round's local work for the job's strategy; benchmarks override it with a trivial step."""
         return local_update(job, model, served, data, site=self.config.site, job_id=task.job_id, seed=task.seed,
-                            local_steps=task.local_steps, state_dir=self.config.state_dir, round_=task.round)
+                            local_steps=task.local_steps, state_dir=self.config.state_dir, round_=task.round,
+                            min_cell_count=self.config.policy.min_cell_count)
 
     def evaluate(self, model, data: Split) -> dict[str, float]:
         """Metrics of `model` on this site's held-out rows."""
@@ -484,6 +500,17 @@ class SiteAgent:
         if data not in self._data:
             self._data[data] = load_for_job(self.config.datasets[data.dataset], data)
         return self._data[data]
+
+    def job_data(self, job: RoundConfig):
+        """What the job's local work reads: its training Split (load_data), or for a statistics job the dataset's
+        raw table (read once), its columns checked against the job's. DataError when the data cannot serve it."""
+        if not reads_raw_table(job):
+            return self.load_data(job.data)
+        spec = self.config.datasets[job.data.dataset]
+        if spec not in self._tables:
+            self._tables[spec] = raw_table(spec, job.data.dataset)
+        check_statistics_columns(job, self._tables[spec])
+        return self._tables[spec]
 
     def _fetch(self, stub, task: fpb.Task, expected: Layout, job: RoundConfig) -> dict:
         """The served model (layout `expected`), decoded as the job's compression.downlink says."""
@@ -557,6 +584,22 @@ class _Kept:
     num_samples: int       # n (1 under DP)
     metrics: dict[str, float]
     eval_metrics: dict[str, float]
+
+
+def check_sums_fit(delta: list[np.ndarray], clip: float) -> None:
+    """ValueError unless every value of a summing strategy's update lies within ±privacy.secagg.clip: secure
+    aggregation clips each coordinate to it, which would make a sum (a count) wrong without anyone noticing."""
+    largest = max((float(np.max(np.abs(d))) for d in delta if d.size), default=0.0)
+    if largest <= clip:
+        return
+    need = 2.0 ** math.ceil(math.log2(largest))   # the order of magnitude only: the coordinator sees this reason
+    fix = (f"set privacy.secagg.clip to at least {need:.10g}" if need <= SECAGG_MAX_CLIP else
+           f"they exceed the largest clip, {SECAGG_MAX_CLIP}, so secure aggregation cannot sum them: send smaller "
+           "sums (a statistics job: centre numeric columns with a `range`, or leave out the largest), or set "
+           "privacy.secure_aggregation: false")
+    raise ValueError(f"this site's sums reach up to {need:.10g} in magnitude, beyond privacy.secagg.clip = "
+                     f"{clip:.10g}, and secure aggregation clips every value to ±clip, which would leave the pooled "
+                     f"sums wrong; {fix}")
 
 
 def in_cohorts(job: RoundConfig) -> bool:

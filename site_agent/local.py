@@ -17,12 +17,13 @@ import torch
 from safetensors.numpy import load_file, save
 from torch import nn
 
-from plexus import objectives
+from plexus import objectives, statistics as stats
 from plexus.config import strategy_args
+from plexus.datasets import DataError
 from plexus.dp import add_noise, distributed_std, noise_key
 from plexus.errors import ConfigError
 from plexus.files import write_atomically
-from plexus.models import Ensemble, state_views
+from plexus.models import Ensemble, load_numpy_state, state_views
 from plexus.wire import (
     EXACT_GRAD,
     EXACT_HESSIAN,
@@ -55,19 +56,22 @@ class Run:
     job: Any                          # the job's RoundConfig
     model: nn.Module                  # already holding the served global weights
     served: Mapping[str, np.ndarray]  # everything FetchModel delivered (see served_layout)
-    data: Any                         # the site's Split
+    data: Any                         # the site's Split; a statistics job's raw table (raw_table)
     site: str
     job_id: str
     seed: int
     steps: int | None                 # None: train.steps/epochs
     state_dir: Path
     round: int = 0
+    min_cell_count: int | None = None   # the site's policy.min_cell_count (statistics jobs)
 
 
 class Plain:
     """Plain minibatch training: the update is the trained model; nothing extra served, sent or kept."""
 
     reads_served = False   # whether train() reads the served tensors (else the site may free them once loaded)
+    raw_table = False      # whether train() reads the dataset's raw table (raw_table), not a training Split
+    evaluates = True       # whether the site evaluates the served model (on its held-out rows)
 
     def served_extras(self, state: Mapping[str, np.ndarray]) -> list[Spec]:
         """The tensors besides the model that FetchModel must deliver."""
@@ -180,12 +184,32 @@ class Hessian(Gradient):
         return {EXACT_HESSIAN: objectives.hessian_sum(run.model, run.data.x_train, run.data.y_train)}
 
 
+class Statistics(Plain):
+    """A statistics job (plexus.statistics): nothing is trained or evaluated. The update is this site's sums over
+    its raw table, loaded into the model (zero buffers of the sums' layout), so they travel as any update does:
+    in the clear, or masked under secure aggregation. DataError (the site declines) for a cell of 1..k-1 rows
+    under policy.min_cell_count: k."""
+
+    raw_table = True
+    evaluates = False
+
+    def train(self, run: Run) -> LocalResult:
+        try:
+            sums = stats.site_sums(run.job.statistics, run.data, min_cell_count=run.min_cell_count)
+        except stats.SmallCells as exc:   # names cells of the job's spec (group, column, bin), not their counts
+            raise DataError(str(exc), f"dataset {run.job.data.dataset!r}: {exc}") from None
+        load_numpy_state(run.model, {name: np.asarray(value) for name, value in sums.items()})
+        # Every site counts once (num_samples 1): its sums are added, never weighed by its rows.
+        return LocalResult(result=TrainResult(num_samples=1, steps=0, metrics={}), update=state_views(run.model),
+                           commit=lambda: None)
+
+
 PLAIN = Plain()
 LOCAL: dict[str, Plain] = {
     "fedavg": PLAIN, "fedprox": FedProx(), "fedavgm": PLAIN, "fedadam": PLAIN, "fedyogi": PLAIN,
     "fedadagrad": PLAIN, "scaffold": Scaffold(), "median": PLAIN, "trimmed_mean": PLAIN, "krum": PLAIN,
     "multi_krum": PLAIN, "cwt": PLAIN, "swt": PLAIN, "ensemble": EnsembleMember(), "lbfgs": Gradient(),
-    "newton": Hessian()}
+    "newton": Hessian(), "statistics": Statistics()}
 
 
 def local_training(job: Any) -> Plain:
@@ -202,6 +226,16 @@ def needs_served(job: Any) -> bool:
     return local_training(job).reads_served
 
 
+def reads_raw_table(job: Any) -> bool:
+    """Whether the job's local work reads the dataset's raw table (raw_table) rather than a training Split."""
+    return local_training(job).raw_table
+
+
+def evaluates(job: Any) -> bool:
+    """Whether the site evaluates the job's served model: not a statistics job's sums."""
+    return local_training(job).evaluates
+
+
 def served_layout(job: Any, model: nn.Module) -> Layout:
     """What FetchModel must deliver for this job: the model's tensors plus the strategy's served extras."""
     state = state_views(model)  # the shapes exactly as the wire carries them (0-d tensors travel as [1])
@@ -209,15 +243,42 @@ def served_layout(job: Any, model: nn.Module) -> Layout:
     return Layout.build(specs + local_training(job).served_extras(state))
 
 
+def raw_table(dataset: Any, name: str) -> dict[str, np.ndarray]:
+    """The raw table (column -> values) of the site's dataset entry `dataset`, configured as `name`: DataError,
+    whose `remote` says what may leave the site, when it cannot be read as one."""
+    try:
+        return stats.read_table(dataset)
+    except DataError as exc:
+        raise DataError(str(exc), f"dataset {name!r}: {exc.remote}") from None
+    except (ValueError, OSError) as exc:
+        if dataset.kind not in ("csv", "heart-disease"):   # refused for its kind: nothing of the data in that
+            raise DataError(str(exc), f"dataset {name!r}: {exc}") from None
+        # Their text may name the file: it stays in this site's log.
+        raise DataError(str(exc), f"dataset {name!r} cannot be read as a table at this site "
+                                  f"({type(exc).__name__}); the site's log says why") from None
+
+
+def check_statistics_columns(job: Any, table: Mapping[str, np.ndarray]) -> None:
+    """DataError, whose `remote` names every difference, unless the table has the columns the statistics job
+    describes, of their declared kinds."""
+    problems = stats.schema_problems(job.statistics, table)
+    if problems:
+        text = "; ".join(problems)
+        raise DataError(f"dataset {job.data.dataset!r}: {text}",
+                        f"dataset {job.data.dataset!r} does not match the job's statistics columns: {text}")
+
+
 def local_update(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], data: Any, *, site: str,
-                 job_id: str, seed: int, local_steps: int, state_dir: Path, round_: int = 0) -> LocalResult:
+                 job_id: str, seed: int, local_steps: int, state_dir: Path, round_: int = 0,
+                 min_cell_count: int | None = None) -> LocalResult:
     """Train ``model`` (already holding the served global weights) the way the job's strategy asks.
 
     ``served`` is everything FetchModel delivered (see served_layout); ``local_steps`` 0 means
     train.steps/epochs. Nothing is written to ``state_dir`` until ``commit`` is called.
+    ``min_cell_count`` is the site's policy.min_cell_count (statistics jobs).
     """
     run = Run(job=job, model=model, served=served, data=data, site=site, job_id=job_id, seed=seed,
-              steps=local_steps or None, state_dir=Path(state_dir), round=round_)
+              steps=local_steps or None, state_dir=Path(state_dir), round=round_, min_cell_count=min_cell_count)
     return local_training(job).train(run)
 
 

@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict
 
+from plexus import statistics as stats
 from plexus.accounting import PrivacyLedger, dp_sgd_epsilon, dp_sgd_schedule, epsilon_after
 from plexus.config import PolicySpec, RoundConfig
 from plexus.errors import ConfigError
@@ -88,17 +89,37 @@ def _plugin_refusal(policy: PolicySpec, name: str) -> str | None:
 def _noise_refusal(min_noise: float, job: RoundConfig) -> str | None:
     noises = {f"privacy.{key}.noise_multiplier": spec.noise_multiplier
               for key, spec in (("dp", job.privacy.dp), ("dp_sgd", job.privacy.dp_sgd)) if spec is not None}
+    if job.statistics is not None and job.statistics.dp is not None:
+        # A statistics query's noise multiplier, as DP-SGD's σ/C: its noise scale over its sensitivity.
+        noises["statistics.dp (noise scale / sensitivity)"] = min(
+            q.scale / q.sensitivity for q in stats.dp_ledger(job.statistics).queries)
     if not noises:
+        where = "statistics.dp" if job.statistics is not None else "privacy.dp or privacy.dp_sgd"
         return (f"this site's policy.min_dp_noise is {min_noise}, and the job adds no differential-privacy noise "
-                "(set privacy.dp or privacy.dp_sgd)")
+                f"(set {where})")
     if max(noises.values()) < min_noise:
         have = ", ".join(f"{key} = {value}" for key, value in noises.items())
         return f"the job's DP noise ({have}) is below this site's policy.min_dp_noise {min_noise}"
     return None
 
 
+def _statistics_epsilon_refusal(max_epsilon: float, job: RoundConfig) -> str | None:
+    """A statistics job spends its ε once, on its queries together (basic composition)."""
+    if job.statistics.dp is None:
+        return (f"this site's policy caps ε at {max_epsilon}, and the statistics job has no statistics.dp "
+                "(its ε is unbounded)")
+    ledger = stats.dp_ledger(job.statistics)
+    if ledger.epsilon <= max_epsilon:
+        return None
+    return (f"the statistics job's ε is {_fmt(ledger.epsilon)} over its {len(ledger.queries)} queries "
+            f"({job.statistics.dp.epsilon:g} each, added up), above this site's policy.max_epsilon {max_epsilon}; "
+            f"set statistics.dp.epsilon to at most {max_epsilon / len(ledger.queries):.3g}, or describe fewer columns")
+
+
 def _epsilon_refusal(max_epsilon: float, job: RoundConfig, train_size, rounds: int, *,
                      whole_job: bool, ledger: PrivacyLedger | None) -> str | None:
+    if job.statistics is not None:
+        return _statistics_epsilon_refusal(max_epsilon, job)
     dp, dp_sgd = job.privacy.dp, job.privacy.dp_sgd
     if dp is None and dp_sgd is None:
         return (f"this site's policy caps ε at {max_epsilon}, and the job has no differential privacy "

@@ -116,6 +116,16 @@ def local_steps(strategy, site: str, sizes: dict[str, int]) -> int:
     return strategy.schedule.local_steps(site, sizes)
 
 
+def spent(strategy) -> dict[str, float]:
+    """What the rule's latest step spent (a statistics job's ε per query and in total), to record with the round."""
+    return strategy.rule.ledger()
+
+
+def evaluates(cfg: RoundConfig) -> bool:
+    """Whether the job's final model is evaluated by the sites: not a statistics job's sums, which are no model."""
+    return cfg.kind != "statistics"
+
+
 def downlink_of(cfg: RoundConfig) -> Downlink | None:
     """The job's compressed downlink (compression.downlink fp16 or delta8); None: the model travels as it is."""
     spec = cfg.compression.downlink if cfg.compression is not None else None
@@ -640,6 +650,13 @@ class SyncRounds:
         dp = cfg.privacy.dp
         evaluating = training_over(model_round=job.model_round, rounds=cfg.rounds, budget_stop=bool(job.budget_stop),
                                    strategy_done=strategy_done(job.strategy, job.model_round))
+        if evaluating and not evaluates(cfg):
+            message = (f"round {job.model_round} pooled the sites' sums; `plexus job show {job.row.id}` prints the "
+                       "figures")
+            store.set_job(job.row.id, status=JobStatus.COMPLETED, message=message,
+                          event=("job_completed", job.model_round, "", message))
+            self._end()
+            return 0.0
         declined = store.declines(job.row.id)
         online = sorted(self._present() - set(declined))
         known = sorted({row[0] for row in store.sites()} - set(declined))   # registered, online or not
@@ -904,6 +921,10 @@ class SyncRounds:
             if dp.reproducible_noise:   # ε holds only against whoever cannot read the config: flag every round
                 ledger[(rs.round, "", "privacy", "noise_reproducible")] = 1.0
             store.record_metrics(job.row.id, ledger)
+        if ledger := spent(job.strategy):   # a statistics job's noise per query (statistics.dp)
+            store.record_metrics(job.row.id, {(rs.round, "", "privacy", name): value for name, value in ledger.items()})
+            store.event(job.row.id, "privacy_spent", rs.round, "",
+                        ", ".join(f"{name} {value:g}" for name, value in ledger.items()))
         if state is not None:
             job.set_model(layout, blob, rs.round, step)
         if not job.in_memory:

@@ -29,19 +29,20 @@ from coordinator.strategies.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from coordinator.strategies.robust import Krum, Median, MultiKrum, TrimmedMean
 from coordinator.strategies.scaffold import Scaffold
 from coordinator.strategies.sequential import CWT, SWT, Cyclic, Single
+from coordinator.strategies.statistics import ClearStatistics, Statistics
 from plexus.config import RoundConfig, strategy_args
 from plexus.errors import ConfigError
 
 __all__ = [
-    "CWT", "SWT", "Cyclic", "Ensemble", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM",
+    "CWT", "SWT", "ClearStatistics", "Cyclic", "Ensemble", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM",
     "FedProx", "FedYogi", "Krum", "MeanRule", "Median", "Members", "MultiKrum", "REGISTRY", "Rule", "Sampling",
-    "Scaffold", "Schedule", "Single", "State", "Strategy", "TrimmedMean", "Update", "UpdatesRule", "keeps_mean",
-    "make_strategy", "refuses_dp", "refuses_secure_aggregation", "sample_sites",
+    "Scaffold", "Schedule", "Single", "State", "Statistics", "Strategy", "TrimmedMean", "Update", "UpdatesRule",
+    "keeps_mean", "make_strategy", "refuses_dp", "refuses_secure_aggregation", "sample_sites",
 ]
 
 REGISTRY: dict[str, type[Rule]] = {cls.name: cls for cls in (
     FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad, Scaffold,
-    Median, TrimmedMean, Krum, MultiKrum, CWT, SWT, Ensemble)}
+    Median, TrimmedMean, Krum, MultiKrum, CWT, SWT, Ensemble, Statistics)}
 
 
 def refuses_secure_aggregation(cls: type[Rule]) -> str:

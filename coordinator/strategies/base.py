@@ -99,6 +99,11 @@ class Rule:
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None:
         """Restore what state_arrays/state_meta saved (crash-resume)."""
 
+    def ledger(self) -> dict[str, float]:
+        """What the rule's latest step spent, by name (a statistics job's ε per query and in total): the driver
+        records it with the round as job-level "privacy" metrics and in an event."""
+        return {}
+
 
 class MeanRule(Rule):
     """The next global model from the round's weighted mean of updates (a sum: secure aggregation can make it).

@@ -28,10 +28,14 @@ def add_commands(sub) -> None:
                            ("watch", _job_watch, "follow a job live"), ("abort", _job_abort, "abort a job"),
                            ("resume", _job_resume, "run a failed job again from its last closed round")):
         _admin(command(job, name, fn, help=text)).add_argument("job_id")
-    dl = _admin(command(job, "download", _job_download, help="download a global model as safetensors"))
+    dl = _admin(command(job, "download", _job_download,
+                        help="download a global model as safetensors, or a statistics job's figures as CSV or JSON"))
     dl.add_argument("job_id")
     dl.add_argument("--round", type=int, default=-1, help="round (default: the latest closed round)")
     dl.add_argument("-o", "--output", type=Path, required=True)
+    dl.add_argument("--format", choices=DOWNLOAD_FORMATS,
+                    help="what to write (default: from the file's suffix, .csv or .json for a statistics job's "
+                         "figures, else safetensors)")
     met = _admin(command(job, "metrics", _job_metrics, help="per-site, per-round metrics"))
     met.add_argument("job_id")
     met.add_argument("--format", choices=["table", "csv", "json"], default="table")
@@ -116,15 +120,36 @@ def _job_list(args) -> int:
 
 
 def _job_show(args) -> int:
+    import grpc
+
+    from plexus.admin_client import job_statistics, statistics_spec
+
+    statistics = denied = None
     with _client(args) as client:
         detail = client.job(args.job_id)
-    print_job(detail, as_json=args.json)
+        if statistics_spec(detail) is not None and detail.summary.current_round >= 1:
+            try:   # the figures are the job's "model": reading them takes what downloading a model takes
+                statistics = job_statistics(client, detail)[1:]
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
+                    raise
+                denied = exc.details()
+    print_job(detail, as_json=args.json, statistics=statistics)
+    if denied:   # on stderr: what is printed stays machine-readable
+        print(printable(f"statistics not shown: {denied}"), file=sys.stderr)
     return 0
 
 
-def print_job(detail, *, as_json: bool = False) -> None:
-    """What `plexus job show` prints of a JobDetail."""
-    from plexus.admin_client import async_view, compression_summary, epsilon_by_round, mean_eval, noise_reproducible
+def print_job(detail, *, as_json: bool = False, statistics: tuple | None = None) -> None:
+    """What `plexus job show` prints of a JobDetail; `statistics`: a statistics job's (figures, DP ledger)."""
+    from plexus.admin_client import (
+        async_view,
+        compression_summary,
+        epsilon_by_round,
+        mean_eval,
+        noise_reproducible,
+        statistics_spec,
+    )
     from plexus.dp import NOT_PRIVATE
 
     evals = mean_eval(detail)
@@ -135,6 +160,10 @@ def print_job(detail, *, as_json: bool = False) -> None:
         out = MessageToDict(detail, preserving_proto_field_name=True)
         if view is not None:
             out["asynchronous"] = view
+        if statistics is not None:
+            from plexus.statistics import to_json
+
+            out["statistics"] = json.loads(to_json(*statistics))
         print(json.dumps(out, indent=2))
         return
     s = detail.summary
@@ -154,7 +183,8 @@ def print_job(detail, *, as_json: bool = False) -> None:
     elif detail.rounds:
         rows = [{"round": r.round, "status": r.status, "sites": len(r.contributors), "samples": r.total_samples,
                  "secs": _secs(r), **_evaluated(r.round, eps, evals)} for r in detail.rounds]
-        print("\nrounds (eval_* = the incoming global model on the sites' held-out rows):")
+        print("\nrounds:" if statistics_spec(detail) is not None else
+              "\nrounds (eval_* = the incoming global model on the sites' held-out rows):")
         table(list(dict.fromkeys(k for r in rows for k in r)), rows)
     # An update in the unflushed buffer (or kept at its site for a secure cohort) is waiting, not missing:
     # _show_async lists it.
@@ -163,6 +193,20 @@ def print_job(detail, *, as_json: bool = False) -> None:
         print("\nsites that did not contribute:")
         table(["round", "site", "status", "reason"],
                [{"round": e.round, "site": e.site, "status": e.status, "reason": e.reason} for e in issues])
+    if statistics is not None:
+        _show_statistics(*statistics)
+
+
+def _show_statistics(figures: list, ledger) -> None:
+    """A statistics job's figures, one line per column and statistic, one value column per group."""
+    from plexus.statistics import to_table
+
+    print("\nstatistics of the pooled rows (var, std and cov with ddof 1, quantiles from the histograms):")
+    if ledger is not None:
+        per_query = max((q.epsilon for q in ledger.queries), default=0.0)
+        print(f"  noised with statistics.dp ({ledger.mechanism}): epsilon {per_query:g} per query, "
+              f"{ledger.epsilon:g} in total over {len(ledger.queries)} queries (delta {ledger.delta:g})")
+    print(to_table(figures), end="")
 
 
 def _async_mode(mode: dict) -> str:
@@ -368,12 +412,33 @@ def _job_abort(args) -> int:
     return 0
 
 
+DOWNLOAD_FORMATS = ("safetensors", "csv", "json")
+
+
 def _job_download(args) -> int:
+    fmt = args.format or {".csv": "csv", ".json": "json"}.get(args.output.suffix.lower(), "safetensors")
     with _client(args) as client:
-        got = client.download_to(args.job_id, args.output, args.round)
-    print(json.dumps({"job_id": args.job_id, "round": got, "path": str(args.output)}) if args.json
-          else f"wrote round {got} of job {args.job_id} to {args.output}")
+        if fmt == "safetensors":
+            got = client.download_to(args.job_id, args.output, args.round)
+        else:
+            got = _download_statistics(client, args.job_id, args.output, args.round, fmt)
+    print(json.dumps({"job_id": args.job_id, "round": got, "path": str(args.output), "format": fmt}) if args.json
+          else f"wrote round {got} of job {args.job_id} to {args.output} ({fmt})")
     return 0
+
+
+def _download_statistics(client, job_id: str, path: Path, round_: int, fmt: str) -> int:
+    """A statistics job's figures written to `path` as CSV or JSON (with the DP ledger); the round they are of."""
+    from plexus.admin_client import job_statistics
+    from plexus.files import write_atomically
+    from plexus.statistics import to_csv, to_json
+
+    try:
+        got, figures, ledger = job_statistics(client, client.job(job_id), round_)
+    except PlexusError as exc:
+        raise PlexusError(f"cannot write {path} as {fmt}: {exc}") from None
+    write_atomically(path, (to_csv(figures) if fmt == "csv" else to_json(figures, ledger)).encode())
+    return got
 
 
 def _job_metrics(args) -> int:

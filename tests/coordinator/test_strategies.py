@@ -553,7 +553,8 @@ def test_ensemble_config_cross_checks():
 def test_registry_names():
     assert sorted(REGISTRY) == sorted(STRATEGY_ARGS)   # the config schema and the rules name the same strategies
     assert sorted(REGISTRY) == sorted(["fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "scaffold",
-                                       "median", "trimmed_mean", "krum", "multi_krum", "cwt", "swt", "ensemble"])
+                                       "median", "trimmed_mean", "krum", "multi_krum", "cwt", "swt", "ensemble",
+                                       "statistics"])
     assert all(REGISTRY[name].name == name for name in REGISTRY)
 
 
@@ -602,8 +603,9 @@ def test_the_rule_type_and_its_few_attributes_say_what_the_engine_needs(name):
 def test_the_strategies_that_take_compressed_updates_are_the_mean_rules_with_nothing_beside_the_model():
     """A compressed update is a Δ of the model's tensors folded into a weighted mean (plexus.config's list, which
     the config checks read, must name exactly those rules)."""
-    plain_mean = {name for name, cls in REGISTRY.items()
-                  if issubclass(cls, MeanRule) and cls.update_extras is MeanRule.update_extras}
+    # Sums travel exactly: a statistics job refuses compression at config (plexus.config._statistics_job_problem).
+    plain_mean = {name for name, cls in REGISTRY.items() if name not in SUMMING_STRATEGIES
+                  and issubclass(cls, MeanRule) and cls.update_extras is MeanRule.update_extras}
     assert set(COMPRESSIBLE_STRATEGIES) == plain_mean
 
 

@@ -75,11 +75,13 @@ class Federation:
         self.clients.append(client)
         return client
 
-    def start_site(self, name: str, *, allowed_models=("logistic", "mlp"), dataset: str = "heart-disease") -> SiteAgent:
+    def start_site(self, name: str, *, allowed_models=("logistic", "mlp"), dataset: str = "heart-disease",
+                   **policy) -> SiteAgent:
+        """policy: further PolicySpec keys (e.g. min_cell_count)."""
         config = SiteConfig(site=name, coordinator=self.address, kit=self.root / "sites" / name,
                             state_dir=self.root / "sites" / name / "state",
                             datasets={dataset: DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[name])},
-                            policy=PolicySpec(allowed_models=tuple(allowed_models)))
+                            policy=PolicySpec(allowed_models=tuple(allowed_models), **policy))
         agent = SiteAgent(config, backoff_cap_s=0.5)
         thread = threading.Thread(target=agent.run, daemon=True)
         thread.start()

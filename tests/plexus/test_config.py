@@ -246,7 +246,8 @@ def test_dump_parse_round_trip_property(cfg):
     [
         # unknown keys, top level and nested, list the allowed keys
         (MINIMAL + "roundz: 4\n", "job.yaml:5: roundz: unknown key",
-         "allowed keys: asynchronous, compression, data, model, name, privacy, rounds, seed, sites, strategy, train"),
+         "allowed keys: asynchronous, compression, data, kind, model, name, privacy, rounds, seed, sites, statistics, "
+         "strategy, train"),
         (MINIMAL + "train:\n  optimizer:\n    lr: 0.1\n    nesterov: true\n",
          "job.yaml:8: train.optimizer.nesterov: unknown key",
          "allowed keys: lr, momentum, name, weight_decay"),
@@ -322,7 +323,7 @@ def test_dump_parse_round_trip_property(cfg):
          "job.yaml:2: model.args: expected a mapping, got a list", ""),
         # document shape and syntax
         ("", "job.yaml:1: (top level): the document is empty",
-         "write a mapping with keys: asynchronous, compression, data, model"),
+         "write a mapping with keys: asynchronous, compression, data, kind, model"),
         ("# only a comment\n", "job.yaml:1: (top level): the document is empty", ""),
         ("- name: job\n", "job.yaml:1: (top level): expected a mapping, got a list", ""),
         ("name: job\nmodel: {name: mlp\n", "job.yaml:3: (yaml):", "fix the YAML syntax"),
@@ -473,8 +474,8 @@ def test_site_paths_resolve_when_loaded_by_relative_path(tmp_path, monkeypatch):
         (SITE.replace("coord.example.org:8443", "'::1:8443'"), "2: coordinator:", "brackets"),
         (SITE.replace("kit: kit\n", ""), "1: kit: missing required key", "add 'kit:' with a path"),
         (SITE + "policy: {allowed_model: [mlp]}\n", "4: policy.allowed_model: unknown key",
-         "allowed keys: allowed_datasets, allowed_models, max_epsilon, max_rounds, min_dp_noise, "
-         "min_secure_cohort, plugin_sha256, require_secure_aggregation"),
+         "allowed keys: allowed_datasets, allowed_models, max_epsilon, max_rounds, min_cell_count, "
+         "min_dp_noise, min_secure_cohort, plugin_sha256, require_secure_aggregation"),
         (SITE + "policy:\n  allowed_models: mlp\n", "5: policy.allowed_models: expected a list", ""),
         (SITE + "policy:\n  allowed_models: [mlp, 3]\n", "5: policy.allowed_models[1]: expected a string", ""),
         (SITE + "policy: {max_epsilon: 0}\n", "4: policy.max_epsilon: 0.0 is out of range", ""),

@@ -152,3 +152,21 @@ def test_failed_load_changes_nothing():
     with pytest.raises(IntegrityError):
         load_numpy_state(model, bad)
     assert _same_bits(state_to_numpy(model), before)
+
+
+def test_the_statistics_model_is_zero_float64_sums_of_its_layout_and_has_no_forward_pass():
+    from plexus import statistics as stats
+    from plexus.config import parse_round_config
+    from plexus.models import build_job_model
+
+    job = parse_round_config("name: s\nkind: statistics\ndata: {dataset: d}\nstatistics:\n  columns:\n"
+                             "    - {name: age, range: [0, 100], bins: 4}\n    - {name: sex, categories: [M, F]}\n")
+    model = build_job_model(job)
+    state = state_to_numpy(model)
+    assert [(n, "F64", a.shape) for n, a in state.items()] == sorted(stats.layout(job.statistics))
+    assert all(a.dtype == np.float64 and not a.any() for a in state.values())
+    with pytest.raises(RuntimeError, match="has no forward pass"):
+        model(torch.zeros(1, 1))
+    with pytest.raises(ConfigError, match=r"model.args.columns\[0\].bins: 0 is out of range") as info:
+        build_model("statistics", {"columns": [{"name": "age", "bins": 0}]}, seed=0)
+    assert "accepted arguments" not in str(info.value)

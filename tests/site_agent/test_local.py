@@ -245,7 +245,9 @@ def test_every_strategy_has_a_site_half_and_only_those_that_need_served_tensors_
     assert sorted(LOCAL) == sorted(STRATEGY_ARGS)
     assert {name for name, half in LOCAL.items() if half.reads_served} == {"fedprox", "scaffold"}
     assert {name for name, half in LOCAL.items() if half is not PLAIN} == {"fedprox", "scaffold", "ensemble", "lbfgs",
-                                                                           "newton"}
+                                                                           "newton", "statistics"}
+    # Only a statistics job reads the raw table instead of a Split, and evaluates nothing.
+    assert {name for name, half in LOCAL.items() if half.raw_table or not half.evaluates} == {"statistics"}
     with pytest.raises(ValueError, match=r"strategy 'fedsgd' is unknown to this site \(known: \['cwt', "):
         served_layout(_job("fedsgd"), _model(_job()))
 
