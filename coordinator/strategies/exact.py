@@ -57,6 +57,23 @@ _EXTRAPOLATE = (1.1, 4.0)   # a longer trial lies 1.1..4 times the last step bey
 _SAFEGUARD = 0.1         # a zoom trial keeps this share of the bracket from either end, else bisection
 
 
+# Hager & Zhang's ε (CG_DESCENT's approximate Wolfe conditions): how far above F(x) a trial may land, relative to
+# it, and still pass where its slope proves the decrease.
+ROUNDING = 1e-6
+
+
+def sufficient_decrease(f0: float, slope0: float, alpha: float, f: float, slope: float, c1: float) -> bool:
+    """Armijo's φ(α) <= φ(0) + c1·α·φ'(0); or, within F's rounding of φ(0), the same read off the slopes:
+    φ'(α) <= (2c1 − 1)·φ'(0), which on a quadratic is Armijo's condition exactly (Hager & Zhang 2005).
+
+    The loss sums reach the coordinator on a fixed-point grid (coordinator.aggregate: 2⁻³²; under secure
+    aggregation clip/L), so near the optimum F's decrease drowns in it while the gradient's does not.
+    """
+    if f <= f0 + c1 * alpha * slope0:   # false for NaN as well
+        return True
+    return f <= f0 + ROUNDING * abs(f0) and slope <= (2.0 * c1 - 1.0) * slope0
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the line search makes of an evaluation: ACCEPT `alpha`, TRY `alpha` next, or FAIL (`why`)."""
@@ -93,7 +110,7 @@ class WolfeSearch:
         a = self.alpha
         point = [a, f, slope]
         prev = self.prev or [0.0, self.f0, self.slope0]
-        decreases = f <= self.f0 + self.c1 * a * self.slope0   # false for NaN as well
+        decreases = sufficient_decrease(self.f0, self.slope0, a, f, slope, self.c1)
         flat = abs(slope) <= -self.c2 * self.slope0
         if not self.zooming:
             if not decreases or (self.trials > 1 and f >= prev[1]):
@@ -170,12 +187,13 @@ class Stopping:
     ftol: float
     max_iterations: int
 
-    def why(self, iterations: int, g: np.ndarray, f_old: float | None, f: float) -> str:
-        """Why the optimiser stops at this accepted iterate; empty if it goes on."""
+    def why(self, iterations: int, g: np.ndarray, f: float, decrease: float | None) -> str:
+        """Why the optimiser stops at this accepted iterate (F(x) = f, `decrease` from the last); empty if it goes
+        on."""
         if float(np.max(np.abs(g), initial=0.0)) <= self.gtol:
             return f"converged: ‖∇F‖∞ = {float(np.max(np.abs(g), initial=0.0)):.3g} <= gtol {self.gtol:g}"
-        if f_old is not None and (f_old - f) <= self.ftol * max(abs(f_old), abs(f), 1.0):
-            return f"converged: F changed by {f_old - f:.3g}, relative to it at most ftol {self.ftol:g}"
+        if decrease is not None and decrease <= self.ftol * max(abs(f), 1.0):
+            return f"converged: F decreased by {decrease:.3g}, relative to it at most ftol {self.ftol:g}"
         if iterations >= self.max_iterations:
             return f"stopped after max_iterations = {self.max_iterations} iterations"
         return ""
@@ -196,11 +214,16 @@ class Optimizer:
         self.iterations = 0
         self.stop = ""
 
-    def _accepted(self, x: np.ndarray, f: float, g: np.ndarray, f_old: float | None) -> bool:
+    def _accepted(self, x: np.ndarray, f: float, g: np.ndarray) -> bool:
         """Take x as the next iterate; whether to go on."""
-        self.iterations += f_old is not None
+        decrease = None
+        if self.x is not None:
+            # F's own change, or if larger the one its slopes give (exact on a quadratic, and free of the loss
+            # sums' rounding, which alone must not pass for convergence): ftol needs both to be small.
+            decrease = max(self.f - f, -0.5 * float((x - self.x) @ (self.g + g)))
+            self.iterations += 1
         self.x, self.f, self.g = x, f, g
-        self.stop = self.stopping.why(self.iterations, g, f_old, f)
+        self.stop = self.stopping.why(self.iterations, g, f, decrease)
         return not self.stop
 
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -227,7 +250,7 @@ class LBFGSOptimizer(Optimizer):
     def evaluated(self, x: np.ndarray, f: float, g: np.ndarray) -> np.ndarray:
         """F and ∇F at x (the point this optimiser asked for last); the point to evaluate next (x_k once stopped)."""
         if self.x is None:
-            return self._direction(x, f, g, None) if self._accepted(x, f, g, None) else self.x
+            return self._direction(x, f, g) if self._accepted(x, f, g) else self.x
         verdict = self.search.tell(f, float(g @ self.d))
         if verdict.action == TRY:
             return self.x + verdict.alpha * self.d
@@ -237,14 +260,13 @@ class LBFGSOptimizer(Optimizer):
         s, y = x - self.x, g - self.g
         if float(s @ y) > np.finfo(np.float64).eps * float(y @ y):   # else H would not stay positive definite
             self.pairs = [*self.pairs, (s, y)][-self.memory:]
-        f_old = self.f
-        return self._direction(x, f, g, f_old) if self._accepted(x, f, g, f_old) else self.x
+        return self._direction(x, f, g) if self._accepted(x, f, g) else self.x
 
-    def _direction(self, x: np.ndarray, f: float, g: np.ndarray, f_old: float | None) -> np.ndarray:
+    def _direction(self, x: np.ndarray, f: float, g: np.ndarray) -> np.ndarray:
         d = two_loop(g, self.pairs)
         if not float(g @ d) < 0:   # lost descent (rounding): start the memory afresh
             self.pairs, d = [], -g
-        alpha = 1.0 if self.pairs or f_old is not None else 1.0 / float(np.linalg.norm(g))
+        alpha = 1.0 if self.pairs else 1.0 / float(np.linalg.norm(g))   # no curvature yet: a step of length 1
         self.d = d
         self.search = WolfeSearch(f, float(g @ d), alpha, self.c1, self.c2)
         return x + alpha * d
@@ -289,11 +311,10 @@ class NewtonOptimizer(Optimizer):
     def evaluated(self, x: np.ndarray, f: float, g: np.ndarray, h: np.ndarray) -> np.ndarray:
         """F, ∇F and ∇²F at x (the point asked for last); the point to evaluate next (x_k once stopped)."""
         if self.x is None:
-            return self._direction(x, f, g, h) if self._accepted(x, f, g, None) else self.x
+            return self._direction(x, f, g, h) if self._accepted(x, f, g) else self.x
         slope = float(self.g @ self.d)
-        if f <= self.f + ARMIJO_C1 * self.alpha * slope:   # false for NaN as well
-            f_old = self.f
-            return self._direction(x, f, g, h) if self._accepted(x, f, g, f_old) else self.x
+        if sufficient_decrease(self.f, slope, self.alpha, f, float(g @ self.d), ARMIJO_C1):
+            return self._direction(x, f, g, h) if self._accepted(x, f, g) else self.x
         self.backtracks += 1
         if self.backtracks > MAX_BACKTRACKS:
             self.stop = (f"line search failed: no sufficient decrease in {MAX_BACKTRACKS} trials; the best iterate "

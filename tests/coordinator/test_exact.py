@@ -20,6 +20,7 @@ from coordinator.strategies.exact import (
     NewtonOptimizer,
     Objective,
     Stopping,
+    Verdict,
     WolfeSearch,
     cubic_minimiser,
     parameter_shapes,
@@ -93,6 +94,19 @@ def test_the_cubic_through_two_points_of_a_cubic_is_its_minimiser():
 
     assert cubic_minimiser([0.0, *phi(0.0)], [2.0, *phi(2.0)]) == pytest.approx(1.0, abs=1e-12)
     assert math.isnan(cubic_minimiser([0.0, 0.0, 1.0], [1.0, 1.0, 1.0]))   # a line's cubic has no minimum
+
+
+def test_near_the_optimum_the_slopes_decide_where_fs_rounding_hides_the_decrease():
+    # F rose by 1e-9 (the loss sums' fixed point), but φ' went from −1e-6 to −5e-7: on a quadratic that is a
+    # decrease of 7.5e-7·α, so Hager & Zhang's approximate Wolfe condition accepts the step
+    assert WolfeSearch(1.0, -1e-6, 1.0).tell(1.0 + 1e-9, -5e-7).action == ACCEPT
+    assert WolfeSearch(1.0, -1e-6, 1.0).tell(1.0 + 1e-5, -5e-7).action == TRY   # beyond rounding: F decides
+
+
+def test_a_trial_that_evaluates_to_nan_is_bisected_back():
+    search = WolfeSearch(9.0, -6.0, 10.0)
+    assert search.tell(math.nan, math.nan) == Verdict(TRY, 5.0)
+    assert search.tell(*square(5.0)) == Verdict(ACCEPT, 5.0)   # φ(5) = 4, |φ'(5)| = 4 <= 0.9·6
 
 
 def test_a_search_that_cannot_decrease_fails_after_max_trials():
@@ -254,14 +268,15 @@ def site_sums(state, x, y, *, hessian: bool) -> dict[str, np.ndarray]:
 
 
 def round_mean(state, data, sites, *, hessian: bool):
-    """The driver's uniform mean over the sites (each a contiguous shard of the rows): model unchanged, sums / K."""
+    """The driver's uniform mean over the sites (each a contiguous shard of the rows): model unchanged, sums / K,
+    each site's sums on the driver's fixed-point grid of 2⁻³² (coordinator.aggregate), as the rule gets them."""
     x, y = data
     shards = np.array_split(np.arange(len(y)), len(SITES))
     total: dict[str, np.ndarray] = {}
     for site, rows in zip(SITES, shards):
         if site in sites:
             for name, value in site_sums(state, x[rows], y[rows], hessian=hessian).items():
-                total[name] = total.get(name, 0) + value
+                total[name] = total.get(name, 0) + np.rint(value * 2.0 ** 32) / 2.0 ** 32
     return {**state, **{name: value / len(sites) for name, value in total.items()}}
 
 
@@ -397,7 +412,7 @@ def test_dp_takes_noisy_gradient_steps_on_f_over_a_noisy_row_count(cancer):
     # round 1 by hand: x0 = 0, ∇F = C·(Σ∇ℓ + N(0, (σ·clip)²)), N̂ = N + N(0, σ²)
     x, y = cancer
     zero = {"linear.weight": np.zeros((2, 30)), "linear.bias": np.zeros(2)}
-    grad = site_sums(zero, x, y, hessian=False)["exact/grad"]
+    grad = round_mean(zero, cancer, SITES, hessian=False)["exact/grad"] * len(SITES)
     noisy = add_noise({"grad": grad}, 0.5 * 2.0, noise_key(0, "bc", 1, "coordinator"))["grad"]
     rows = add_noise({"rows": np.array([float(len(y))])}, 0.5, noise_key(0, "bc", 1, "coordinator/exact-rows"))
     free = Objective.of(ModelSpec("logistic", {"in_features": 30}), 0.1).free
@@ -452,3 +467,4 @@ def test_a_non_convex_model_warns_in_the_first_rounds_events():
     assert len(notes) == 1 and notes[0].startswith("warning: model 'mlp' is not convex")
     assert strategy.opened(2, SITES, SITES) == []
     assert make_strategy(job("{name: newton}")).opened(1, SITES, SITES) == []
+
