@@ -8,8 +8,10 @@ import math
 
 import numpy as np
 import pytest
+from driver_rig import DriverRig, rigs
 from hypothesis import given, settings, strategies as st
 
+from coordinator.drivers.sync import SyncRounds
 from coordinator.strategies import make_strategy
 from coordinator.strategies.exact import (
     ACCEPT,
@@ -26,9 +28,12 @@ from coordinator.strategies.exact import (
     parameter_shapes,
     two_loop,
 )
+from coordinator.tasks import Binding, UpdateHeader
+from plexus.accounting import client_epsilon
 from plexus.config import ModelSpec, parse_round_config
 from plexus.dp import add_noise, noise_key
 from plexus.errors import ConfigError
+from plexus.wire import encode
 
 SITES = [f"site{i}" for i in range(5)]
 
@@ -468,3 +473,75 @@ def test_a_non_convex_model_warns_in_the_first_rounds_events():
     assert strategy.opened(2, SITES, SITES) == []
     assert make_strategy(job("{name: newton}")).opened(1, SITES, SITES) == []
 
+
+# Through the sync driver ------------------------------------------------------------------
+
+DRIVER_JOB = """\
+name: bc
+model: {{name: logistic, args: {{in_features: 3, dtype: float64}}}}
+data: {{dataset: heart-disease}}
+rounds: 5
+sites: {{min: 2, deadline_s: 60}}
+strategy: {{name: lbfgs, args: {{C: 1.0}}}}
+{privacy}
+"""
+DP = "privacy: {dp: {mode: central, noise_multiplier: 0.8, clip_norm: 1.0, reproducible_noise: true}}"
+
+
+class ExactRig(DriverRig):
+    """SyncRounds over a real store with a float64 binary logistic model; sites send their sums as updates."""
+
+    driver_class = SyncRounds
+
+    def __init__(self, path, *, privacy: str = ""):
+        super().__init__(path, DRIVER_JOB.format(privacy=privacy),
+                         model={"linear.weight": np.zeros((2, 3)), "linear.bias": np.zeros(2)})
+
+    def tick(self) -> float:
+        return self.driver.tick(self.now)
+
+    def send_sums(self, site: str, grant, model: dict, sums: dict) -> str:
+        layout, blob = encode({**model, **sums})
+        header = UpdateHeader(task=Binding(grant.task_id, grant.job_id, grant.round, grant.nonce), num_samples=10,
+                              layout=layout)
+        return self.stream(site, grant, header, blob)
+
+
+@pytest.fixture
+def exact_rig(tmp_path):
+    yield from rigs(tmp_path, ExactRig)
+
+
+def some_sums(seed: int) -> dict[str, np.ndarray]:
+    """Sums far beyond dp.clip_norm, as a site's gradient sum over its rows is."""
+    rng = np.random.default_rng(seed)
+    return {"exact/grad": rng.normal(0, 50, 8), "exact/loss": np.array([40.0 + seed]), "exact/rows": np.array([30.0])}
+
+
+@pytest.mark.parametrize("privacy", ["", DP])
+def test_the_driver_serves_the_rules_next_point_and_leaves_dp_to_the_rule(exact_rig, privacy):
+    """Under privacy.dp the rule noises the gradient sum itself: the driver neither refuses the sums as updates
+    beyond clip_norm nor adds DP-FedAvg noise to the mean, and counts ε over the row-level Gaussian mechanism:
+    σ at q = 1 per round, plus one round for the noisy row count."""
+    r = exact_rig(privacy=privacy)
+    reference = make_strategy(r.driver.job.cfg)
+    model = {"linear.weight": np.zeros((2, 3)), "linear.bias": np.zeros(2)}
+    for round_ in (1, 2):
+        r.join("a", "b")
+        r.tick()
+        grants = {s: r.driver.grant(s) for s in ("a", "b")}
+        sums = {s: some_sums(round_ * 10 + i) for i, s in enumerate(("a", "b"))}
+        for s in ("a", "b"):
+            assert "accepted" in r.send_sums(s, grants[s], model, sums[s])
+        r.tick()
+        assert r.store.job(r.job_id).current_round == round_
+        fixed = {k: sum(np.rint(sums[s][k] * 2.0 ** 32) for s in ("a", "b")) for k in sums["a"]}   # the driver's
+        mean = {**model, **{k: v / 2.0 ** 33 for k, v in fixed.items()}}                           # 2⁻³² grid
+        model = reference.rule.step(round_, model, mean, ["a", "b"], population=2)
+        served = r.store.load_checkpoint(r.job_id, round_)
+        assert all(np.array_equal(served[k], model[k]) for k in model)   # bit for bit: no noise but the rule's
+    epsilons = {m.round: m.value for m in r.store.metrics(r.job_id) if m.kind == "privacy" and m.name == "epsilon"}
+    if privacy:
+        assert epsilons == {n: pytest.approx(client_epsilon(0.8, [1.0] * (n + 1), 1e-5), rel=1e-12) for n in (1, 2)}
+    else:
+        assert epsilons == {}
