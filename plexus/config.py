@@ -366,6 +366,10 @@ EXACT_MODELS = ("logistic", "linear", "mlp")
 
 # Server rules that take a staleness-weighted mean of deltas, so they run asynchronously.
 ASYNC_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
+# Rules that sum what the sites send (MeanRule weighting "uniform"): every update weighs 1 whatever its rows,
+# so the round's mean times its contributors is the pooled sum. Read by both halves: in a secure round the site
+# advertises weight 1 and the coordinator refuses any other (a signed advert cannot be re-weighted).
+SUMMING_STRATEGIES = frozenset({"lbfgs", "newton", "statistics"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -564,6 +568,11 @@ STRATEGY_ARGS: dict[str, type] = {
     "fedyogi": FedAdamArgs, "fedadagrad": FedAdagradArgs, "scaffold": ScaffoldArgs, "median": NoArgs,
     "trimmed_mean": TrimmedMeanArgs, "krum": KrumArgs, "multi_krum": MultiKrumArgs, "cwt": CWTArgs,
     "swt": SWTArgs, "ensemble": EnsembleArgs, "lbfgs": LBFGSArgs, "newton": NewtonArgs}
+
+
+def weighs_sites_equally(cfg: RoundConfig) -> bool:
+    """Whether every site's update weighs 1 whatever its rows: under DP-FedAvg, and for SUMMING_STRATEGIES."""
+    return cfg.privacy.dp is not None or cfg.strategy.name in SUMMING_STRATEGIES
 
 
 def strategy_args(spec: StrategySpec) -> Any:

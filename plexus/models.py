@@ -30,15 +30,44 @@ def _int_arg(model: str, name: str, value: Any, *, minimum: int) -> int:
     return int(value)
 
 
+# The float types a model's `dtype` argument names. float64 is for the exact strategies (lbfgs, newton), whose
+# iterate must travel without float32's rounding.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _dtype_arg(model: str, value: Any) -> torch.dtype:
+    if not isinstance(value, str) or value not in DTYPES:
+        raise ConfigError(f"model {model!r}: argument 'dtype' must be one of {sorted(DTYPES)}, got {value!r}")
+    return DTYPES[value]
+
+
 class Logistic(nn.Module):
     """Multinomial logistic regression: one linear layer producing logits."""
 
-    def __init__(self, in_features: int, num_classes: int = 2) -> None:
+    def __init__(self, in_features: int, num_classes: int = 2, dtype: str = "float32") -> None:
         super().__init__()
         self.linear = nn.Linear(
             _int_arg("logistic", "in_features", in_features, minimum=1),
             _int_arg("logistic", "num_classes", num_classes, minimum=2),
         )
+        self.to(_dtype_arg("logistic", dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class Linear(nn.Module):
+    """Linear regression: ŷ = xwᵀ + b, one output, fitted to float labels with the squared error ½(ŷ − y)²."""
+
+    loss = "squared_error"   # plexus.objectives.ROW_LOSSES; the classifiers' is cross-entropy
+
+    def __init__(self, in_features: int, outputs: int = 1, dtype: str = "float32") -> None:
+        super().__init__()
+        if _int_arg("linear", "outputs", outputs, minimum=1) != 1:
+            raise ConfigError(f"model 'linear': argument 'outputs' must be 1 (one regression target per row), "
+                              f"got {outputs}")
+        self.linear = nn.Linear(_int_arg("linear", "in_features", in_features, minimum=1), 1)
+        self.to(_dtype_arg("linear", dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
@@ -53,6 +82,7 @@ class MLP(nn.Module):
         hidden: Sequence[int] = (32,),
         num_classes: int = 2,
         dropout: float = 0.0,
+        dtype: str = "float32",
     ) -> None:
         super().__init__()
         width = _int_arg("mlp", "in_features", in_features, minimum=1)
@@ -69,6 +99,7 @@ class MLP(nn.Module):
             width = size
         layers.append(nn.Linear(width, _int_arg("mlp", "num_classes", num_classes, minimum=2)))
         self.layers = nn.Sequential(*layers)
+        self.to(_dtype_arg("mlp", dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -145,7 +176,8 @@ def member_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-REGISTRY: dict[str, Callable[..., nn.Module]] = {"logistic": Logistic, "mlp": MLP, "cnn": CNN, "vector": Vector}
+REGISTRY: dict[str, Callable[..., nn.Module]] = {
+    "logistic": Logistic, "linear": Linear, "mlp": MLP, "cnn": CNN, "vector": Vector}
 
 
 def installed_models() -> set[str]:

@@ -35,6 +35,9 @@ FLOAT_DTYPES = ("F16", "F32", "F64")
 # Strategy tensors that travel beside the model (SCAFFOLD): the server control variate c, served
 # with the model, and each site's change Δc, sent with its update; both float32, per float tensor.
 SCAFFOLD_C, SCAFFOLD_DC = "scaffold/c/", "scaffold/dc/"
+# The exact strategies' update extras (lbfgs, newton): float64 SUMS over a site's training rows at the served
+# weights (plexus.objectives): Σ∇ℓ_i [d], Σℓ_i [1], the row count [1], and for newton Σ∇²ℓ_i [d, d].
+EXACT_GRAD, EXACT_LOSS, EXACT_ROWS, EXACT_HESSIAN = "exact/grad", "exact/loss", "exact/rows", "exact/hessian"
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 1 << 16

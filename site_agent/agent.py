@@ -20,7 +20,16 @@ import numpy as np
 
 from plexus import __version__, staleness, transport
 from plexus.compression import job_uplink
-from plexus.config import SITE_BACKOFF_CAP_S, SITE_BACKOFF_JITTER, DataSpec, RoundConfig, SiteConfig, parse_round_config
+from plexus.config import (
+    SITE_BACKOFF_CAP_S,
+    SITE_BACKOFF_JITTER,
+    SUMMING_STRATEGIES,
+    DataSpec,
+    RoundConfig,
+    SiteConfig,
+    parse_round_config,
+    weighs_sites_equally,
+)
 from plexus.datasets import DataError, Split, csv_train_rows, load_for_job
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition, IntegrityError
@@ -189,7 +198,9 @@ class SiteAgent:
                 log.info("job %s round %d: stopped during the emulated slowdown; the update is not sent",
                          task.job_id, task.round)
                 return None
-            clipped = self._clip_and_noise(model, incoming, job, task) if job.privacy.dp is not None else None
+            # A summing strategy's site half is its own DP (rows clipped, noise on the sums): no DP-FedAvg on top.
+            dp_fedavg = job.privacy.dp is not None and job.strategy.name not in SUMMING_STRATEGIES
+            clipped = self._clip_and_noise(model, incoming, job, task) if dp_fedavg else None
             eval_metrics, result = self.to_report(job, eval_metrics, local.result)
             if task.kind == fpb.TASK_SECAGG_ADVERTISE:
                 return self._advertise(stub, task, job, incoming, model, result, eval_metrics)
@@ -283,7 +294,7 @@ class SiteAgent:
         delta = [(trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1) for t in layout.tensors]
         session = SiteSession(task.job_id, task.round, self.config.site,
                               min_cohort=self.config.policy.min_secure_cohort)
-        weight = 1 if job.privacy.dp is not None else result.num_samples  # DP-FedAvg weighs sites equally
+        weight = 1 if weighs_sites_equally(job) else result.num_samples
         advert = session.advertise(weight, self.kit.key_pem, self.kit.cert_pem)
         for key in [k for k in self._secure if k[0] == task.job_id]:
             del self._secure[key]  # an older round of this job can never resume
@@ -418,7 +429,7 @@ class SiteAgent:
     def local_update(self, job: RoundConfig, model, served: dict, data: Split, task) -> LocalResult:
         """This round's local work for the job's strategy; benchmarks override it with a trivial step."""
         return local_update(job, model, served, data, site=self.config.site, job_id=task.job_id, seed=task.seed,
-                            local_steps=task.local_steps, state_dir=self.config.state_dir)
+                            local_steps=task.local_steps, state_dir=self.config.state_dir, round_=task.round)
 
     def evaluate(self, model, data: Split) -> dict[str, float]:
         """Metrics of `model` on this site's held-out rows."""

@@ -17,10 +17,22 @@ import torch
 from safetensors.numpy import load_file, save
 from torch import nn
 
+from plexus import objectives
 from plexus.config import strategy_args
+from plexus.dp import add_noise, distributed_std, noise_key
+from plexus.errors import ConfigError
 from plexus.files import write_atomically
 from plexus.models import Ensemble, state_views
-from plexus.wire import SCAFFOLD_C as C_PREFIX, SCAFFOLD_DC as DC_PREFIX, Layout, dtype_name
+from plexus.wire import (
+    EXACT_GRAD,
+    EXACT_HESSIAN,
+    EXACT_LOSS,
+    EXACT_ROWS,
+    SCAFFOLD_C as C_PREFIX,
+    SCAFFOLD_DC as DC_PREFIX,
+    Layout,
+    dtype_name,
+)
 from site_agent.state import job_path
 from site_agent.training import TrainResult, train_local
 
@@ -49,6 +61,7 @@ class Run:
     seed: int
     steps: int | None                 # None: train.steps/epochs
     state_dir: Path
+    round: int = 0
 
 
 class Plain:
@@ -125,11 +138,54 @@ class EnsembleMember(Plain):
         return LocalResult(result=result, update=state_views(run.model), commit=lambda: None)
 
 
+class Gradient(Plain):
+    """lbfgs: no training. The update is the served model unchanged plus float64 sums over every training row
+    at its weights (plexus.objectives): exact/grad Σ∇ℓ_i, exact/loss Σℓ_i, exact/rows n.
+
+    Under privacy.dp each row's gradient is clipped to dp.clip_norm before the sum, and in distributed mode
+    this site adds its share of the noise, N(0, (zS)²/sites.min), to it; exact/loss is 0 (the loss is not
+    clipped, so it would leak outside ε).
+    """
+
+    def train(self, run: Run) -> LocalResult:
+        x, y, dp = run.data.x_train, run.data.y_train, run.job.privacy.dp
+        extras = self.curvature(run)
+        rows = len(y)
+        if dp is None:
+            loss = objectives.loss_sum(run.model, x, y)
+            grad = objectives.gradient_sum(run.model, x, y)
+            metrics = {"train_loss": loss / rows}
+        else:
+            loss, metrics = 0.0, {}
+            grad = objectives.gradient_sum(run.model, x, y, clip_norm=dp.clip_norm)
+            if dp.mode == "distributed":   # unpredictable to the coordinator, as agent._clip_and_noise's share
+                std = distributed_std(dp.noise_multiplier, dp.clip_norm, run.job.sites.min)
+                grad = add_noise({EXACT_GRAD: grad}, std, noise_key(None, run.job_id, run.round, "site"))[EXACT_GRAD]
+        extras |= {EXACT_GRAD: grad, EXACT_LOSS: np.array([loss]), EXACT_ROWS: np.array([float(rows)])}
+        return LocalResult(result=TrainResult(num_samples=rows, steps=0, metrics=metrics),
+                           update={**state_views(run.model), **extras}, commit=lambda: None)
+
+    def curvature(self, run: Run) -> dict[str, np.ndarray]:
+        """The second-order extras: none for lbfgs."""
+        return {}
+
+
+class Hessian(Gradient):
+    """newton: lbfgs' sums plus exact/hessian Σ∇²ℓ_i [d, d]; refused under privacy.dp (the Hessian has no clip)."""
+
+    def curvature(self, run: Run) -> dict[str, np.ndarray]:
+        if run.job.privacy.dp is not None:
+            raise ConfigError("strategy newton cannot run under privacy.dp: the Hessian sum is not clipped, so it "
+                              "would reveal the rows outside ε; use strategy lbfgs with privacy.dp")
+        return {EXACT_HESSIAN: objectives.hessian_sum(run.model, run.data.x_train, run.data.y_train)}
+
+
 PLAIN = Plain()
 LOCAL: dict[str, Plain] = {
     "fedavg": PLAIN, "fedprox": FedProx(), "fedavgm": PLAIN, "fedadam": PLAIN, "fedyogi": PLAIN,
     "fedadagrad": PLAIN, "scaffold": Scaffold(), "median": PLAIN, "trimmed_mean": PLAIN, "krum": PLAIN,
-    "multi_krum": PLAIN, "cwt": PLAIN, "swt": PLAIN, "ensemble": EnsembleMember()}
+    "multi_krum": PLAIN, "cwt": PLAIN, "swt": PLAIN, "ensemble": EnsembleMember(), "lbfgs": Gradient(),
+    "newton": Hessian()}
 
 
 def local_training(job: Any) -> Plain:
@@ -154,14 +210,14 @@ def served_layout(job: Any, model: nn.Module) -> Layout:
 
 
 def local_update(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], data: Any, *, site: str,
-                 job_id: str, seed: int, local_steps: int, state_dir: Path) -> LocalResult:
+                 job_id: str, seed: int, local_steps: int, state_dir: Path, round_: int = 0) -> LocalResult:
     """Train ``model`` (already holding the served global weights) the way the job's strategy asks.
 
     ``served`` is everything FetchModel delivered (see served_layout); ``local_steps`` 0 means
     train.steps/epochs. Nothing is written to ``state_dir`` until ``commit`` is called.
     """
     run = Run(job=job, model=model, served=served, data=data, site=site, job_id=job_id, seed=seed,
-              steps=local_steps or None, state_dir=Path(state_dir))
+              steps=local_steps or None, state_dir=Path(state_dir), round=round_)
     return local_training(job).train(run)
 
 

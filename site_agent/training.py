@@ -18,6 +18,7 @@ from torch import nn
 
 from plexus.accounting import PrivacyLedger, dp_sgd_schedule
 from plexus.errors import ConfigError
+from plexus.objectives import loss_name
 
 _EVAL_BATCH = 4096
 
@@ -53,7 +54,10 @@ def _prepare(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any):
         raise ConfigError(
             f"unknown optimizer {train.optimizer.name!r}; expected one of {sorted(OPTIMIZERS)}"
         ) from None
-    xt, yt = _tensors(x, y, _device(model))
+    if loss_name(model) != "cross_entropy":
+        raise ConfigError(f"model {type(model).__name__} is a regression model (loss {loss_name(model)}): it is "
+                          "fitted by strategy lbfgs or newton over all rows; minibatch training needs a classifier")
+    xt, yt = _tensors(x, y, model)
     if len(yt) == 0:
         raise ValueError("no training samples: x and y are empty, so there is nothing to train on")
     return make_optimizer, xt, yt, len(yt)
@@ -217,8 +221,11 @@ def train_local_dp_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, train: An
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-    """Loss, accuracy and sample count of ``model`` on (x, y); "auc" too for two classes when both occur."""
-    xt, yt = _tensors(x, y, _device(model))
+    """Loss, accuracy and sample count of ``model`` on (x, y); "auc" too for two classes when both occur.
+
+    A regression model (plexus.objectives' squared error) reports loss = mean ½(ŷ − y)², mse and the count.
+    """
+    xt, yt = _tensors(x, y, model)
     n = len(yt)
     if n == 0:
         raise ValueError("no evaluation samples: x and y are empty")
@@ -228,6 +235,9 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> dict[str, float]
         logits = torch.cat([model(xt[i:i + _EVAL_BATCH]) for i in range(0, n, _EVAL_BATCH)])
     finally:
         model.train(was_training)
+    if loss_name(model) == "squared_error":
+        error = (logits.reshape(-1) - yt).double()
+        return {"loss": 0.5 * (error ** 2).mean().item(), "mse": (error ** 2).mean().item(), "num_samples": float(n)}
     _check_labels(yt, logits)
     metrics = {
         "loss": F.cross_entropy(logits, yt).item(),
@@ -284,22 +294,24 @@ def _check_train(train: Any) -> None:
         raise ConfigError(f"train.optimizer.weight_decay must be >= 0, got {opt.weight_decay!r}")
 
 
-def _device(model: nn.Module) -> torch.device:
+def _tensors(x: np.ndarray, y: np.ndarray, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """x in the model's float dtype (float64 models take float64 rows) on its device; y as class labels, or as
+    targets in that dtype for a regression model."""
     param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
-def _tensors(x: np.ndarray, y: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+    regression = loss_name(model) == "squared_error"
     x = np.asarray(x)
     y = np.asarray(y)
     if x.dtype.kind not in "biuf":
         raise TypeError(f"x must be numeric, got dtype {x.dtype}")
-    if y.dtype.kind not in "iu":
-        raise TypeError(f"y must hold integer class labels, got dtype {y.dtype}")
+    if y.dtype.kind not in ("biuf" if regression else "iu"):
+        raise TypeError(f"y must hold {'numeric targets' if regression else 'integer class labels'}, "
+                        f"got dtype {y.dtype}")
     if y.ndim != 1 or x.ndim < 1 or len(x) != len(y):
         raise ValueError(f"x and y must have the same number of rows, got shapes {x.shape} and {y.shape}")
-    return (torch.tensor(x, dtype=torch.float32, device=device),
-            torch.tensor(y, dtype=torch.int64, device=device))
+    return (torch.tensor(x, dtype=dtype, device=device),
+            torch.tensor(y, dtype=dtype if regression else torch.int64, device=device))
 
 
 def _check_labels(y: torch.Tensor, logits: torch.Tensor) -> None:

@@ -1,9 +1,11 @@
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
 from plexus.errors import ConfigError, IntegrityError
-from plexus.models import REGISTRY, available_models, build_model, load_numpy_state, state_to_numpy
+from plexus.models import REGISTRY, available_models, build_model, load_numpy_state, state_to_numpy, state_views
+from plexus.wire import decode, encode
 
 MLP_ARGS = {"in_features": 13, "hidden": [8, 4], "num_classes": 2}
 
@@ -18,7 +20,7 @@ def test_builtins_are_available():
 
 
 def test_unknown_model_lists_names():
-    with pytest.raises(ConfigError, match=r"'resnet'.*\['cnn', 'logistic', 'mlp'"):
+    with pytest.raises(ConfigError, match=r"'resnet'.*\['cnn', 'linear', 'logistic', 'mlp'"):
         build_model("resnet", {}, seed=0)
 
 
@@ -43,6 +45,10 @@ def test_missing_argument():
         ("mlp", {"in_features": 3, "dropout": 1.0}, "dropout"),
         ("cnn", {"image_size": 2}, "image_size"),
         ("cnn", {"width": True}, "width"),
+        ("logistic", {"in_features": 3, "dtype": "float16"}, "dtype"),
+        ("mlp", {"in_features": 3, "dtype": 64}, "dtype"),
+        ("linear", {"in_features": 3, "outputs": 2}, "outputs"),
+        ("linear", {"in_features": 0}, "in_features"),
     ],
 )
 def test_bad_argument_values(name, args, bad):
@@ -57,7 +63,8 @@ def test_args_must_be_a_mapping():
 
 @pytest.mark.parametrize(
     "name, args",
-    [("logistic", {"in_features": 13}), ("mlp", MLP_ARGS), ("cnn", {"width": 4})],
+    [("logistic", {"in_features": 13}), ("mlp", MLP_ARGS), ("cnn", {"width": 4}), ("linear", {"in_features": 13}),
+     ("logistic", {"in_features": 13, "dtype": "float64"})],
 )
 def test_init_is_deterministic_per_seed_and_leaves_global_rng(name, args):
     before = torch.get_rng_state()
@@ -78,6 +85,34 @@ def test_output_shapes():
     assert cnn(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
     rgb = build_model("cnn", {"in_channels": 3, "image_size": 10, "num_classes": 4, "width": 2}, seed=0)
     assert rgb(torch.zeros(2, 3, 10, 10)).shape == (2, 4)
+    assert build_model("linear", {"in_features": 13}, seed=0)(torch.zeros(5, 13)).shape == (5, 1)
+
+
+@pytest.mark.parametrize("name, args", [("logistic", {"in_features": 13, "num_classes": 3}), ("mlp", MLP_ARGS),
+                                        ("linear", {"in_features": 13})])
+def test_dtype_float64_makes_every_tensor_float64_from_the_float32_init(name, args):
+    narrow = state_to_numpy(build_model(name, args, seed=3))
+    wide = build_model(name, {**args, "dtype": "float64"}, seed=3)
+    state = state_to_numpy(wide)
+    assert {a.dtype for a in state.values()} == {np.dtype(np.float64)}
+    assert all(np.array_equal(state[k], narrow[k].astype(np.float64)) for k in narrow)
+    assert wide(torch.zeros(2, 13, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_float64_model_survives_wire_checkpoint_and_load_bit_for_bit(tmp_path):
+    source = build_model("logistic", {"in_features": 13, "num_classes": 3, "dtype": "float64"}, seed=1)
+    with torch.no_grad():   # values float32 cannot hold
+        source.linear.weight.add_(1e-12)
+    layout, blob = encode(state_views(source))
+    assert {t.dtype for t in layout.tensors} == {"F64"}
+    received = decode(layout, bytes(blob))
+    path = tmp_path / "model.safetensors"
+    save_file(received, str(path))   # the checkpoint format
+    target = build_model("logistic", {"in_features": 13, "num_classes": 3, "dtype": "float64"}, seed=2)
+    load_numpy_state(target, load_file(str(path)))
+    assert _same_bits(state_to_numpy(target), state_to_numpy(source))
+    x = torch.randn(3, 13, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(source(x), target(x))
 
 
 def test_state_to_numpy_is_sorted_contiguous_copy():

@@ -241,9 +241,11 @@ def test_the_hooks_run_once_per_step_in_order():
 
 
 def test_every_strategy_has_a_site_half_and_only_those_that_need_served_tensors_keep_them():
-    assert sorted(LOCAL) == sorted(STRATEGY_ARGS)   # site and coordinator know the same strategies
+    # Site and coordinator know the same strategies (lbfgs/newton's args come with branch exact-rule).
+    assert sorted(LOCAL) == sorted(STRATEGY_ARGS)
     assert {name for name, half in LOCAL.items() if half.reads_served} == {"fedprox", "scaffold"}
-    assert {name for name, half in LOCAL.items() if half is not PLAIN} == {"fedprox", "scaffold", "ensemble"}
+    assert {name for name, half in LOCAL.items() if half is not PLAIN} == {"fedprox", "scaffold", "ensemble", "lbfgs",
+                                                                           "newton"}
     with pytest.raises(ValueError, match=r"strategy 'fedsgd' is unknown to this site \(known: \['cwt', "):
         served_layout(_job("fedsgd"), _model(_job()))
 

@@ -139,3 +139,25 @@ def test_bad_inputs_are_refused():
         train_local(model, x, np.zeros(4, dtype=np.int64), _train(batch_size=0), seed=0)
     with pytest.raises(ConfigError, match="momentum"):
         train_local(model, x, np.zeros(4, dtype=np.int64), _train(name="adam", momentum=0.9), seed=0)
+
+
+# float64 and regression models (the exact strategies' models)
+
+
+def test_a_float64_model_trains_and_evaluates_on_float32_rows(cleveland):
+    model = build_model("logistic", {"in_features": 13, "dtype": "float64"}, seed=0)
+    result = train_local(model, cleveland.x_train, cleveland.y_train, _train(epochs=1), seed=0)
+    assert result.steps > 0 and {a.dtype for a in state_to_numpy(model).values()} == {np.dtype(np.float64)}
+    assert evaluate(model, cleveland.x_test, cleveland.y_test)["accuracy"] > 0
+
+
+def test_a_regression_model_evaluates_its_squared_error_and_is_not_trained_by_minibatches():
+    model = build_model("linear", {"in_features": 2, "dtype": "float64"}, seed=0)
+    with torch.no_grad():
+        model.linear.weight.copy_(torch.tensor([[1.0, -2.0]]))
+        model.linear.bias.fill_(0.5)
+    x = np.array([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]], np.float32)
+    y = np.array([1.0, -1.0, 0.0])   # predictions 1.5, -1.5, -1.5: errors 0.5, -0.5, -1.5
+    assert evaluate(model, x, y) == pytest.approx({"loss": 0.5 * 2.75 / 3, "mse": 2.75 / 3, "num_samples": 3.0})
+    with pytest.raises(ConfigError, match="regression model.*lbfgs or newton"):
+        train_local(model, x, y, _train(), seed=0)
