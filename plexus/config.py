@@ -355,10 +355,6 @@ class CompressionSpec:
     downlink: DownlinkSpec = field(default_factory=DownlinkSpec)
 
 
-# Strategies whose sites send sums over their rows (loss, gradient, Hessian; statistics) rather than trained
-# models: the coordinator needs Σ_k, so every site weighs 1, and a site advertises weight 1 in a secure round
-# (not its row count, which would scale its sum). site_agent and the coordinator both read this.
-SUMMING_STRATEGIES = frozenset({"lbfgs", "newton", "statistics"})
 # Exact federated optimisation (coordinator/strategies/exact.py): the models whose loss the sites know
 # (plexus.objectives); logistic and linear are convex, mlp is allowed with a warning.
 EXACT_STRATEGIES = ("lbfgs", "newton")

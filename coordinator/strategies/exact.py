@@ -22,11 +22,9 @@ from coordinator.strategies.base import MeanRule, Sampling, Schedule, State, cas
 from plexus.config import DPSpec, ModelSpec, RoundConfig
 from plexus.dp import add_noise, noise_key
 from plexus.errors import ConfigError, IntegrityError
-from plexus.wire import Layout
+from plexus.wire import EXACT_GRAD as GRAD, EXACT_HESSIAN as HESSIAN, EXACT_LOSS as LOSS, EXACT_ROWS as ROWS, Layout
 
 log = logging.getLogger("plexus.coordinator")
-
-GRAD, LOSS, ROWS, HESSIAN = "exact/grad", "exact/loss", "exact/rows", "exact/hessian"
 
 
 # The L-BFGS direction ---------------------------------------------------------------------
