@@ -17,7 +17,7 @@ import numpy as np
 from coordinator.aggregate import MaskedSum
 from plexus.config import SecAggSpec, UplinkSpec, max_secure_sites
 from plexus.errors import FailedPrecondition, IntegrityError, Reason
-from plexus.secagg import PRIME, Advert, ServerSession, default_threshold, frac_bits, mask_plan
+from plexus.secagg import MAX_WEIGHT, NO_EXTRAS, PRIME, Advert, ServerSession, default_threshold, frac_bits, mask_plan
 from plexus.vocab import SecaggPhase, TaskKind
 from plexus.wire import Layout
 
@@ -39,9 +39,10 @@ class SecureRound:
     layout: Layout                 # the model's layout (float tensors)
     spec: SecAggSpec
     min_sites: int
-    max_weight: int = 2 ** 31      # an advert's largest num_samples (an asynchronous cohort's: staleness quanta)
+    max_weight: int = MAX_WEIGHT   # an advert's largest num_samples (a cohort's: staleness quanta; 1: uniform)
     uplink: UplinkSpec | None = None   # the job's uplink codec: the field and entries sites mask (None: as always)
     seed: int = 0                  # the job's seed (randk's shared indices)
+    extras: Layout = NO_EXTRAS     # the rule's update extras (MeanRule.update_extras), masked as values
     phase: SecaggPhase = SecaggPhase.ADVERTISE
     adverts: dict[str, Advert] = field(default_factory=dict)
     inbox: dict[str, dict[str, bytes]] = field(default_factory=dict)   # recipient -> sender -> ciphertext
@@ -55,7 +56,7 @@ class SecureRound:
 
     def __post_init__(self):
         self.bits = frac_bits(self.spec.clip)
-        self.plan = mask_plan(self.uplink, self.layout, seed=self.seed, round_=self.round)
+        self.plan = mask_plan(self.uplink, self.layout, seed=self.seed, round_=self.round, extras=self.extras)
         self.masked_layout = self.plan.layout()
         self.masked = MaskedSum(self.masked_layout)
 
@@ -68,8 +69,9 @@ class SecureRound:
         if advert.site != site:
             raise IntegrityError(f"advert names site {advert.site!r}, but the caller's certificate is {site!r}")
         if not 1 <= advert.num_samples <= self.max_weight:
-            raise IntegrityError(f"num_samples must be between 1 and {self.max_weight}; got {advert.num_samples}",
-                                 reason=Reason.NUM_SAMPLES)
+            why = " (this job weighs every site's update 1, whatever its rows)" if self.max_weight == 1 else ""
+            raise IntegrityError(f"num_samples must be between 1 and {self.max_weight}; got {advert.num_samples}"
+                                 f"{why}", reason=Reason.NUM_SAMPLES)
         if len(advert.c_pk) != 32 or len(advert.s_pk) != 32 or len(advert.b_commitment) != 32:
             raise IntegrityError("an advert carries two 32-byte X25519 public keys and a 32-byte commitment")
         self.adverts[site] = advert
@@ -145,8 +147,8 @@ class SecureRound:
         return self.adverts[site].num_samples
 
     def result(self) -> tuple[dict[str, np.ndarray], int]:
-        """The survivors' weighted mean update Σ n_u Δ_u / Σ n_u (float64 per tensor; randk: zero off its
-        shared indices) and Σ n_u over U3.
+        """The survivors' weighted mean update Σ n_u Δ_u / Σ n_u (float64 per tensor, the update extras' mean
+        value among them; randk: zero off its shared indices) and Σ n_u over U3.
 
         Altered shares are left out while t honest ones remain; their senders end up in `rejected`.
         """

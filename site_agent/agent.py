@@ -36,7 +36,7 @@ from plexus.errors import FailedPrecondition, IntegrityError
 from plexus.identity import load_kit
 from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
-from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto, mask_plan
+from plexus.secagg import NO_EXTRAS, SiteSession, advert_from_proto, advert_to_proto, mask_plan
 from plexus.wire import DEFAULT_CHUNK_BYTES, DTYPES, Layout, assemble, chunk_size, decode, encode_chunks
 from site_agent.audit import AuditWriteFailed, SiteAudit
 from site_agent.downlink import downlink_spec, fetch_model, model_header
@@ -203,7 +203,7 @@ class SiteAgent:
             clipped = self._clip_and_noise(model, incoming, job, task) if dp_fedavg else None
             eval_metrics, result = self.to_report(job, eval_metrics, local.result)
             if task.kind == fpb.TASK_SECAGG_ADVERTISE:
-                return self._advertise(stub, task, job, incoming, model, result, eval_metrics)
+                return self._advertise(stub, task, job, incoming, model, local.update, result, eval_metrics)
             if cohorts:
                 return self._keep(stub, task, incoming, model, result, eval_metrics)
             if coded is not None:
@@ -287,18 +287,27 @@ class SiteAgent:
                       exc)
 
     # secure aggregation ---------------------------------------------------------------------
-    def _advertise(self, stub, task, job: RoundConfig, incoming: dict, model, result, eval_metrics: dict) -> None:
-        """Keep Δ = trained − incoming at the site; send only two signed public keys and the sample count."""
-        trained = state_to_numpy(model)
-        layout = Layout.of(trained)
-        delta = [(trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1) for t in layout.tensors]
+    def _advertise(self, stub, task, job: RoundConfig, incoming: dict, model, update: dict, result,
+                   eval_metrics: dict) -> None:
+        """Keep Δ = trained − incoming at the site, and the values of the strategy's update extras (the tensors of
+        `update` beside the model's); send only two signed public keys and the sample count."""
+        layout, delta = _model_delta(model, incoming)
+        extras = {name: np.asarray(value, np.float64).reshape(-1) for name, value in update.items()
+                  if name not in delta}
+        clip = job.privacy.secagg.clip
+        if over := sorted(name for name, value in extras.items() if np.abs(value).max(initial=0.0) > clip):
+            # Here only: telling the coordinator would tell it more about this site's data than the sum does.
+            log.warning("job %s round %d: update extras %s exceed privacy.secagg.clip %g and are cut to it before "
+                        "masking, so the pooled sums will be wrong; the job needs a larger clip (docs/privacy.md)",
+                        task.job_id, task.round, over[:5], clip)
         session = SiteSession(task.job_id, task.round, self.config.site,
                               min_cohort=self.config.policy.min_secure_cohort)
         weight = 1 if weighs_sites_equally(job) else result.num_samples
         advert = session.advertise(weight, self.kit.key_pem, self.kit.cert_pem)
         for key in [k for k in self._secure if k[0] == task.job_id]:
             del self._secure[key]  # an older round of this job can never resume
-        self._secure[(task.job_id, task.round)] = _Pending(session, layout, delta)
+        self._secure[(task.job_id, task.round)] = _Pending(session, layout, delta | extras,
+                                                           extras=Layout.of({k: update[k] for k in extras}))
         stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                                       advert=advert_to_proto(advert), metrics=result.metrics,
                                       eval_metrics=eval_metrics), timeout=30)
@@ -308,9 +317,7 @@ class SiteAgent:
     def _keep(self, stub, task, incoming: dict, model, result, eval_metrics: dict) -> None:
         """Asynchronous secure aggregation: keep Δ = trained − incoming here until a cohort masks it; the
         coordinator is only told that training is done."""
-        trained = state_to_numpy(model)
-        layout = Layout.of(trained)
-        delta = [(trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1) for t in layout.tensors]
+        layout, delta = _model_delta(model, incoming)
         for key in [k for k in self._kept if k[0] == task.job_id]:
             del self._kept[key]   # one kept update per job: the newest replaces an unused older one
         self._kept[(task.job_id, task.model_round)] = _Kept(layout, delta, result.num_samples, dict(result.metrics),
@@ -369,11 +376,11 @@ class SiteAgent:
             delta = pending.delta
             if pending.noise:   # an asynchronous cohort's share of distributed DP noise, for its own size
                 pending.floor = max(pending.session.threshold, job.sites.min)   # t as checked at share()
-                delta = _cohort_noise(pending.layout, delta, job, task, pending.floor)
+                delta = _cohort_noise(delta, job, task, pending.floor)
             # The job's uplink codec picks the field and entries (randk: its shared indices); |U1| as this site
             # checked it at share() sizes an 8- or 16-bit field's grid.
             plan = mask_plan(job.compression.uplink if job.compression else None, pending.layout, seed=job.seed,
-                             round_=task.round)
+                             round_=task.round, extras=pending.extras)
             field = plan.field(clip=payload.clip, frac_bits=payload.frac_bits, sites=pending.session.advertised)
             masked = pending.session.mask(plan.values(delta), field=field)
             self._submit_masked(stub, task, plan.layout(), masked)
@@ -534,8 +541,9 @@ class _Pending:
     """A site's secure round between phases: its secrets and the update it has not revealed."""
 
     session: SiteSession
-    layout: Layout
-    delta: list[np.ndarray]
+    layout: Layout                  # the model's
+    delta: dict[str, np.ndarray]    # what it masks, by name: Δ per model tensor, the value of each update extra
+    extras: Layout = NO_EXTRAS      # the strategy's update extras (their base is zero)
     noise: bool = False    # an asynchronous cohort under distributed DP: this site adds its noise at masking
     floor: int = 0         # the fewest survivors that noise was drawn for: fewer are never unmasked
 
@@ -545,7 +553,7 @@ class _Kept:
     """An asynchronous secure job's trained update, kept at the site until its cohort's advert."""
 
     layout: Layout
-    delta: list[np.ndarray]
+    delta: dict[str, np.ndarray]   # Δ per model tensor
     num_samples: int       # n (1 under DP)
     metrics: dict[str, float]
     eval_metrics: dict[str, float]
@@ -556,14 +564,20 @@ def in_cohorts(job: RoundConfig) -> bool:
     return job.asynchronous is not None and job.privacy.secure_aggregation
 
 
-def _cohort_noise(layout: Layout, delta: list[np.ndarray], job: RoundConfig, task, floor: int) -> list[np.ndarray]:
+def _model_delta(model, incoming: dict) -> tuple[Layout, dict[str, np.ndarray]]:
+    """The model's layout and Δ = trained − incoming per tensor (float64, flat): what a secure round masks."""
+    trained = state_to_numpy(model)
+    layout = Layout.of(trained)
+    return layout, {t.name: (trained[t.name].astype(np.float64) - incoming[t.name]).reshape(-1)
+                    for t in layout.tensors}
+
+
+def _cohort_noise(delta: dict[str, np.ndarray], job: RoundConfig, task, floor: int) -> dict[str, np.ndarray]:
     """This site's share of distributed DP noise, N(0, (zS)²/m): the m = `floor` fewest survivors the cohort can
     be unmasked over (the threshold of its real size, and sites.min) carry at least N(0, (zS)²) between them."""
     dp = job.privacy.dp
     std = distributed_std(dp.noise_multiplier, dp.clip_norm, floor)
-    noisy = add_noise({t.name: d for t, d in zip(layout.tensors, delta)}, std,
-                      noise_key(None, task.job_id, task.round, "site"))
-    return [noisy[t.name] for t in layout.tensors]
+    return add_noise(delta, std, noise_key(None, task.job_id, task.round, "site"))
 
 
 def call_timeout(task: fpb.Task) -> float:

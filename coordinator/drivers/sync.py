@@ -48,9 +48,10 @@ from plexus.errors import (
     RoundClosed,
     TimedOut,
 )
+from plexus.secagg import MAX_WEIGHT
 from plexus.text import bounded
 from plexus.vocab import JobStatus, SecaggPhase, TaskKind, TaskStatus
-from plexus.wire import Layout, decode, encode
+from plexus.wire import DTYPES, Layout, decode, encode
 
 log = logging.getLogger("plexus.coordinator")
 
@@ -141,6 +142,17 @@ def base_plus_mean(base: dict[str, np.ndarray], total: WeightedSum) -> dict[str,
         dtype = base[name].dtype
         out[name] = (np.rint(value) if dtype.kind in "iu" else value).astype(dtype)
     return out
+
+
+def base_plus_unmasked(base: dict[str, np.ndarray], delta: dict[str, np.ndarray],
+                       extras: Layout) -> dict[str, np.ndarray]:
+    """A secure round's mean from its unmasked Δ (plexus.secagg.plan): base + Δ per model tensor, in its dtype (sites
+    masked Δ from the model they decoded), and each update extra's mean value, in the dtype the rule declared
+    (its base is zero)."""
+    mean = {name: (current.astype(np.float64) + delta[name]).astype(current.dtype) for name, current in base.items()}
+    for t in extras.tensors:
+        mean[t.name] = delta[t.name].astype(DTYPES[t.dtype])
+    return mean
 
 
 def samples_at_random(cfg: RoundConfig) -> bool:
@@ -682,8 +694,11 @@ class SyncRounds:
         job.row = store.job(job.row.id)
         secure = None
         if cfg.privacy.secure_aggregation and not evaluating:
+            # The rule's update extras are masked with the model's Δ; their layout is the rule's, never a site's.
             secure = SecureRound(job.row.id, round_, job.layout, cfg.privacy.secagg, cfg.sites.min,
-                                 uplink=cfg.compression.uplink if cfg.compression else None, seed=cfg.seed)
+                                 max_weight=1 if uniform_weights(job.strategy, dp) else MAX_WEIGHT,
+                                 uplink=cfg.compression.uplink if cfg.compression else None, seed=cfg.seed,
+                                 extras=Layout.build(update_extras(job.strategy, job.layout)))
         summing = not (evaluating or secure or holds_updates(job.strategy))
         evaluators = [] if evaluating or cfg.sites.evaluate != "all" else sorted(set(online) - set(participants))
         sizes, share = self._sizes(), cfg.sites.max_weight_share
@@ -843,9 +858,7 @@ class SyncRounds:
                     store.finish_task(rs.grants[site].task_id, TaskStatus.REJECTED, reason, job_id=job.row.id,
                                       round_=rs.round, site=site)
                     log.warning("job %s round %d site %s: rejected (%s)", job.row.id, rs.round, site, reason)
-                mean = {}
-                for name, current in job.base.items():   # sites masked Δ from the model they decoded
-                    mean[name] = (current.astype(np.float64) + delta[name]).astype(current.dtype)
+                mean = base_plus_unmasked(job.base, delta, sec.extras)
                 rs.contributors, rs.samples = list(sec.u3), weight
                 mean = self._central_noise(rs, mean)   # central DP: on the unmasked mean of the survivors
                 self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.base, mean,

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from plexus.secagg.fixed_point import Field, dequantize, frac_bits, quantize
 from plexus.secagg.messages import Advert, advert_from_proto, advert_message, advert_to_proto, b_commitment
-from plexus.secagg.plan import MaskPlan, mask_plan
+from plexus.secagg.plan import NO_EXTRAS, MaskPlan, mask_plan
 from plexus.secagg.server import MAX_DECODE_TRIES, ServerSession
 from plexus.secagg.shamir import PRIME, default_threshold, shamir_combine, shamir_split
-from plexus.secagg.site import SiteSession
+from plexus.secagg.site import MAX_WEIGHT, SiteSession
 
-__all__ = ["MAX_DECODE_TRIES", "PRIME", "Advert", "Field", "MaskPlan", "ServerSession", "SiteSession",
-           "advert_from_proto", "advert_message", "advert_to_proto", "b_commitment", "default_threshold",
-           "dequantize", "frac_bits", "mask_plan", "quantize", "shamir_combine", "shamir_split"]
+__all__ = ["MAX_DECODE_TRIES", "MAX_WEIGHT", "NO_EXTRAS", "PRIME", "Advert", "Field", "MaskPlan", "ServerSession",
+           "SiteSession", "advert_from_proto", "advert_message", "advert_to_proto", "b_commitment",
+           "default_threshold", "dequantize", "frac_bits", "mask_plan", "quantize", "shamir_combine", "shamir_split"]

@@ -30,7 +30,8 @@ def frac_bits(clip: float) -> int:
     Guarantee: for any weights w_u >= 0 with sum <= 1 and any |delta_u| <= clip, the exact
     sum of the per-site quantised values satisfies |sum_u q_u| <= 2**30 + S/2 (S sites, each
     rounding by at most 1/2), which is < 2**31 - 1 for every S < 2**31 - 2; so the sum mod
-    2**32 read as int32 is exact. Resolution: 2**-bits, between clip * 2**-31 and clip * 2**-30.
+    2**32 read as int32 is exact. Resolution: 2**-bits = 2**ceil(log2(clip)) * 2**-30, from clip * 2**-30 (clip a
+    power of two) up to, not including, clip * 2**-29.
     """
     if isinstance(clip, bool) or not isinstance(clip, (int, float, np.floating, np.integer)):
         raise TypeError(f"clip must be a number, not {type(clip).__name__}")

@@ -9,7 +9,7 @@ from coordinator.secure_round import SecureRound, SecureRoundFailed
 from plexus import identity, pki
 from plexus.config import SecAggSpec, UplinkSpec
 from plexus.errors import IntegrityError
-from plexus.secagg import Advert, SiteSession, mask_plan
+from plexus.secagg import MAX_WEIGHT, NO_EXTRAS, Advert, SiteSession, frac_bits, mask_plan
 from plexus.wire import DTYPES, Layout
 
 LAYOUT = Layout.of({"w": np.zeros((2, 3), np.float32), "b": np.zeros(2, np.float32)})
@@ -145,9 +145,10 @@ def kits(tmp_path_factory):
     return {name: identity.load_kit(pki.add_site(root, name)) for name in "abcd"}
 
 
-def _run(kits, uplink, deltas, samples, *, drop=""):
+def _run(kits, uplink, deltas, samples, *, drop="", clip=1.0, extras=NO_EXTRAS, max_weight=MAX_WEIGHT):
     """One secure round over real SiteSessions driven through a SecureRound; `drop` shares, then never masks."""
-    sr = SecureRound("job", 2, LAYOUT, SecAggSpec(clip=1.0), 3, uplink=uplink, seed=8)
+    sr = SecureRound("job", 2, LAYOUT, SecAggSpec(clip=clip), 3, uplink=uplink, seed=8, extras=extras,
+                     max_weight=max_weight)
     sessions = {s: SiteSession("job", 2, s) for s in kits}
     for s, session in sessions.items():
         sr.on_advert(s, session.advertise(samples[s], kits[s].key_pem, kits[s].cert_pem))
@@ -157,13 +158,13 @@ def _run(kits, uplink, deltas, samples, *, drop=""):
         sr.on_shares(s, session.share(p["adverts"], threshold=p["threshold"], total_weight=p["total_weight"],
                                       ca_pem=kits[s].ca_pem))
     sr.advance(list(kits), list(kits))
-    plan = mask_plan(uplink, LAYOUT, seed=8, round_=2)     # as the site agent draws it
+    plan = mask_plan(uplink, LAYOUT, seed=8, round_=2, extras=extras)     # as the site agent draws it
     survivors = [s for s in kits if s != drop]
     for s in survivors:
         p = sr.payload(s)
         sessions[s].receive_shares(p["shares_for_you"])
         field = plan.field(clip=p["clip"], frac_bits=p["frac_bits"], sites=sessions[s].advertised)
-        masked = list(sessions[s].mask(plan.values([deltas[s][t.name] for t in LAYOUT.tensors]), field=field))
+        masked = list(sessions[s].mask(plan.values(deltas[s]), field=field))
         sr.masked.fold([y.tobytes() for y in masked], nbytes=sum(y.nbytes for y in masked))
     sr.advance(survivors, list(kits))
     for s in survivors:
@@ -192,3 +193,29 @@ def test_the_unmasked_mean_is_dequantised_and_randk_scattered_back(kits, codec):
             expect = np.where(off.reshape(t.shape), 0.0, expect)
         assert mean[t.name].shape == t.shape
         assert np.abs(mean[t.name] - expect).max() <= bound, (t.name, np.abs(mean[t.name] - expect).max(), bound)
+
+
+def test_update_extras_are_unmasked_as_the_survivors_mean_value(kits):
+    """A summing rule's extras (weight 1 per site): the unmasked mean times |U3| is the survivors' plain sum."""
+    rng = np.random.default_rng(5)
+    extras = Layout.build([("exact/grad", "F64", (4,)), ("exact/rows", "F64", (1,))])
+    deltas = {s: {"w": np.zeros((2, 3)), "b": np.zeros(2), "exact/grad": rng.uniform(-200, 200, 4),
+                  "exact/rows": np.array([float(rng.integers(50, 300))])} for s in kits}
+    clip = 512.0   # at least every site's largest |value| (rows up to 300): nothing is clipped
+    sr, _ = _run(kits, None, deltas, dict.fromkeys(kits, 1), drop="d", clip=clip, extras=extras, max_weight=1)
+    mean, weight = sr.result()
+    assert weight == 3 and sorted(mean) == ["b", "exact/grad", "exact/rows", "w"]
+    # each of |U1| = 4 sites rounds w·x (w = 1/4) to 2**-f; the mean is rescaled by |U1|/|U3|, the sum by |U3|
+    bound = 4 * 3 * 0.5 * 2.0 ** -frac_bits(clip)
+    for name in ("exact/grad", "exact/rows"):
+        plain = sum(deltas[s][name] for s in "abc")
+        assert np.abs(mean[name] * 3 - plain).max() <= bound, name
+    assert round(float(mean["exact/rows"][0] * 3)) == sum(deltas[s]["exact/rows"][0] for s in "abc")
+    assert not mean["w"].any() and not mean["b"].any()
+
+
+def test_a_uniformly_weighted_round_refuses_an_advert_of_more_than_one():
+    sr = SecureRound("job", 1, LAYOUT, SecAggSpec(), 3, max_weight=1)
+    sr.on_advert("a", _advert("a", 1))
+    with pytest.raises(IntegrityError, match="weighs every site's update 1"):
+        sr.on_advert("b", _advert("b", 120))

@@ -23,7 +23,13 @@ from coordinator.strategies import (
     sample_sites,
 )
 from coordinator.strategies.robust import krum_scores
-from plexus.config import COMPRESSIBLE_STRATEGIES, STRATEGY_ARGS, parse_round_config
+from plexus.config import (
+    ASYNC_STRATEGIES,
+    COMPRESSIBLE_STRATEGIES,
+    STRATEGY_ARGS,
+    SUMMING_STRATEGIES,
+    parse_round_config,
+)
 from plexus.errors import ConfigError, IntegrityError
 from plexus.wire import Layout
 
@@ -601,3 +607,18 @@ def test_the_strategies_that_take_compressed_updates_are_the_mean_rules_with_not
     plain_mean = {name for name, cls in REGISTRY.items()
                   if issubclass(cls, MeanRule) and cls.update_extras is MeanRule.update_extras}
     assert set(COMPRESSIBLE_STRATEGIES) == plain_mean
+
+
+def test_asynchronous_strategies_send_nothing_beside_the_model():
+    """An asynchronous secure cohort masks the model's Δ only (site_agent's _keep): a rule with update extras must
+    stay out of plexus.config's ASYNC_STRATEGIES, which the config checks read."""
+    assert all(REGISTRY[name].update_extras is MeanRule.update_extras for name in ASYNC_STRATEGIES)
+
+
+def test_the_summing_strategies_are_the_uniform_rules_secure_aggregation_computes():
+    """A site reads SUMMING_STRATEGIES to advertise weight 1 in a secure round; the coordinator reads the rule's
+    weighting, and refuses any other advert: both must name the same rules."""
+    secure_means = {name: cls for name, cls in REGISTRY.items()
+                    if issubclass(cls, MeanRule) and not refuses_secure_aggregation(cls)}
+    assert {name for name, cls in secure_means.items() if cls.weighting == "uniform"} == \
+        SUMMING_STRATEGIES & set(secure_means)

@@ -67,7 +67,7 @@ def test_a_randk_secure_round_sums_only_the_shared_indices(federation, masked_bl
     bound = len(SITES) * 0.5 * 2.0 ** -frac_bits(4.0)
     rows = {s: heart_disease(HOSPITAL_OF[s]).x_train.shape[0] for s in SITES}   # each site's weight
     total = sum(rows.values())
-    for t, idx in zip(plan.model.tensors, plan.indices):
+    for t, idx in zip(plan.update.tensors, plan.indices):
         name = t.name
         mean_delta = sum(rows[s] * deltas[s][name].astype(np.float64) for s in SITES) / total
         flat_got, flat_init = got[name].reshape(-1), initial[name].reshape(-1)

@@ -134,11 +134,12 @@ def test_randk_masks_the_same_k_indices_at_every_site_and_scatters_the_sum_back(
         assert np.all(np.diff(idx) > 0) and idx[0] >= 0
     assert not np.array_equal(plan.indices[1], mask_plan(spec, MODEL, seed=5, round_=4).indices[1])   # per round
     assert plan.indices[1][-1] < 1000
-    delta = [np.arange(20, dtype=np.float64), np.arange(1000, dtype=np.float64).reshape(20, 50)]
+    delta = {"fc.bias": np.arange(20, dtype=np.float64), "fc.weight": np.arange(1000, dtype=np.float64).reshape(20, 50)}
     picked = np.concatenate(list(plan.values(delta)))
     np.testing.assert_array_equal(picked, np.concatenate([plan.indices[0], plan.indices[1]]))
     dense = plan.dense(picked)
-    for (t, idx), d in zip(zip(MODEL.tensors, plan.indices), delta):
+    for t, idx in zip(MODEL.tensors, plan.indices):
+        d = delta[t.name]
         expect = np.zeros(t.numel)
         expect[idx] = d.reshape(-1)[idx]
         np.testing.assert_array_equal(dense[t.name].reshape(-1), expect)
@@ -149,3 +150,48 @@ def test_randk_masks_the_same_k_indices_at_every_site_and_scatters_the_sum_back(
 def test_codecs_that_choose_their_own_coordinates_cannot_be_masked():
     with pytest.raises(ValueError, match="cannot be masked"):
         mask_plan(UplinkSpec(codec="topk", k=3), MODEL, seed=0, round_=1)
+
+
+# --- a rule's update extras -------------------------------------------------------
+
+EXTRAS = Layout.build([("exact/grad", "F64", (3,)), ("exact/rows", "F64", (1,)), ("zz/extra", "F32", (2, 2))])
+
+
+def test_extras_are_masked_whole_beside_the_model_in_layout_order():
+    plan = mask_plan(None, MODEL, seed=1, round_=2, extras=EXTRAS)
+    # Layout order over model and extras together, as the plain path lays out an update (sorted by name)
+    assert [(t.name, t.dtype, t.shape) for t in plan.layout().tensors] == [
+        ("exact/grad", "U32", (3,)), ("exact/rows", "U32", (1,)), ("fc.bias", "U32", (20,)),
+        ("fc.weight", "U32", (20, 50)), ("zz/extra", "U32", (2, 2))]
+    update = {"fc.weight": np.full((20, 50), 3.0), "zz/extra": np.full((2, 2), 5.0), "fc.bias": np.full(20, 2.0),
+              "exact/rows": np.array([42.0]), "exact/grad": np.array([1.0, -2.0, 0.5])}
+    flat = np.concatenate(list(plan.values(update)))   # the dict's own order does not matter
+    np.testing.assert_array_equal(flat, np.concatenate(
+        [[1.0, -2.0, 0.5], [42.0], np.full(20, 2.0), np.full(1000, 3.0), np.full(4, 5.0)]))
+    dense = plan.dense(flat)
+    assert sorted(dense) == sorted(update)
+    for name, value in update.items():
+        np.testing.assert_array_equal(dense[name], value)
+
+
+def test_extras_are_whole_under_randk_and_refused_on_a_small_grid():
+    plan = mask_plan(UplinkSpec(codec="randk", k=5), MODEL, seed=5, round_=3, extras=EXTRAS)
+    shapes = {t.name: t.shape for t in plan.layout().tensors}
+    assert shapes == {"exact/grad": (3,), "exact/rows": (1,), "fc.bias": (5,), "fc.weight": (5,), "zz/extra": (2, 2)}
+    plain = mask_plan(UplinkSpec(codec="randk", k=5), MODEL, seed=5, round_=3)   # the model's indices unchanged
+    np.testing.assert_array_equal(plan.indices[3], plain.indices[1])
+    for codec in ("int8", "fp16"):
+        with pytest.raises(ValueError, match="too coarse for the strategy's update extras"):
+            mask_plan(UplinkSpec(codec=codec), MODEL, seed=5, round_=3, extras=EXTRAS)
+
+
+def test_an_update_that_differs_from_the_plan_is_refused():
+    plan = mask_plan(None, MODEL, seed=1, round_=2, extras=EXTRAS)
+    model_only = {"fc.weight": np.zeros((20, 50)), "fc.bias": np.zeros(20)}
+    with pytest.raises(ValueError, match=r"missing: \['exact/grad', 'exact/rows', 'zz/extra'\]"):
+        list(plan.values(model_only))
+    with pytest.raises(ValueError, match="has 3 elements in the update; the layout has 1"):
+        list(plan.values({**model_only, "exact/grad": np.zeros(3), "exact/rows": np.zeros(3),
+                          "zz/extra": np.zeros(4)}))
+    with pytest.raises(ValueError, match="names of model tensors"):
+        mask_plan(None, MODEL, seed=1, round_=2, extras=Layout.build([("fc.bias", "F64", (20,))]))
