@@ -599,11 +599,10 @@ class LBFGS(ExactRule):
             self.rows = max(float(noisy[0]), 1.0)
         _, g = self.objective.evaluate(x, 0.0, grad)
         opt = self.optimizer
-        if opt.iterations >= opt.stopping.max_iterations:
-            opt.stop = f"stopped after max_iterations = {opt.stopping.max_iterations} noisy gradient steps"
-            return x
         opt.iterations += 1
         opt.x = x - self.dp_step * g / self.rows   # the iterate: no loss tells a better one
+        if opt.iterations >= opt.stopping.max_iterations:   # now: another round would spend ε on nothing
+            opt.stop = f"stopped after max_iterations = {opt.stopping.max_iterations} noisy gradient steps"
         return opt.x
 
     def state_meta(self) -> dict:

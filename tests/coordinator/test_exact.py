@@ -412,8 +412,7 @@ def test_dp_takes_noisy_gradient_steps_on_f_over_a_noisy_row_count(cancer):
     strategy = make_strategy(job("{name: lbfgs, args: {C: 0.1, dp_step: 0.5, max_iterations: 3}}", rounds=10,
                                  extra=extra))
     served, strategy = drive(strategy, cancer, 10)
-    assert len(served) == 4 and strategy.rule.stopped.startswith("stopped after max_iterations = 3")
-    np.testing.assert_array_equal(served[-1]["linear.weight"], served[-2]["linear.weight"])
+    assert len(served) == 3 and strategy.rule.stopped.startswith("stopped after max_iterations = 3")
     # round 1 by hand: x0 = 0, ∇F = C·(Σ∇ℓ + N(0, (σ·clip)²)), N̂ = N + N(0, σ²)
     x, y = cancer
     zero = {"linear.weight": np.zeros((2, 30)), "linear.bias": np.zeros(2)}
