@@ -461,8 +461,6 @@ class ExactRule(MeanRule):
     own_dp = True           # DP (lbfgs): the rule noises the gradient sum itself; no DP-FedAvg clip or noise
     dp_releases = 1         # ... and releases the noisy row count once, counted as one more round at q = 1
     local_training = "computes loss and gradient sums over all its rows at the served model instead of training"
-    clear_reason = ""
-    dp_reason = ""
     hessian: ClassVar[bool] = False
 
     def __init__(self, objective: Objective, optimizer: Optimizer, *, rounds: int) -> None:
@@ -643,7 +641,8 @@ class Newton(ExactRule):
 
 
 class Converging(Schedule):
-    """Every online site each round (sites.min as the floor), until the rule's optimiser has stopped."""
+    """Every online site of the job each round, until the rule's optimiser has stopped. The job's sites are the
+    first round's contributors: a site that joins the federation later would change the objective."""
 
     def __init__(self, sampling: Sampling, rule: ExactRule, cfg: RoundConfig) -> None:
         self.sampling, self.rule = sampling, rule
@@ -651,7 +650,8 @@ class Converging(Schedule):
             NON_CONVEX.format(model=cfg.model.name, name=rule.name)
 
     def configure(self, round_: int, available: list[str], known: list[str]) -> list[str]:
-        return self.sampling.configure(round_, available, known)
+        chosen = self.sampling.configure(round_, available, known)
+        return chosen if self.rule.sites is None else [s for s in chosen if s in self.rule.sites]
 
     def opened(self, round_: int, participants: list[str], known: list[str]) -> list[str]:
         notes = [note] if (note := self.rule.pop_note()) else []

@@ -367,6 +367,14 @@ def test_a_round_without_every_site_evaluates_the_same_point_again(cancer):
         "is evaluated again"]}
 
 
+def test_a_site_that_joins_after_the_first_round_is_not_chosen(cancer):
+    strategy = make_strategy(job("{name: lbfgs, args: {C: 0.1}}"))
+    assert strategy.schedule.configure(1, SITES, SITES) == SITES
+    drive(strategy, cancer, 1)
+    assert strategy.schedule.configure(2, [*SITES, "site9"], [*SITES, "site9"]) == SITES
+    assert strategy.schedule.configure(2, SITES[1:], SITES) == SITES[1:]   # a round without site0 is repeated
+
+
 def test_a_first_model_other_than_zeros_is_not_evaluated_but_replaced_by_zeros(cancer):
     strategy = make_strategy(job("{name: lbfgs, args: {C: 0.1}}"))
     ones = {"linear.weight": np.ones((2, 30)), "linear.bias": np.ones(2)}
