@@ -19,6 +19,7 @@ from plexus.config import (
     PolicySpec,
     PrivacySpec,
     RoundConfig,
+    SecAggSpec,
     SiteConfig,
     SitesSpec,
     StrategySpec,
@@ -50,7 +51,8 @@ def _job(strategy: str, *, classes: int = 2, dtype: str = "float64", dp: DPSpec 
     return RoundConfig(name="exact", model=ModelSpec("logistic", {"in_features": features, "num_classes": classes,
                                                                   "dtype": dtype}),
                        data=DataSpec(dataset), rounds=5, strategy=StrategySpec(strategy, {}), sites=SitesSpec(min=3),
-                       privacy=PrivacySpec(secure_aggregation=secure, dp=dp), seed=11)
+                       # clip: secure aggregation must cover the sites' sums (a site refuses to send any it would cut)
+                       privacy=PrivacySpec(secure_aggregation=secure, dp=dp, secagg=SecAggSpec(clip=4096)), seed=11)
 
 
 def _run(job: RoundConfig, data: Split, tmp_path, round_: int = 1):
