@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from plexus.cli import main as cli
 from plexus.config import DatasetSpec, DataSpec, FeatureSpec, LabelSpec, dump_round_config, parse_round_config
 from plexus.datasets import DataError, load_as_stored, load_dataset, load_for_job, random_split, train_rows
 from plexus.errors import ConfigError, IntegrityError
@@ -175,3 +176,14 @@ def test_a_csv_numeric_job_without_a_schema_is_declined_saying_what_to_declare(t
     with pytest.raises(DataError) as err:
         load_for_job(_csv(tmp_path / "d.csv", ["0,40,a,1"]), NUMERIC)
     assert "add data.label (column, and classes for a class target) and data.features" in err.value.remote
+
+
+# plexus site check ---------------------------------------------------------------------------------------------
+def test_site_check_shows_an_npz_of_float_labels_as_numeric_targets_advertised_at_join(tmp_path, capsys):
+    np.savez(tmp_path / "d.npz", x=np.zeros((12, 2)), y=np.linspace(0, 1, 12))
+    (tmp_path / "site.yaml").write_text("site: s\ncoordinator: 'c.example.org:8443'\nkit: kit\n"
+                                        "datasets:\n  d: {kind: npz, path: d.npz, test_fraction: 0.25}\n")
+    code = cli(["site", "check", "--config", str(tmp_path / "site.yaml")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "  9 training rows, 3 test rows, numeric targets, input shape (2,)\n  advertised at Join with 9" in out
