@@ -85,12 +85,13 @@ def validate_job(cfg: RoundConfig, *, build: Path, models: ModelWorker | None = 
     Builds the initial model (in the model worker process, within `limits`; the coordinator never
     imports torch) into the safetensors file `build` and returns its weights.
     """
-    make_strategy(cfg)   # refuses unknown strategies, bad args and combinations that cannot work
+    strategy = make_strategy(cfg)   # refuses unknown strategies, bad args and combinations that cannot work
     try:
         state = (models or shared_worker()).build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build,
                                                   members=ensemble_members(cfg), limits=limits)
     except ConfigError as exc:
         raise ConfigError(f"model: {exc}") from None
+    state = strategy.rule.initial_model(state)
     float_only = all(t.dtype in FLOAT_DTYPES for t in Layout.of(state).tensors)
     if cfg.privacy.secure_aggregation:   # make_strategy has refused strategies it cannot compute
         if not float_only:

@@ -24,9 +24,9 @@ from plexus.typed_yaml import Cell, in_range, matching, non_empty, one_of
 __all__ = [
     "AdminConfig", "Cell", "CompressionSpec", "CoordinatorConfig", "DownlinkSpec", "DPSGDSpec", "DPSpec", "DataSpec",
     "DatasetSpec", "EmulationSpec",
-    "FeatureSpec", "GroupSpec", "LabelSpec", "ModelSpec",
-    "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SiteConfig", "SitesSpec", "StatColumnSpec",
-    "StatDPSpec", "StatisticsSpec", "StrategySpec", "TrainSpec", "UplinkSpec", "dump_round_config",
+    "FeatureSpec", "GroupSpec", "LBFGSArgs", "LabelSpec", "ModelSpec", "NewtonArgs",
+    "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SUMMING_STRATEGIES", "SiteConfig", "SitesSpec",
+    "StatColumnSpec", "StatDPSpec", "StatisticsSpec", "StrategySpec", "TrainSpec", "UplinkSpec", "dump_round_config",
     "load_admin_config", "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
     "split_address", "statistics_args", "statistics_spec_from_args",
 ]
@@ -448,14 +448,17 @@ def statistics_args(spec: StatisticsSpec) -> dict:
     return _to_plain(spec)
 
 
+# Exact federated optimisation (coordinator/strategies/exact.py): the models whose loss the sites know
+# (plexus.objectives); logistic and linear are convex, mlp is allowed with a warning.
+EXACT_STRATEGIES = ("lbfgs", "newton")
+EXACT_MODELS = ("logistic", "linear", "mlp")
+
 # Server rules that take a staleness-weighted mean of deltas, so they run asynchronously.
 ASYNC_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 # Rules that sum what the sites send (MeanRule weighting "uniform"): every update weighs 1 whatever its rows,
 # so the round's mean times its contributors is the pooled sum. Read by both halves: in a secure round the site
 # advertises weight 1 and the coordinator refuses any other (a signed advert cannot be re-weighted).
 SUMMING_STRATEGIES = frozenset({"lbfgs", "newton", "statistics"})
-# Exact federated optimisation: each round sums loss and gradient (newton: Hessian) over every site's rows.
-EXACT_STRATEGIES = ("lbfgs", "newton")
 
 
 @dataclass(frozen=True, slots=True)
@@ -617,11 +620,43 @@ class EnsembleArgs:
     weighted: bool = True                                   # weights ∝ each member's sample count, else uniform
 
 
+_TOLERANCE = in_range(0)
+_WOLFE = in_range(0, 1, lo_open=True, hi_open=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LBFGSArgs:
+    """lbfgs: minimise scikit-learn's C·Σℓ + ½‖w‖² over the pooled rows, one line-search trial per round."""
+
+    C: float | None = field(default=1.0, metadata=_RATE)   # None: no penalty, F = Σℓ
+    memory: int = field(default=10, metadata=in_range(1, 1000))          # (s, y) pairs kept
+    gtol: float = field(default=1e-10, metadata=_TOLERANCE)              # stop at ‖∇F‖∞ <= gtol
+    ftol: float = field(default=1e-14, metadata=_TOLERANCE)              # stop at relative change of F <= ftol
+    max_iterations: int = field(default=100, metadata=in_range(1, 100_000))
+    c1: float = field(default=1e-4, metadata=_WOLFE)                     # sufficient decrease
+    c2: float = field(default=0.9, metadata=_WOLFE)                      # curvature (strong Wolfe)
+    # Under privacy.dp only: the noisy gradient cannot steer a line search, so each round is one gradient-descent
+    # step of this size on F/N (N: the pooled rows).
+    dp_step: float = field(default=0.1, metadata=_RATE)
+
+
+@dataclass(frozen=True, slots=True)
+class NewtonArgs:
+    """newton: damped Newton on scikit-learn's C·Σℓ + ½‖w‖², the sites also summing the d×d Hessian."""
+
+    C: float | None = field(default=1.0, metadata=_RATE)
+    gtol: float = field(default=1e-10, metadata=_TOLERANCE)
+    ftol: float = field(default=1e-14, metadata=_TOLERANCE)
+    max_iterations: int = field(default=50, metadata=in_range(1, 100_000))
+    # d² float64 entries travel from every site each round (1000: 8 MB); larger models are refused.
+    max_hessian_dim: int = field(default=1000, metadata=in_range(1, 100_000))
+
+
 STRATEGY_ARGS: dict[str, type] = {
     "fedavg": NoArgs, "fedprox": FedProxArgs, "fedavgm": FedAvgMArgs, "fedadam": FedAdamArgs,
     "fedyogi": FedAdamArgs, "fedadagrad": FedAdagradArgs, "scaffold": ScaffoldArgs, "median": NoArgs,
     "trimmed_mean": TrimmedMeanArgs, "krum": KrumArgs, "multi_krum": MultiKrumArgs, "cwt": CWTArgs,
-    "swt": SWTArgs, "ensemble": EnsembleArgs}
+    "swt": SWTArgs, "ensemble": EnsembleArgs, "lbfgs": LBFGSArgs, "newton": NewtonArgs}
 
 
 def weighs_sites_equally(cfg: RoundConfig) -> bool:
@@ -846,7 +881,7 @@ def _sites_problem(spec: SitesSpec) -> tuple[str, str] | None:
 
 
 def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
-    problem = _target_problem(cfg) or _async_problem(cfg) or _compression_problem(cfg)
+    problem = _exact_problem(cfg) or _target_problem(cfg) or _async_problem(cfg) or _compression_problem(cfg)
     if problem:
         return problem
     if cfg.train.steps is not None and cfg.privacy.dp_sgd is not None:
@@ -857,6 +892,41 @@ def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
                          f"{MIN_SECURE_COHORT} sites in every sum (the sum of one site is its update; of two, each "
                          f"learns the other's); set sites.min to {MIN_SECURE_COHORT} or more")
     return _schema_model_problem(cfg)
+
+
+def _exact_problem(cfg: RoundConfig) -> tuple[str, str] | None:
+    """lbfgs and newton evaluate one objective, the sum over every site's rows, at the exact point served."""
+    name = cfg.strategy.name
+    if name not in EXACT_STRATEGIES:
+        return None
+    if cfg.model.name not in EXACT_MODELS:
+        return "model", (f"{cfg.model.name!r} has no per-row loss the sites can sum for strategy {name!r}; use one "
+                         f"of {', '.join(EXACT_MODELS)} (mlp is not convex: allowed, with a warning), or a "
+                         "training strategy such as fedavg")
+    for key in ("fraction", "count"):
+        if getattr(cfg.sites, key) is not None:
+            return "sites", (f"{key} samples a round's sites, but strategy {name!r} sums every site's rows each "
+                             f"round (a round without one of them evaluates another objective); remove sites.{key}")
+    if cfg.asynchronous is not None:
+        return "asynchronous", (f"strategy {name!r} evaluates one point per round with every site, which "
+                                "asynchronous versions do not do; remove the asynchronous block")
+    if cfg.compression is not None and (cfg.compression.uplink.codec, cfg.compression.downlink.codec) != \
+            ("none", "none"):
+        return "compression", (f"strategy {name!r} needs the exact point at every site and the exact sums back "
+                               "(a lossy codec moves the iterate and breaks its line search); remove compression")
+    if cfg.privacy.dp_sgd is not None:
+        return "privacy", (f"dp_sgd privatises local training, and strategy {name!r} trains nothing at the sites "
+                           "(they send loss and gradient sums); use privacy.dp (row-level clipping and noise on "
+                           "the gradient sum, with lbfgs) or remove privacy.dp_sgd")
+    if name == "newton" and cfg.privacy.dp is not None:
+        return "privacy", ("dp cannot protect newton: the Hessian sum would need its own noise, which leaves it "
+                           "indefinite; use strategy lbfgs (noisy gradient steps under privacy.dp) or remove "
+                           "privacy.dp")
+    args = strategy_args(cfg.strategy)
+    if name == "lbfgs" and args.c1 >= args.c2:
+        return "strategy", (f"args.c1 ({args.c1}) must be below args.c2 ({args.c2}) for a step to satisfy both "
+                            "strong-Wolfe conditions; keep the defaults (c1 1e-4, c2 0.9)")
+    return None
 
 
 def _target_problem(cfg: RoundConfig) -> tuple[str, str] | None:

@@ -80,6 +80,18 @@ def uniform_weights(strategy, dp) -> bool:
     return dp is not None or (isinstance(strategy.rule, MeanRule) and strategy.rule.weighting == "uniform")
 
 
+def own_dp(strategy) -> bool:
+    """The rule noises what it reads itself (lbfgs under privacy.dp): the driver's DP-FedAvg stays off, i.e. no
+    clip check of each update's distance from the model and no central noise on the mean."""
+    return strategy.rule.own_dp
+
+
+def dp_releases(strategy) -> int:
+    """Noisy values the rule releases once besides its rounds (lbfgs: the pooled row count), each of which the
+    accountant counts as one more round at sampling rate 1 and the job's noise multiplier."""
+    return strategy.rule.dp_releases
+
+
 def min_contributors(strategy) -> int:
     return strategy.min_contributors
 
@@ -416,7 +428,7 @@ class SyncRounds:
             job.rates = {m.round: m.value for m in self.ctx.store.metrics(job.row.id)
                          if m.site == "" and m.kind == "privacy" and m.name == "sampling_rate"}
         if job.rates.get(n) != q or n not in job.epsilons:   # a round waiting for its quorum asks again
-            rates = [job.rates.get(r, 1.0) for r in range(1, n)]
+            rates = [1.0] * dp_releases(job.strategy) + [job.rates.get(r, 1.0) for r in range(1, n)]
             job.rates[n], job.epsilons[n] = q, client_epsilon(dp.noise_multiplier, [*rates, q], dp.delta)
         return job.epsilons[n]
 
@@ -478,6 +490,7 @@ class SyncRounds:
             raise FailedPrecondition(f"an update for task {grant.task_id} is already being received")
         layout = rs.secure.masked_layout if masked else job.update_layout
         dp = job.cfg.privacy.dp
+        clip_checked = dp is not None and not (masked or own_dp(job.strategy))   # DP-FedAvg: Δ within clip_norm
         try:
             if not masked and not 1 <= header.num_samples <= 2 ** 31:
                 raise IntegrityError(f"num_samples must be between 1 and 2**31; got {header.num_samples}",
@@ -501,7 +514,7 @@ class SyncRounds:
             else:
                 fold = None
             upload = Upload(layout, self.ctx.store.spool / f"{grant.task_id}.part", fold=fold,
-                            distance=Distance(layout, job.base) if dp is not None and not (masked or coded) else None,
+                            distance=Distance(layout, job.base) if clip_checked and not coded else None,
                             owner=rs, weight=weight, metrics=metrics)
         except IntegrityError as exc:
             self._record(rs, grant, site, TaskStatus.REJECTED, str(exc), code=exc.reason)
@@ -525,8 +538,8 @@ class SyncRounds:
             return f"masked input for round {grant.round} accepted"
         dp = job.cfg.privacy.dp
         try:
-            if dp is not None:   # DP needs every update within clip_norm of the global model; sites clip
-                check_clipped(upload.norm, dp.clip_norm)
+            if dp is not None and not own_dp(job.strategy):   # DP-FedAvg: every update within clip_norm of the
+                check_clipped(upload.norm, dp.clip_norm)        # global model; sites clip
             if holds_updates(job.strategy):   # robust rules and ensembles need every update at once
                 rs.held.append((site, upload.weight, upload.keep()))
             else:
@@ -869,7 +882,7 @@ class SyncRounds:
         """
         cfg = self.job.cfg
         dp = cfg.privacy.dp
-        if dp is None or dp.mode != "central":
+        if dp is None or dp.mode != "central" or own_dp(self.job.strategy):
             return mean
         std = central_std(dp.noise_multiplier, dp.clip_norm, len(rs.contributors))
         seed = cfg.seed if dp.reproducible_noise else None

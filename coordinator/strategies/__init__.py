@@ -25,6 +25,7 @@ from coordinator.strategies.base import (
     sample_sites,
 )
 from coordinator.strategies.ensemble import Ensemble, Members
+from coordinator.strategies.exact import LBFGS, Newton
 from coordinator.strategies.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from coordinator.strategies.robust import Krum, Median, MultiKrum, TrimmedMean
 from coordinator.strategies.scaffold import Scaffold
@@ -34,14 +35,14 @@ from plexus.errors import ConfigError
 
 __all__ = [
     "CWT", "SWT", "Cyclic", "Ensemble", "FedAdagrad", "FedAdam", "FedAvg", "FedAvgM",
-    "FedProx", "FedYogi", "Krum", "MeanRule", "Median", "Members", "MultiKrum", "REGISTRY", "Rule", "Sampling",
-    "Scaffold", "Schedule", "Single", "State", "Strategy", "TrimmedMean", "Update", "UpdatesRule", "keeps_mean",
-    "make_strategy", "refuses_dp", "refuses_secure_aggregation", "sample_sites",
+    "FedProx", "FedYogi", "Krum", "LBFGS", "MeanRule", "Median", "Members", "MultiKrum", "Newton", "REGISTRY", "Rule",
+    "Sampling", "Scaffold", "Schedule", "Single", "State", "Strategy", "TrimmedMean", "Update", "UpdatesRule",
+    "keeps_mean", "make_strategy", "refuses_dp", "refuses_secure_aggregation", "sample_sites",
 ]
 
 REGISTRY: dict[str, type[Rule]] = {cls.name: cls for cls in (
     FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad, Scaffold,
-    Median, TrimmedMean, Krum, MultiKrum, CWT, SWT, Ensemble)}
+    Median, TrimmedMean, Krum, MultiKrum, CWT, SWT, Ensemble, LBFGS, Newton)}
 
 
 def refuses_secure_aggregation(cls: type[Rule]) -> str:

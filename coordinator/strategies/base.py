@@ -82,11 +82,20 @@ class Rule:
     # How the site's training differs from plain minibatch training, if it does (Opacus DP-SGD runs
     # plain training only, so such strategies refuse privacy.dp_sgd); the site half is site_agent.local.
     local_training: ClassVar[str] = ""
+    # The rule applies differential privacy to what it reads itself (lbfgs: noise on row-clipped gradient sums),
+    # so the driver's DP-FedAvg (update clip check, central noise) stays off; `dp_releases`: noisy values it
+    # releases once, besides its rounds, each of which the accountant counts as one more round at q = 1.
+    own_dp: ClassVar[bool] = False
+    dp_releases: ClassVar[int] = 0
 
     @classmethod
     def from_config(cls, args: Any, cfg: RoundConfig) -> tuple[Rule, Schedule]:
         """The rule and its schedule from the checked args (plexus.config.STRATEGY_ARGS) and the whole config."""
         return cls(**_fields(args)), Sampling.of(cfg)
+
+    def initial_model(self, state: State) -> State:
+        """The job's round-0 model from the one built at submit (exact strategies start from zeros)."""
+        return state
 
     def state_arrays(self) -> State:
         """Optimizer / control-variate arrays to checkpoint with the model."""

@@ -33,7 +33,7 @@ from plexus.config import (
 from plexus.errors import ConfigError, IntegrityError
 from plexus.wire import Layout
 
-BASE = "name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 5\n"
+BASE = "name: job\nmodel: {name: mlp, args: {in_features: 4}}\ndata: {dataset: heart}\nrounds: 5\n"
 DP = "privacy: {dp: {mode: central, noise_multiplier: 1.0, clip_norm: 1.0}}\n"
 SECAGG = "privacy: {secure_aggregation: true}\n"
 
@@ -553,7 +553,8 @@ def test_ensemble_config_cross_checks():
 def test_registry_names():
     assert sorted(REGISTRY) == sorted(STRATEGY_ARGS)   # the config schema and the rules name the same strategies
     assert sorted(REGISTRY) == sorted(["fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "scaffold",
-                                       "median", "trimmed_mean", "krum", "multi_krum", "cwt", "swt", "ensemble"])
+                                       "median", "trimmed_mean", "krum", "multi_krum", "cwt", "swt", "ensemble",
+                                       "lbfgs", "newton"])
     assert all(REGISTRY[name].name == name for name in REGISTRY)
 
 
@@ -585,6 +586,7 @@ ENGINE_VIEW = {
     **{name: (True, True, False, False, False, False) for name in ("median", "trimmed_mean", "krum", "multi_krum")},
     "cwt": (False, False, False, True, False, True), "swt": (False, False, False, True, False, True),
     "ensemble": (True, True, False, False, False, False),
+    "lbfgs": (False, True, True, False, True, True), "newton": (False, True, True, False, True, False),
 }
 
 
