@@ -27,6 +27,16 @@ def _job(data: str = "  target: numeric\n", *, model: str = "linear", strategy: 
 
 
 # config ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["lbfgs", "newton"])
+def test_a_numeric_linear_job_parses_and_round_trips_with_its_target(strategy):
+    cfg = parse_round_config(_job("  target: numeric\n  label: {column: y}\n  features: [{name: a}, {name: b}]\n",
+                                  strategy=strategy))
+    assert cfg.data.target == "numeric" and cfg.data.label == LabelSpec(column="y")
+    dumped = dump_round_config(cfg)
+    assert "target: numeric" in dumped and "classes" not in dumped
+    assert parse_round_config(dumped) == cfg
+
+
 def test_a_class_job_dumps_as_before_without_the_target_key():
     cfg = parse_round_config(_job("  target: class\n", model="logistic", strategy="fedavg"))
     assert cfg.data.target == "class"
@@ -187,3 +197,17 @@ def test_site_check_shows_an_npz_of_float_labels_as_numeric_targets_advertised_a
     out = capsys.readouterr().out
     assert code == 0, out
     assert "  9 training rows, 3 test rows, numeric targets, input shape (2,)\n  advertised at Join with 9" in out
+
+
+def test_site_check_prints_a_numeric_jobs_targets(tmp_path, capsys):
+    np.savez(tmp_path / "d.npz", x=np.zeros((12, 2)), y=np.arange(12.0))
+    (tmp_path / "site.yaml").write_text("site: s\ncoordinator: 'c.example.org:8443'\nkit: kit\n"
+                                        "datasets:\n  d: {kind: npz, path: d.npz, test_fraction: 0.25}\n")
+    (tmp_path / "job.yaml").write_text(_job())
+    code = cli(["site", "check", "--config", str(tmp_path / "site.yaml"), "--job", str(tmp_path / "job.yaml")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "  this site accepts the job: 9 training rows, 3 test rows, model input shape (2,), numeric target\n" in out
+    y = load_for_job(DatasetSpec(kind="npz", path=tmp_path / "d.npz", test_fraction=0.25), NUMERIC).y_train
+    assert (f"  training targets: mean {y.mean():.6g}, std {y.std():.6g}, from {y.min():.6g} to {y.max():.6g}\n"
+            in out + "\n")
