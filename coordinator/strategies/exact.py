@@ -461,8 +461,6 @@ class ExactRule(MeanRule):
     own_dp = True           # DP (lbfgs): the rule noises the gradient sum itself; no DP-FedAvg clip or noise
     dp_releases = 1         # ... and releases the noisy row count once, counted as one more round at q = 1
     local_training = "computes loss and gradient sums over all its rows at the served model instead of training"
-    clear_reason = ""
-    dp_reason = ""
     hessian: ClassVar[bool] = False
 
     def __init__(self, objective: Objective, optimizer: Optimizer, *, rounds: int) -> None:
@@ -599,11 +597,10 @@ class LBFGS(ExactRule):
             self.rows = max(float(noisy[0]), 1.0)
         _, g = self.objective.evaluate(x, 0.0, grad)
         opt = self.optimizer
-        if opt.iterations >= opt.stopping.max_iterations:
-            opt.stop = f"stopped after max_iterations = {opt.stopping.max_iterations} noisy gradient steps"
-            return x
         opt.iterations += 1
         opt.x = x - self.dp_step * g / self.rows   # the iterate: no loss tells a better one
+        if opt.iterations >= opt.stopping.max_iterations:   # now: another round would spend ε on nothing
+            opt.stop = f"stopped after max_iterations = {opt.stopping.max_iterations} noisy gradient steps"
         return opt.x
 
     def state_meta(self) -> dict:
@@ -644,7 +641,8 @@ class Newton(ExactRule):
 
 
 class Converging(Schedule):
-    """Every online site each round (sites.min as the floor), until the rule's optimiser has stopped."""
+    """Every online site of the job each round, until the rule's optimiser has stopped. The job's sites are the
+    first round's contributors: a site that joins the federation later would change the objective."""
 
     def __init__(self, sampling: Sampling, rule: ExactRule, cfg: RoundConfig) -> None:
         self.sampling, self.rule = sampling, rule
@@ -652,7 +650,8 @@ class Converging(Schedule):
             NON_CONVEX.format(model=cfg.model.name, name=rule.name)
 
     def configure(self, round_: int, available: list[str], known: list[str]) -> list[str]:
-        return self.sampling.configure(round_, available, known)
+        chosen = self.sampling.configure(round_, available, known)
+        return chosen if self.rule.sites is None else [s for s in chosen if s in self.rule.sites]
 
     def opened(self, round_: int, participants: list[str], known: list[str]) -> list[str]:
         notes = [note] if (note := self.rule.pop_note()) else []

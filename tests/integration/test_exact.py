@@ -69,3 +69,23 @@ def test_the_federated_fit_is_the_pooled_fit(federation, name, secure):
         e = len(SITES) ** 2 * 2.0 ** -(frac_bits(CLIP) + 1)
         bound += np.sqrt(len(got)) * C * e / np.linalg.eigvalsh(hessian_of_f(want, x))[0]
     assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
+
+
+def test_lbfgs_under_central_dp_takes_noisy_steps_and_counts_epsilon(federation):
+    """The sites clip each row's gradient and send no loss; the driver leaves clipping and noise to the rule and
+    counts ε per round at q = 1, plus one round for the noisy row count."""
+    from plexus.accounting import client_epsilon
+
+    for site in SITES:
+        federation.start_site(site, allowed_models=("logistic",))
+    federation.wait_online(*SITES)
+    admin = federation.admin()
+    job = exact_job("lbfgs", secure=False).replace(
+        "args: {C: 0.1}", "args: {C: 0.1, dp_step: 1.0, max_iterations: 3}") + \
+        "privacy: {dp: {mode: central, noise_multiplier: 1.0, clip_norm: 1.0}}\n"
+    job_id = admin.submit(job).job_id
+    assert federation.wait_job(job_id, timeout=scaled(60)) == "completed", federation.store.job(job_id).message
+    rounds, model = admin.download(job_id)
+    assert rounds == 3 and np.isfinite(model["linear.weight"]).all() and model["linear.weight"][1].any()
+    epsilons = {m.round: m.value for m in federation.store.metrics(job_id) if m.name == "epsilon"}
+    assert epsilons == {n: pytest.approx(client_epsilon(1.0, [1.0] * (n + 1), 1e-5)) for n in range(1, 4)}
