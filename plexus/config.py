@@ -140,13 +140,20 @@ class ModelSpec:
 
 _OMIT_NONE = {"omit_none": True}   # dump_round_config leaves the field out while it is None
 
+# data.target: what a row's label is. A numeric target is fitted only by a regression model (its row loss is
+# the squared error, plexus.objectives) and only by the strategies that sum over every row: minibatch training
+# is written for classifiers.
+TARGETS = ("class", "numeric")
+REGRESSION_MODELS = ("linear",)
+
 
 @dataclass(frozen=True, slots=True)
 class LabelSpec:
-    """A CSV dataset's label column and its classes, in the order that gives class indices 0..K-1."""
+    """A CSV dataset's label column and, for a class target, its classes in the order that gives indices 0..K-1."""
 
     column: str
-    classes: tuple[Cell, ...] = field(metadata=non_empty())
+    # Required for data.target class, absent for numeric (the cells are the targets themselves).
+    classes: tuple[Cell, ...] | None = field(default=None, metadata={**non_empty(), **_OMIT_NONE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +176,9 @@ class DataSpec:
     # Left out of the dumped config when unset, so that agents older than the CSV schema still read it.
     label: LabelSpec | None = field(default=None, metadata=_OMIT_NONE)
     features: tuple[FeatureSpec, ...] | None = field(default=None, metadata={**non_empty(), **_OMIT_NONE})
+    # What a row's label is: a class index 0..K-1 (classifiers), or a number (regression: model linear, fitted
+    # by lbfgs or newton). Left out of the dumped config at "class", so that older agents still read it.
+    target: str = field(default="class", metadata={**one_of(*TARGETS), "omit_default": True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -834,7 +844,7 @@ def _feature_problem(spec: FeatureSpec) -> tuple[str, str] | None:
 
 
 def _label_problem(spec: LabelSpec) -> tuple[str, str] | None:
-    if len(set(spec.classes)) != len(spec.classes):
+    if spec.classes is not None and len(set(spec.classes)) != len(spec.classes):
         return "classes", "lists a value twice; list each class once"
     return None
 
@@ -846,6 +856,12 @@ def _data_problem(spec: DataSpec) -> tuple[str, str] | None:
                          f"add '{missing}:' or remove the other")
     if spec.label is None:
         return None
+    if spec.target == "class" and spec.label.classes is None:
+        return "label", (f"column {spec.label.column!r} has no `classes`, and target is 'class'; list the classes "
+                         "in order (e.g. classes: [no, yes]), or set `target: numeric` for a regression target")
+    if spec.target == "numeric" and spec.label.classes is not None:
+        return "label", (f"classes apply to a class target, and target is 'numeric' (column {spec.label.column!r} "
+                         "holds the numbers to fit); remove label.classes, or remove `target: numeric`")
     names = [f.name for f in spec.features]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -878,7 +894,7 @@ def _sites_problem(spec: SitesSpec) -> tuple[str, str] | None:
 
 
 def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
-    problem = (_statistics_job_problem(cfg) or _exact_problem(cfg) or _async_problem(cfg)
+    problem = (_statistics_job_problem(cfg) or _exact_problem(cfg) or _target_problem(cfg) or _async_problem(cfg)
                or _compression_problem(cfg))
     if problem:
         return problem
@@ -1009,6 +1025,22 @@ def _exact_problem(cfg: RoundConfig) -> tuple[str, str] | None:
     return None
 
 
+def _target_problem(cfg: RoundConfig) -> tuple[str, str] | None:
+    """A numeric target needs a regression model and a strategy that fits it; a regression model needs one."""
+    numeric = cfg.data.target == "numeric"
+    if cfg.model.name in REGRESSION_MODELS and not numeric:
+        return "data", (f"model {cfg.model.name!r} fits numeric targets (squared error), and data.target is "
+                        "'class'; add `target: numeric` to data, or use a classifier such as logistic")
+    if numeric and cfg.model.name not in REGRESSION_MODELS:
+        return "model", (f"{cfg.model.name!r} is not a regression model, and data.target is 'numeric'; use "
+                         f"{' or '.join(REGRESSION_MODELS)}, or remove `target: numeric` for class labels")
+    if numeric and cfg.strategy.name not in EXACT_STRATEGIES:
+        return "strategy", (f"{cfg.strategy.name!r} trains by minibatch steps, which site training runs for "
+                            f"classifiers only, and data.target is 'numeric'; use strategy "
+                            f"{' or '.join(EXACT_STRATEGIES)}, which fit the pooled least-squares objective")
+    return None
+
+
 def _async_problem(cfg: RoundConfig) -> tuple[str, str] | None:
     spec = cfg.asynchronous
     if spec is None:
@@ -1100,6 +1132,8 @@ def _schema_model_problem(cfg: RoundConfig) -> tuple[str, str] | None:
         shown = ", ".join(inputs[:12]) + (", ..." if len(inputs) > 12 else "")
         return "model", (f"args.in_features is {args['in_features']}, but data.features derive {len(inputs)} model "
                          f"inputs after one-hot encoding ({shown}); set in_features: {len(inputs)}")
+    if cfg.data.label.classes is None:
+        return None
     classes = len(cfg.data.label.classes)
     if isinstance(args.get("num_classes"), int) and args["num_classes"] != classes:
         return "model", (f"args.num_classes is {args['num_classes']}, but data.label declares {classes} classes; "

@@ -33,7 +33,7 @@ from plexus.config import (
     parse_round_config,
     weighs_sites_equally,
 )
-from plexus.datasets import DataError, Split, csv_train_rows, load_for_job
+from plexus.datasets import DataError, Split, load_for_job, train_rows
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
 from plexus.errors import FailedPrecondition, IntegrityError
 from plexus.identity import load_kit
@@ -485,12 +485,13 @@ class SiteAgent:
     def advertised_rows(self) -> dict[str, int]:
         """Training rows per dataset that loads (sent at Join, for steps proportional to site size).
 
-        A CSV file is read here without a job's schema (the job's own check comes with its first task).
+        CSV and npz files are read here without a job's schema or target (the job's own check comes with its
+        first task).
         """
         rows = {}
         for name, spec in sorted(self.config.datasets.items()):
             try:
-                rows[name] = csv_train_rows(spec) if spec.kind == "csv" else len(self.load_data(DataSpec(name)).y_train)
+                rows[name] = train_rows(spec)
             except (ValueError, OSError) as exc:   # reported again, with the job, when a task needs it
                 log.warning("dataset %r cannot be loaded, so it is not advertised: %s", name, exc)
         return rows

@@ -17,7 +17,7 @@ from plexus.datasets import (
     cell_number,
     csv_train_rows,
     feature_inputs,
-    load_dataset,
+    load_as_stored,
     load_for_job,
     read_table,
     schema_differences,
@@ -65,9 +65,10 @@ def _check_dataset(lines: list[str], name: str, spec) -> bool:
     lines.append(f"dataset {name!r}: kind {spec.kind}" + (f", file {spec.path}" if spec.path else ""))
     try:
         if spec.kind != "csv":
-            split = load_dataset(spec)
+            split = load_as_stored(spec)
+            labels = f"{split.num_classes} classes" if split.num_classes else "numeric targets"
             lines.append(f"  {len(split.y_train)} training rows, {len(split.y_test)} test rows, "
-                         f"{split.num_classes} classes, input shape {split.x_train.shape[1:]}")
+                         f"{labels}, input shape {split.x_train.shape[1:]}")
             lines.append(f"  advertised at Join with {len(split.y_train)} training rows")
             return True
         table = read_table(spec.path, encoding=spec.encoding, delimiter=spec.delimiter)
@@ -103,8 +104,9 @@ def _check_job(lines: list[str], job: RoundConfig, spec) -> bool:
     lines.append(f"job {job.name!r} (model {job.model.name} {job.model.args}) uses dataset {data.dataset!r}")
     if data.label is not None:
         inputs = feature_inputs(data.features)
-        lines.append(f"  declared label {data.label.column!r}: "
-                     + ", ".join(f"{c}={i}" for i, c in enumerate(data.label.classes)))
+        lines.append(f"  declared label {data.label.column!r}: " + (
+            "numeric target" if data.label.classes is None
+            else ", ".join(f"{c}={i}" for i, c in enumerate(data.label.classes))))
         lines.append(f"  declared features ({len(inputs)} model inputs): "
                      + "; ".join(_feature_text(f) for f in data.features))
         if spec.kind == "csv":
@@ -121,10 +123,16 @@ def _check_job(lines: list[str], job: RoundConfig, spec) -> bool:
         lines.append(f"  this site DECLINES the job; the coordinator is told:\n{_indent(exc.remote)}")
         lines.append(f"  detail (stays at this site):\n{_indent(str(exc))}")
         return False
+    accepts = (f"  this site accepts the job: {len(split.y_train)} training rows, {len(split.y_test)} test rows, "
+               f"model input shape {split.x_train.shape[1:]}")
+    if data.target == "numeric":
+        y = split.y_train
+        lines.append(f"{accepts}, numeric target")
+        lines.append(f"  training targets: mean {y.mean():.6g}, std {y.std():.6g}, from {y.min():.6g} to {y.max():.6g}")
+        return True
     counts = Counter(split.y_train.tolist())
     classes = data.label.classes if data.label is not None else range(split.num_classes)
-    lines.append(f"  this site accepts the job: {len(split.y_train)} training rows, {len(split.y_test)} test rows, "
-                 f"model input shape {split.x_train.shape[1:]}, {split.num_classes} classes")
+    lines.append(f"{accepts}, {split.num_classes} classes")
     lines.append("  training rows per class: " + ", ".join(f"{c} {counts.get(i, 0)}" for i, c in enumerate(classes)))
     return True
 

@@ -10,14 +10,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from plexus.datasets import fashion, heart, npz, tables
-from plexus.datasets.checks import cell_number
+from plexus.datasets.checks import REMOTE_REASON_MAX, DataError, cell_number
 from plexus.datasets.fashion import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR, fashion_mnist
 from plexus.datasets.heart import HEART_DISEASE_CSV, HOSPITALS, heart_disease
-from plexus.datasets.split import Split, dirichlet_partition, stratified_split
+from plexus.datasets.split import Split, dirichlet_partition, random_split, stratified_split
 from plexus.datasets.tables import (
     BAD_CELLS_SHOWN,
-    REMOTE_REASON_MAX,
-    DataError,
     Table,
     csv_train_rows,
     feature_inputs,
@@ -27,10 +25,11 @@ from plexus.datasets.tables import (
 )
 from plexus.errors import ConfigError
 
-__all__ = ["BAD_CELLS_SHOWN", "FASHION_MNIST_CLASSES", "FASHION_MNIST_DIR", "HEART_DISEASE_CSV", "HOSPITALS", "KINDS",
-           "REMOTE_REASON_MAX", "DataError", "Split", "Table", "cell_number", "csv_train_rows", "dirichlet_partition",
-           "fashion_mnist", "feature_inputs", "heart_disease", "load_dataset", "load_for_job", "read_table",
-           "schema_differences", "stratified_split"]
+__all__ = ["BAD_CELLS_SHOWN", "CLASS_LABELS_ONLY", "FASHION_MNIST_CLASSES", "FASHION_MNIST_DIR", "HEART_DISEASE_CSV",
+           "HOSPITALS", "KINDS", "NUMERIC_KINDS", "REMOTE_REASON_MAX", "DataError", "Split", "Table", "cell_number",
+           "csv_train_rows", "dirichlet_partition", "fashion_mnist", "feature_inputs", "heart_disease",
+           "load_as_stored", "load_dataset", "load_for_job", "random_split", "read_table", "schema_differences",
+           "stratified_split", "train_rows"]
 
 KINDS: dict[str, Callable[[Any], Split]] = {
     "csv": tables.load,
@@ -51,30 +50,59 @@ def load_dataset(spec: Any) -> Split:
     return loader(spec)
 
 
+# The kinds whose files may hold numeric targets (a job's data.target: numeric); the others' labels are classes.
+NUMERIC_KINDS = ("csv", "npz")
+CLASS_LABELS_ONLY = {
+    "heart-disease": "its label is the diagnosis, a class (heart disease or not)",
+    "fashion-mnist": "its labels are Fashion-MNIST's ten garment classes",
+}
+
+
 def load_for_job(spec: Any, data: Any) -> Split:
     """The split a job trains and evaluates on at this site.
 
     ``spec`` is the site's dataset entry, ``data`` the job's data section. A CSV dataset
-    needs the job's declared schema (label classes and features by name); the other kinds
-    take none. Any problem raises DataError, whose ``remote`` text is the reason the site
+    needs the job's declared schema (label, its classes for a class target, and features by
+    name); the other kinds take none. A numeric ``data.target`` gives float64 labels (csv and
+    npz kinds only). Any problem raises DataError, whose ``remote`` text is the reason the site
     declines the job with.
     """
     name = data.dataset
+    numeric = data.target == "numeric"
     try:
+        if numeric and spec.kind not in NUMERIC_KINDS:
+            why = CLASS_LABELS_ONLY.get(spec.kind, "its labels are classes")
+            raise DataError(f"dataset {name!r} is of kind {spec.kind!r} at this site: {why}",
+                            f"it is a {spec.kind} dataset at this site, and {why}, not the number the job's "
+                            f"`target: numeric` fits; numeric targets come from {' or '.join(NUMERIC_KINDS)} "
+                            "datasets")
         if spec.kind != "csv":
             if data.label is not None:
                 raise DataError(f"dataset {name!r} is of kind {spec.kind!r} at this site",
                                 f"it is a {spec.kind} dataset at this site; data.label and data.features "
                                 "describe CSV datasets only")
-            return load_dataset(spec)
+            return npz.load(spec, numeric=True) if numeric else load_dataset(spec)
         if data.label is None:
             raise DataError(f"dataset {name!r} is a CSV file and the job declares no schema",
                             "it is a CSV file at this site and the job declares no schema: add data.label "
-                            "(column and classes) and data.features (columns by name) to the round config, so "
-                            "that every site encodes the same classes and the same columns")
+                            "(column, and classes for a class target) and data.features (columns by name) to the "
+                            "round config, so that every site encodes the same labels and the same columns")
         return load_with_schema(spec, data)
     except DataError as e:
         raise DataError(str(e), f"dataset {name!r}: {e.remote}") from None
     except (ValueError, OSError) as e:   # the other kinds' errors name files: those stay at the site
         raise DataError(str(e), f"dataset {name!r} cannot be loaded at this site ({type(e).__name__}); "
                                 "the site's log says why") from None
+
+
+def load_as_stored(spec: Any) -> Split:
+    """A dataset without a job: as load_dataset, but an npz archive's float labels are read as numeric targets."""
+    return npz.load_as_stored(spec) if spec.kind == "npz" else load_dataset(spec)
+
+
+def train_rows(spec: Any) -> int:
+    """Training rows of a dataset that loads without a job, whatever the job's target: what Join advertises.
+
+    A CSV file is only read (the job's schema encodes it); other kinds are loaded, their labels as stored.
+    """
+    return csv_train_rows(spec) if spec.kind == "csv" else len(load_as_stored(spec).y_train)

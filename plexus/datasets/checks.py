@@ -11,9 +11,28 @@ import numpy as np
 
 from plexus.datasets.split import Split
 from plexus.errors import ConfigError, IntegrityError
+from plexus.text import bounded
 
 # Fields only a Dirichlet-split image dataset uses; every other kind rejects them.
 SPLIT_FIELDS = ("sites", "index", "alpha", "limit")
+REMOTE_REASON_MAX = 1000   # characters of what a site tells the coordinator about its data
+
+
+class DataError(IntegrityError):
+    """This site's data cannot serve a job.
+
+    ``str(error)`` is the local detail (the file, rows, cell values) for the site's own log
+    and `plexus site check`; ``remote`` is what may leave the site: no paths, no cell values.
+    """
+
+    def __init__(self, local: str, remote: str):
+        super().__init__(bounded(local))   # lists of columns are shortened where they are written; this is the cap
+        self.remote = bounded(remote, REMOTE_REASON_MAX)
+
+
+def first_rows(numbers: list[int], shown: int = 5) -> str:
+    """The first few of a list of row numbers, "..." after them if there are more."""
+    return ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
 
 
 def reject_fields(spec: Any, kind: str, fields: tuple[str, ...]) -> None:
@@ -57,12 +76,20 @@ def parse_number(value: str, path: Path, column: str, where: str) -> float:
     return number
 
 
-def check_xy(x: np.ndarray, y: np.ndarray, path: Path, xname: str, yname: str) -> tuple[np.ndarray, np.ndarray]:
+def check_xy(x: np.ndarray, y: np.ndarray, path: Path, xname: str, yname: str, *,
+             numeric: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(x, labels): int64 class indices, or float64 targets if `numeric` (DataError naming the rows without a
+    finite one)."""
     if x.dtype.kind not in "biuf":
         raise IntegrityError(f"{path}: {xname} has dtype {x.dtype}; features must be numeric")
-    if y.dtype.kind not in "biu":
+    if numeric and y.dtype.kind not in "iuf":
+        raise DataError(f"{path}: {yname} has dtype {y.dtype}; numeric targets must be numbers "
+                        "(y.astype(np.float64))",
+                        f"array {yname!r} holds {y.dtype.name} values, and the job's numeric target needs numbers")
+    if not numeric and y.dtype.kind not in "biu":
         raise IntegrityError(
-            f"{path}: {yname} has dtype {y.dtype}; labels must be integers (y.astype(np.int64))"
+            f"{path}: {yname} has dtype {y.dtype}; labels must be integers (y.astype(np.int64)), or, for a "
+            "regression job, the job declares data.target: numeric"
         )
     if x.ndim < 2:
         raise IntegrityError(f"{path}: {xname} has shape {x.shape}; expected (n, features...)")
@@ -72,20 +99,33 @@ def check_xy(x: np.ndarray, y: np.ndarray, path: Path, xname: str, yname: str) -
         raise IntegrityError(f"{path}: {xname} and {yname} are empty")
     if not np.isfinite(x).all():
         raise IntegrityError(f"{path}: {xname} contains NaN or infinite values")
+    if numeric:
+        bad = np.flatnonzero(~np.isfinite(y)).tolist()
+        if bad:
+            rows = f"{len(bad)} row(s) of array {yname!r} (counted from 0: {first_rows(bad)})"
+            raise DataError(f"{path}: {rows} hold NaN or an infinite target; every row needs a finite number",
+                            f"{rows} have no finite target (NaN or infinite)")
+        return x, y.astype(np.float64)
     if y.min() < 0:
         raise IntegrityError(f"{path}: {yname} has negative labels; labels must be 0..K-1")
     return x, y.astype(np.int64)
 
 
 def make_split(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
-               feature_names: tuple[str, ...], *, num_classes: int | None = None) -> Split:
+               feature_names: tuple[str, ...], *, num_classes: int | None = None, numeric: bool = False) -> Split:
     """The Split every loader returns: float32 features and int64 labels, C-contiguous (arrays that already are
-    stay the same objects, read-only ones too); `num_classes` defaults to the largest label + 1."""
+    stay the same objects, read-only ones too); `num_classes` defaults to the largest label + 1. A numeric
+    target keeps float64 labels and num_classes 0."""
+    labels = np.float64 if numeric else np.int64
+    if numeric:
+        num_classes = 0
+    elif num_classes is None:
+        num_classes = int(max(y_train.max(), y_test.max())) + 1
     return Split(
         x_train=np.ascontiguousarray(x_train, dtype=np.float32),
-        y_train=np.ascontiguousarray(y_train, dtype=np.int64),
+        y_train=np.ascontiguousarray(y_train, dtype=labels),
         x_test=np.ascontiguousarray(x_test, dtype=np.float32),
-        y_test=np.ascontiguousarray(y_test, dtype=np.int64),
-        num_classes=int(max(y_train.max(), y_test.max())) + 1 if num_classes is None else num_classes,
+        y_test=np.ascontiguousarray(y_test, dtype=labels),
+        num_classes=num_classes,
         feature_names=tuple(feature_names),
     )

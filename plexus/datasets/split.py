@@ -13,10 +13,10 @@ class Split:
     """A train/test split of one site's data, ready for torch."""
 
     x_train: np.ndarray  # float32 (n, ...) C-contiguous
-    y_train: np.ndarray  # int64 (n,)
+    y_train: np.ndarray  # int64 (n,) class indices; float64 (n,) for a numeric target
     x_test: np.ndarray
     y_test: np.ndarray
-    num_classes: int
+    num_classes: int     # 0 for a numeric target
     feature_names: tuple[str, ...]
 
 
@@ -52,6 +52,22 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np
         test.append(members[:k])
         train.append(members[k:])
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def random_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (train, test) index arrays for rows with numeric targets (nothing to stratify by): a seeded
+    permutation's first ceil(test_fraction * n) rows are the test rows, as many as stratified_split takes."""
+    n = len(y)
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    n_test = test_rows(n, test_fraction)
+    if not 1 <= n_test <= n - 1:
+        raise ValueError(
+            f"cannot split {n} samples with test_fraction={test_fraction}: "
+            "train and test would not both be non-empty"
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[n_test:]), np.sort(order[:n_test])
 
 
 def test_rows(n: int, test_fraction: float) -> int:

@@ -14,13 +14,20 @@ from typing import Any
 
 import numpy as np
 
-from plexus.datasets.checks import SPLIT_FIELDS, cell_number, make_split, reject_fields, required_path
-from plexus.datasets.split import Split, stratified_split, test_rows
-from plexus.errors import ConfigError, IntegrityError
-from plexus.text import bounded, listing
+from plexus.datasets.checks import (
+    SPLIT_FIELDS,
+    DataError,
+    cell_number,
+    first_rows,
+    make_split,
+    reject_fields,
+    required_path,
+)
+from plexus.datasets.split import Split, random_split, stratified_split, test_rows
+from plexus.errors import ConfigError
+from plexus.text import listing
 
 BAD_CELLS_SHOWN = 20   # bad cells one error lists in full; the others are counted
-REMOTE_REASON_MAX = 1000   # characters of what a site tells the coordinator about its data
 
 
 def feature_inputs(features: Any) -> tuple[str, ...]:
@@ -86,18 +93,6 @@ def _encode_labels(raw: list[str]) -> np.ndarray:
         values = sorted(set(raw))
     index = {v: i for i, v in enumerate(values)}
     return np.asarray([index[v] for v in raw], dtype=np.int64)
-
-
-class DataError(IntegrityError):
-    """This site's data cannot serve a job.
-
-    ``str(error)`` is the local detail (the file, rows, cell values) for the site's own log
-    and `plexus site check`; ``remote`` is what may leave the site: no paths, no cell values.
-    """
-
-    def __init__(self, local: str, remote: str):
-        super().__init__(bounded(local))   # lists of columns are shortened where they are written; this is the cap
-        self.remote = bounded(remote, REMOTE_REASON_MAX)
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,14 +186,10 @@ class _BadCells:
         rows: dict[tuple[str, str], list[int]] = {}
         for r, c, _, p in self.cells:   # grouped by column and problem (without the fix after any ";")
             rows.setdefault((c, p.split(";")[0]), []).append(r)
-        remote = "; ".join(f"column {c!r}: {len(rs)} cell(s) {p} (data rows {_first(rs)})"
+        remote = "; ".join(f"column {c!r}: {len(rs)} cell(s) {p} (data rows {first_rows(rs)})"
                            for (c, p), rs in rows.items())
         raise DataError(f"{self.path}: {len(self.cells)} bad cell(s):\n" + "\n".join(lines) + f"\n{fix}",
                         f"{len(self.cells)} bad cell(s) in the dataset file: {remote}")
-
-
-def _first(numbers: list[int], shown: int = 5) -> str:
-    return ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
 
 
 def csv_train_rows(spec: Any) -> int:
@@ -221,12 +212,14 @@ def load_with_schema(spec: Any, data: Any) -> Split:
     table = read_table(required_path(spec, "csv"), encoding=spec.encoding, delimiter=spec.delimiter)
     _match_columns(table, spec, data)
     x, y = _encode_rows(table, data)
+    numeric = data.target == "numeric"
+    split = random_split if numeric else stratified_split   # numbers have no classes to stratify by
     try:
-        train, test = stratified_split(y, spec.test_fraction, spec.split_seed)
+        train, test = split(y, spec.test_fraction, spec.split_seed)
     except ValueError as e:
         raise DataError(f"{table.path}: {e}", f"its {len(y)} rows cannot be split into train and test rows") from None
     return make_split(x[train], y[train], x[test], y[test], feature_inputs(data.features),
-                      num_classes=len(data.label.classes))
+                      num_classes=None if numeric else len(data.label.classes), numeric=numeric)
 
 
 def schema_differences(table: Table, spec: Any, data: Any) -> tuple[list[str], list[str]]:
@@ -259,11 +252,13 @@ def _match_columns(table: Table, spec: Any, data: Any) -> None:
 
 
 def _encode_rows(table: Table, data: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Declared preprocessing, row by row: scaled numbers, one-hot categories, declared class indices."""
+    """Declared preprocessing, row by row: scaled numbers, one-hot categories, declared class indices (or, for a
+    numeric target, the label cells as numbers)."""
     at = {name: i for i, name in enumerate(table.header)}
-    classes = {c: i for i, c in enumerate(data.label.classes)}
+    numeric = data.target == "numeric"
+    classes = {} if numeric else {c: i for i, c in enumerate(data.label.classes)}
     x = np.zeros((len(table.rows), len(feature_inputs(data.features))), dtype=np.float64)
-    y = np.zeros(len(table.rows), dtype=np.int64)
+    y = np.zeros(len(table.rows), dtype=np.float64 if numeric else np.int64)
     bad = _BadCells(table.path)
     for i, row in enumerate(table.rows, start=1):
         slot = 0
@@ -285,7 +280,14 @@ def _encode_rows(table: Table, data: Any) -> tuple[np.ndarray, np.ndarray]:
                             else "is not one of the declared categories")
                 slot += len(f.categories)
         raw = row[at[data.label.column]]
-        if raw.strip() in classes:
+        if numeric:
+            target = cell_number(raw.strip())
+            if target is None:
+                bad.add(i, data.label.column, raw, "is empty; every row needs a target" if not raw.strip()
+                        else "is not a finite number (the numeric target)")
+            else:
+                y[i - 1] = target
+        elif raw.strip() in classes:
             y[i - 1] = classes[raw.strip()]
         else:
             bad.add(i, data.label.column, raw, "is not one of the declared classes")

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import yaml
 from driver_rig import DriverRig, rigs
 from hypothesis import given, settings, strategies as st
 
@@ -218,7 +219,7 @@ def test_newton_backtracks_until_armijo_holds():
 def test_parameter_shapes_are_torch_named_parameters_in_order(model):
     from plexus.models import REGISTRY, build_model
 
-    spec = job("{name: lbfgs}", model=model).model
+    spec = ModelSpec(**yaml.safe_load(model))   # the model alone: a linear job also declares data.target: numeric
     if spec.name not in REGISTRY:
         pytest.skip(f"model {spec.name!r} comes with the site half (branch exact-site)")
     built = build_model(spec.name, spec.args, seed=0)
