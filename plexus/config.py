@@ -987,6 +987,15 @@ def _statistics_job_problem(cfg: RoundConfig) -> tuple[str, str] | None:
         return "statistics", ("min_max is on (the default), and under privacy.secure_aggregation the coordinator "
                               "sees only the sum of the sites' values: a min is not a sum; set "
                               "statistics.min_max: false, or privacy.secure_aggregation: false")
+    if cfg.privacy.secure_aggregation:
+        for k, column in enumerate(cfg.statistics.columns):
+            if column.categories is None and column.range is None:
+                return f"statistics.columns[{k}]", (
+                    f"{column.name!r} is numeric and has no `range`, and under privacy.secure_aggregation every "
+                    "numeric column needs one: its sums are taken of (x − mid)/half-width, so that with values "
+                    "inside the range no sum a site sends exceeds its row count, and privacy.secagg.clip at least "
+                    "the largest site's rows covers them (docs/statistics.md#privacy); add `range: [lo, hi]` "
+                    "spanning its values, or describe it as `categories`, or set privacy.secure_aggregation: false")
     return None
 
 

@@ -15,10 +15,14 @@ Decisions this module makes, in one place:
 - Categories are compared as text: a declared `0` matches the cell "0", not "0.0".
 - Groups: "all" (every row) and one per `group_by` category; a row whose group cell is empty counts in
   "all" only. The group column may also be one of the described columns.
-- Centring: the sums of a numeric column are of x - c, with c the midpoint of its range (0 without one),
-  so that variance and covariance from sums lose little to cancellation and DP sensitivities are half-widths.
-- Under DP (spec.dp set) a numeric value is clamped to its range before it enters a sum of x or x²
-  (histograms still count the values outside the range in their below/above cells).
+- Scaling: the sums of a numeric column with a range [lo, hi] are of u = (x − c)/w, c its midpoint and w its
+  half-width (u = x without a range), so a value inside the range has |u| <= 1 and every sum a site sends is
+  at most its row count: under secure aggregation, which needs a range on every numeric column, a clip of the
+  largest site's rows covers them whatever the columns' units, and fixed point resolves u, not x. Centring
+  also keeps variance and covariance from losing digits to cancellation. `figures` scales back.
+- Values outside the range are summed as they are (|u| > 1), except under DP (spec.dp set), where u is
+  clamped to [-1, 1] before it enters a sum, so one row moves each sum by at most 1 (histograms still count
+  the values outside the range in their below/above cells).
 """
 
 from __future__ import annotations
@@ -163,8 +167,12 @@ def _pairs(spec: StatisticsSpec) -> list[tuple[int, int]]:
     return [(i, j) for a, i in enumerate(numeric) for j in numeric[a + 1:]]
 
 
-def _centre(column: StatColumnSpec) -> float:
-    return 0.0 if column.range is None else (column.range[0] + column.range[1]) / 2
+def _scale(column: StatColumnSpec) -> tuple[float, float]:
+    """(c, w): a numeric column's sums are of u = (x − c)/w; the range's midpoint and half-width, or (0, 1)."""
+    if column.range is None:
+        return 0.0, 1.0
+    lo, hi = column.range
+    return (lo + hi) / 2, (hi - lo) / 2
 
 
 def _edges(column: StatColumnSpec) -> np.ndarray:
@@ -174,11 +182,11 @@ def _edges(column: StatColumnSpec) -> np.ndarray:
 def layout(spec: StatisticsSpec) -> list[tuple[str, str, tuple[int, ...]]]:
     """The sums vector's tensors (name, "F64", shape), in a fixed order; the first axis is the group.
 
-    stats/rows [G]: rows per group. Column j numeric: stats/c{j}/count, /missing, /sum (Σ(x − c)), /sumsq
-    (Σ(x − c)²) [G], with bins also /hist [G, bins + 2] (below range, the bins, above range); min/c{j} and
-    max/c{j} [G] when min_max. Column j categorical: stats/c{j}/categories [G, k] and /missing [G]. Covariance,
-    each pair i < j of numeric columns: stats/cov/c{i}-c{j} [G, 6], over the rows where both are present, the
-    count, Σ(x_i − c_i), Σ(x_j − c_j), Σ(x_i − c_i)², Σ(x_j − c_j)², Σ(x_i − c_i)(x_j − c_j).
+    stats/rows [G]: rows per group. Column j numeric, u = (x − c)/w (`_scale`): stats/c{j}/count, /missing,
+    /sum (Σu), /sumsq (Σu²) [G], with bins also /hist [G, bins + 2] (below range, the bins, above range);
+    min/c{j} and max/c{j} [G] (of x) when min_max. Column j categorical: stats/c{j}/categories [G, k] and
+    /missing [G]. Covariance, each pair i < j of numeric columns: stats/cov/c{i}-c{j} [G, 6], over the rows
+    where both are present, the count, Σu_i, Σu_j, Σu_i², Σu_j², Σu_i·u_j.
     """
     g = len(group_labels(spec))
     out = [(f"{SUM_PREFIX}rows", "F64", (g,))]
@@ -205,19 +213,19 @@ def site_sums(spec: StatisticsSpec, table: dict[str, np.ndarray], *,
     members = _members(spec, table)
     sums = {name: np.zeros(shape) for name, _, shape in layout(spec)}
     sums[f"{SUM_PREFIX}rows"][:] = members.sum(axis=1)
-    centred = {}
+    scaled = {}
     for j, column in enumerate(spec.columns):
         if column.categories is None:
-            centred[j] = _numeric_sums(spec, j, table[column.name], members, sums)
+            scaled[j] = _numeric_sums(spec, j, table[column.name], members, sums)
         else:
             text = _texts(table[column.name])
             for k, category in enumerate(column.categories):
                 sums[f"{SUM_PREFIX}c{j}/categories"][:, k] = (members & (text == category)).sum(axis=1)
             sums[f"{SUM_PREFIX}c{j}/missing"][:] = (members & (text == "")).sum(axis=1)
     for i, j in _pairs(spec):
-        both = ~np.isnan(centred[i]) & ~np.isnan(centred[j])
+        both = ~np.isnan(scaled[i]) & ~np.isnan(scaled[j])
         for g, rows in enumerate(members):
-            a, b = centred[i][rows & both], centred[j][rows & both]
+            a, b = scaled[i][rows & both], scaled[j][rows & both]
             sums[f"{SUM_PREFIX}cov/c{i}-c{j}"][g] = [a.size, a.sum(), b.sum(), (a * a).sum(), (b * b).sum(),
                                                      (a * b).sum()]
     if min_cell_count is not None:
@@ -229,23 +237,23 @@ def site_sums(spec: StatisticsSpec, table: dict[str, np.ndarray], *,
 
 def _numeric_sums(spec: StatisticsSpec, j: int, values: np.ndarray, members: np.ndarray,
                   sums: dict[str, np.ndarray]) -> np.ndarray:
-    """Fill column j's count, missing, sums, histogram and min/max; returns its centred values (NaN: missing)."""
+    """Fill column j's count, missing, sums, histogram and min/max; returns its values u (NaN: missing)."""
     column, at = spec.columns[j], f"{SUM_PREFIX}c{j}/"
     x, _ = _numbers(values)
     present = ~np.isnan(x)
-    centred = _centred(spec, column, x)
+    u = _scaled(spec, column, x)
     cells = _hist_cells(column, x) if column.bins is not None else None
     for g, rows in enumerate(members):
         mine = rows & present
         sums[at + "count"][g], sums[at + "missing"][g] = mine.sum(), (rows & ~present).sum()
-        sums[at + "sum"][g] = centred[mine].sum()
-        sums[at + "sumsq"][g] = (centred[mine] * centred[mine]).sum()
+        sums[at + "sum"][g] = u[mine].sum()
+        sums[at + "sumsq"][g] = (u[mine] * u[mine]).sum()
         if cells is not None:
             sums[at + "hist"][g] = np.bincount(cells[mine], minlength=column.bins + 2)
         if spec.min_max:
             sums[f"{MIN_PREFIX}c{j}"][g] = x[mine].min() if mine.any() else _EMPTY_MIN
             sums[f"{MAX_PREFIX}c{j}"][g] = x[mine].max() if mine.any() else _EMPTY_MAX
-    return centred
+    return u
 
 
 def _members(spec: StatisticsSpec, table: dict[str, np.ndarray]) -> np.ndarray:
@@ -257,10 +265,12 @@ def _members(spec: StatisticsSpec, table: dict[str, np.ndarray]) -> np.ndarray:
     return np.stack([np.ones(n, dtype=bool)] + [text == c for c in spec.group_by.categories])
 
 
-def _centred(spec: StatisticsSpec, column: StatColumnSpec, x: np.ndarray) -> np.ndarray:
-    if spec.dp is not None:   # a clamped row adds at most half the range's width to Σ(x − c)
-        x = np.clip(x, column.range[0], column.range[1])
-    return x - _centre(column)
+def _scaled(spec: StatisticsSpec, column: StatColumnSpec, x: np.ndarray) -> np.ndarray:
+    c, w = _scale(column)
+    u = (x - c) / w
+    # Under DP a row moves Σu, Σu² and Σu_i·u_j by at most 1 (the sensitivities dp_ledger states). Clamping u,
+    # not x, keeps that exact where (hi − c)/w rounds a little above 1.
+    return np.clip(u, -1.0, 1.0) if spec.dp is not None else u
 
 
 def _hist_cells(column: StatColumnSpec, x: np.ndarray) -> np.ndarray:
@@ -358,9 +368,10 @@ def figures(spec: StatisticsSpec, pooled: dict[str, np.ndarray]) -> list[Figure]
                     for statistic, value in stats]
     for i, j in _pairs(spec):
         name = f"{spec.columns[i].name} × {spec.columns[j].name}"
+        scale = _scale(spec.columns[i])[1] * _scale(spec.columns[j])[1]   # w_i·w_j: the sums are of u_i, u_j
         for g, label in enumerate(labels):
             n, si, sj, sii, sjj, sij = pooled[f"{SUM_PREFIX}cov/c{i}-c{j}"][g]
-            cov = (sij - si * sj / n) / (n - 1) if n > 1 else None
+            cov = scale * (sij - si * sj / n) / (n - 1) if n > 1 else None
             spread = (sii - si * si / n) * (sjj - sj * sj / n) if n > 1 else 0.0
             corr = (sij - si * sj / n) / math.sqrt(spread) if spread > 0 else None
             out += [Figure(label, name, "count", float(n)), Figure(label, name, "cov", cov),
@@ -377,10 +388,11 @@ def _categorical_figures(spec: StatisticsSpec, j: int, g: int, pooled: dict) -> 
 def _numeric_figures(spec: StatisticsSpec, j: int, g: int, pooled: dict) -> list[tuple[str, float | None]]:
     column, at = spec.columns[j], f"{SUM_PREFIX}c{j}/"
     n, s, ss = (pooled[at + stat][g] for stat in ("count", "sum", "sumsq"))
-    c = _centre(column)   # the sums are of x − c
-    var = max(ss - s * s / n, 0.0) / (n - 1) if n > 1 else None
-    out = [("count", n), ("missing", pooled[at + "missing"][g]), ("sum", s + n * c),
-           ("mean", s / n + c if n > 0 else None), ("var", var), ("std", None if var is None else math.sqrt(var))]
+    c, w = _scale(column)   # the sums are of u = (x − c)/w
+    var = w * w * max(ss - s * s / n, 0.0) / (n - 1) if n > 1 else None
+    out = [("count", n), ("missing", pooled[at + "missing"][g]), ("sum", n * c + w * s),
+           ("mean", c + w * s / n if n > 0 else None), ("var", var),
+           ("std", None if var is None else math.sqrt(var))]
     if spec.min_max:
         out += [("min", pooled[f"{MIN_PREFIX}c{j}"][g] if n > 0 else None),
                 ("max", pooled[f"{MAX_PREFIX}c{j}"][g] if n > 0 else None)]
@@ -454,9 +466,11 @@ def dp_ledger(spec: StatisticsSpec) -> DPLedger:
 
     Neighbouring datasets differ by one row added or removed. One row changes one cell of each tensor in
     "all" and at most one in a group, so with group_by every per-cell sensitivity counts twice (L1) or √2
-    times (L2). Per cell: counts, missing, histogram and category cells 1; Σ(x − c) the range's half-width
-    w (values are clamped to the range); Σ(x − c)² w²; Σ(x_i − c_i)(x_j − c_j) w_i·w_j. Laplace noise has
-    scale b = Δ1/ε; Gaussian noise σ = Δ2·sqrt(2 ln(1.25/δ))/ε (Dwork & Roth, Theorem A.1; ε < 1).
+    times (L2). Per cell, every one 1: counts, missing, histogram and category cells; and the sums of
+    u = (x − c)/w, clamped to [−1, 1] under DP: Σu, Σu², Σu_i·u_j (each row adds a value in [−1, 1], or
+    [0, 1] for Σu²). Sensitivity and scale are in the tensor's units; in x's, Σu's noise is w times theirs,
+    Σu²'s w² and Σu_i·u_j's w_i·w_j. Laplace noise has scale b = Δ1/ε; Gaussian noise
+    σ = Δ2·sqrt(2 ln(1.25/δ))/ε (Dwork & Roth, Theorem A.1; ε < 1).
     """
     dp = spec.dp
     if dp is None:
@@ -474,23 +488,19 @@ def dp_ledger(spec: StatisticsSpec) -> DPLedger:
         return DPQuery(label, tensor, sensitivity, scale, dp.epsilon, delta)
 
     queries = [query("rows", f"{SUM_PREFIX}rows", 1.0)]
-    half = {}
     for j, column in enumerate(spec.columns):
         at, name = f"{SUM_PREFIX}c{j}/", repr(column.name)
         if column.categories is not None:
             queries += [query(f"category counts of {name}", at + "categories", 1.0),
                         query(f"missing of {name}", at + "missing", 1.0)]
             continue
-        half[j] = (column.range[1] - column.range[0]) / 2
         queries += [query(f"count of {name}", at + "count", 1.0), query(f"missing of {name}", at + "missing", 1.0),
-                    query(f"sum of {name}", at + "sum", half[j]),
-                    query(f"sum of squares of {name}", at + "sumsq", half[j] ** 2)]
+                    query(f"sum of {name}", at + "sum", 1.0), query(f"sum of squares of {name}", at + "sumsq", 1.0)]
         if column.bins is not None:
             queries.append(query(f"histogram of {name}", at + "hist", 1.0))
     for i, j in _pairs(spec):
         pair, tensor = f"{spec.columns[i].name!r} × {spec.columns[j].name!r}", f"{SUM_PREFIX}cov/c{i}-c{j}"
-        bounds = (1.0, half[i], half[j], half[i] ** 2, half[j] ** 2, half[i] * half[j])
-        queries += [query(f"{part} of {pair}", f"{tensor}:{part}", bound) for part, bound in zip(_COV_PARTS, bounds)]
+        queries += [query(f"{part} of {pair}", f"{tensor}:{part}", 1.0) for part in _COV_PARTS]
     return DPLedger(dp.mechanism, tuple(queries), math.fsum(q.epsilon for q in queries),
                     math.fsum(q.delta for q in queries))
 

@@ -28,7 +28,8 @@ from plexus.errors import ConfigError
 __all__ = ["MAX_ITEMS", "PLAIN_EXP_FLOAT", "Cell", "Reader", "in_range", "load", "matching", "non_empty", "one_of",
            "parse", "parse_value"]
 
-# A cross-field check: fn(obj) -> (key, "<problem>; <fix>") or None. A post-read step:
+# A cross-field check: fn(obj) -> (key, "<problem>; <fix>") or None; the key may also be a path below the
+# mapping ("statistics.columns[1]"), where the error then points. A post-read step:
 # fn(reader, obj, entries, path) -> obj, for a value whose reading depends on its siblings. A pre-read step:
 # fn(reader, node, path) -> node, for keys derived from others before the mapping is read (a required key
 # that another key implies).
@@ -100,6 +101,25 @@ MAX_ITEMS = 4096   # entries of any one list or mapping (features, classes, cate
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+_STEP = re.compile(r"([^.\[\]]+)|\[(\d+)\]")   # a key, or a list index: statistics.columns[1]
+
+
+def _node_at(node: Node, key: str) -> Node:
+    """The node a cross-check's key names below `node` (a key, or a path of keys and indexes), or the deepest
+    one of its path that is written (a key left at its default is not)."""
+    for name, index in _STEP.findall(key):
+        if name and isinstance(node, MappingNode):
+            found = [v for k, v in node.value if isinstance(k, ScalarNode) and k.value == name]
+        elif index and isinstance(node, SequenceNode):
+            found = node.value[int(index):int(index) + 1]
+        else:
+            found = []
+        if not found:
+            break
+        node = found[-1]
+    return node
 
 
 def _describe(node: Node) -> str:
@@ -212,7 +232,7 @@ class Reader:
         problem = self.checks[cls](obj) if cls in self.checks else None
         if problem:
             key, text = problem
-            self.fail(entries[key][1] if key in entries else node, _join(path, key), text)
+            self.fail(_node_at(node, key), _join(path, key), text)
         return self.after[cls](self, obj, entries, path) if cls in self.after else obj
 
     def entries(

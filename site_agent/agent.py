@@ -596,8 +596,8 @@ def check_sums_fit(delta: list[np.ndarray], clip: float) -> None:
     need = 2.0 ** math.ceil(math.log2(largest))   # the order of magnitude only: the coordinator sees this reason
     fix = (f"set privacy.secagg.clip to at least {need:.10g}" if need <= SECAGG_MAX_CLIP else
            f"they exceed the largest clip, {SECAGG_MAX_CLIP}, so secure aggregation cannot sum them: send smaller "
-           "sums (a statistics job: centre numeric columns with a `range`, or leave out the largest), or set "
-           "privacy.secure_aggregation: false")
+           "sums (a statistics job's stay within the site's rows while its values lie inside their columns' "
+           "`range`: widen a range its values exceed), or set privacy.secure_aggregation: false")
     raise ValueError(f"this site's sums reach up to {need:.10g} in magnitude, beyond privacy.secagg.clip = "
                      f"{clip:.10g}, and secure aggregation clips every value to ±clip, which would leave the pooled "
                      f"sums wrong; {fix}")

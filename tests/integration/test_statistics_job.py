@@ -5,6 +5,7 @@ aggregation within the fixed-point bound). A site under policy.min_cell_count de
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pandas as pd
@@ -20,7 +21,7 @@ from integration.harness import HOSPITAL_OF, scaled
 
 SITES = ("a", "b", "c", "d")   # cleveland, hungary, va, switzerland
 HOSPITAL_ROWS = {"cleveland": "Cleveland", "hungary": "Hungary", "va": "VA Long Beach", "switzerland": "Switzerland"}
-CLIP = 2 ** 20
+CLIP = 512   # the largest hospital, Cleveland, has 303 rows
 
 CLEAR_JOB = f"""\
 name: heart-stats
@@ -38,8 +39,10 @@ statistics:
 sites: {{min: 4, deadline_s: {scaled(30)}}}
 """
 
-# Under secure aggregation every per-site sum must lie within ±clip (at most 2**20): chol's Σx² does not, and a
-# min is not a sum.
+# Under secure aggregation every numeric column has a range, and its sums are of u = (x − c)/w: with values
+# inside the ranges no sum exceeds a site's rows, so a clip above the largest site's rows covers them. chol's
+# zeros (every Switzerland row, 49 of VA's) lie outside [100, 600] and are summed as they are (u = −1.4):
+# Switzerland's Σu² is 241, above its 123 rows and still within the clip. A min is not a sum.
 SECURE_JOB = f"""\
 name: heart-stats-secure
 kind: statistics
@@ -47,6 +50,7 @@ data: {{dataset: heart-disease}}
 statistics:
   columns:
     - {{name: age, range: [0, 100], bins: 10}}
+    - {{name: chol, range: [100, 600]}}
     - {{name: oldpeak, range: [-3, 7], bins: 5}}
     - {{name: sex, categories: [Male, Female]}}
   group_by: {{column: num, categories: [0, 1, 2, 3, 4]}}
@@ -133,6 +137,47 @@ def pandas_figures(rows: pd.DataFrame, spec) -> dict[tuple[str, str, str], float
     return out
 
 
+def fixed_point_tolerance(spec, rows: pd.DataFrame, e: float):
+    """Each figure's bound under secure aggregation (docs/statistics.md#privacy), to first order in e, every
+    pooled sum's bound in u units: counts e; sum (w + |c|)·e; mean w·e·a/n; var w²·e·(a² + s²)/(n − 1), with
+    a = 1 + |ū|, ū = (mean − c)/w and s² = var/w²; std var's over 2·std; cov w_i·w_j·e·(a_i·a_j + |cov_u|)/(n − 1)
+    and corr e·(a_i·a_j/√(M_i·M_j) + |corr|·(a_i²/M_i + a_j²/M_j)/2), M = (n − 1)·s², over the rows with both."""
+    scale = {c.name: (sum(c.range) / 2, (c.range[1] - c.range[0]) / 2) for c in spec.columns if c.range}
+    cells = {label: g for label, g in [("all", rows), *((f"num={k}", rows[rows["num"] == k])
+                                                          for k in spec.group_by.categories)]}
+
+    def values(label: str, *names: str) -> list[np.ndarray]:
+        x = cells[label][list(names)].replace("", np.nan).apply(pd.to_numeric).dropna()
+        return [(x[name].to_numpy() - scale[name][0]) / scale[name][1] for name in names]
+
+    def spread(u: np.ndarray) -> tuple[float, float]:   # a, M
+        return 1 + abs(u.mean()), float(((u - u.mean()) ** 2).sum())
+
+    def tolerance(key) -> float:
+        label, column, statistic = key
+        if statistic in ("rows", "count", "missing") or statistic.startswith(("category ", "histogram ")):
+            return e
+        if " × " in column:
+            i, j = column.split(" × ")
+            ui, uj = values(label, i, j)
+            n, (ai, mi), (aj, mj) = len(ui), spread(ui), spread(uj)
+            mij = float(((ui - ui.mean()) * (uj - uj.mean())).sum())
+            if statistic == "cov":
+                return scale[i][1] * scale[j][1] * e * (ai * aj + abs(mij) / (n - 1)) / (n - 1)
+            corr = mij / math.sqrt(mi * mj)
+            return e * (ai * aj / math.sqrt(mi * mj) + abs(corr) * (ai ** 2 / mi + aj ** 2 / mj) / 2)
+        (u,), (c, w) = values(label, column), scale[column]
+        n, (a, m) = len(u), spread(u)
+        if statistic == "sum":
+            return (w + abs(c)) * e
+        if statistic == "mean":
+            return w * e * a / n
+        var = w * w * e * (a * a + m / (n - 1)) / (n - 1)
+        return var if statistic == "var" else var / (2 * w * math.sqrt(m / (n - 1)))
+
+    return tolerance
+
+
 def _figures_json(federation, job_id, tmp_path, capsys) -> dict:
     path = tmp_path / "figures.json"
     assert cli(["job", "download", job_id, "-o", str(path), *_admin(federation)]) == 0
@@ -198,6 +243,7 @@ def test_statistics_under_secure_aggregation_equal_pandas_within_the_fixed_point
     rows = _pooled_rows(SITES)
     # Each site sends round(Δ/K · 2**b), b = frac_bits(clip); K such roundings in the mean, times K: the sums.
     bound = len(SITES) ** 2 * 2.0 ** -frac_bits(CLIP) / 2
+    assert bound == 16 * 2.0 ** -22   # clip 512: 21 fraction bits, sums within 3.8e-6 in u units
     _, sums = federation.admin().download(job_id)
     per_site = [stats.site_sums(spec, stats.read_table(agent.config.datasets["heart-disease"]))
                 for agent, _ in federation.agents]
@@ -206,17 +252,11 @@ def test_statistics_under_secure_aggregation_equal_pandas_within_the_fixed_point
         assert np.max(np.abs(sums[name] - value)) <= bound, name
     assert any(np.any(sums[name] != value) for name, value in exact.items())   # it was masked and quantised
 
-    centre = {c.name: 0.0 if c.range is None else sum(c.range) / 2 for c in spec.columns}
-
-    def tolerance(key):
-        group, column, statistic = key
-        if statistic in ("rows", "count", "missing") or statistic.startswith(("category ", "histogram ")):
-            return {"abs": bound}
-        if statistic == "sum":   # Σx = Σ(x − c) + n·c
-            return {"abs": bound * (1 + abs(centre[column]))}
-        return {"rel": 1e-3, "abs": 1e-3}   # mean, var, std, cov, corr: ratios of sums each within the bound
-
-    _compare(_figures_json(federation, job_id, tmp_path, capsys), spec, rows, tolerance)
+    # Every figure within its stated bound, to first order: the slack covers second order (e² ~ 1e-11) and
+    # float64 rounding, both far below the bound.
+    within = fixed_point_tolerance(spec, rows, bound)
+    _compare(_figures_json(federation, job_id, tmp_path, capsys), spec, rows,
+             lambda key: {"abs": 1.01 * within(key), "rel": 1e-12})
 
 
 def test_a_site_under_min_cell_count_declines_naming_its_small_cells(federation, tmp_path, capsys):

@@ -233,6 +233,46 @@ def test_min_max_are_combined_by_min_and_max_and_sums_by_addition():
         statistics.combine_clear(spec, [{k: v for k, v in pooled.items() if k != "max/c0"}])
 
 
+BOUNDED = {"columns": [{"name": "x", "range": [-3, 7], "bins": 4}, {"name": "y", "range": [1000, 3000]},
+                       {"name": "z", "categories": ["p", "q"]}],
+           "group_by": {"column": "g", "categories": ["u", "v"]}, "covariance": True, "min_max": False}
+
+
+def cell(value: float | None) -> str:
+    return "" if value is None else repr(value)
+
+
+def bounded_table(xs: list, ys: list) -> dict[str, np.ndarray]:
+    n = min(len(xs), len(ys))
+    return {"x": np.array([cell(v) for v in xs[:n]]), "y": np.array([cell(v) for v in ys[:n]]),
+            "z": np.array(["p", "q", ""] * n)[:n], "g": np.array(["u", "v", "u", ""] * n)[:n]}
+
+
+@settings(max_examples=100, deadline=None)
+@given(xs=st.lists(st.one_of(st.none(), st.floats(-3, 7)), min_size=1, max_size=40),
+       ys=st.lists(st.one_of(st.none(), st.floats(1000, 3000)), min_size=1, max_size=40))
+def test_with_values_inside_their_ranges_no_sum_exceeds_the_sites_rows(xs, ys):
+    """The secure-aggregation clip rule: clip >= the largest site's rows covers every value it sends."""
+    spec = statistics_spec_from_args(BOUNDED)
+    table = bounded_table(xs, ys)
+    rows = len(table["x"])
+    sums = statistics.site_sums(spec, table)
+    assert max(float(np.max(np.abs(v))) for v in sums.values()) <= rows
+    assert sums["stats/rows"][0] == rows
+
+
+def test_numeric_sums_are_of_u_scaled_to_the_range_and_values_outside_it_are_summed_as_they_are():
+    spec = statistics_spec_from_args({"columns": [{"name": "v", "range": [0, 10]}, {"name": "raw"}],
+                                      "covariance": True})
+    table = {"v": np.array(["-5", "4", "30"]), "raw": np.array(["1", "2", "3"])}
+    sums = statistics.site_sums(spec, table)   # c = 5, w = 5: u = -2, -0.2, 5; without a range u = x
+    assert sums["stats/c0/sum"].tolist() == pytest.approx([2.8]) and sums["stats/c0/sumsq"] == pytest.approx(29.04)
+    assert sums["stats/c1/sum"].tolist() == [6.0] and sums["stats/c1/sumsq"].tolist() == [14.0]
+    assert sums["stats/cov/c0-c1"][0] == pytest.approx([3, 2.8, 6, 29.04, 14, -2 - 0.4 + 15])
+    frame = pd.DataFrame({"v": [-5.0, 4.0, 30.0], "raw": [1.0, 2.0, 3.0]})
+    assert_equals_pandas(spec, statistics.figures(spec, sums), frame)
+
+
 # Schema ---------------------------------------------------------------------------------------------------
 
 
@@ -317,12 +357,11 @@ def test_dp_noise_has_the_stated_scale_and_each_query_its_epsilon(mechanism, eps
     draws = [statistics.add_dp_noise(spec, pooled, rng) for _ in range(400)]
     ledger = draws[0][1]
     queries = {q.query: q for q in ledger.queries}
-    # Grouped: one row changes a cell in "all" and one in its group (L1 x2, L2 x sqrt 2); half-widths 30 and 300.
+    # Grouped: one row changes a cell in "all" and one in its group (L1 x2, L2 x sqrt 2). Every sum is of
+    # u = (x − c)/w clamped to [-1, 1], so one row moves each cell by at most 1: counts and sums alike.
     grouped = 2 if mechanism == "laplace" else math.sqrt(2)
-    assert queries["count of 'age'"].sensitivity == grouped
-    assert queries["sum of 'age'"].sensitivity == grouped * 30
-    assert queries["sum of squares of 'chol'"].sensitivity == grouped * 300 ** 2
-    assert queries["sum_ij of 'age' × 'chol'"].sensitivity == grouped * 30 * 300
+    assert {q.sensitivity for q in ledger.queries} == {grouped}
+    assert {"count of 'age'", "sum of 'age'", "sum of squares of 'chol'", "sum_ij of 'age' × 'chol'"} <= set(queries)
     for q in ledger.queries:
         tensor, _, part = q.tensor.partition(":")
         noise = np.stack([d[tensor][..., statistics._COV_PARTS.index(part)] if part else d[tensor] for d, _ in draws])
@@ -336,8 +375,36 @@ def test_dp_noise_has_the_stated_scale_and_each_query_its_epsilon(mechanism, eps
         assert abs(noise.mean()) < 4 * expected_std / math.sqrt(noise.size)
         assert (q.epsilon, q.delta) == (epsilon, 1e-6 if mechanism == "gaussian" else 0.0)
     assert len(ledger.queries) == 1 + 5 + 4 + 2 + 6   # rows, age, chol, sex, the pair's six sums
+    # In x's units the noise is that of a sensitivity of the half-width w, 30 for age: the sum figure is
+    # n·c + w·Σu (c = 50 here), so beyond the noisy count's n·c it carries w times Σu's noise.
+    unit = math.sqrt(2) if mechanism == "laplace" else 1.0   # the std of a unit-scale draw
+    age = np.array([by_key(statistics.figures(spec, d))[("all", "age", "sum")] - 50 * d["stats/c0/count"][0]
+                    for d, _ in draws])
+    assert age.std() == pytest.approx(30 * queries["sum of 'age'"].scale * unit, rel=0.15)
     assert ledger.epsilon == pytest.approx(epsilon * len(ledger.queries))
     assert ledger.delta == pytest.approx((1e-6 if mechanism == "gaussian" else 0.0) * len(ledger.queries))
+
+
+@settings(max_examples=60, deadline=None)
+@given(xs=st.lists(st.one_of(st.none(), st.floats(-1e4, 1e4)), min_size=1, max_size=20),
+       ys=st.lists(st.one_of(st.none(), st.floats(-1e4, 1e4)), min_size=1, max_size=20),
+       extra=st.tuples(st.one_of(st.none(), st.floats(-1e4, 1e4)), st.one_of(st.none(), st.floats(-1e4, 1e4)),
+                       st.sampled_from(["p", "q", ""]), st.sampled_from(["u", "v", ""])),
+       mechanism=st.sampled_from(["laplace", "gaussian"]))
+def test_one_row_added_moves_every_query_by_at_most_its_sensitivity(xs, ys, extra, mechanism):
+    """The ledger's sensitivities hold for any values, those far outside the ranges too (clamped under dp)."""
+    spec = statistics_spec_from_args({**BOUNDED, "dp": {"mechanism": mechanism, "epsilon": 0.5}})
+    table = bounded_table(xs, ys)
+    more = {name: np.append(values, cell(v) if name in ("x", "y") else v)
+            for (name, values), v in zip(table.items(), extra)}
+    before, after = statistics.site_sums(spec, table), statistics.site_sums(spec, more)
+    for q in statistics.dp_ledger(spec).queries:
+        tensor, _, part = q.tensor.partition(":")
+        change = after[tensor] - before[tensor]
+        if part:
+            change = change[..., statistics._COV_PARTS.index(part)]
+        norm = np.abs(change).sum() if mechanism == "laplace" else np.sqrt((change ** 2).sum())
+        assert norm <= q.sensitivity * (1 + 1e-12), (q.query, norm, q.sensitivity)
 
 
 def test_dp_noise_is_reproducible_from_the_rng_and_clamps_values_to_the_range():

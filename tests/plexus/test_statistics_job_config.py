@@ -108,8 +108,23 @@ def test_min_max_under_secure_aggregation_is_refused_because_a_min_is_not_a_sum(
     says = error(secure)
     assert "job.yaml:5: statistics: min_max is on (the default)" in says and "a min is not a sum" in says
     assert "set statistics.min_max: false" in says
-    cfg = parse_round_config(secure.replace("covariance: true", "covariance: true\n  min_max: false"))
+    cfg = parse_round_config(secure.replace("covariance: true", "covariance: true\n  min_max: false")
+                             .replace("{name: chol}", "{name: chol, range: [0, 600]}"))
     assert cfg.privacy.secure_aggregation and not cfg.statistics.min_max
+
+
+def test_a_numeric_column_without_a_range_under_secure_aggregation_is_refused_at_its_line():
+    secure = (JOB.replace("sites: {min: 4, deadline_s: 60}", "sites: {min: 4}\nprivacy: {secure_aggregation: true}")
+              .replace("covariance: true", "covariance: true\n  min_max: false"))
+    says = error(secure)
+    assert says.startswith("job.yaml:7: statistics.columns[1]: 'chol' is numeric and has no `range`, and under "
+                           "privacy.secure_aggregation every numeric column needs one"), says
+    assert "privacy.secagg.clip at least the largest site's rows covers them" in says
+    assert says.endswith("add `range: [lo, hi]` spanning its values, or describe it as `categories`, or set "
+                         "privacy.secure_aggregation: false")
+    # With a range on it, or in the clear, the job reads.
+    assert parse_round_config(secure.replace("{name: chol}", "{name: chol, range: [0, 600]}"))
+    assert parse_round_config(secure.replace("secure_aggregation: true", "secure_aggregation: false"))
 
 
 def test_a_statistics_block_on_a_training_job_and_a_statistics_job_without_one_are_refused():

@@ -151,16 +151,32 @@ def test_under_secure_aggregation_the_site_advertises_weight_one(kit, tmp_path):
     assert stub.results == [] and [m.advert.num_samples for m in stub.secagg] == [1]
 
 
-def test_under_secure_aggregation_sums_beyond_clip_fail_the_task_with_the_clip_they_need(kit, tmp_path):
-    text, job = _job(secure=True, clip=4)
+def _secure_failure(kit, tmp_path, clip: float, csv: str = CSV) -> str:
+    text, job = _job(secure=True, clip=clip)
     stub = FakeCoordinator(job)
-    _agent(kit, tmp_path).handle(stub, _task(text, fpb.TASK_SECAGG_ADVERTISE))
+    _agent(kit, tmp_path, csv).handle(stub, _task(text, fpb.TASK_SECAGG_ADVERTISE))
     assert stub.secagg == []
     (result,) = stub.results
     assert result.status == fpb.RESULT_FAILED
-    # Σ(age − 50)² over every row is 16² + 1² + 3² + 12² + 8² = 474: the site names only the power of two above.
-    assert "reach up to 512 in magnitude, beyond privacy.secagg.clip = 4" in result.reason, result.reason
-    assert result.reason.endswith("set privacy.secagg.clip to at least 512")
+    return result.reason
+
+
+def test_under_secure_aggregation_sums_beyond_clip_fail_the_task_with_the_clip_they_need(kit, tmp_path):
+    # Ages inside their range [0, 100] make every sum at most the site's 6 rows: the rows count is the largest,
+    # and the site names only the power of two above it.
+    reason = _secure_failure(kit, tmp_path, clip=4)
+    assert "reach up to 8 in magnitude, beyond privacy.secagg.clip = 4" in reason, reason
+    assert reason.endswith("set privacy.secagg.clip to at least 8")
+    text, job = _job(secure=True, clip=6)
+    stub = FakeCoordinator(job)
+    _agent(kit, tmp_path).handle(stub, _task(text, fpb.TASK_SECAGG_ADVERTISE))
+    assert stub.results == [] and len(stub.secagg) == 1
+
+
+def test_a_value_far_outside_its_range_is_summed_as_it_is_and_can_exceed_the_rows_clip(kit, tmp_path):
+    # Age 1000 in range [0, 100] is u = (1000 − 50)/50 = 19, and Σu² ≈ 361: beyond a clip of the site's rows.
+    reason = _secure_failure(kit, tmp_path, clip=6, csv=CSV.replace("62,F", "1000,F"))
+    assert "reach up to 512 in magnitude, beyond privacy.secagg.clip = 6" in reason, reason
 
 
 def test_check_sums_fit():
