@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -22,6 +22,7 @@ from coordinator.strategies.base import MeanRule, Sampling, Schedule, State, cas
 from plexus.config import DPSpec, ModelSpec, RoundConfig
 from plexus.dp import add_noise, noise_key
 from plexus.errors import ConfigError, IntegrityError
+from plexus.secagg import frac_bits
 from plexus.wire import EXACT_GRAD as GRAD, EXACT_HESSIAN as HESSIAN, EXACT_LOSS as LOSS, EXACT_ROWS as ROWS, Layout
 
 log = logging.getLogger("plexus.coordinator")
@@ -51,6 +52,13 @@ def two_loop(g: np.ndarray, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> n
 
 ACCEPT, TRY, FAIL = "accept", "try", "fail"
 MAX_TRIALS = 20          # evaluations (rounds) one line search may take, as scipy's maxls
+# Trials one line search along a quasi-Newton direction may take on a secure round's sums before the memory is
+# dropped and the search starts again along −∇F: curvature pairs from sums rounded to its coarse fixed-point grid
+# can turn the direction almost orthogonal to the gradient, and a search along it then zooms on rounding.
+RESTART_TRIALS = 4
+# The least cos∠(−∇F, d) a quasi-Newton direction may have (else −∇F): the "angle condition" of the convergence
+# proofs (Nocedal & Wright §3.2), which rounded curvature pairs can break.
+MIN_COSINE = 1e-4
 _EXTRAPOLATE = (1.1, 4.0)   # a longer trial lies 1.1..4 times the last step beyond the last trial (MINPACK)
 _SAFEGUARD = 0.1         # a zoom trial keeps this share of the bracket from either end, else bisection
 
@@ -179,17 +187,24 @@ def _extrapolated(prev: Sequence[float], point: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Stopping:
-    """When an optimiser stops: ‖∇F‖∞ <= gtol, relative decrease of F <= ftol, or max_iterations accepted steps."""
+    """When an optimiser stops: ‖∇F‖∞ <= gtol, relative decrease of F <= ftol, or max_iterations accepted steps.
+
+    `floor`: the gradient's own rounding (a secure round's fixed point, ExactRule.step sets it): a gradient within
+    it of zero is as converged as the sums can tell, so gtol below it counts as it."""
 
     gtol: float
     ftol: float
     max_iterations: int
+    floor: float = 0.0
 
     def why(self, iterations: int, g: np.ndarray, f: float, decrease: float | None) -> str:
         """Why the optimiser stops at this accepted iterate (F(x) = f, `decrease` from the last); empty if it goes
         on."""
         if float(np.max(np.abs(g), initial=0.0)) <= self.gtol:
             return f"converged: ‖∇F‖∞ = {float(np.max(np.abs(g), initial=0.0)):.3g} <= gtol {self.gtol:g}"
+        if float(np.max(np.abs(g), initial=0.0)) <= self.floor:
+            return (f"converged: ‖∇F‖∞ = {float(np.max(np.abs(g), initial=0.0)):.3g}, within twice the secure sum's "
+                    f"rounding ({self.floor / 2:.3g} per coordinate)")
         if decrease is not None and decrease <= self.ftol * max(abs(f), 1.0):
             return f"converged: F decreased by {decrease:.3g}, relative to it at most ftol {self.ftol:g}"
         if iterations >= self.max_iterations:
@@ -250,6 +265,13 @@ class LBFGSOptimizer(Optimizer):
         if self.x is None:
             return self._direction(x, f, g) if self._accepted(x, f, g) else self.x
         verdict = self.search.tell(f, float(g @ self.d))
+        # On coarsely rounded sums (a secure round's: stopping.floor) a long search is a search on rounding.
+        patience = RESTART_TRIALS if self.stopping.floor > 0 else MAX_TRIALS
+        if self.pairs and verdict.action != ACCEPT and (verdict.action == FAIL or self.search.trials >= patience):
+            # Search along −γ∇F from the best iterate instead, with a fresh memory (L-BFGS's usual restart); γ, the
+            # newest pair's s·y/y·y, keeps the step at the scale of the curvature seen so far.
+            (s_, y_), self.pairs = self.pairs[-1], []
+            return self._direction(self.x, self.f, self.g, scale=float(s_ @ y_) / float(y_ @ y_))
         if verdict.action == TRY:
             return self.x + verdict.alpha * self.d
         if verdict.action == FAIL:
@@ -260,11 +282,13 @@ class LBFGSOptimizer(Optimizer):
             self.pairs = [*self.pairs, (s, y)][-self.memory:]
         return self._direction(x, f, g) if self._accepted(x, f, g) else self.x
 
-    def _direction(self, x: np.ndarray, f: float, g: np.ndarray) -> np.ndarray:
-        d = two_loop(g, self.pairs)
-        if not float(g @ d) < 0:   # lost descent (rounding): start the memory afresh
-            self.pairs, d = [], -g
-        alpha = 1.0 if self.pairs else 1.0 / float(np.linalg.norm(g))   # no curvature yet: a step of length 1
+    def _direction(self, x: np.ndarray, f: float, g: np.ndarray, scale: float | None = None) -> np.ndarray:
+        """Start a line search from x along the two-loop direction (−scale·∇F after a restart); its first trial."""
+        d = two_loop(g, self.pairs) if scale is None else -scale * g
+        if not -float(g @ d) > MIN_COSINE * float(np.linalg.norm(g) * np.linalg.norm(d)):
+            self.pairs, d, scale = [], -g, None   # (nearly) lost descent to rounding: start the memory afresh
+        # No curvature known yet: a first step of length 1, as scipy's.
+        alpha = 1.0 if self.pairs or scale is not None else 1.0 / float(np.linalg.norm(g))
         self.d = d
         self.search = WolfeSearch(f, float(g @ d), alpha, self.c1, self.c2)
         return x + alpha * d
@@ -467,11 +491,22 @@ class ExactRule(MeanRule):
         self.objective, self.optimizer, self.rounds = objective, optimizer, rounds
         self.sites: list[str] | None = None   # the first round's contributors: the objective's rows
         self.note = ""                         # for the next round's event log (Converging.opened)
+        self.secure_clip: float | None = None  # privacy.secagg.clip when the sums arrive by secure aggregation
 
     @classmethod
     def from_config(cls, args, cfg: RoundConfig) -> tuple[ExactRule, Schedule]:
         rule = cls.build(args, cfg)
+        if cfg.privacy.secure_aggregation:
+            rule.secure_clip = cfg.privacy.secagg.clip
         return rule, Converging(Sampling.of(cfg), rule, cfg)
+
+    def rounding(self, sites: int) -> float:
+        """How far a secure round's pooled gradient sum of F may be off per coordinate: K·K·2^-(f+1) on each sum
+        (docs/privacy.md; K sites advertised and surviving), times C. 0 for the clear sum (2^-32, negligible)."""
+        if self.secure_clip is None:
+            return 0.0
+        c = 1.0 if self.objective.C is None else self.objective.C
+        return c * sites * sites * 2.0 ** -(frac_bits(self.secure_clip) + 1)
 
     @classmethod
     def build(cls, args, cfg: RoundConfig) -> ExactRule:
@@ -513,6 +548,7 @@ class ExactRule(MeanRule):
         if self.stopped:
             nxt = self.optimizer.x if self.optimizer.x is not None else x
         else:
+            self.optimizer.stopping = replace(self.optimizer.stopping, floor=2.0 * self.rounding(len(contributors)))
             nxt = self.advance(round_, x, self.sums(mean, len(contributors)))
         if round_ >= self.rounds and not self.stopped and self.optimizer.x is not None:
             nxt = self.optimizer.x   # the job's last round: the best iterate, not a trial point

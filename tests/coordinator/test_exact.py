@@ -18,6 +18,7 @@ from coordinator.strategies.exact import (
     ACCEPT,
     FAIL,
     MAX_TRIALS,
+    RESTART_TRIALS,
     TRY,
     LBFGSOptimizer,
     NewtonOptimizer,
@@ -174,6 +175,36 @@ def test_lbfgs_with_a_near_exact_line_search_minimises_a_quadratic_in_d_iteratio
         evaluations += 1
     assert opt.stop.startswith("converged") and opt.iterations <= d + 1
     np.testing.assert_allclose(opt.x, solution, atol=1e-9)
+
+
+def test_on_rounded_sums_a_long_search_restarts_along_the_scaled_gradient_with_a_fresh_memory():
+    """Secure rounds (stopping.floor > 0): after RESTART_TRIALS trials without a step the memory is dropped and the
+    next trial is x − γ∇F from the best iterate, γ = s·y/y·y of the newest pair; on exact sums it searches on."""
+    a, b, _ = quadratic(4, 0)
+    f, g = (lambda x: 0.5 * x @ a @ x - b @ x), (lambda x: a @ x - b)
+    for floor, restarts in ((1e-6, True), (0.0, False)):
+        opt = LBFGSOptimizer(Stopping(gtol=1e-12, ftol=0.0, max_iterations=100, floor=floor))
+        x = opt.evaluated(np.zeros(4), f(np.zeros(4)), g(np.zeros(4)))
+        while not opt.pairs:   # until a step is accepted and gives a curvature pair
+            x = opt.evaluated(x, f(x), g(x))
+        (s, y), best = opt.pairs[-1], opt.x.copy()
+        for _ in range(RESTART_TRIALS):   # trials that always rise: no step is ever accepted
+            x = opt.evaluated(x, f(best) + 1.0, g(x))
+        if restarts:
+            assert opt.pairs == [] and opt.search.trials == 0
+            np.testing.assert_allclose(x, best - (s @ y) / (y @ y) * g(best))
+        else:
+            assert opt.pairs and opt.search.trials == RESTART_TRIALS and not opt.stop
+
+
+def test_under_secure_aggregation_the_gradient_within_the_sums_rounding_counts_as_converged():
+    stop = Stopping(gtol=1e-10, ftol=0.0, max_iterations=100, floor=2e-6)
+    assert stop.why(3, np.array([1.5e-6, -1e-6]), 1.0, None).startswith("converged")
+    assert stop.why(3, np.array([3e-6, 0.0]), 1.0, None) == ""
+    secure = make_strategy(job("{name: lbfgs, args: {C: 0.5}}", extra=(
+        "sites: {min: 3}\nprivacy: {secure_aggregation: true, secagg: {clip: 1024}}\n"))).rule
+    assert secure.rounding(4) == 0.5 * 4 * 4 * 2.0 ** -21   # C·K²·2^-(f+1), f = 30 − log2(1024)
+    assert make_strategy(job("{name: lbfgs, args: {C: 0.5}}")).rule.rounding(4) == 0.0
 
 
 def test_two_loop_with_one_pair_is_the_bfgs_update_of_the_scaled_identity():
