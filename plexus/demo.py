@@ -141,6 +141,19 @@ def _wait_for(path: Path, fed: Federation, timeout_s: float = 120) -> str:
     raise PlexusError(f"the coordinator did not start within {timeout_s:.0f}s; see {fed.logs}")
 
 
+def start_coordinator(fed: Federation, root: Path, federation: str, *, poll_timeout_s: float) -> str:
+    """A new federation's PKI in `root` and its coordinator, a child of `fed`, on 127.0.0.1; its address."""
+    from plexus import pki
+
+    pki.init_federation(root, federation, hosts=["127.0.0.1"])
+    coord_yaml = root / "coordinator" / "coordinator.yaml"
+    # Port 0: the OS picks a free port; the coordinator writes the one it bound to coordinator.addr.
+    coord_yaml.write_text(coord_yaml.read_text().replace('listen: "127.0.0.1:8443"', 'listen: "127.0.0.1:0"')
+                          + f"poll_timeout_s: {poll_timeout_s:g}\n")
+    fed.spawn("coordinator", "coordinator", "run", "--config", str(coord_yaml))
+    return _wait_for(root / "coordinator" / "state" / "coordinator.addr", fed)
+
+
 def run_demo(*, sites: int = 4, rounds: int = 20, workdir: Path | None = None, secure: bool = False,
              plot: Path | None = None, out=sys.stdout) -> int:
     if not 1 <= sites <= len(HOSPITALS):
@@ -186,16 +199,10 @@ def _run(fed: Federation, workdir: Path, sites: int, rounds: int, started: float
 
     hospitals = HOSPITALS[:sites]
     root = workdir / "pki"
-    pki.init_federation(root, "plexus-demo", hosts=["127.0.0.1"])
-    coord_yaml = root / "coordinator" / "coordinator.yaml"
-    # Port 0: the OS picks a free port; the coordinator writes the one it bound to coordinator.addr.
-    coord_yaml.write_text(coord_yaml.read_text().replace('listen: "127.0.0.1:8443"', 'listen: "127.0.0.1:0"')
-                          + "poll_timeout_s: 10\n")
+    say(f"plexus demo: federation in {workdir} (PKI, state, logs)")
+    address = start_coordinator(fed, root, "plexus-demo", poll_timeout_s=10)
     admin_kit = pki.add_admin(root, "demo-operator", role="operator")
     kits = {h: pki.add_site(root, h) for h in hospitals}
-    say(f"plexus demo: federation in {workdir} (PKI, state, logs)")
-    fed.spawn("coordinator", "coordinator", "run", "--config", str(coord_yaml))
-    address = _wait_for(root / "coordinator" / "state" / "coordinator.addr", fed)
     say(f"coordinator up on {address} (mutual TLS); starting {sites} site agents: {', '.join(hospitals)}")
     for h, kit in kits.items():
         (kit / "site.yaml").write_text(_site_yaml(h, h, address))
