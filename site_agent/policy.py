@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from plexus import statistics as stats
 from plexus.accounting import PrivacyLedger, dp_sgd_epsilon, dp_sgd_schedule, epsilon_after
-from plexus.config import PolicySpec, RoundConfig
+from plexus.config import EXACT_STRATEGIES, PolicySpec, RoundConfig
 from plexus.errors import ConfigError
 from plexus.models import REGISTRY, plugin_source_sha256
 
@@ -128,12 +128,15 @@ def _epsilon_refusal(max_epsilon: float, job: RoundConfig, train_size, rounds: i
     # a patient's ε is at most the smaller of the two guarantees. Sample rate 1.0 = no sampling credit.
     found = []
     if dp is not None:
-        epsilon = epsilon_after(rounds, dp.noise_multiplier, 1.0, dp.delta)
+        # lbfgs under privacy.dp: row-level (each row's gradient clipped), and its noisy row count is one more
+        # release at the same σ (coordinator/strategies/exact.py: dp_releases), as the coordinator counts it.
+        exact = job.strategy.name in EXACT_STRATEGIES
+        epsilon = epsilon_after(rounds + (1 if exact else 0), dp.noise_multiplier, 1.0, dp.delta)
         if epsilon <= max_epsilon:
             return None
         if whole_job and dp.target_epsilon is not None and dp.target_epsilon <= max_epsilon:
             return None  # the job stops at its target; the site re-checks every round with round_
-        found.append(f"client-level ε {_fmt(epsilon)} (δ={dp.delta})")
+        found.append(f"{'row' if exact else 'client'}-level ε {_fmt(epsilon)} (δ={dp.delta})")
     if dp_sgd is not None:
         size = train_size() if callable(train_size) else train_size
         if size is None:

@@ -72,6 +72,18 @@ def test_epsilon_within_the_cap_is_accepted():
     assert refusal(PolicySpec(allowed_models=("mlp",), max_epsilon=cap), job(DP), INSTALLED) is None
 
 
+def test_lbfgs_under_dp_counts_its_noisy_row_count_as_one_more_release_and_says_row_level():
+    """As the coordinator's accountant counts it (ε after n rounds = n + 1 releases at q = 1): a cap exactly at
+    10 releases refuses the 10-round job, one at 11 takes it."""
+    exact = parse_round_config("name: j\nmodel: {name: logistic, args: {in_features: 13, dtype: float64}}\n"
+                               "data: {dataset: heart-disease}\nrounds: 10\nsites: {min: 3}\n"
+                               f"strategy: {{name: lbfgs}}\nprivacy: {DP}\n")
+    policy = PolicySpec(allowed_models=("logistic",), max_epsilon=epsilon_after(10, 1.0, 1.0, 1e-5))
+    assert "row-level ε" in refusal(policy, exact, INSTALLED)
+    policy = PolicySpec(allowed_models=("logistic",), max_epsilon=epsilon_after(11, 1.0, 1.0, 1e-5))
+    assert refusal(policy, exact, INSTALLED) is None
+
+
 def test_target_epsilon_within_the_cap_accepts_the_job_and_the_site_stops_per_round():
     dp = "{dp: {mode: central, noise_multiplier: 1.0, clip_norm: 1.0, target_epsilon: 5.0}}"
     policy = PolicySpec(allowed_models=("mlp",), max_epsilon=6.0)
