@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 from driver_rig import DriverRig, rigs
+from statistics_jobs import statistics_job_text
 
 from coordinator.drivers.sync import SyncRounds
 from coordinator.strategies import (
@@ -29,24 +30,9 @@ from plexus.errors import ConfigError
 from plexus.vocab import JobStatus, TaskKind
 from plexus.wire import encode
 
-JOB = """\
-name: stats
-kind: statistics
-data: {dataset: heart-disease}
-statistics:
-  columns:
-    - {name: age, range: [0, 100], bins: 4}
-    - {name: sex, categories: [F, M]}
-  min_max: MIN_MAX
-DP
-sites: {min: 3, deadline_s: 60}
-privacy: {secure_aggregation: SECURE}
-"""
-
 
 def _job(*, secure=False, min_max=False, dp=""):
-    return parse_round_config(JOB.replace("SECURE", str(secure).lower()).replace("MIN_MAX", str(min_max).lower())
-                              .replace("DP\n", f"  dp: {dp}\n" if dp else ""))
+    return parse_round_config(statistics_job_text(secure=secure, min_max=min_max, dp=dp))
 
 
 def _table(ages, sexes):
@@ -119,8 +105,7 @@ class Rig(DriverRig):
     def __init__(self, path, *, job):
         self.job = job
         zeros = {name: np.zeros(shape) for name, _, shape in stats.layout(job.statistics)}
-        text = JOB.replace("SECURE", "false").replace("MIN_MAX", "false").replace(
-            "DP\n", "  dp: {mechanism: laplace, epsilon: 0.5}\n")
+        text = statistics_job_text(dp="{mechanism: laplace, epsilon: 0.5}")
         super().__init__(path, text, model=zeros)
 
     def send_sums(self, site: str, grant, sums: dict) -> str:

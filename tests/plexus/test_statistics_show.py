@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from statistics_jobs import statistics_job_text
 
 from plexus import statistics as stats
 from plexus.admin_client import job_statistics, statistics_spec
@@ -16,17 +17,6 @@ from plexus.config import parse_round_config
 from plexus.errors import PlexusError
 from plexus.proto.plexus.v1 import admin_pb2
 
-STATS = """\
-name: stats
-kind: statistics
-data: {dataset: heart-disease}
-statistics:
-  columns:
-    - {name: age, range: [0, 100], bins: 4}
-    - {name: sex, categories: [F, M]}
-  min_max: false
-DP
-"""
 TRAINING = "name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 3\n"
 
 
@@ -37,7 +27,7 @@ def detail(text: str, *, round_: int = 1) -> admin_pb2.JobDetail:
 
 
 def stats_job(dp: str = "") -> str:
-    return STATS.replace("DP\n", f"  dp: {dp}\n" if dp else "")
+    return statistics_job_text(dp=dp)
 
 
 class Client:
