@@ -498,7 +498,7 @@ class DatasetSpec:
 
     kind: str = field(metadata=one_of("csv", "npz", "heart-disease", "fashion-mnist"))
     path: Path | None = None
-    label: str | None = None
+    label: str | None = None   # csv: the label column; without one the file serves statistics jobs only
     hospital: str | None = field(default=None, metadata=one_of(*HOSPITALS))
     features: tuple[str, ...] | None = field(default=None, metadata=non_empty())
     test_fraction: float = field(default=0.34, metadata=in_range(0, 1, lo_open=True, hi_open=True))
@@ -800,15 +800,15 @@ class AdminConfig:
     kit: Path
 
 
-_DATASET_NEEDS = {"csv": ("path", "label"), "npz": ("path",), "heart-disease": ("hospital",),
+_DATASET_NEEDS = {"csv": ("path",), "npz": ("path",), "heart-disease": ("hospital",),
                   "fashion-mnist": ("sites", "index", "alpha")}
 # Optional keys (default None) that mean something for each kind; the others are rejected.
 _DATASET_APPLIES = {"csv": ("path", "label", "features", "encoding", "delimiter"), "npz": ("path",),
                     "heart-disease": ("path", "hospital"),
                     "fashion-mnist": ("path", "sites", "index", "alpha", "limit")}
-_DATASET_EXAMPLE = {"path": "<file path>", "label": "<label column>",
-                    "hospital": f"<one of {', '.join(HOSPITALS)}>", "sites": "<number of sites, e.g. 8>",
-                    "index": "<this site's share, 0..sites-1>", "alpha": "<Dirichlet concentration, e.g. 0.3>"}
+_DATASET_EXAMPLE = {"path": "<file path>", "hospital": f"<one of {', '.join(HOSPITALS)}>",
+                    "sites": "<number of sites, e.g. 8>", "index": "<this site's share, 0..sites-1>",
+                    "alpha": "<Dirichlet concentration, e.g. 0.3>"}
 
 
 def _dataset_problem(spec: DatasetSpec) -> tuple[str, str] | None:
@@ -819,6 +819,10 @@ def _dataset_problem(spec: DatasetSpec) -> tuple[str, str] | None:
     for key in _DATASET_NEEDS[spec.kind]:
         if getattr(spec, key) is None:
             return key, f"required for kind {spec.kind!r} but not set; add '{key}: {_DATASET_EXAMPLE[key]}'"
+    if spec.kind == "csv" and spec.features is not None and spec.label is None:
+        return "features", ("lists the columns a training job may use, and without `label` this file serves "
+                            "statistics jobs only (which read every column); add 'label: <label column>' to train "
+                            "on it, or remove `features`")
     if spec.index is not None and spec.sites is not None and spec.index >= spec.sites:
         return "index", f"{spec.index} is not a share of a {spec.sites}-site split; use 0..{spec.sites - 1}"
     if spec.limit is not None and spec.sites is not None and spec.limit < spec.sites:

@@ -56,7 +56,7 @@ def check_site(config: SiteConfig, *, job: RoundConfig | None = None, dataset: s
             spec = dataclasses.replace(spec, encoding=encoding or spec.encoding, delimiter=delimiter or spec.delimiter)
         ok &= _check_dataset(lines, name, spec)
         if job is not None:
-            ok &= _check_job(lines, job, spec)
+            ok &= _check_job(lines, job, spec, min_cell_count=config.policy.min_cell_count)
     return "\n".join(lines), ok
 
 
@@ -77,13 +77,15 @@ def _check_dataset(lines: list[str], name: str, spec) -> bool:
     except (ValueError, OSError) as exc:
         lines.append(f"  NOT advertised at Join: it does not load:\n{_indent(str(exc))}")
         return False
-    lines.append(f"  advertised at Join with {rows} training rows")
+    lines.append(f"  advertised at Join with {rows} training rows" if spec.label is not None
+                 else f"  advertised at Join with {rows} rows (all of them: statistics jobs read every row)")
     return True
 
 
 def _describe_table(lines: list[str], table: Table, spec) -> None:
     lines.append(f"  {len(table.rows)} data rows, encoding {spec.encoding or 'utf-8'}, "
-                 f"delimiter {spec.delimiter or ','!r}; label column {spec.label!r}"
+                 f"delimiter {spec.delimiter or ','!r}; "
+                 + (f"label column {spec.label!r}" if spec.label is not None else "no label: statistics jobs only")
                  + (f"; features offered: {list(spec.features)}" if spec.features is not None else ""))
     width = max(len(c) for c in table.header)
     for at, column in enumerate(table.header):
@@ -99,8 +101,10 @@ def _describe_table(lines: list[str], table: Table, spec) -> None:
         lines.append(f"    {column:<{width}}  {kind}{empty}")
 
 
-def _check_job(lines: list[str], job: RoundConfig, spec) -> bool:
+def _check_job(lines: list[str], job: RoundConfig, spec, *, min_cell_count: int | None) -> bool:
     data = job.data
+    if job.kind == "statistics":
+        return _check_statistics(lines, job, spec, min_cell_count)
     lines.append(f"job {job.name!r} (model {job.model.name} {job.model.args}) uses dataset {data.dataset!r}")
     if data.label is not None:
         inputs = feature_inputs(data.features)
@@ -120,9 +124,7 @@ def _check_job(lines: list[str], job: RoundConfig, spec) -> bool:
     try:
         split = load_for_job(spec, data)
     except DataError as exc:
-        lines.append(f"  this site DECLINES the job; the coordinator is told:\n{_indent(exc.remote)}")
-        lines.append(f"  detail (stays at this site):\n{_indent(str(exc))}")
-        return False
+        return _declines(lines, exc)
     accepts = (f"  this site accepts the job: {len(split.y_train)} training rows, {len(split.y_test)} test rows, "
                f"model input shape {split.x_train.shape[1:]}")
     if data.target == "numeric":
@@ -135,6 +137,31 @@ def _check_job(lines: list[str], job: RoundConfig, spec) -> bool:
     lines.append(f"{accepts}, {split.num_classes} classes")
     lines.append("  training rows per class: " + ", ".join(f"{c} {counts.get(i, 0)}" for i, c in enumerate(classes)))
     return True
+
+
+def _check_statistics(lines: list[str], job: RoundConfig, spec, min_cell_count: int | None) -> bool:
+    """What the site half does with a statistics job: read the raw table, check its columns, compute the sums."""
+    # Imported here: the site half imports torch, which checking a dataset or a training job does not need.
+    from site_agent.local import check_statistics_columns, raw_table, statistics_sums
+
+    columns = [c.name for c in job.statistics.columns]
+    group = job.statistics.group_by
+    lines.append(f"statistics job {job.name!r} of columns {listing(columns)}"
+                 + (f" by {group.column!r}" if group is not None else "") + f" uses dataset {job.data.dataset!r}")
+    try:
+        table = raw_table(spec, job.data.dataset)
+        check_statistics_columns(job, table)
+        sums = statistics_sums(job, table, min_cell_count=min_cell_count)
+    except DataError as exc:
+        return _declines(lines, exc)
+    lines.append(f"  this site accepts the job: its sums over {int(sums['stats/rows'][0])} rows (every row)")
+    return True
+
+
+def _declines(lines: list[str], exc: DataError) -> bool:
+    lines.append(f"  this site DECLINES the job; the coordinator is told:\n{_indent(exc.remote)}")
+    lines.append(f"  detail (stays at this site):\n{_indent(str(exc))}")
+    return False
 
 
 def _feature_text(f) -> str:

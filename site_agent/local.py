@@ -194,10 +194,7 @@ class Statistics(Plain):
     evaluates = False
 
     def train(self, run: Run) -> LocalResult:
-        try:
-            sums = stats.site_sums(run.job.statistics, run.data, min_cell_count=run.min_cell_count)
-        except stats.SmallCells as exc:   # names cells of the job's spec (group, column, bin), not their counts
-            raise DataError(str(exc), f"dataset {run.job.data.dataset!r}: {exc}") from None
+        sums = statistics_sums(run.job, run.data, min_cell_count=run.min_cell_count)
         load_numpy_state(run.model, {name: np.asarray(value) for name, value in sums.items()})
         # Every site counts once (num_samples 1): its sums are added, never weighed by its rows.
         return LocalResult(result=TrainResult(num_samples=1, steps=0, metrics={}), update=state_views(run.model),
@@ -266,6 +263,15 @@ def check_statistics_columns(job: Any, table: Mapping[str, np.ndarray]) -> None:
         text = "; ".join(problems)
         raise DataError(f"dataset {job.data.dataset!r}: {text}",
                         f"dataset {job.data.dataset!r} does not match the job's statistics columns: {text}")
+
+
+def statistics_sums(job: Any, table: Mapping[str, np.ndarray], *, min_cell_count: int | None) -> dict[str, np.ndarray]:
+    """A statistics job's sums over this site's raw table; DataError (the site declines) for a cell of 1..k-1 rows
+    under policy.min_cell_count: k."""
+    try:
+        return stats.site_sums(job.statistics, table, min_cell_count=min_cell_count)
+    except stats.SmallCells as exc:   # names cells of the job's spec (group, column, bin), not their counts
+        raise DataError(str(exc), f"dataset {job.data.dataset!r}: {exc}") from None
 
 
 def local_update(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], data: Any, *, site: str,

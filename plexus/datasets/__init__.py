@@ -62,8 +62,9 @@ def load_for_job(spec: Any, data: Any) -> Split:
     """The split a job trains and evaluates on at this site.
 
     ``spec`` is the site's dataset entry, ``data`` the job's data section. A CSV dataset
-    needs the job's declared schema (label, its classes for a class target, and features by
-    name); the other kinds take none. A numeric ``data.target`` gives float64 labels (csv and
+    needs a label column in its entry (without one it serves statistics jobs only) and the
+    job's declared schema (label, its classes for a class target, and features by name); the
+    other kinds take none. A numeric ``data.target`` gives float64 labels (csv and
     npz kinds only). Any problem raises DataError, whose ``remote`` text is the reason the site
     declines the job with.
     """
@@ -82,6 +83,11 @@ def load_for_job(spec: Any, data: Any) -> Split:
                                 f"it is a {spec.kind} dataset at this site; data.label and data.features "
                                 "describe CSV datasets only")
             return npz.load(spec, numeric=True) if numeric else load_dataset(spec)
+        if spec.label is None:
+            raise DataError(f"dataset {name!r} is a CSV file whose entry in site.yaml names no `label`, so it serves "
+                            "statistics jobs only; add `label: COLUMN` to it to train on it",
+                            "it serves statistics jobs only at this site: its entry in site.yaml names no label "
+                            "column; to train on it, the site adds `label: COLUMN` to the dataset in site.yaml")
         if data.label is None:
             raise DataError(f"dataset {name!r} is a CSV file and the job declares no schema",
                             "it is a CSV file at this site and the job declares no schema: add data.label "
@@ -103,6 +109,7 @@ def load_as_stored(spec: Any) -> Split:
 def train_rows(spec: Any) -> int:
     """Training rows of a dataset that loads without a job, whatever the job's target: what Join advertises.
 
-    A CSV file is only read (the job's schema encodes it); other kinds are loaded, their labels as stored.
+    A CSV file is only read (the job's schema encodes it): one without a label column advertises all its rows,
+    which the statistics jobs it serves read. Other kinds are loaded, their labels as stored.
     """
     return csv_train_rows(spec) if spec.kind == "csv" else len(load_as_stored(spec).y_train)

@@ -41,7 +41,8 @@ def load(spec: Any) -> Split:
     reject_fields(spec, "csv", ("hospital", *SPLIT_FIELDS))
     path = required_path(spec, "csv")
     if spec.label is None:
-        raise ConfigError("csv dataset needs `label`: the name of the label column")
+        raise ConfigError("csv dataset needs `label` (the name of the label column) to load for training; "
+                          "without it the file serves statistics jobs only")
     table = read_table(path, encoding=getattr(spec, "encoding", None), delimiter=getattr(spec, "delimiter", None))
     header, at = table.header, table.columns
     if spec.label not in at:
@@ -193,8 +194,13 @@ class _BadCells:
 
 
 def csv_train_rows(spec: Any) -> int:
-    """Training rows of a CSV dataset, checking only what needs no job (the file reads, the label column exists)."""
+    """Training rows of a CSV dataset, checking only what needs no job (the file reads, the label column exists).
+
+    Without a label column the file serves statistics jobs only, which read every row: all rows, no split.
+    """
     table = read_table(required_path(spec, "csv"), encoding=spec.encoding, delimiter=spec.delimiter)
+    if spec.label is None:
+        return len(table.rows)
     _require_label_column(table, spec.label)
     n = len(table.rows)
     return n - test_rows(n, spec.test_fraction)

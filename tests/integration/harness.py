@@ -76,11 +76,13 @@ class Federation:
         return client
 
     def start_site(self, name: str, *, allowed_models=("logistic", "mlp"), dataset: str = "heart-disease",
-                   **policy) -> SiteAgent:
-        """policy: further PolicySpec keys (e.g. min_cell_count)."""
+                   datasets: dict[str, DatasetSpec] | None = None, **policy) -> SiteAgent:
+        """datasets: the site's own (default: `dataset`, its hospital's heart-disease rows); policy: further
+        PolicySpec keys (e.g. min_cell_count)."""
+        if datasets is None:
+            datasets = {dataset: DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[name])}
         config = SiteConfig(site=name, coordinator=self.address, kit=self.root / "sites" / name,
-                            state_dir=self.root / "sites" / name / "state",
-                            datasets={dataset: DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[name])},
+                            state_dir=self.root / "sites" / name / "state", datasets=datasets,
                             policy=PolicySpec(allowed_models=tuple(allowed_models), **policy))
         agent = SiteAgent(config, backoff_cap_s=0.5)
         thread = threading.Thread(target=agent.run, daemon=True)

@@ -13,7 +13,7 @@ import pytest
 
 from plexus import statistics as stats
 from plexus.cli import main as cli
-from plexus.config import parse_round_config
+from plexus.config import DatasetSpec, parse_round_config
 from plexus.datasets import HEART_DISEASE_CSV
 from plexus.secagg.fixed_point import frac_bits
 
@@ -285,3 +285,39 @@ def test_a_clip_below_the_sums_fails_the_secure_round_loudly(federation):
     assert sorted(failed) == list(SITES)
     assert all("beyond privacy.secagg.clip = 16" in why and "set privacy.secagg.clip to at least" in why
                for why in failed.values()), failed
+
+
+TRAIN_JOB = f"""\
+name: heart-train
+model: {{name: logistic, args: {{in_features: 1, num_classes: 5}}}}
+data:
+  dataset: heart-disease
+  label: {{column: num, classes: ["0", "1", "2", "3", "4"]}}
+  features: [{{name: age}}]
+rounds: 1
+sites: {{min: 3, deadline_s: {scaled(30)}}}
+train: {{epochs: 1, batch_size: 32, optimizer: {{name: sgd, lr: 0.1}}}}
+"""
+
+
+def test_hospitals_whose_csv_names_no_label_pool_statistics_and_decline_training(federation, tmp_path, capsys):
+    sites = ("a", "b", "c")
+    for site in sites:   # each hospital's export as its own CSV file, offered without a label column
+        path = tmp_path / f"{site}.csv"
+        _pooled_rows((site,)).to_csv(path, index=False)
+        federation.start_site(site, allowed_models=("statistics", "logistic"),
+                              datasets={"heart-disease": DatasetSpec(kind="csv", path=path)})
+    federation.wait_online(*sites)
+    job = CLEAR_JOB.replace("sites: {min: 4", "sites: {min: 3")
+    job_id = federation.admin().submit(job).job_id
+    assert federation.wait_job(job_id) == "completed", federation.store.job(job_id).message
+    exact = {"rel": 1e-12, "abs": 1e-9}
+    _compare(_figures_json(federation, job_id, tmp_path, capsys), parse_round_config(job).statistics,
+             _pooled_rows(sites), lambda key: exact)
+
+    job_id = federation.admin().submit(TRAIN_JOB).job_id
+    assert federation.wait_job(job_id) == "failed"
+    assert "(other sites — a: declined, b: declined, c: declined)" in federation.store.job(job_id).message
+    assert federation.store.declines(job_id) == dict.fromkeys(
+        sites, "dataset 'heart-disease': it serves statistics jobs only at this site: its entry in site.yaml names "
+               "no label column; to train on it, the site adds `label: COLUMN` to the dataset in site.yaml")

@@ -479,8 +479,11 @@ def test_site_paths_resolve_when_loaded_by_relative_path(tmp_path, monkeypatch):
         (SITE + "policy:\n  allowed_models: mlp\n", "5: policy.allowed_models: expected a list", ""),
         (SITE + "policy:\n  allowed_models: [mlp, 3]\n", "5: policy.allowed_models[1]: expected a string", ""),
         (SITE + "policy: {max_epsilon: 0}\n", "4: policy.max_epsilon: 0.0 is out of range", ""),
-        (SITE + "datasets:\n  heart:\n    kind: csv\n    path: heart.csv\n",
-         "6: datasets.heart.label: required for kind 'csv' but not set", "add 'label: <label column>'"),
+        (SITE + "datasets:\n  heart:\n    kind: csv\n    label: target\n",
+         "6: datasets.heart.path: required for kind 'csv' but not set", "add 'path: <file path>'"),
+        (SITE + "datasets:\n  heart:\n    kind: csv\n    path: heart.csv\n    features: [age]\n",
+         "8: datasets.heart.features: lists the columns a training job may use, and without `label` this file "
+         "serves statistics jobs only", "add 'label: <label column>' to train on it, or remove `features`"),
         (SITE + "datasets:\n  arrays: {kind: npz}\n",
          "5: datasets.arrays.path: required for kind 'npz' but not set", "add 'path: <file path>'"),
         (SITE + "datasets:\n  heart: {kind: heart-disease}\n",

@@ -82,3 +82,64 @@ def test_an_emulated_slowdown_is_printed_first(tmp_path, capsys):
     assert code == 0
     assert out.startswith("site ward-e: datasets ['triage']\nEMULATION ONLY: emulation.slowdown 5 stretches every "
                           "training task; remove `emulation:` at any real site (docs/install-site.md)\n")
+
+
+STATISTICS = """\
+name: ward-stats
+kind: statistics
+data: {dataset: triage}
+statistics:
+  columns:
+    - {name: age, range: [0, 100], bins: 4}
+    - {name: bmi}
+  group_by: {column: sex, categories: [F, M]}
+sites: {min: 3}
+"""
+
+
+def _site(tmp_path, entry: str, policy: str = "") -> Path:
+    shutil.copy(TRIAGE / "ward-a.csv", tmp_path / "ward-a.csv")
+    (tmp_path / "stats.yaml").write_text(STATISTICS)
+    (tmp_path / "site.yaml").write_text("site: ward-a\ncoordinator: 'c.example.org:8443'\nkit: kit\n"
+                                        f"datasets:\n  triage: {{kind: csv, path: ward-a.csv{entry}}}\n{policy}")
+    return tmp_path / "site.yaml"
+
+
+def test_a_csv_without_label_is_shown_as_for_statistics_jobs_only(tmp_path, capsys):
+    site = _site(tmp_path, "")
+    code, out = _check(capsys, "--config", site)
+    assert code == 0, out
+    assert "  12 data rows, encoding utf-8, delimiter ','; no label: statistics jobs only\n" in out
+    assert "    outcome     text: 3 distinct ('home' x5, 'readmitted' x4, 'icu' x3)" in out
+    assert "  advertised at Join with 12 rows (all of them: statistics jobs read every row)" in out
+
+    code, out = _check(capsys, "--config", site, "--job", tmp_path / "stats.yaml")
+    assert code == 0, out
+    assert "statistics job 'ward-stats' of columns ['age', 'bmi'] by 'sex' uses dataset 'triage'" in out
+    assert "  this site accepts the job: its sums over 12 rows (every row)" in out
+
+    code, out = _check(capsys, "--config", site, "--job", JOB)
+    assert code == 1
+    assert ("  this site DECLINES the job; the coordinator is told:\n"
+            "    dataset 'triage': it serves statistics jobs only at this site: its entry in site.yaml names no "
+            "label column; to train on it, the site adds `label: COLUMN` to the dataset in site.yaml\n") in out
+
+
+def test_a_statistics_job_is_checked_as_the_site_half_reads_it(tmp_path, capsys):
+    # With a label too: a statistics job reads the raw columns, it declares no training schema.
+    code, out = _check(capsys, "--config", _site(tmp_path, ", label: outcome"), "--job", tmp_path / "stats.yaml")
+    assert code == 0, out
+    assert "  this site accepts the job: its sums over 12 rows (every row)" in out
+
+    (tmp_path / "stats.yaml").write_text(STATISTICS.replace("{name: bmi}", "{name: weight}"))
+    code, out = _check(capsys, "--config", tmp_path / "site.yaml", "--job", tmp_path / "stats.yaml")
+    assert code == 1
+    assert ("  this site DECLINES the job; the coordinator is told:\n"
+            "    dataset 'triage' does not match the job's statistics columns: missing column(s) 'weight'\n") in out
+
+    code, out = _check(capsys, "--config", _site(tmp_path, "", "policy: {min_cell_count: 2}\n"),
+                       "--job", tmp_path / "stats.yaml")
+    assert code == 1
+    assert ("    dataset 'triage': 4 cell(s) would hold 1 to 1 rows, fewer than this site's min_cell_count 2 (empty "
+            "cells are fine): min and max of the numeric columns") in out
+    assert "; sex=F / age / histogram [25, 50); sex=F / bmi / missing; sex=M / bmi / missing\n" in out
