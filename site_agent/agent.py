@@ -510,7 +510,7 @@ class SiteAgent:
         spec = self.config.datasets[job.data.dataset]
         if spec not in self._tables:
             self._tables[spec] = raw_table(spec, job.data.dataset)
-        check_statistics_columns(job, self._tables[spec])
+        check_statistics_columns(job, spec, self._tables[spec])
         return self._tables[spec]
 
     def _fetch(self, stub, task: fpb.Task, expected: Layout, job: RoundConfig) -> dict:

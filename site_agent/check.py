@@ -150,7 +150,7 @@ def _check_statistics(lines: list[str], job: RoundConfig, spec, min_cell_count: 
                  + (f" by {group.column!r}" if group is not None else "") + f" uses dataset {job.data.dataset!r}")
     try:
         table = raw_table(spec, job.data.dataset)
-        check_statistics_columns(job, table)
+        check_statistics_columns(job, spec, table)
         sums = statistics_sums(job, table, min_cell_count=min_cell_count)
     except DataError as exc:
         return _declines(lines, exc)

@@ -240,11 +240,22 @@ def served_layout(job: Any, model: nn.Module) -> Layout:
     return Layout.build(specs + local_training(job).served_extras(state))
 
 
+def offered_columns(dataset: Any) -> set[str] | None:
+    """The columns of a dataset entry a job may read: a csv entry that lists `features` offers those and its
+    label only (the hospital chose them); None: every column."""
+    if dataset.kind == "csv" and dataset.features is not None:
+        return {*dataset.features, dataset.label}
+    return None
+
+
 def raw_table(dataset: Any, name: str) -> dict[str, np.ndarray]:
-    """The raw table (column -> values) of the site's dataset entry `dataset`, configured as `name`: DataError,
-    whose `remote` says what may leave the site, when it cannot be read as one."""
+    """The raw table (column -> values) of the site's dataset entry `dataset`, configured as `name`, holding only
+    the columns the entry offers (offered_columns): DataError, whose `remote` says what may leave the site, when
+    it cannot be read as one."""
     try:
-        return stats.read_table(dataset)
+        table = stats.read_table(dataset)
+        offered = offered_columns(dataset)
+        return table if offered is None else {c: v for c, v in table.items() if c in offered}
     except DataError as exc:
         raise DataError(str(exc), f"dataset {name!r}: {exc.remote}") from None
     except (ValueError, OSError) as exc:
@@ -255,10 +266,17 @@ def raw_table(dataset: Any, name: str) -> dict[str, np.ndarray]:
                                   f"({type(exc).__name__}); the site's log says why") from None
 
 
-def check_statistics_columns(job: Any, table: Mapping[str, np.ndarray]) -> None:
-    """DataError, whose `remote` names every difference, unless the table has the columns the statistics job
-    describes, of their declared kinds."""
-    problems = stats.schema_problems(job.statistics, table)
+def check_statistics_columns(job: Any, dataset: Any, table: Mapping[str, np.ndarray]) -> None:
+    """DataError, whose `remote` names every difference, unless the table (raw_table of the site's entry
+    `dataset`) has the columns the statistics job describes, of their declared kinds, and the entry offers them."""
+    spec, offered = job.statistics, offered_columns(dataset)
+    asked = [c.name for c in spec.columns] + ([spec.group_by.column] if spec.group_by is not None else [])
+    if offered is not None and (withheld := [c for c in dict.fromkeys(asked) if c not in offered]):
+        raise DataError(f"dataset {job.data.dataset!r}: the job asks for columns {withheld}, which its entry's "
+                        "features and label do not list",
+                        f"dataset {job.data.dataset!r} offers only the columns this site lists for it, and the job "
+                        f"asks for {len(withheld)} more: {withheld}; describe only offered columns")
+    problems = stats.schema_problems(spec, table)
     if problems:
         text = "; ".join(problems)
         raise DataError(f"dataset {job.data.dataset!r}: {text}",

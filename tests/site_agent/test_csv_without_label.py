@@ -45,12 +45,12 @@ sites: {min: 3}
 """
 
 
-def _agent(kit, tmp_path, label: str | None = None) -> SiteAgent:
+def _agent(kit, tmp_path, label: str | None = None, features: tuple[str, ...] | None = None) -> SiteAgent:
     path = tmp_path / "wards.csv"
     path.write_text(CSV)
     return SiteAgent(SiteConfig(
-        site="a", coordinator="127.0.0.1:1", kit=kit, state_dir=tmp_path / f"state-{label}",
-        datasets={"wards": DatasetSpec(kind="csv", path=path, label=label)},
+        site="a", coordinator="127.0.0.1:1", kit=kit, state_dir=tmp_path / f"state-{label}-{features}",
+        datasets={"wards": DatasetSpec(kind="csv", path=path, label=label, features=features)},
         policy=PolicySpec(allowed_models=("statistics", "logistic"))))
 
 
@@ -97,3 +97,16 @@ def test_a_training_job_is_declined_naming_the_fix(kit, tmp_path):
     # The same file with its label column named trains.
     stub = _handle(_agent(kit, tmp_path, label="ward"), TRAINING)
     assert stub.results == [] and len(stub.updates) == 1
+
+
+def test_an_entry_that_lists_features_offers_statistics_only_those_and_its_label(kit, tmp_path):
+    """The hospital chose which columns leave as features: a statistics job over another is declined, naming it."""
+    stub = _handle(_agent(kit, tmp_path, label="ward", features=("age",)), STATISTICS)
+    assert stub.updates == []
+    (result,) = stub.results
+    assert result.status == fpb.RESULT_DECLINED
+    assert result.reason == ("dataset 'wards' offers only the columns this site lists for it, and the job asks for "
+                             "1 more: ['sex']; describe only offered columns")
+    # Offering sex as well, the same job runs (its group column, ward, is the entry's label).
+    stub = _handle(_agent(kit, tmp_path, label="ward", features=("age", "sex")), STATISTICS)
+    assert stub.results == [] and _sums(stub)["stats/rows"].tolist() == [6, 3, 3]
