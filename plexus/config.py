@@ -642,7 +642,7 @@ class LBFGSArgs:
     """lbfgs: minimise scikit-learn's C·Σℓ + ½‖w‖² over the pooled rows, one line-search trial per round."""
 
     C: float | None = field(default=1.0, metadata=_RATE)   # None: no penalty, F = Σℓ
-    memory: int = field(default=10, metadata=in_range(1, 1000))          # (s, y) pairs kept
+    memory: int = field(default=30, metadata=in_range(1, 1000))          # (s, y) pairs kept: 2·memory·d floats
     gtol: float = field(default=1e-10, metadata=_TOLERANCE)              # stop at ‖∇F‖∞ <= gtol
     ftol: float = field(default=1e-14, metadata=_TOLERANCE)              # stop at relative change of F <= ftol
     max_iterations: int = field(default=100, metadata=in_range(1, 100_000))

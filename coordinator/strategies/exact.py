@@ -254,7 +254,7 @@ class Optimizer:
 class LBFGSOptimizer(Optimizer):
     """L-BFGS with a strong-Wolfe line search, each trial one evaluation; the first step has length 1, as scipy's."""
 
-    def __init__(self, stopping: Stopping, *, memory: int = 10, c1: float = 1e-4, c2: float = 0.9) -> None:
+    def __init__(self, stopping: Stopping, *, memory: int = 30, c1: float = 1e-4, c2: float = 0.9) -> None:
         super().__init__(stopping)
         self.memory, self.c1, self.c2 = memory, c1, c2
         self.pairs: list[tuple[np.ndarray, np.ndarray]] = []
