@@ -2,12 +2,14 @@
 
 fp16: every float tensor travels as F16; the sites train from fp16(model).
 
-delta8: the sites share one *served chain*, chain_r = chain_{r-1} + dequant(Q8(model_r - chain_{r-1})), computed
-with plexus.compression's own encode and decode, so the coordinator and every site hold the same float32 bits.
-A site that holds chain_{r-1} (it says so with the SHA-256 of its wire blob) gets the 8-bit delta; any other
-site (a first fetch, a missed round, a damaged copy) gets chain_r in full. Either way it then holds chain_r.
-The chain lives only here, in memory: a coordinator that restarts begins it again from the exact model, and
-every site fetches that once in full. Checkpoints always hold the exact model.
+delta8: the sites share one *served chain*. It begins at chain_0 = dequant(Q8(model_0 - 0)), the delta from
+all-zero tensors (plexus.compression.zero_base), which every site fetches as that compact wire whatever it holds,
+and goes on as chain_r = chain_{r-1} + dequant(Q8(model_r - chain_{r-1})), all computed with plexus.compression's
+own encode and decode, so the coordinator and every site hold the same float32 bits. Later, a site that holds
+chain_{r-1} (it says so with the SHA-256 of its wire blob) gets the 8-bit delta; any other site (a missed round,
+a late joiner, a damaged copy) gets chain_r in full. Either way it then holds chain_r. The chain lives only here,
+in memory: a coordinator that restarts begins it again, from zeros, at the model it takes up. Checkpoints always
+hold the exact model.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.served import Held, ServedModel
-from plexus.compression import downlink_decode, downlink_encode
+from plexus.compression import downlink_decode, downlink_encode, zero_base
 from plexus.config import DownlinkSpec
 from plexus.wire import Layout, decode, encode
 
@@ -48,7 +50,7 @@ class Downlink:
         self.spec = spec
         self.round: int | None = None
         self.base: dict[str, np.ndarray] | None = None   # what the sites decode: fp16(model), or chain_r
-        self.full: ServedModel | None = None             # for every site (delta8: any that lacks chain_{r-1})
+        self.full: ServedModel | None = None             # for every site (delta8: any the delta is not for)
         self.delta: ServedModel | None = None            # delta8: for the sites that hold chain_{r-1}
         self._delta_base: Held | None = None             # delta8: chain_{r-1} as such a site names it
         self._held: Held | None = None                   # delta8: chain_r as a site that holds it names it
@@ -64,22 +66,21 @@ class Downlink:
             wire = downlink_encode(self.spec, state, None)
             return Step(round_, ServedModel.in_memory(*encode(wire), encoding="fp16"),
                         downlink_decode(self.spec, Layout.of(state), wire, None))
-        if self.base is None:   # the chain begins (again) at the exact model
-            return self._chain_step(round_, *encode(state))
         layout = Layout.of(state)
-        if layout != Layout.of(self.base):
+        if self.base is not None and layout != Layout.of(self.base):
             raise ValueError("the served model changed its layout; a delta cannot span that")
-        wire = downlink_encode(self.spec, state, self.base)
-        chain_layout, chain_blob = encode(downlink_decode(self.spec, layout, wire, self.base))
-        delta = ServedModel.in_memory(*encode(wire), encoding="delta8", base_round=self._held.round,
-                                      sha256=sha256(chain_blob))
-        return self._chain_step(round_, chain_layout, chain_blob, delta=delta)
-
-    def _chain_step(self, round_: int, layout: Layout, blob, *, delta: ServedModel | None = None) -> Step:
-        """chain_r served in full (and as `delta` from chain_{r-1}, the one base a delta is kept for)."""
-        digest = sha256(blob)
-        return Step(round_, ServedModel.in_memory(layout, blob, sha256=digest), decode(layout, blob), delta=delta,
-                    delta_base=self._held if delta is not None else None, held=Held(round_, digest))
+        start = self.base is None   # the chain begins (again): from zeros, a delta every site can apply
+        base = zero_base(layout) if start else self.base
+        wire = downlink_encode(self.spec, state, base)
+        chain_layout, chain_blob = encode(downlink_decode(self.spec, layout, wire, base))
+        digest = sha256(chain_blob)
+        delta = ServedModel.in_memory(*encode(wire), encoding=self.spec.codec, zero_base=start,
+                                      base_round=0 if start else self._held.round, sha256=digest)
+        chain, held = decode(chain_layout, chain_blob), Held(round_, digest)
+        if start:   # the compact wire is all of chain_0: nobody needs it in full
+            return Step(round_, delta, chain, held=held)
+        return Step(round_, ServedModel.in_memory(chain_layout, chain_blob, sha256=digest), chain, delta=delta,
+                    delta_base=self._held, held=held)
 
     def take(self, step: Step) -> None:
         """Serve a prepared step: from now on sites fetch it (and chain_{r-1} is gone)."""
@@ -87,7 +88,8 @@ class Downlink:
         self.delta, self._delta_base, self._held = step.delta, step.delta_base, step.held
 
     def served(self, held: Held | None) -> ServedModel:
-        """The delta for a site that holds chain_{r-1} exactly; the model in full for any other."""
+        """The delta for a site that holds chain_{r-1} exactly; the model in full for any other (at the chain's
+        start, its wire from zeros for every site)."""
         if self.delta is not None and held == self._delta_base:
             return self.delta
         return self.full

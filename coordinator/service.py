@@ -36,7 +36,7 @@ def model_stream(job_id: str, round_: int, served: ServedModel, chunk_bytes: int
     """Header, then chunks of the one shared model, at most chunk_bytes each (ServedModel.chunks)."""
     yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=job_id, round=round_, manifest=served.layout.to_proto(),
                                                   encoding=_ENCODINGS[served.encoding], base_round=served.base_round,
-                                                  sha256=served.sha256))
+                                                  sha256=served.sha256, zero_base=served.zero_base))
     for offset, data in served.chunks(chunk_bytes):
         yield fpb.ModelMessage(chunk={"offset": offset, "data": data})
 

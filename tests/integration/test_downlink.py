@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from coordinator.downlink import Downlink
-from plexus.compression import downlink_decode, downlink_encode
+from plexus.compression import downlink_decode, downlink_encode, zero_base
 from plexus.config import DownlinkSpec
 from plexus.wire import Layout, encode
 from site_agent.agent import SiteAgent
@@ -62,7 +62,7 @@ def test_fp16_and_delta8_downlinks_serve_the_chain_bit_for_bit_at_a_fraction_of_
         for round_, exact, base in served:
             assert bits(exact) == bits(checkpoints[round_])           # the checkpoint is the exact model
             assert bits(base) == bits(chains[codec][round_])
-            assert round_ == 0 and codec == "delta8" or bits(base) != bits(exact)
+            assert bits(base) != bits(exact)                           # delta8 too: chain_0 is Q8(model_0 - 0)
             for site in "ab":
                 assert bits(decoded[(job_id, site, round_)]) == bits(base)   # bit for bit what it served
     layout = Layout.of(checkpoints[0])
@@ -70,8 +70,8 @@ def test_fp16_and_delta8_downlinks_serve_the_chain_bit_for_bit_at_a_fraction_of_
     scales = sum(-(-t.numel // 256) for t in layout.tensors)
     assert sent["none"] == FETCHES * dense
     assert sent["fp16"] == FETCHES * dense // 2
-    # delta8: each site's first fetch in full, every later one 1 byte per value and one F32 scale per 256 values
-    assert sent["delta8"] == 2 * dense + (FETCHES - 2) * (layout.total_elements + 4 * scales)
+    # delta8: every fetch 1 byte per value and one F32 scale per 256 values, the first (from zeros) too
+    assert sent["delta8"] == FETCHES * (layout.total_elements + 4 * scales)
 
 
 def expected_chain(codec: str, checkpoints: list[dict]) -> list[dict]:
@@ -80,7 +80,7 @@ def expected_chain(codec: str, checkpoints: list[dict]) -> list[dict]:
     layout = Layout.of(checkpoints[0])
     if codec == "fp16":
         return [downlink_decode(spec, layout, downlink_encode(spec, model, None), None) for model in checkpoints]
-    chain = [checkpoints[0]]
+    chain = [downlink_decode(spec, layout, downlink_encode(spec, checkpoints[0], zero_base(layout)), zero_base(layout))]
     for model in checkpoints[1:]:
         chain.append(downlink_decode(spec, layout, downlink_encode(spec, model, chain[-1]), chain[-1]))
     return chain
