@@ -22,11 +22,11 @@ from plexus.wire import Layout, assemble, decode, encode
 from site_agent.state import HeldModel, ServedChain
 
 log = logging.getLogger("plexus.site")
+WHOLE = ("dense", "fp16")   # encodings that carry the model itself; any other is a delta from a base
 
 ENCODINGS = {fpb.MODEL_DENSE: "dense", fpb.MODEL_FP16: "fp16", fpb.MODEL_DELTA8: "delta8"}
 # The encodings each downlink codec may serve: delta8 sends the chain in full to a site without its base.
 SERVED_AS = {"none": ("dense",), "fp16": ("fp16",), "delta8": ("dense", "delta8")}
-WHOLE = ("dense", "fp16")   # encodings that carry the model itself; any other is a delta from a base
 
 
 def downlink_spec(job: RoundConfig) -> DownlinkSpec:
