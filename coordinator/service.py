@@ -162,7 +162,8 @@ class FederationService(federation_pb2_grpc.FederationServicer):
 
     @guarded(kind="site")
     def FetchModel(self, request, context, *, who):
-        served, job_id, model_round = self.engine.model_for(who.name, request.task_id, held_model(request))
+        served, job_id, model_round = self.engine.model_for(who.name, request.task_id, held_model(request),
+                                                            zero_base=request.zero_base)
         with self.transfers.slot(context, who.name):
             yield from self.watchdog.paced(model_stream(job_id, model_round, served, self.chunk_bytes), context)
 

@@ -85,7 +85,7 @@ def fetch_model(stub, task_id: str, expected: Layout, spec: DownlinkSpec, chain:
     held = chain.load(expected) if chain is not None else None
     while True:
         have = {"have_round": held.round, "have_sha256": held.sha256} if held is not None else {}
-        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task_id, **have), timeout=timeout)
+        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task_id, zero_base=True, **have), timeout=timeout)
         header = model_header(stream)
         _, layout = header_layout(spec, header, expected)
         blob = assemble(layout, (message.chunk for message in stream))   # read whole: the call ends cleanly

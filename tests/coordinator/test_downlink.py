@@ -69,10 +69,13 @@ A, B = [0.1, -0.2, 0.3, 0.004], [0.3, 0.2, -0.1, 0.001]
 def test_delta8_checkpoints_the_exact_model_and_serves_the_chain(rig):
     r = rig(compression="compression: {downlink: {codec: delta8, block: 16}}")
     job = r.driver.job
-    start = job.fetched(None)   # the vector model starts at zeros: chain_0 = Q8(0 - 0) = 0, 4 I8 + one F32 scale
+    # The vector model starts at zeros: chain_0 = Q8(0 - 0) = 0, as 4 I8 and one F32 scale.
+    start = job.fetched(None, zero_base=True)
     assert job.in_memory and job.base["w"].tolist() == [0, 0, 0, 0] and start.layout.total_bytes == 4 + 4
     assert (start.encoding, start.zero_base, start.base_round, start.sha256) == ("delta8", True, 0, sha(job.base["w"]))
-    assert job.fetched(Held(0, bytes(32))) is start   # every site gets the start, whatever it holds
+    assert job.fetched(Held(0, bytes(32)), zero_base=True) is start   # whatever the site holds
+    older = job.fetched(Held(0, bytes(32)))    # an agent that cannot decode it: chain_0 in full, the same bits
+    assert (older.encoding, older.zero_base, older.sha256) == ("dense", False, start.sha256)
     r.round(A, B)
     exact = (np.float32(A) + np.float32(B)) / 2
     assert np.allclose(r.model(1), exact, atol=1e-7) and np.array_equal(job.state["w"], r.model(1))
@@ -95,7 +98,7 @@ def test_delta8_checkpoints_the_exact_model_and_serves_the_chain(rig):
     wire = downlink_encode(spec, {"w": r.model(2)}, zero_base(layout))
     assert np.array_equal(taken_up.base["w"], downlink_decode(spec, layout, wire, zero_base(layout))["w"])
     assert not np.array_equal(taken_up.base["w"], r.model(2))
-    again = taken_up.fetched(Held(1, sha(chain_1)))
+    again = taken_up.fetched(Held(1, sha(chain_1)), zero_base=True)
     assert (again.encoding, again.zero_base, again.sha256) == ("delta8", True, sha(taken_up.base["w"]))
 
 

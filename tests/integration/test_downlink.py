@@ -98,8 +98,8 @@ def test_delta8_first_fetches_are_the_compact_start_and_a_late_site_gets_the_cha
     waiting, go = threading.Event(), threading.Event()
     model_for, fetch, prepare = Engine.model_for, SiteAgent._fetch, Downlink.prepare
 
-    def recording_model_for(self, site, task_id, held=None):
-        model, job_id, round_ = model_for(self, site, task_id, held)
+    def recording_model_for(self, site, task_id, held=None, **kwargs):
+        model, job_id, round_ = model_for(self, site, task_id, held, **kwargs)
         served.append((site, round_, model.encoding, model.zero_base, model.layout.total_bytes, held))
         return model, job_id, round_
 

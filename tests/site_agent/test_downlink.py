@@ -41,16 +41,18 @@ LAYOUT = Layout.of(models(1)[0])
 
 class Coordinator:
     """FetchModel as the servicer answers it: the request's held model, the driver's choice, the header and chunks.
-    `tamper(served)` changes what is sent (a coordinator that is wrong about what the site holds)."""
+    `tamper(served)` changes what is sent (a coordinator that is wrong about what the site holds); `older_agent`
+    drops the request's zero_base, as an agent from before it sends none."""
 
-    def __init__(self, downlink: Downlink, tamper=None):
-        self.downlink, self.tamper = downlink, tamper
+    def __init__(self, downlink: Downlink, tamper=None, *, older_agent: bool = False):
+        self.downlink, self.tamper, self.older_agent = downlink, tamper, older_agent
         self.round = downlink.round
         self.requests, self.sent = [], []
 
     def FetchModel(self, request, timeout):
         self.requests.append(request)
-        served = self.downlink.served(held_model(request))
+        zero_base = request.zero_base and not self.older_agent
+        served = self.downlink.served(held_model(request), zero_base=zero_base)
         if self.tamper is not None:
             served, self.tamper = self.tamper(served), None
         self.sent.append((served.encoding + " from zeros" * served.zero_base, served.layout.total_bytes))
@@ -129,6 +131,23 @@ def test_fp16_from_a_zero_base_is_refused(tmp_path):
     coordinator = Coordinator(downlink, lambda served: dataclasses.replace(served, zero_base=True))
     with pytest.raises(IntegrityError, match="as fp16 and from a zero base"):
         fetch_model(coordinator, "task", LAYOUT, FP16, None, timeout=5)
+
+
+def test_an_agent_that_does_not_ask_for_zero_base_gets_chain_0_in_full_with_the_same_bits(tmp_path):
+    downlink = Downlink(DELTA8)
+    model = models(2)
+    downlink.advance(0, model[0])
+    new, old = Coordinator(downlink), Coordinator(downlink, older_agent=True)
+    a, b = ServedChain(tmp_path / "a", "job-1"), ServedChain(tmp_path / "b", "job-1")
+    fetch_model(new, "task", LAYOUT, DELTA8, a, timeout=5)
+    fetch_model(old, "task", LAYOUT, DELTA8, b, timeout=5)
+    assert new.requests[0].zero_base and [e for e, _ in new.sent + old.sent] == ["delta8 from zeros", "dense"]
+    assert bits(a.load(LAYOUT).state) == bits(b.load(LAYOUT).state) == bits(downlink.base)
+    downlink.advance(1, model[1])
+    new.round = old.round = 1
+    for coordinator, chain in ((new, a), (old, b)):
+        fetch_model(coordinator, "task", LAYOUT, DELTA8, chain, timeout=5)
+        assert coordinator.sent[-1][0] == "delta8" and bits(chain.load(LAYOUT).state) == bits(downlink.base)
 
 
 def test_a_coordinator_restart_begins_the_chain_again_from_zeros(tmp_path):

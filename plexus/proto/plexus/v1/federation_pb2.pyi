@@ -225,14 +225,16 @@ class RevealMessage(_message.Message):
     def __init__(self, reveals: _Optional[_Iterable[_Union[ShareReveal, _Mapping]]] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
-    __slots__ = ("task_id", "have_round", "have_sha256")
+    __slots__ = ("task_id", "have_round", "have_sha256", "zero_base")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_ROUND_FIELD_NUMBER: _ClassVar[int]
     HAVE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ZERO_BASE_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     have_round: int
     have_sha256: bytes
-    def __init__(self, task_id: _Optional[str] = ..., have_round: _Optional[int] = ..., have_sha256: _Optional[bytes] = ...) -> None: ...
+    zero_base: bool
+    def __init__(self, task_id: _Optional[str] = ..., have_round: _Optional[int] = ..., have_sha256: _Optional[bytes] = ..., zero_base: _Optional[bool] = ...) -> None: ...
 
 class ModelMessage(_message.Message):
     __slots__ = ("header", "chunk")
