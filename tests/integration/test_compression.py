@@ -88,7 +88,9 @@ def test_the_error_feedback_residual_survives_a_site_restart(four):
     store = four.store
     wait_until(lambda: store.job(job_id).current_round >= 1, 60, "round 1")
     agent, thread = next((a, t) for a, t in four.agents if a.config.site == "a")
-    residual_file = next((agent.config.state_dir).rglob(f"*{job_id}*.safetensors"))
+    # The site writes its residual once the coordinator's reply reaches it, which can be after the round closed.
+    wait_until(lambda: any(agent.config.state_dir.rglob(f"*{job_id}*.safetensors")), 60, "a's residual on disk")
+    residual_file = next(agent.config.state_dir.rglob(f"*{job_id}*.safetensors"))
     agent.stop.set()
     thread.join(timeout=30)
     four.agents.remove((agent, thread))
