@@ -356,7 +356,10 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
     """Integers −7..7 as bytes, two a byte: element 2j in the low nibble of byte j, element 2j + 1 in the high
     one, each in two's complement (−1 is 0xF; 0x8, −8, is never written). An odd count leaves the last high
     nibble 0. ceil(N / 2) bytes, U8."""
-    nibbles = np.asarray(q, np.int8).reshape(-1).view(np.uint8) & np.uint8(0x0F)
+    q = np.asarray(q, np.int8).reshape(-1)
+    if (bad := np.flatnonzero((q < -7) | (q > 7))).size:
+        raise ValueError(f"int4 packs -7..7; element {int(bad[0])} is {int(q[bad[0]])}")
+    nibbles = q.view(np.uint8) & np.uint8(0x0F)
     if nibbles.size % 2:
         nibbles = np.append(nibbles, np.uint8(0))
     return nibbles[0::2] | (nibbles[1::2] << np.uint8(4))
@@ -1003,9 +1006,10 @@ class Delta4Downlink(DeltaDownlink):
         return pack_int4(q)
 
     def _unpack(self, t, values):
-        if (why := int4_problem(values, t.numel)) is not None:
-            raise IntegrityError(f"served {t.name!r}: delta4 {why}", reason=Reason.LAYOUT)
-        return _signed(_nibbles(values)[:t.numel])
+        try:
+            return unpack_int4(values, t.numel)
+        except ValueError as exc:
+            raise IntegrityError(f"served {t.name!r}: delta4 values: {exc}", reason=Reason.LAYOUT) from None
 
 
 DOWNLINK: dict[str, type[DownlinkCodec]] = {"none": NoneDownlink, "fp16": Fp16Downlink, "delta8": Delta8Downlink,

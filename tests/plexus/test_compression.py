@@ -286,6 +286,8 @@ def test_int4_packs_two_values_a_byte_low_nibble_first_in_twos_complement():
         unpack_int4(np.array([0x81], np.uint8), 2)
     with pytest.raises(ValueError, match="unused high nibble of byte 1 is 1"):
         unpack_int4(np.array([0x11, 0x11], np.uint8), 3)
+    with pytest.raises(ValueError, match="int4 packs -7..7; element 1 is -8"):
+        pack_int4(np.array([0, -8], np.int8))
 
 
 @settings(max_examples=60, deadline=None)
@@ -1008,9 +1010,9 @@ def test_delta4_packs_steps_as_int4_does():
 
 
 @pytest.mark.parametrize("values, scales, message", [
-    ([0xD8, 0x01], [0.1], r"served 'b': delta4 value -8 at element 0 \(byte 0, low nibble\)"),
-    ([0x87, 0x01], [0.1], r"served 'b': delta4 value -8 at element 1 \(byte 0, high nibble\)"),
-    ([0xD7, 0x11], [0.1], r"served 'b': delta4 the unused high nibble of byte 1 is 1"),
+    ([0xD8, 0x01], [0.1], r"served 'b': delta4 values: value -8 at element 0 \(byte 0, low nibble\)"),
+    ([0x87, 0x01], [0.1], r"served 'b': delta4 values: value -8 at element 1 \(byte 0, high nibble\)"),
+    ([0xD7, 0x11], [0.1], r"served 'b': delta4 values: the unused high nibble of byte 1 is 1"),
     ([0xD7, 0x01], [-0.5], r"served 'b': delta4 scale -0.5 at position 0"),
     ([0xD7, 0x01], [np.nan], r"served 'b': delta4 scale nan at position 0"),
 ])
