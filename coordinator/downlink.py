@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.served import Held, ServedModel
-from plexus.compression import downlink_decode, downlink_encode
+from plexus.compression import downlink_decode, downlink_encode, is_delta
 from plexus.config import DownlinkSpec
 from plexus.wire import Layout, decode, encode
 
@@ -43,7 +43,7 @@ class Downlink:
     """The served side of one job's compressed downlink; `advance` with each new model."""
 
     def __init__(self, spec: DownlinkSpec):
-        if spec.codec not in ("fp16", "delta8"):
+        if spec.codec != "fp16" and not is_delta(spec.codec):
             raise ValueError(f"downlink codec {spec.codec!r} is served as it is, without a Downlink")
         self.spec = spec
         self.round: int | None = None
@@ -71,7 +71,7 @@ class Downlink:
             raise ValueError("the served model changed its layout; a delta cannot span that")
         wire = downlink_encode(self.spec, state, self.base)
         chain_layout, chain_blob = encode(downlink_decode(self.spec, layout, wire, self.base))
-        delta = ServedModel.in_memory(*encode(wire), encoding="delta8", base_round=self._held.round,
+        delta = ServedModel.in_memory(*encode(wire), encoding=self.spec.codec, base_round=self._held.round,
                                       sha256=sha256(chain_blob))
         return self._chain_step(round_, chain_layout, chain_blob, delta=delta)
 

@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-from plexus.compression import downlink_codec, downlink_decode
+from plexus.compression import DOWNLINK, downlink_codec, downlink_decode, is_delta
 from plexus.config import DownlinkSpec, RoundConfig
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
@@ -22,9 +22,9 @@ from site_agent.state import HeldModel, ServedChain
 
 log = logging.getLogger("plexus.site")
 
-ENCODINGS = {fpb.MODEL_DENSE: "dense", fpb.MODEL_FP16: "fp16", fpb.MODEL_DELTA8: "delta8"}
-# The encodings each downlink codec may serve: delta8 sends the chain in full to a site without its base.
-SERVED_AS = {"none": ("dense",), "fp16": ("fp16",), "delta8": ("dense", "delta8")}
+ENCODINGS = {fpb.MODEL_DENSE: "dense", fpb.MODEL_FP16: "fp16", fpb.MODEL_DELTA8: "delta8", fpb.MODEL_DELTA4: "delta4"}
+# The encodings each downlink codec may serve: a delta codec sends the chain in full to a site without its base.
+SERVED_AS = {"none": ("dense",), "fp16": ("fp16",), **{c: ("dense", c) for c in DOWNLINK if is_delta(c)}}
 
 
 def downlink_spec(job: RoundConfig) -> DownlinkSpec:
