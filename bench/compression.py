@@ -6,10 +6,11 @@
     python -m bench.compression wan      [--model mlp|vector] [--codecs ...] [--rate 20mbit] [--rtt 40ms]
                                          [--target 0.78] [--max-rounds 30] [--size 10M] [--rounds 5]
 
-A case is a codec label: `UPLINK[/DOWNLINK]`, e.g. `none`, `int8`, `topk`, `int8/delta8`; `sa:LABEL` adds
-secure aggregation. `none` is today's federation: the round config has no `compression:` block at all.
-topk and randk send `--fraction` (default 0.01) of each tensor; int8 uses blocks of 256; adacomp its default
-bins (50 for conv tensors, 500 for the rest).
+A case is a codec label: `UPLINK[/DOWNLINK]`, e.g. `none`, `int8`, `topk`, `int8/delta8`, `int4/delta4`; `sa:LABEL`
+adds secure aggregation. `none` is today's federation: the round config has no `compression:` block at all.
+topk and randk send `--fraction` (default 0.01) of each tensor; int8 and int4 (and delta8, delta4) use blocks of
+256; adacomp its default bins (50 for conv tensors, 500 for the rest). int4 and delta4 are not in the default
+case lists (the tables in bench/README.md were measured without them): ask for them with `--codecs`.
 
 bytes: a real federation per case (the coordinator and one `plexus site run` process per site over mutual
 TLS, the job submitted with AdminClient), in a private network namespace (bench.run's run_child), each site
@@ -67,11 +68,13 @@ UPLINK = {   # codec -> the round config's compression.uplink block (topk/randk 
     "none": {"codec": "none"},
     "fp16": {"codec": "fp16"},
     "int8": {"codec": "int8"},                 # blocks of 256 (its default; refused under secure aggregation)
+    "int4": {"codec": "int4"},                 # blocks of 256; never under secure aggregation (no 4-bit field)
     "randk": {"codec": "randk"},
     "topk": {"codec": "topk"},
     "adacomp": {"codec": "adacomp"},
 }
-DOWNLINK = {"none": {"codec": "none"}, "fp16": {"codec": "fp16"}, "delta8": {"codec": "delta8"}}   # delta8: 256
+DOWNLINK = {"none": {"codec": "none"}, "fp16": {"codec": "fp16"}, "delta8": {"codec": "delta8"},   # delta8/4: 256
+            "delta4": {"codec": "delta4"}}
 CODECS = ("none", "fp16", "int8", "randk", "topk", "adacomp")
 SECURE_CODECS = ("none", "int8", "randk")     # topk/adacomp cannot be summed under masks (the spec refuses them)
 WAN_CODECS = CODECS + ("int8/delta8",)
@@ -356,7 +359,7 @@ def task_for(name: str, quick: bool):
 
 def downlink(spec, current: dict, base: dict | None) -> tuple[dict, int]:
     """What a site trains from this round and the payload bytes of its download. `base`: the model this site
-    decoded last round (delta8's reference), None before its first; a site that holds no model yet gets the
+    decoded last round (a delta codec's reference), None before its first; a site that holds no model yet gets the
     chain's start, the delta from zeros, as coordinator.downlink serves it (fp16 ignores any base)."""
     if spec is None or spec.codec == "none":
         return {k: v.copy() for k, v in current.items()}, sum(v.nbytes for v in current.values())

@@ -2,15 +2,15 @@
 
 fp16: every float tensor travels as F16; the sites train from fp16(model).
 
-delta8: the sites share one *served chain*. It begins at chain_0 = dequant(Q8(model_0 - 0)), the delta from
-all-zero tensors (plexus.compression.zero_base), which every site that decodes it (FetchModelRequest.zero_base)
-fetches as that compact wire, whatever it holds (an older agent gets chain_0 in full), and goes on as
-chain_r = chain_{r-1} + dequant(Q8(model_r - chain_{r-1})), all computed with plexus.compression's own encode and
-decode, so the coordinator and every site hold the same float32 bits. Later, a site that holds chain_{r-1} (it
-says so with the SHA-256 of its wire blob) gets the 8-bit delta; any other site (a missed round, a late joiner, a
-damaged copy) gets chain_r in full. Either way it then holds chain_r. The chain lives only here, in memory: a
-coordinator that restarts begins it again, from zeros, at the model it takes up. Checkpoints always hold the
-exact model.
+A delta codec (delta8, delta4): the sites share one *served chain*. It begins at chain_0 = dequant(Q(model_0 - 0)),
+the codec's delta from all-zero tensors (plexus.compression.zero_base), which every site that decodes it
+(FetchModelRequest.zero_base) fetches as that compact wire, whatever it holds (an older agent gets chain_0 in
+full), and goes on as chain_r = chain_{r-1} + dequant(Q(model_r - chain_{r-1})), all computed with
+plexus.compression's own encode and decode, so the coordinator and every site hold the same float32 bits. Later, a
+site that holds chain_{r-1} (it says so with the SHA-256 of its wire blob) gets the delta; any other site (a missed
+round, a late joiner, a damaged copy) gets chain_r in full. Either way it then holds chain_r. The chain lives only
+here, in memory: a coordinator that restarts begins it again, from zeros, at the model it takes up. Checkpoints
+always hold the exact model.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.served import Held, ServedModel
-from plexus.compression import downlink_decode, downlink_encode, zero_base
+from plexus.compression import downlink_decode, downlink_encode, is_delta, zero_base
 from plexus.config import DownlinkSpec
 from plexus.wire import Layout, decode, encode
 
@@ -47,7 +47,7 @@ class Downlink:
     """The served side of one job's compressed downlink; `advance` with each new model."""
 
     def __init__(self, spec: DownlinkSpec):
-        if spec.codec not in ("fp16", "delta8"):
+        if spec.codec != "fp16" and not is_delta(spec.codec):
             raise ValueError(f"downlink codec {spec.codec!r} is served as it is, without a Downlink")
         self.spec = spec
         self.round: int | None = None
@@ -56,7 +56,7 @@ class Downlink:
         self.delta: ServedModel | None = None            # delta8: for the sites that hold chain_{r-1}
         self._delta_base: Held | None = None             # delta8: chain_{r-1} as such a site names it
         self._held: Held | None = None                   # delta8: chain_r as a site that holds it names it
-        self.from_zeros: ServedModel | None = None       # delta8, at the chain's start: chain_0 from zeros
+        self.from_zeros: ServedModel | None = None       # at the chain's start: chain_0 from zeros
 
     def advance(self, round_: int, state: dict[str, np.ndarray]) -> None:
         """The model of round `round_` (the model plus what the strategy serves with it), exact."""

@@ -27,9 +27,9 @@ class Held:
 @dataclass(frozen=True)
 class ServedModel:
     """A served model: `layout` and its bytes, in `blob` or at `start` in the file `path`; `encoding` says how
-    they make the model ("dense": they are it; "fp16"; "delta8": against the model of `base_round`, or against
-    zeros if `zero_base`), and `sha256`, when set, is that of the decoded model's wire blob (delta8 jobs: the
-    site checks it)."""
+    they make the model ("dense": they are it; "fp16"; "delta8", "delta4": against the model of `base_round`, or
+    against zeros if `zero_base`), and `sha256`, when set, is that of the decoded model's wire blob (delta codec
+    jobs: the site checks it)."""
 
     layout: Layout
     blob: object = None            # a bytes-like wire blob, or None when served from `path`

@@ -29,7 +29,8 @@ _RESULTS = {fpb.RESULT_EVALUATED: TaskStatus.EVALUATED, fpb.RESULT_DECLINED: Tas
             fpb.RESULT_FAILED: TaskStatus.FAILED, fpb.RESULT_TRAINED: TaskStatus.TRAINED}
 
 
-_ENCODINGS = {"dense": fpb.MODEL_DENSE, "fp16": fpb.MODEL_FP16, "delta8": fpb.MODEL_DELTA8}
+_ENCODINGS = {"dense": fpb.MODEL_DENSE, "fp16": fpb.MODEL_FP16, "delta8": fpb.MODEL_DELTA8,
+              "delta4": fpb.MODEL_DELTA4}
 
 
 def model_stream(job_id: str, round_: int, served: ServedModel, chunk_bytes: int):
@@ -195,7 +196,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
 
 
 def held_model(request: fpb.FetchModelRequest) -> Held | None:
-    """The model the site says it holds (compression.downlink delta8), or None: send the model in full."""
+    """The model the site says it holds (compression.downlink delta8, delta4), or None: send the model in full."""
     if not request.have_sha256:
         return None
     if len(request.have_sha256) != 32:

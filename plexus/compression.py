@@ -293,6 +293,13 @@ class Fp16Uplink(UplinkCodec):
         return {"fp16.values": g.astype("<f2")}, None
 
 
+def _block_of(spec, codec: str) -> int:
+    block = int(_default(spec.block, DEFAULT_BLOCK))
+    if not MIN_BLOCK <= block <= MAX_BLOCK:
+        raise ValueError(f"{codec} block must be {MIN_BLOCK}..{MAX_BLOCK} elements; got {spec.block}")
+    return block
+
+
 class Int8Uplink(UplinkCodec):
     """Δ as int8 with one float32 scale per `block` elements (max|x|/127), stochastically rounded: unbiased,
     |error| < scale per element."""
@@ -301,9 +308,7 @@ class Int8Uplink(UplinkCodec):
 
     def __init__(self, spec, *, seed: int):
         super().__init__(spec, seed=seed)
-        self.block = int(_default(spec.block, DEFAULT_BLOCK))
-        if not MIN_BLOCK <= self.block <= MAX_BLOCK:
-            raise ValueError(f"int8 block must be {MIN_BLOCK}..{MAX_BLOCK} elements; got {spec.block}")
+        self.block = _block_of(spec, self.name)
 
     def _parts(self, t, counts):
         return [("int8.scales", "F32", (-(-t.numel // self.block),)), ("int8.values", "I8", (t.numel,))]
@@ -311,16 +316,93 @@ class Int8Uplink(UplinkCodec):
     def _encode_tensor(self, name, delta, g, ndim, round_, rng):
         scales = (_block_peaks(g, self.block) / np.float32(127)).astype(F32)
         return {"int8.scales": scales,
-                "int8.values": _stochastic_int8(g, _block_scales(scales, 0, g.size, self.block), rng)}, None
+                "int8.values": _stochastic_round(g, _block_scales(scales, 0, g.size, self.block), rng)}, None
 
 
-def _stochastic_int8(x: np.ndarray, scale: np.ndarray | np.float32, rng: np.random.Generator) -> np.ndarray:
-    """q = floor(x/s + u), u ~ U[0, 1), clipped to ±127 (x/s can exceed 127 by a rounding error): E[q·s] = x.
-    Where s is 0 (an all-zero block, or a scale that underflowed), q is 0."""
+class Int4Uplink(UplinkCodec):
+    """Δ as 4-bit integers −7..7, two a byte (pack_int4), with one float32 scale per `block` elements
+    (max|x|/7), stochastically rounded like int8: unbiased, |error| < scale per element. No error feedback
+    (int8 keeps none either): the rounding error is zero in expectation, not carried."""
+
+    name = "int4"
+
+    def __init__(self, spec, *, seed: int):
+        super().__init__(spec, seed=seed)
+        self.block = _block_of(spec, self.name)
+
+    def _parts(self, t, counts):
+        return [("int4.scales", "F32", (-(-t.numel // self.block),)), ("int4.values", "U8", (-(-t.numel // 2),))]
+
+    def _why_shape(self, model, entry):
+        return " (two 4-bit values a byte: ceil(N / 2) bytes)" if entry.endswith(".values") else ""
+
+    def _encode_tensor(self, name, delta, g, ndim, round_, rng):
+        scales = (_block_peaks(g, self.block) / np.float32(7)).astype(F32)
+        q = _stochastic_round(g, _block_scales(scales, 0, g.size, self.block), rng, levels=7)
+        return {"int4.scales": scales, "int4.values": pack_int4(q)}, None
+
+
+def _stochastic_round(x: np.ndarray, scale: np.ndarray | np.float32, rng: np.random.Generator, *,
+                      levels: int = 127) -> np.ndarray:
+    """q = floor(x/s + u), u ~ U[0, 1), clipped to ±levels (x/s can exceed it by a rounding error): E[q·s] = x.
+    Where s is 0 (an all-zero block, or a scale that underflowed), q is 0. int8 either way."""
     s = np.broadcast_to(np.asarray(scale, np.float64), x.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
         y = np.where(s > 0, x.astype(np.float64) / s, 0.0)
-    return np.clip(np.floor(y + rng.random(x.size)), -127, 127).astype(np.int8)
+    return np.clip(np.floor(y + rng.random(x.size)), -levels, levels).astype(np.int8)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """Integers −7..7 as bytes, two a byte: element 2j in the low nibble of byte j, element 2j + 1 in the high
+    one, each in two's complement (−1 is 0xF; 0x8, −8, is never written). An odd count leaves the last high
+    nibble 0. ceil(N / 2) bytes, U8."""
+    q = np.asarray(q, np.int8).reshape(-1)
+    if (bad := np.flatnonzero((q < -7) | (q > 7))).size:
+        raise ValueError(f"int4 packs -7..7; element {int(bad[0])} is {int(q[bad[0]])}")
+    nibbles = q.view(np.uint8) & np.uint8(0x0F)
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    return nibbles[0::2] | (nibbles[1::2] << np.uint8(4))
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """The 4-bit fields of bytes, in element order (low nibble first), as uint8 0..15."""
+    packed = np.asarray(packed, np.uint8).reshape(-1)
+    out = np.empty(2 * packed.size, np.uint8)
+    out[0::2] = packed & np.uint8(0x0F)
+    out[1::2] = packed >> np.uint8(4)
+    return out
+
+
+def _signed(nibbles: np.ndarray) -> np.ndarray:
+    """Two's complement nibbles 0..15 as int8 −8..7."""
+    return (nibbles.astype(np.int8) ^ np.int8(8)) - np.int8(8)
+
+
+def int4_problem(packed: np.ndarray, count: int, first: int = 0) -> str | None:
+    """Why bytes of packed int4 values holding elements [first, first + count) are malformed (None: they are
+    not): a nibble 0x8 (−8, which no encoder writes), or, where the bytes end past the last element (an odd
+    count), a high nibble other than 0."""
+    nibbles = _nibbles(packed)
+    if (bad := np.flatnonzero(nibbles[:count] == 8)).size:
+        e = first + int(bad[0])
+        return (f"value -8 at element {e} (byte {e // 2}, {'high' if e % 2 else 'low'} nibble); int4 values are "
+                "-7..7")
+    if nibbles.size > count and nibbles[count]:
+        return (f"the unused high nibble of byte {(first + count) // 2} is {int(nibbles[count])}; with an odd "
+                "number of elements the last byte's high nibble must be 0")
+    return None
+
+
+def unpack_int4(packed: np.ndarray, count: int) -> np.ndarray:
+    """The `count` integers (int8) that pack_int4 packed into `packed`; ValueError naming the first malformed
+    nibble (int4_problem)."""
+    packed = np.asarray(packed, np.uint8).reshape(-1)
+    if packed.size != -(-count // 2):
+        raise ValueError(f"{count} int4 values take {-(-count // 2)} bytes; got {packed.size}")
+    if (why := int4_problem(packed, count)) is not None:
+        raise ValueError(why)
+    return _signed(_nibbles(packed)[:count])
 
 
 class _SparseUplink(UplinkCodec):
@@ -468,14 +550,14 @@ class AdacompUplink(UplinkCodec):
 
 def _int8_exact(picked: np.ndarray, rng: np.random.Generator) -> tuple[np.float32, np.ndarray, np.ndarray]:
     """(scale, q, rest) for the values a sparse codec sends: one float32 scale max|picked|/127, q by
-    _stochastic_int8, and rest = picked − q·scale, exact: q·scale + rest == picked bit for bit in float32.
+    _stochastic_round, and rest = picked − q·scale, exact: q·scale + rest == picked bit for bit in float32.
 
     picked − q·scale is exact in float32 except when a small |x| < scale/2 rounded up to ±scale and the
     difference needs more bits than float32 has: those q become 0 instead (rest keeps x whole). TwoSum (Knuth)
     gives the rounding error of picked − q·scale exactly."""
     peak = np.abs(picked).max() if picked.size else np.float32(0)
     scale = np.float32(peak) / np.float32(127)
-    q = _stochastic_int8(picked, scale, rng)
+    q = _stochastic_round(picked, scale, rng)
     sent = _dequant(q, scale)
     rest = picked - sent
     back = rest - picked
@@ -526,6 +608,7 @@ UPLINK: dict[str, type[UplinkCodec]] = {
     "none": NoneUplink,
     "fp16": Fp16Uplink,
     "int8": Int8Uplink,
+    "int4": Int4Uplink,
     "topk": TopkUplink,
     "adacomp": AdacompUplink,
     "randk": RandkUplink,
@@ -552,6 +635,9 @@ def uplink_codec(spec, *, seed: int) -> UplinkCodec:
 
 # The streaming decoder --------------------------------------------------------------------------
 
+_SCALES = ("int8.scales", "int4.scales")   # a scale per block, held while the block's values stream
+
+
 @dataclass(frozen=True)
 class _Entry:
     meta: TensorMeta   # the wire entry
@@ -565,10 +651,11 @@ class Decoder:
 
     The bytes have passed plexus.wire.Receiver (order, size, finite floats); the Decoder checks what the codec
     means by them, as they stream, and refuses with IntegrityError: a gap of 0 (a repeated index) or one that
-    takes the index to N or beyond (the running index carries across chunk edges), int8 value −128, scales
-    negative or not finite, values that decode to ±Inf. A refused stream is dead. Holds one tensor's indices
-    (O(m); int8: its scales, O(N/block)), and one chunk's piece at a time: never a dense copy of a sparse
-    update. Iterate each feed() to its end before the next one, and do not change the fed buffer until then.
+    takes the index to N or beyond (the running index carries across chunk edges), int8 value −128, an int4
+    nibble 0x8 (−8) or a nonzero unused high nibble, scales negative or not finite, values that decode to ±Inf.
+    A refused stream is dead. Holds one tensor's indices (O(m); int8, int4: its scales, O(N/block)), and one
+    chunk's piece at a time: never a dense copy of a sparse update. Iterate each feed() to its end before the
+    next one, and do not change the fed buffer until then.
     """
 
     def __init__(self, codec: UplinkCodec, model: Layout, wire: Layout, *, round_: int):
@@ -663,7 +750,7 @@ class Decoder:
             if entry.part.endswith(".gaps"):
                 self._indices = np.empty(entry.meta.numel, np.int64)
                 self._last = -1
-            elif entry.part == "int8.scales":
+            elif entry.part in _SCALES:
                 self._scales = np.empty(entry.meta.numel, F32)
             elif entry.part == "randk.values":
                 self._indices = randk_indices(self._codec.seed, self._round, entry.meta.name.rpartition("/")[0],
@@ -679,12 +766,20 @@ class Decoder:
         part = entry.part
         if part == _DENSE or part == "fp16.values":
             yield DensePiece(entry.tensor, start, self._account(entry, start, values))
-        elif part == "int8.scales":
+        elif part in _SCALES:
             self._scales[start:start + values.size] = self._check_scales(entry, start, values)
         elif part == "int8.values":
             self._refuse_min(entry, start, values)
             decoded = _dequant(values, _block_scales(self._scales, start, values.size, self._codec.block))
             yield DensePiece(entry.tensor, start, self._account(entry, start, decoded))
+        elif part == "int4.values":   # bytes [start, …) hold elements [2·start, …): one chunk's worth at a time
+            first = 2 * start
+            count = min(2 * values.size, entry.numel - first)
+            if (why := int4_problem(values, count, first)) is not None:
+                raise IntegrityError(f"entry {entry.meta.name!r}: {why}", reason=Reason.LAYOUT)
+            q = _signed(_nibbles(values)[:count])
+            decoded = _dequant(q, _block_scales(self._scales, first, count, self._codec.block))
+            yield DensePiece(entry.tensor, first, self._account(entry, first, decoded))
         elif part.endswith(".gaps"):
             self._indices[start:start + values.size] = self._check_gaps(entry, start, values)
         elif part.endswith(".scale"):
@@ -818,31 +913,42 @@ class Fp16Downlink(DownlinkCodec):
         peak = float(np.abs(x).max()) if x.size else 0.0
         if not peak <= float(np.finfo(np.float16).max):
             raise IntegrityError(f"model tensor {name!r} reaches {peak:.6g}, beyond float16's range (65504); use "
-                                 "downlink codec delta8, or none", reason=Reason.NORM)
+                                 "downlink codec delta8 or delta4, or none", reason=Reason.NORM)
         return {"fp16.values": x.reshape(-1).astype("<f2")}
 
     def _decode_tensor(self, t, wire, base):
         return np.asarray(wire[f"{t.name}/fp16.values"]).astype(F32)
 
 
-class Delta8Downlink(DownlinkCodec):
-    """Float tensors as int8 steps from `base` (the model the site holds), one float32 scale per block
-    (max|model − base|/127), rounded to nearest: decoded = base + q·scale in float32, |error| <= scale/2."""
+class DeltaDownlink(DownlinkCodec):
+    """Float tensors as integer steps from `base` (the model the site holds), one float32 scale per block
+    (max|model − base| / levels), rounded to nearest: decoded = base + q·scale in float32, |error| <= scale/2.
+    The codecs of a served chain (is_delta); subclasses say how q travels."""
 
-    name = "delta8"
+    levels: ClassVar[int]
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.block = int(_default(spec.block, DEFAULT_BLOCK))
-        if not MIN_BLOCK <= self.block <= MAX_BLOCK:
-            raise ValueError(f"delta8 block must be {MIN_BLOCK}..{MAX_BLOCK} elements; got {spec.block}")
+        self.block = _block_of(spec, self.name)
 
     def _parts(self, t):
-        return [("delta8.scales", "F32", (-(-t.numel // self.block),)), ("delta8.values", "I8", (t.numel,))]
+        return [(f"{self.name}.scales", "F32", (-(-t.numel // self.block),)),
+                (f"{self.name}.values", *self._values(t.numel))]
+
+    def _values(self, numel: int) -> tuple[str, tuple[int, ...]]:
+        """(dtype, shape) of the values entry of a tensor of numel elements."""
+        raise NotImplementedError
+
+    def _pack(self, q: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _unpack(self, t: TensorMeta, values: np.ndarray) -> np.ndarray:
+        """q (int8) from the values entry; IntegrityError naming a malformed one."""
+        raise NotImplementedError
 
     def _base(self, name: str, base, shape) -> np.ndarray:
         if base is None or name not in base:
-            raise ValueError(f"delta8 sends the model as steps from the one the site holds; no base for {name!r}")
+            raise ValueError(f"{self.name} sends the model as steps from the one the site holds; no base for {name!r}")
         b = np.asarray(base[name])
         if b.shape != tuple(shape):
             raise ValueError(f"base tensor {name!r} has shape {list(b.shape)}; the model has {list(shape)}")
@@ -851,26 +957,69 @@ class Delta8Downlink(DownlinkCodec):
     def _encode_tensor(self, name, x, base):
         d = x.astype(np.float64).reshape(-1) - self._base(name, base, x.shape).astype(np.float64)
         _require_finite(name, d, "model − base")
-        scales = (_block_peaks(d, self.block) / 127).astype(F32)
+        scales = (_block_peaks(d, self.block) / self.levels).astype(F32)
         s = _block_scales(scales, 0, d.size, self.block).astype(np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.where(s > 0, np.rint(d / s), 0.0)
-        return {"delta8.scales": scales, "delta8.values": np.clip(q, -127, 127).astype(np.int8)}
+        q = np.clip(q, -self.levels, self.levels).astype(np.int8)
+        return {f"{self.name}.scales": scales, f"{self.name}.values": self._pack(q)}
 
     def _decode_tensor(self, t, wire, base):
-        scales = np.asarray(wire[f"{t.name}/delta8.scales"], F32)
-        q = np.asarray(wire[f"{t.name}/delta8.values"])
+        scales = np.asarray(wire[f"{t.name}/{self.name}.scales"], F32)
         if (bad := np.flatnonzero(~(scales >= 0) | ~np.isfinite(scales))).size:
-            raise IntegrityError(f"served {t.name!r}: delta8 scale {scales[bad[0]]} at position {int(bad[0])}; "
-                                 "scales must be finite and >= 0", reason=Reason.LAYOUT)
-        if (bad := np.flatnonzero(q == -128)).size:
-            raise IntegrityError(f"served {t.name!r}: delta8 value -128 at position {int(bad[0])}; int8 values "
-                                 "are -127..127", reason=Reason.LAYOUT)
+            raise IntegrityError(f"served {t.name!r}: {self.name} scale {scales[bad[0]]} at position "
+                                 f"{int(bad[0])}; scales must be finite and >= 0", reason=Reason.LAYOUT)
+        q = self._unpack(t, np.asarray(wire[f"{t.name}/{self.name}.values"]))
         b = self._base(t.name, base, t.shape)
         return b + _dequant(q, _block_scales(scales, 0, q.size, self.block))
 
 
-DOWNLINK: dict[str, type[DownlinkCodec]] = {"none": NoneDownlink, "fp16": Fp16Downlink, "delta8": Delta8Downlink}
+class Delta8Downlink(DeltaDownlink):
+    """Steps −127..127 as int8, one a byte."""
+
+    name = "delta8"
+    levels = 127
+
+    def _values(self, numel):
+        return "I8", (numel,)
+
+    def _pack(self, q):
+        return q
+
+    def _unpack(self, t, values):
+        if (bad := np.flatnonzero(values == -128)).size:
+            raise IntegrityError(f"served {t.name!r}: delta8 value -128 at position {int(bad[0])}; int8 values "
+                                 "are -127..127", reason=Reason.LAYOUT)
+        return values
+
+
+class Delta4Downlink(DeltaDownlink):
+    """Steps −7..7, two a byte as int4 packs them (pack_int4: low nibble first, two's complement)."""
+
+    name = "delta4"
+    levels = 7
+
+    def _values(self, numel):
+        return "U8", (-(-numel // 2),)
+
+    def _pack(self, q):
+        return pack_int4(q)
+
+    def _unpack(self, t, values):
+        try:
+            return unpack_int4(values, t.numel)
+        except ValueError as exc:
+            raise IntegrityError(f"served {t.name!r}: delta4 values: {exc}", reason=Reason.LAYOUT) from None
+
+
+DOWNLINK: dict[str, type[DownlinkCodec]] = {"none": NoneDownlink, "fp16": Fp16Downlink, "delta8": Delta8Downlink,
+                                             "delta4": Delta4Downlink}
+
+
+def is_delta(codec: str) -> bool:
+    """Whether downlink codec `codec` sends steps from the model a site holds (delta8, delta4): the coordinator
+    keeps a served chain for it and the site keeps its chain model. The one place that is decided."""
+    return issubclass(DOWNLINK.get(codec, DownlinkCodec), DeltaDownlink)
 
 
 def downlink_codec(spec) -> DownlinkCodec:
@@ -883,7 +1032,7 @@ def downlink_codec(spec) -> DownlinkCodec:
 
 def downlink_encode(spec, model: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None = None
                     ) -> dict[str, np.ndarray]:
-    """The wire tensors that serve `model` (delta8: against `base`, the model the site holds)."""
+    """The wire tensors that serve `model` (a delta codec: against `base`, the model the site holds)."""
     return downlink_codec(spec).encode(model, base)
 
 

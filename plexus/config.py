@@ -318,18 +318,19 @@ class AsyncSpec:
     cohort_timeout_s: float = field(default=60.0, metadata=in_range(0, lo_open=True))
 
 
-UPLINK_CODECS = ("none", "fp16", "int8", "topk", "adacomp", "randk")
-DOWNLINK_CODECS = ("none", "fp16", "delta8")
-# Which uplink codec takes which optional key (plexus.compression reads them; None there means its default).
-UPLINK_KEYS = {"block": ("int8",), "fraction": ("topk", "randk"), "k": ("topk", "randk"),
+UPLINK_CODECS = ("none", "fp16", "int8", "int4", "topk", "adacomp", "randk")
+DOWNLINK_CODECS = ("none", "fp16", "delta8", "delta4")
+# Which codec takes which optional key (plexus.compression reads them; None there means its default).
+UPLINK_KEYS = {"block": ("int8", "int4"), "fraction": ("topk", "randk"), "k": ("topk", "randk"),
                "error_feedback": ("topk", "randk"), "bin_conv": ("adacomp",), "bin_dense": ("adacomp",)}
+DOWNLINK_KEYS = {"block": ("delta8", "delta4")}
 # Rules over the weighted mean of plain model tensors: a compressed update is a Δ they can fold. Robust rules
 # and ensembles judge each whole update in the clear, and SCAFFOLD's Δc travels beside the update.
 COMPRESSIBLE_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "cwt", "swt")
 # Under privacy.secure_aggregation: the field each uplink codec masks in (masked values and their sum are
 # integers mod 2**bits), and the coarsest public grid clip / L an 8- or 16-bit field is used with. Summing n
 # sites in an m-bit field takes L = 2**(m-1) - 1 - n (plexus.secagg.fixed_point.Field), so an int8 round
-# takes at most 2**7 - 1 - 16 = 111 sites.
+# takes at most 2**7 - 1 - 16 = 111 sites. int4 has no field: 2**3 - 1 - n is below 16 for every n.
 SECURE_FIELD_BITS = {"none": 32, "randk": 32, "fp16": 16, "int8": 8}
 MIN_GRID_LEVELS = 16
 
@@ -345,7 +346,7 @@ class UplinkSpec:
     """How a site's update travels (plexus.compression): as a compressed Δ from the model it was served."""
 
     codec: str = field(default="none", metadata=one_of(*UPLINK_CODECS))
-    block: int | None = field(default=None, metadata={**in_range(16, 65536), "omit_none": True})       # int8: 256
+    block: int | None = field(default=None, metadata={**in_range(16, 65536), "omit_none": True})   # int8, int4: 256
     fraction: float | None = field(default=None, metadata={**in_range(0, 1, lo_open=True), "omit_none": True})
     k: int | None = field(default=None, metadata={**in_range(1, 2 ** 31), "omit_none": True})
     error_feedback: bool | None = field(default=None, metadata={"omit_none": True})   # topk, randk: true
@@ -355,10 +356,11 @@ class UplinkSpec:
 
 @dataclass(frozen=True, slots=True)
 class DownlinkSpec:
-    """How the global model travels to the sites: exact, fp16, or an 8-bit delta against the site's last model."""
+    """How the global model travels to the sites: exact, fp16, or an 8- or 4-bit delta against the site's last
+    model."""
 
     codec: str = field(default="none", metadata=one_of(*DOWNLINK_CODECS))
-    block: int | None = field(default=None, metadata={**in_range(16, 65536), "omit_none": True})       # delta8: 256
+    block: int | None = field(default=None, metadata={**in_range(16, 65536), "omit_none": True})   # delta8, delta4: 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -1098,8 +1100,9 @@ def _uplink_problem(spec: UplinkSpec) -> tuple[str, str] | None:
 
 
 def _downlink_problem(spec: DownlinkSpec) -> tuple[str, str] | None:
-    if spec.block is not None and spec.codec != "delta8":
-        return "block", f"codec {spec.codec!r} does not take block (only delta8 does); remove it"
+    for key, codecs_ in DOWNLINK_KEYS.items():
+        if getattr(spec, key) is not None and spec.codec not in codecs_:
+            return key, (f"codec {spec.codec!r} does not take {key} (only {' and '.join(codecs_)} do); remove it")
     return None
 
 
@@ -1118,6 +1121,11 @@ def _compression_problem(cfg: RoundConfig) -> tuple[str, str] | None:
         return "compression", (f"uplink codec {spec.uplink.codec!r} sends each site's own choice of coordinates, "
                                "and a masked sum needs the same coordinates at every site; under "
                                "privacy.secure_aggregation use randk (indices shared by seed), int8 or fp16")
+    if cfg.privacy.secure_aggregation and spec.uplink.codec == "int4":
+        return "compression", ("uplink codec 'int4' cannot be masked: a 4-bit field leaves no room for a sum "
+                               "over sites (its 7 levels a side, less one for each site summed, are fewer than the "
+                               f"{MIN_GRID_LEVELS} a public grid needs even for one site); under "
+                               "privacy.secure_aggregation use int8, fp16 or randk")
     if cfg.privacy.secure_aggregation and spec.uplink.codec == "int8" and spec.uplink.block is not None:
         return "compression", ("under privacy.secure_aggregation int8 masks every element on one public grid "
                                "(clip / L, docs/privacy.md), with no per-block scales; remove uplink.block")

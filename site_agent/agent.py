@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from plexus import __version__, staleness, transport
-from plexus.compression import job_uplink
+from plexus.compression import is_delta, job_uplink
 from plexus.config import (
     SECAGG_MAX_CLIP,
     SITE_BACKOFF_CAP_S,
@@ -521,7 +521,7 @@ class SiteAgent:
             layout = Layout.from_proto(model_header(stream).manifest)
             expected.require_same(layout, what="the coordinator's model")
             return decode(layout, assemble(layout, (message.chunk for message in stream)))
-        chain = ServedChain(self.config.state_dir, task.job_id) if spec.codec == "delta8" else None
+        chain = ServedChain(self.config.state_dir, task.job_id) if is_delta(spec.codec) else None
         return fetch_model(stub, task.task_id, expected, spec, chain, timeout=call_timeout(task))
 
     def _submit(self, stub, task, update: dict, result, eval_metrics: dict) -> bool:

@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from plexus.compression import downlink_codec, downlink_decode, zero_base
+from plexus.compression import DOWNLINK, downlink_codec, downlink_decode, is_delta, zero_base
 from plexus.config import DownlinkSpec, RoundConfig
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
@@ -22,11 +22,10 @@ from plexus.wire import Layout, assemble, decode, encode
 from site_agent.state import HeldModel, ServedChain
 
 log = logging.getLogger("plexus.site")
-WHOLE = ("dense", "fp16")   # encodings that carry the model itself; any other is a delta from a base
 
-ENCODINGS = {fpb.MODEL_DENSE: "dense", fpb.MODEL_FP16: "fp16", fpb.MODEL_DELTA8: "delta8"}
-# The encodings each downlink codec may serve: delta8 sends the chain in full to a site without its base.
-SERVED_AS = {"none": ("dense",), "fp16": ("fp16",), "delta8": ("dense", "delta8")}
+ENCODINGS = {fpb.MODEL_DENSE: "dense", fpb.MODEL_FP16: "fp16", fpb.MODEL_DELTA8: "delta8", fpb.MODEL_DELTA4: "delta4"}
+# The encodings each downlink codec may serve: a delta codec sends the chain in full to a site without its base.
+SERVED_AS = {"none": ("dense",), "fp16": ("fp16",), **{c: ("dense", c) for c in DOWNLINK if is_delta(c)}}
 
 
 def downlink_spec(job: RoundConfig) -> DownlinkSpec:
@@ -40,8 +39,8 @@ def header_layout(spec: DownlinkSpec, header: fpb.ModelHeader, model: Layout) ->
     if encoding not in SERVED_AS[spec.codec]:
         raise IntegrityError(f"the coordinator sent the model as {encoding or header.encoding!r}, but this job's "
                              f"compression.downlink is {spec.codec!r} (served as {', '.join(SERVED_AS[spec.codec])})")
-    if header.zero_base and (encoding in WHOLE or header.base_round):
-        what = f"as {encoding}" if encoding in WHOLE else f"as a delta against round {header.base_round}"
+    if header.zero_base and (not is_delta(encoding) or header.base_round):
+        what = f"as a delta against round {header.base_round}" if is_delta(encoding) else f"as {encoding}"
         raise IntegrityError(f"the coordinator sent round {header.round} {what} and from a zero base; only a delta "
                              "may start from zeros, and then it names no base round")
     layout = Layout.from_proto(header.manifest)

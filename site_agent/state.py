@@ -138,7 +138,7 @@ class JobState:
 
 @dataclass(frozen=True)
 class HeldModel:
-    """A model this site holds for a job, as the coordinator's next delta8 delta would apply to it."""
+    """A model this site holds for a job, as the coordinator's next delta (delta8, delta4) would apply to it."""
 
     round: int
     state: dict[str, np.ndarray]
@@ -146,7 +146,7 @@ class HeldModel:
 
 
 class ServedChain:
-    """The model this site last decoded for a job under compression.downlink delta8, kept between fetches (and
+    """The model this site last decoded for a job under compression.downlink delta8 or delta4, kept between fetches (and
     restarts) so the next one can come as an 8-bit delta against it. A copy that is missing, unreadable or laid
     out otherwise is no copy: the site then asks for the model in full."""
 

@@ -86,7 +86,7 @@ def _shrink(codec: UplinkCodec, model: Layout, wire: Mapping[str, np.ndarray], s
     """The wire tensors scaled so that they decode to a vector no longer than clip_norm, and that vector.
 
     Every codec's decoded value is linear in exactly one floating-point wire tensor of its model tensor
-    (fp16/randk values, int8 scales, topk's and AdaComp's scale; integer values and gaps stay), so scaling
+    (fp16/randk values, int8 and int4 scales, topk's and AdaComp's scale; integer values and gaps stay), so scaling
     every float wire tensor by c scales the decoded vector by c, up to rounding to the wire dtype; like
     plexus.dp.clip_update, shrink a hair more until the bound holds after that rounding (fp16's rounding is
     coarse: each pass shrinks by the overshoot it measured).

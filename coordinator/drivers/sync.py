@@ -139,7 +139,7 @@ def evaluates(cfg: RoundConfig) -> bool:
 
 
 def downlink_of(cfg: RoundConfig) -> Downlink | None:
-    """The job's compressed downlink (compression.downlink fp16 or delta8); None: the model travels as it is."""
+    """The job's compressed downlink (compression.downlink fp16, delta8 or delta4); None: the model travels as it is."""
     spec = cfg.compression.downlink if cfg.compression is not None else None
     return Downlink(spec) if spec is not None and spec.codec != "none" else None
 
@@ -304,7 +304,7 @@ class ActiveJob:
     retried: dict[int, int] = field(default_factory=dict)   # round -> times it was opened again (sites.retries)
     epsilons: dict[int, float] = field(default_factory=dict)   # DP: ε after round n, computed as it opened
     rates: dict[int, float] | None = None    # DP: round n's sampling rate q (read from the ledger once)
-    downlink: Downlink | None = None         # compression.downlink fp16/delta8: what sites fetch instead of `served`
+    downlink: Downlink | None = None         # compression.downlink fp16/delta8/4: what sites fetch instead of `served`
 
     @property
     def in_memory(self) -> bool:
@@ -317,14 +317,14 @@ class ActiveJob:
     @property
     def base(self) -> dict[str, np.ndarray] | None:
         """The model the sites start from this round, as they decode it (a compressed update is a Δ from it):
-        `state` itself unless the downlink is compressed (then fp16(model), or delta8's served chain)."""
+        `state` itself unless the downlink is compressed (then fp16(model), or a delta codec's served chain)."""
         if self.downlink is None:
             return self.state
         return {t.name: self.downlink.base[t.name] for t in self.layout.tensors}
 
     def fetched(self, held: Held | None, *, zero_base: bool = False) -> ServedModel:
-        """What a site fetches: `served`, or under a compressed downlink the encoded model (a delta8 delta if
-        the site holds the model it applies to, or from zeros at the chain's start if it decodes that)."""
+        """What a site fetches: `served`, or under a compressed downlink the encoded model (a delta codec's delta
+        if the site holds the model it applies to, or from zeros at the chain's start if it decodes that)."""
         return self.served if self.downlink is None else self.downlink.served(held, zero_base=zero_base)
 
     def round_sum(self, sites: int) -> WeightedSum:
@@ -357,7 +357,7 @@ class ActiveJob:
             self.downlink.take(step or self.downlink.prepare(round_, {**self.state, **extra}))
 
     def release_model(self) -> None:
-        """Drop the in-memory model before the next one is built (rules that do not read it); a delta8 chain
+        """Drop the in-memory model before the next one is built (rules that do not read it); a delta codec's chain
         stays, since the next model's delta is taken from it."""
         self.state = self.blob = self.served = None
         if self.downlink is not None:

@@ -48,6 +48,8 @@ def test_the_cases_make_the_round_configs_the_spec_describes():
     assert compression.compression_block("sa:randk", 0.1) == {"uplink": {"codec": "randk", "fraction": 0.1}}
     assert compression.compression_block("int8/delta8") == {"uplink": {"codec": "int8"},
                                                             "downlink": {"codec": "delta8"}}
+    assert compression.compression_block("int4/delta4") == {"uplink": {"codec": "int4"},
+                                                            "downlink": {"codec": "delta4"}}
     with pytest.raises(ValueError):
         compression.compression_block("zip")
     fed = compression.federation("heart", 3)
@@ -61,14 +63,15 @@ needs_compression = pytest.mark.skipif(compression.compression_available() is no
 
 
 @needs_compression
-@pytest.mark.parametrize("case", [c for c in compression.CODECS if c != "none"] + ["int8/delta8", "none/fp16"])
+@pytest.mark.parametrize("case", [c for c in compression.CODECS if c != "none"]
+                         + ["int8/delta8", "none/fp16", "int4", "int4/delta4"])
 def test_every_codec_runs_and_sends_less_than_none(heart, tmp_path, case):
     job = heart_job(heart, compression.compression_block(case))
     _, stats = compression.simulate(heart, job, "job-c", tmp_path)
     whole = 4 * compression.model_bytes(heart.model)   # none: each of the 4 hospitals moves the model each way
     up, _, down = case.partition("/")
     for r in stats:
-        if up in ("fp16", "int8", "topk", "randk"):    # smaller by construction; adacomp's size depends on Δ
+        if up in ("fp16", "int8", "int4", "topk", "randk"):   # smaller by construction; adacomp's depends on Δ
             assert 0 < r["up"] < whole
     if down not in ("", "none"):                       # delta8 too from round 1: the chain starts from zeros
         assert all(0 < r["down"] < whole for r in stats)

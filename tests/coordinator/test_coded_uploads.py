@@ -30,9 +30,11 @@ class Spec:   # the attributes of plexus.config.UplinkSpec
     bin_dense: int | None = None
 
 
-SPECS = {"fp16": Spec("fp16"), "int8": Spec("int8", block=32), "topk": Spec("topk", fraction=0.1),
-         "adacomp": Spec("adacomp", bin_dense=16), "randk": Spec("randk", k=20)}
-MODEL = {"a.weight": np.zeros((10, 20), np.float32), "b.bias": np.zeros(50, np.float32)}
+SPECS = {"fp16": Spec("fp16"), "int8": Spec("int8", block=32), "int4": Spec("int4", block=32),
+         "topk": Spec("topk", fraction=0.1), "adacomp": Spec("adacomp", bin_dense=16), "randk": Spec("randk", k=20)}
+# c.odd: an odd element count (int4's last byte holds one value) whose last block is short.
+MODEL = {"a.weight": np.zeros((10, 20), np.float32), "b.bias": np.zeros(50, np.float32),
+         "c.odd": np.zeros((3, 7), np.float32)}
 MODEL_LAYOUT = Layout.of(MODEL)
 
 
@@ -75,7 +77,7 @@ def _views(layout, blob):
     return decode(layout, blob)
 
 
-@pytest.mark.parametrize("name", ["topk", "int8"])
+@pytest.mark.parametrize("name", ["topk", "int8", "int4"])
 def test_a_coded_update_taken_out_part_way_or_whole_leaves_the_sum_exactly_as_it_was(name, tmp_path):
     codec = uplink_codec(SPECS[name], seed=3)
     total = WeightedSum(MODEL_LAYOUT, sites=3)

@@ -140,3 +140,21 @@ def test_with_a_compressed_uplink_the_new_model_is_the_served_chain_plus_the_mea
     r.round(A, A)   # Δs from chain_1, which the sites decoded: not from the exact model of round 1
     assert np.allclose(r.model(2), chain_1 + np.float32(half(A)), rtol=0, atol=1e-8)
     assert not np.allclose(r.model(2), r.model(1) + np.float32(half(A)), rtol=0, atol=1e-6)
+
+
+def test_delta4_serves_its_chain_as_delta8_does(rig):
+    r = rig(compression="compression: {downlink: {codec: delta4, block: 16}}")
+    job = r.driver.job
+    start = job.fetched(None, zero_base=True)
+    assert (start.encoding, start.zero_base, start.layout.total_bytes) == ("delta4", True, 2 + 4)
+    assert job.fetched(None).encoding == "dense"   # an agent that does not ask for the start from zeros
+    r.round(A, B)
+    chain_1 = job.base["w"].copy()
+    exact = r.model(1)
+    assert not np.array_equal(chain_1, exact) and np.abs(chain_1 - exact).max() <= np.abs(exact).max() / 14 + 1e-9
+    delta = job.fetched(Held(0, sha(np.zeros(4, np.float32))))
+    assert (delta.encoding, delta.base_round, delta.sha256) == ("delta4", 0, sha(chain_1))
+    assert delta.layout.total_bytes == 2 + 4                  # 4 values in 2 bytes + one F32 scale
+    assert job.fetched(Held(1, sha(chain_1))).encoding == "dense"
+    r.round(A, A)
+    assert job.fetched(Held(1, sha(chain_1))).encoding == "delta4"

@@ -21,9 +21,12 @@ from plexus.compression import (
     downlink_codec,
     downlink_decode,
     downlink_encode,
+    is_delta,
     k_of,
+    pack_int4,
     randk_indices,
     top_indices,
+    unpack_int4,
     uplink_codec,
     zero_base,
 )
@@ -54,6 +57,7 @@ SPECS = {
     "none": Up(),
     "fp16": Up("fp16"),
     "int8": Up("int8", block=16),
+    "int4": Up("int4", block=16),
     "topk": Up("topk", fraction=0.1),
     "topk-nofb": Up("topk", k=3, error_feedback=False),
     "randk": Up("randk", k=5),
@@ -128,12 +132,13 @@ def _refused(codec, model: Layout, wire: dict, *, round_: int = 0, chunk: int = 
 # Registries and parameters -------------------------------------------------------------------
 
 def test_registries_are_plain_dicts_and_unknown_names_list_them():
-    assert sorted(UPLINK) == ["adacomp", "fp16", "int8", "none", "randk", "topk"]
-    assert sorted(DOWNLINK) == ["delta8", "fp16", "none"]
-    with pytest.raises(ValueError, match=r"\['adacomp', 'fp16', 'int8', 'none', 'randk', 'topk'\]"):
+    assert sorted(UPLINK) == ["adacomp", "fp16", "int4", "int8", "none", "randk", "topk"]
+    assert sorted(DOWNLINK) == ["delta4", "delta8", "fp16", "none"]
+    with pytest.raises(ValueError, match=r"\['adacomp', 'fp16', 'int4', 'int8', 'none', 'randk', 'topk'\]"):
         uplink_codec(Up("zstd"), seed=0)
-    with pytest.raises(ValueError, match=r"\['delta8', 'fp16', 'none'\]"):
+    with pytest.raises(ValueError, match=r"\['delta4', 'delta8', 'fp16', 'none'\]"):
         downlink_codec(Down("int8"))
+    assert [c for c in sorted(DOWNLINK) if is_delta(c)] == ["delta4", "delta8"] and not is_delta("zstd")
 
 
 def test_codec_flags():
@@ -141,6 +146,7 @@ def test_codec_flags():
              ((key, uplink_codec(spec, seed=0)) for key, spec in SPECS.items())}
     assert flags == {
         "none": ("none", False, True), "fp16": ("fp16", False, True), "int8": ("int8", False, True),
+        "int4": ("int4", False, True),
         "topk": ("topk", True, False), "topk-nofb": ("topk", False, False), "randk": ("randk", True, True),
         "randk-nofb": ("randk", False, True), "adacomp": ("adacomp", True, False),
     }
@@ -151,7 +157,8 @@ def test_codec_flags():
     (Up("randk", fraction=0.1, k=3), "exactly one of fraction and k"),
     (Up("topk", fraction=1.5), r"fraction must be in \(0, 1\]"),
     (Up("randk", k=0), "k must be at least 1"),
-    (Up("int8", block=8), "block must be 16..65536"),
+    (Up("int8", block=8), "int8 block must be 16..65536"),
+    (Up("int4", block=65537), "int4 block must be 16..65536"),
     (Up("adacomp", bin_dense=0), "at least 1 element"),
 ])
 def test_bad_parameters_are_refused(spec, message):
@@ -264,6 +271,178 @@ def test_int8_stochastic_rounding_is_unbiased():
     assert len(seen) == 2   # element 1 sits between two steps and goes both ways
 
 
+# int4 --------------------------------------------------------------------------------------------
+
+def test_int4_packs_two_values_a_byte_low_nibble_first_in_twos_complement():
+    q = np.array([1, -1, 7, -7, 0, 3, -2], np.int8)   # an odd count: the last high nibble is 0
+    packed = pack_int4(q)
+    assert packed.dtype == np.uint8 and packed.tolist() == [0xF1, 0x97, 0x30, 0x0E]
+    assert unpack_int4(packed, 7).tolist() == q.tolist()
+    assert pack_int4(q[:6]).tolist() == [0xF1, 0x97, 0x30]
+    assert pack_int4(np.zeros(0, np.int8)).size == 0 and unpack_int4(np.zeros(0, np.uint8), 0).size == 0
+    assert pack_int4(np.array([-7], np.int8)).tolist() == [0x09]
+    with pytest.raises(ValueError, match="3 int4 values take 2 bytes; got 1"):
+        unpack_int4(np.array([0x11], np.uint8), 3)
+    with pytest.raises(ValueError, match=r"value -8 at element 1 \(byte 0, high nibble\)"):
+        unpack_int4(np.array([0x81], np.uint8), 2)
+    with pytest.raises(ValueError, match="unused high nibble of byte 1 is 1"):
+        unpack_int4(np.array([0x11, 0x11], np.uint8), 3)
+    with pytest.raises(ValueError, match="int4 packs -7..7; element 1 is -8"):
+        pack_int4(np.array([0, -8], np.int8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-7, 7), max_size=41))
+def test_int4_packing_round_trips_any_length(values):
+    q = np.array(values, np.int8)
+    packed = pack_int4(q)
+    assert packed.size == -(-q.size // 2)
+    assert unpack_int4(packed, q.size).tolist() == values
+    nibbles = [(b >> shift) & 0xF for b in packed.tolist() for shift in (0, 4)]
+    assert nibbles[:q.size] == [v & 0xF for v in values] and nibbles[q.size:] in ([], [0])
+
+
+def test_int4_layout_scales_and_error_bound():
+    x = np.concatenate([
+        np.arange(-7, 9, dtype=np.float32) * np.float32(0.5),            # block 0: multiples of its scale 0.5
+        np.zeros(16, np.float32),                                        # block 1: all zero -> scale 0
+        np.random.default_rng(2).normal(size=21).astype(np.float32),     # blocks 2, 3 (a short, odd last block)
+    ])
+    x[15] = 3.5                                                          # block 0 peaks at 7 · 0.5
+    codec, _, wire, rest = _encode("int4", {"x": x})
+    assert rest == {} and sorted(wire) == ["x/int4.scales", "x/int4.values"]
+    scales, packed = wire["x/int4.scales"], wire["x/int4.values"]
+    assert scales.dtype == np.float32 and scales.size == 4
+    assert packed.dtype == np.uint8 and packed.size == 27            # ceil(53 / 2)
+    assert codec.wire_layout(_model_layout({"x": x}), round_=0) == Layout.of(wire)
+    peaks = [np.abs(x[i:i + 16]).max() for i in range(0, x.size, 16)]
+    assert np.array_equal(scales, np.array(peaks, np.float32) / np.float32(7))
+    q = unpack_int4(packed, x.size)
+    assert scales[0] == np.float32(0.5) and q[:16].tolist() == list(range(-7, 8)) + [7]
+    assert scales[1] == 0 and not packed[8:16].any() and q.min() >= -7 and q.max() <= 7
+    decoded = codec.decode(_model_layout({"x": x}), wire, round_=0)["x"]
+    assert decoded.dtype == np.float32 and np.array_equal(decoded[:32], x[:32])   # exact where x/s is whole
+    # Elsewhere q ∈ {floor(x/s), floor(x/s) + 1}: |error| < s, plus float32 rounding of q·s.
+    per_element = np.repeat(scales, 16)[:x.size].astype(np.float64)
+    assert np.all(np.abs(decoded.astype(np.float64) - x) <= per_element * (1 + 2.0 ** -20))
+    assert np.all(np.abs(decoded.astype(np.float64) - x)[32:] < per_element[32:])
+
+
+def test_int4_stochastic_rounding_is_unbiased():
+    """E[q·s] = x: over 4000 encodings each element rounds up with probability frac(x/s), within 5 standard
+    errors of the binomial, and the mean decoded value lies within 5 standard errors of x (fixed seeds: it
+    cannot flake). At 4 bits the steps are 18× coarser than int8's, so a bias would show."""
+    codec = uplink_codec(Up("int4", block=16), seed=0)
+    x = np.random.default_rng(3).normal(size=33).astype(np.float32)
+    model = _model_layout({"x": x})
+    runs = 4000
+    total = np.zeros(x.size, np.float64)
+    ups = np.zeros(x.size, np.int64)
+    rng = np.random.default_rng(4)
+    for _ in range(runs):
+        wire, _ = codec.encode({"x": x}, round_=0, residual=None, rng=rng)
+        total += codec.decode(model, wire, round_=0)["x"].astype(np.float64)
+        scale = np.repeat(wire["x/int4.scales"], 16)[:x.size].astype(np.float64)
+        y = x / scale
+        ups += unpack_int4(wire["x/int4.values"], x.size) > np.floor(y)
+    frac = y - np.floor(y)
+    assert np.all(np.abs(ups / runs - frac) <= 5 * np.sqrt(frac * (1 - frac) / runs) + 1e-9)
+    assert ((frac > 0.05) & (frac < 0.95) & (ups > 0) & (ups < runs)).sum() >= 20   # really rounded both ways
+    stderr = scale / (2 * math.sqrt(runs))   # Var(q·s) = s²·p(1−p) <= s²/4
+    assert np.all(np.abs(total / runs - x) <= 5 * stderr + 1e-12)
+
+
+def test_int4_decoder_dequantises_chunk_by_chunk():
+    """A 4M-element tensor (16 MB as float32) fed 16 KiB at a time: one dense piece per chunk, each at most
+    the chunk's 2 · 16 Ki elements, and the decoder's peak memory stays near one chunk's, never the tensor's."""
+    n, chunk = 4_000_000, 16 << 10
+    model = Layout.build([("w", "F32", (n,))])
+    wire = {"w/int4.scales": np.full(-(-n // 256), 0.5, np.float32),
+            "w/int4.values": np.tile(np.array([0x9F, 0x17], np.uint8), n // 4)}
+    layout, blob = encode(wire)
+    blob = bytes(blob)
+    tracemalloc.start()
+    try:
+        dec = uplink_codec(Up("int4", block=256), seed=0).decoder(model, layout, round_=0)
+        sizes, seen = [], 0
+        for at in range(0, len(blob), chunk):
+            for piece in dec.feed(memoryview(blob)[at:at + chunk]):
+                assert isinstance(piece, DensePiece) and piece.start == seen
+                if seen == 0:
+                    assert piece.values[:4].tolist() == [-0.5, -3.5, 3.5, 0.5]   # 0xF, 0x9, 0x7, 0x1
+                seen += piece.values.size
+                sizes.append(piece.values.size)
+        dec.finish()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen == n and max(sizes) <= 2 * chunk and len(sizes) > 100
+    assert peak < 2_000_000, peak   # a dense float64 copy would be 32 MB
+
+
+def _int4_wire(values, scales=(1.0,)) -> dict[str, np.ndarray]:
+    return {"w/int4.scales": np.array(scales, np.float32), "w/int4.values": np.array(values, np.uint8)}
+
+
+@pytest.mark.parametrize("n, wire, message, reason", [
+    (3, _int4_wire([0x08, 0x00]), "'w/int4.values': value -8 at element 0 (byte 0, low nibble); int4 values "
+     "are -7..7", Reason.LAYOUT),
+    (3, _int4_wire([0x81, 0x00]), "'w/int4.values': value -8 at element 1 (byte 0, high nibble)", Reason.LAYOUT),
+    (3, _int4_wire([0x11, 0x08]), "'w/int4.values': value -8 at element 2 (byte 1, low nibble)", Reason.LAYOUT),
+    (40, _int4_wire([0x11] * 16 + [0x81, 0x11, 0x11, 0x11], (1.0, 1.0, 1.0)),
+     "'w/int4.values': value -8 at element 33 (byte 16, high nibble)", Reason.LAYOUT),
+    (3, _int4_wire([0x11, 0x71]), "'w/int4.values': the unused high nibble of byte 1 is 7; with an odd number of "
+     "elements the last byte's high nibble must be 0", Reason.LAYOUT),
+    (3, _int4_wire([0x11, 0x81]), "the unused high nibble of byte 1 is 8", Reason.LAYOUT),
+    (3, _int4_wire([0x00, 0x00], (np.nan,)), "'w/int4.scales': scale nan at position 0", Reason.NON_FINITE),
+    (3, _int4_wire([0x00, 0x00], (np.inf,)), "'w/int4.scales': scale inf at position 0", Reason.NON_FINITE),
+    (3, _int4_wire([0x00, 0x00], (-0.5,)), "'w/int4.scales': scale -0.5 at position 0", Reason.LAYOUT),
+    (3, _int4_wire([0x70, 0x00], (3e38,)), "'w/int4.values': element 1 decodes to inf", Reason.NON_FINITE),
+])
+def test_malformed_int4_updates_are_refused_naming_entry_and_position(n, wire, message, reason):
+    spec = Up("int4", block=16)
+    model = Layout.build([("w", "F32", (n,))])
+    for chunk in (1, 2, 64):
+        error = _refused(uplink_codec(spec, seed=0), model, wire, chunk=chunk)
+        assert error.reason is reason and message in str(error), str(error)
+    with pytest.raises(IntegrityError, match=re.escape(message.split(":")[0])):
+        uplink_codec(spec, seed=0).decode(model, wire, round_=0)
+
+
+@pytest.mark.parametrize("wire, message", [
+    (_int4_wire([0x11, 0x11, 0x11]), r"'w/int4.values' is U8\[3\]; expected U8\[2\] \(two 4-bit values a byte: "
+     r"ceil\(N / 2\) bytes\)"),
+    (_int4_wire([0x11]), r"'w/int4.values' is U8\[1\]; expected U8\[2\]"),
+    ({"w/int4.scales": np.ones(1, np.float32), "w/int4.values": np.ones(3, np.int8)},
+     r"'w/int4.values' is I8\[3\]; expected U8\[2\]"),
+    (_int4_wire([0x11, 0x01], (1.0, 1.0)), r"'w/int4.scales' is F32\[2\]; expected F32\[1\]"),
+    ({"w/int4.values": np.ones(2, np.uint8)}, r"lacks entr\(ies\) \['w/int4.scales'\]"),
+    ({"w/int8.scales": np.ones(1, np.float32), "w/int8.values": np.ones(3, np.int8)},
+     r"lacks entr\(ies\) \['w/int4.scales', 'w/int4.values'\]"),
+])
+def test_int4_byte_counts_are_exact(wire, message):
+    model = Layout.build([("w", "F32", (3,))])
+    codec = uplink_codec(Up("int4", block=16), seed=0)
+    with pytest.raises(IntegrityError, match=message) as info:
+        codec.decoder(model, Layout.of(wire), round_=0)
+    assert info.value.reason is Reason.LAYOUT
+
+
+def test_an_int4_stream_of_the_wrong_length_is_refused():
+    model = Layout.build([("w", "F32", (3,))])
+    codec = uplink_codec(Up("int4", block=16), seed=0)
+    layout, blob = encode(_int4_wire([0x11, 0x01]))   # one F32 scale and 2 bytes for 3 values
+    dec = codec.decoder(model, layout, round_=0)
+    with pytest.raises(IntegrityError, match="more than the 6 bytes") as info:
+        list(dec.feed(bytes(blob) + b"\0"))
+    assert info.value.reason is Reason.SIZE
+    dec = codec.decoder(model, layout, round_=0)
+    list(dec.feed(bytes(blob)[:-1]))
+    with pytest.raises(IntegrityError, match="ended after 5 of 6 bytes") as info:
+        dec.finish()
+    assert info.value.reason is Reason.SIZE
+
+
 # Error feedback ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key", ["topk", "randk", "adacomp"])
@@ -290,7 +469,7 @@ def test_error_feedback_is_exact_over_rounds(key):
 
 
 def test_without_feedback_there_is_no_residual():
-    for key in ("fp16", "int8", "topk-nofb", "randk-nofb"):
+    for key in ("fp16", "int8", "int4", "topk-nofb", "randk-nofb"):
         _, _, _, rest = _encode(key, residual={"fc.bias": np.ones(7, np.float32)})
         assert rest == {}
 
@@ -304,7 +483,7 @@ def test_residual_must_match_the_update():
 
 
 def test_non_finite_and_slashed_names_are_refused_at_the_site():
-    for key in ("fp16", "int8", "topk", "randk", "adacomp"):
+    for key in ("fp16", "int8", "int4", "topk", "randk", "adacomp"):
         with pytest.raises(IntegrityError, match="'w'.*element 1") as info:
             _encode(key, {"w": np.array([1.0, np.nan, 2.0], np.float32)})
         assert info.value.reason is Reason.NON_FINITE
@@ -796,7 +975,68 @@ def test_downlink_delta8_against_the_base():
         downlink_decode(spec, Layout.of(model), {"w/delta8.values": wire["w/delta8.values"]}, base)
 
 
-DELTA_CODECS = sorted(set(DOWNLINK) - {"none", "fp16"})   # the codecs that send steps from a base
+def test_downlink_delta4_against_the_base():
+    base = _served(0)
+    model = {k: (v + np.float32(0.01) * np.arange(v.size, dtype=np.float32).reshape(v.shape)
+                 if v.dtype.kind == "f" else v + 1) for k, v in base.items()}
+    spec = Down("delta4", block=16)
+    wire = downlink_encode(spec, model, base)
+    assert sorted(wire) == ["b/delta4.scales", "b/delta4.values", "n/dense.values", "w/delta4.scales",
+                            "w/delta4.values"]
+    assert wire["w/delta4.values"].dtype == np.uint8 and wire["w/delta4.values"].shape == (100,)
+    assert wire["b/delta4.values"].shape == (2,) and wire["w/delta4.scales"].shape == (13,)
+    assert downlink_codec(spec).wire_layout(Layout.of(model)) == Layout.of(wire)
+    decoded = downlink_decode(spec, Layout.of(model), wire, base)
+    for name in ("w", "b"):   # round to nearest: |error| <= scale/2, plus float32 rounding of base + q·s
+        scale = np.repeat(wire[f"{name}/delta4.scales"], 16)[:model[name].size].reshape(model[name].shape)
+        ulp = np.spacing(np.abs(model[name])).astype(np.float64)
+        error = np.abs(decoded[name].astype(np.float64) - model[name])
+        assert decoded[name].dtype == np.float32 and np.all(error <= scale.astype(np.float64) / 2 + ulp)
+    assert np.array_equal(decoded["n"], model["n"]) and decoded["n"].dtype == np.int64
+    # Deterministic (round to nearest), and exact when nothing changed.
+    assert all(np.array_equal(a, b) for a, b in zip(wire.values(), downlink_encode(spec, model, base).values()))
+    same = downlink_decode(spec, Layout.of(base), downlink_encode(spec, base, base), base)
+    assert all(np.array_equal(same[k], base[k]) for k in base)
+    with pytest.raises(ValueError, match="delta4 sends the model as steps .* no base for 'b'"):
+        downlink_encode(spec, model, None)
+
+
+def test_delta4_packs_steps_as_int4_does():
+    """Steps 7, −3, 1 of scale 0.1 (max|Δ| / 7): nibbles 0x7, 0xD, 0x1 and a 0 high nibble to end the odd count."""
+    spec = Down("delta4", block=16)
+    base = {"b": np.zeros(3, np.float32)}
+    wire = downlink_encode(spec, {"b": np.array([0.7, -0.3, 0.1], np.float32)}, base)
+    assert wire["b/delta4.scales"].tolist() == [np.float32(np.float32(0.7) / 7)]
+    assert wire["b/delta4.values"].tolist() == [0xD7, 0x01]
+
+
+@pytest.mark.parametrize("values, scales, message", [
+    ([0xD8, 0x01], [0.1], r"served 'b': delta4 values: value -8 at element 0 \(byte 0, low nibble\)"),
+    ([0x87, 0x01], [0.1], r"served 'b': delta4 values: value -8 at element 1 \(byte 0, high nibble\)"),
+    ([0xD7, 0x11], [0.1], r"served 'b': delta4 values: the unused high nibble of byte 1 is 1"),
+    ([0xD7, 0x01], [-0.5], r"served 'b': delta4 scale -0.5 at position 0"),
+    ([0xD7, 0x01], [np.nan], r"served 'b': delta4 scale nan at position 0"),
+])
+def test_malformed_delta4_models_are_refused(values, scales, message):
+    spec, layout = Down("delta4", block=16), Layout.build([("b", "F32", (3,))])
+    wire = {"b/delta4.scales": np.array(scales, np.float32), "b/delta4.values": np.array(values, np.uint8)}
+    with pytest.raises(IntegrityError, match=message):
+        downlink_decode(spec, layout, wire, {"b": np.zeros(3, np.float32)})
+
+
+@pytest.mark.parametrize("values, message", [
+    (np.ones(3, np.uint8), r"'b/delta4.values'.*U8\[3\]"),          # one byte too many
+    (np.ones(1, np.uint8), r"'b/delta4.values'.*U8\[1\]"),          # one byte short
+    (np.ones(3, np.int8), r"'b/delta4.values'.*I8\[3\]"),           # delta8's values
+])
+def test_delta4_byte_counts_are_exact(values, message):
+    spec, layout = Down("delta4", block=16), Layout.build([("b", "F32", (3,))])
+    wire = {"b/delta4.scales": np.ones(1, np.float32), "b/delta4.values": values}
+    with pytest.raises(IntegrityError, match=message):
+        downlink_decode(spec, layout, wire, {"b": np.zeros(3, np.float32)})
+
+
+DELTA_CODECS = sorted(c for c in DOWNLINK if is_delta(c))
 
 
 def test_zero_base_is_zeros_shaped_as_the_model_and_takes_no_memory():

@@ -27,6 +27,9 @@ def detail(extra: str) -> admin_pb2.JobDetail:
     ("compression: {uplink: {codec: int8, block: 64}, downlink: {codec: delta8, block: 128}}\n",
      "uplink int8 (block 64), downlink delta8 (block 128)"),
     ("compression: {downlink: {codec: fp16}}\n", "uplink none, downlink fp16"),
+    ("compression: {uplink: {codec: int4}, downlink: {codec: delta4}}\n", "uplink int4, downlink delta4"),
+    ("compression: {uplink: {codec: int4, block: 64}, downlink: {codec: delta4, block: 128}}\n",
+     "uplink int4 (block 64), downlink delta4 (block 128)"),
 ])
 def test_job_show_prints_the_compression_of_a_job(extra, line, capsys):
     assert compression_summary(detail(extra)) == line

@@ -763,7 +763,26 @@ def test_an_asynchronous_block_round_trips_and_a_synchronous_config_dumps_withou
          "job.yaml:6: compression.uplink.error_feedback:", "only topk and randk"),
         (MINIMAL + "compression:\n  downlink: {codec: fp16, block: 64}\n", "job.yaml:6: compression.downlink.block:",
          "only delta8"),
-        (MINIMAL + "compression:\n  downlink: {codec: delta4}\n", "job.yaml:6: compression.downlink.codec:", "delta8"),
+        (MINIMAL + "compression:\n  downlink: {codec: delta2}\n", "job.yaml:6: compression.downlink.codec:",
+         "delta4"),
+        (MINIMAL + "compression:\n  uplink: {codec: int4, fraction: 0.1}\n", "job.yaml:6: compression.uplink.fraction:",
+         "codec 'int4' does not take fraction (only topk and randk do); remove it"),
+        (MINIMAL + "compression:\n  uplink: {codec: int4, block: 70000}\n", "job.yaml:6: compression.uplink.block:",
+         "out of range"),
+        (MINIMAL + "compression:\n  uplink: {codec: fp16, block: 64}\n", "job.yaml:6: compression.uplink.block:",
+         "codec 'fp16' does not take block (only int8 and int4 do); remove it"),
+        (MINIMAL + "compression:\n  downlink: {codec: none, block: 64}\n", "job.yaml:6: compression.downlink.block:",
+         "codec 'none' does not take block (only delta8 and delta4 do); remove it"),
+        (MINIMAL + "compression:\n  downlink: {codec: delta4, block: 8}\n", "job.yaml:6: compression.downlink.block:",
+         "out of range"),
+        (MINIMAL + "compression: {uplink: {codec: int4}}\nsites: {min: 3}\nprivacy: {secure_aggregation: true}\n",
+         "job.yaml:5: compression:", "uplink codec 'int4' cannot be masked: a 4-bit field leaves no room for a sum "
+         "over sites (its 7 levels a side, less one for each site summed, are fewer than the 16 a public grid needs "
+         "even for one site); under privacy.secure_aggregation use int8, fp16 or randk"),
+        (MINIMAL + "compression: {uplink: {codec: int4, block: 64}}\nstrategy: {name: krum}\n",
+         "job.yaml:5: compression:", "judge each site's whole update"),
+        (MINIMAL + "compression: {downlink: {codec: delta4}}\nasynchronous: {buffer: 2}\n",
+         "job.yaml:5: compression:", "asynchronous jobs do not take compression yet"),
         (MINIMAL + "compression: {uplink: {codec: topk, k: 10}}\nsites: {min: 3}\n"
          "privacy: {secure_aggregation: true}\n",
          "job.yaml:5: compression:", "use randk"),
@@ -805,5 +824,15 @@ def test_a_compression_block_round_trips_and_a_config_without_it_dumps_without_i
         ok = parse_round_config(MINIMAL + f"compression: {{uplink: {{codec: {codec}}}}}\nsites: {{min: 3}}\n"
                                 "privacy: {secure_aggregation: true}\n")
         assert ok.privacy.secure_aggregation
+    cfg = parse_round_config(MINIMAL + "compression:\n  uplink: {codec: int4, block: 64}\n"
+                             "  downlink: {codec: delta4, block: 128}\n")
+    assert (cfg.compression.uplink.codec, cfg.compression.uplink.block) == ("int4", 64)
+    assert (cfg.compression.downlink.codec, cfg.compression.downlink.block) == ("delta4", 128)
+    assert parse_round_config(dump_round_config(cfg)) == cfg
+    assert parse_round_config(MINIMAL + "compression: {uplink: {codec: int4}, downlink: {codec: delta4}}\n"
+                              "sites: {min: 200}\n").compression.uplink.block is None   # the codec's default
+    # a compressed downlink goes with secure aggregation whatever it is: it is no masked input
+    assert parse_round_config(MINIMAL + "compression: {uplink: {codec: int8}, downlink: {codec: delta4}}\n"
+                              "sites: {min: 3}\nprivacy: {secure_aggregation: true}\n").privacy.secure_aggregation
     # without secure aggregation nothing bounds an int8 job's sites
     assert parse_round_config(MINIMAL + "compression: {uplink: {codec: int8}}\nsites: {min: 200}\n").sites.min == 200

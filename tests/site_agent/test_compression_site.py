@@ -44,6 +44,7 @@ train: {epochs: 1, batch_size: 32, optimizer: {name: sgd, lr: 0.5}}
 CODECS = {
     "fp16": "{codec: fp16}",
     "int8": "{codec: int8, block: 16}",
+    "int4": "{codec: int4, block: 16}",
     "topk": "{codec: topk, fraction: 0.1, error_feedback: true}",
     "topk-k": "{codec: topk, k: 3, error_feedback: true}",
     "randk": "{codec: randk, fraction: 0.25, error_feedback: true}",
@@ -259,7 +260,7 @@ def _norm(arrays) -> float:
     return float(np.sqrt(sum(np.sum(np.square(a, dtype=np.float64)) for a in arrays.values())))
 
 
-@pytest.mark.parametrize("case", ["topk", "adacomp", "int8", "fp16"])
+@pytest.mark.parametrize("case", ["topk", "adacomp", "int8", "int4", "fp16"])
 def test_under_dp_the_sent_vector_is_scaled_to_clip_norm_and_the_residual_keeps_the_rest(kit, tmp_path, case):
     clip = 0.05
     text = _job_text(CODECS[case], DP.replace("CLIP", str(clip)))

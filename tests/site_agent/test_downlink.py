@@ -234,3 +234,43 @@ def test_an_encoding_the_job_did_not_ask_for_is_refused(tmp_path):
     downlink.advance(0, models(1)[0])
     with pytest.raises(IntegrityError, match="compression.downlink is 'delta8'"):
         fetch_model(Coordinator(downlink), "task", LAYOUT, DELTA8, ServedChain(tmp_path, "job-1"), timeout=5)
+
+
+DELTA4 = DownlinkSpec(codec="delta4", block=16)
+
+
+def test_delta4_serves_the_chain_as_delta8_does_at_half_its_value_bytes(tmp_path):
+    """The served chain is the delta codec's, whichever it is: two sites, one missing a round, hold the
+    coordinator's chain bit for bit; a delta carries ceil(N/2) bytes of steps per float tensor."""
+    downlink = Downlink(DELTA4)
+    coordinator = Coordinator(downlink)
+    a, b = ServedChain(tmp_path / "a", "job-1"), ServedChain(tmp_path / "b", "job-1")
+    encodings = {"a": [], "b": []}
+    for round_, model in enumerate(models(5)):
+        downlink.advance(round_, model)
+        coordinator.round = round_
+        for name, chain in (("a", a), ("b", b)):
+            if name == "b" and round_ == 2:
+                continue
+            got = fetch_model(coordinator, "task", LAYOUT, DELTA4, chain, timeout=5)
+            encodings[name].append(coordinator.sent[-1][0])
+            assert bits(got) == bits(downlink.base) == bits(chain.load(LAYOUT).state)
+        error = np.abs(downlink.base["w"] - model["w"]).max()
+        # 4-bit steps: coarser than delta8's (chain_0 within max|w|/14 of the model), then close
+        assert 0 < error <= (np.abs(model["w"]).max() / 14 + 1e-6 if round_ == 0 else 0.1)
+    assert encodings == {"a": ["delta4 from zeros", "delta4", "delta4", "delta4", "delta4"],
+                         "b": ["delta4 from zeros", "delta4", "dense", "delta4"]}
+    # w: 35 values in 18 bytes, b: 3 in 2, the I64 as it is, an F32 scale per 16 values (3 + 1); from zeros too
+    sent = dict(coordinator.sent)
+    assert sent["delta4 from zeros"] == sent["delta4"] == 18 + 2 + 8 + 4 * (3 + 1)
+
+
+def test_a_delta_of_the_other_delta_codec_is_refused(tmp_path):
+    downlink = Downlink(DELTA8)
+    chain = ServedChain(tmp_path, "job-1")
+    downlink.advance(0, models(1)[0])
+    fetch_model(Coordinator(downlink), "task", LAYOUT, DELTA8, chain, timeout=5)   # chain_0, from zeros
+    downlink.advance(1, models(2)[1])
+    with pytest.raises(IntegrityError, match=r"sent the model as 'delta8', but this job's compression.downlink is "
+                                             r"'delta4' \(served as dense, delta4\)"):
+        fetch_model(Coordinator(downlink), "task", LAYOUT, DELTA4, chain, timeout=5)

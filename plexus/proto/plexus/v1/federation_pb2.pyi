@@ -23,6 +23,7 @@ class ModelEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODEL_DENSE: _ClassVar[ModelEncoding]
     MODEL_FP16: _ClassVar[ModelEncoding]
     MODEL_DELTA8: _ClassVar[ModelEncoding]
+    MODEL_DELTA4: _ClassVar[ModelEncoding]
 
 class ResultStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,6 +42,7 @@ TASK_SECAGG_UNMASK: TaskKind
 MODEL_DENSE: ModelEncoding
 MODEL_FP16: ModelEncoding
 MODEL_DELTA8: ModelEncoding
+MODEL_DELTA4: ModelEncoding
 RESULT_UNSPECIFIED: ResultStatus
 RESULT_EVALUATED: ResultStatus
 RESULT_DECLINED: ResultStatus
