@@ -359,16 +359,17 @@ def task_for(name: str, quick: bool):
 
 def downlink(spec, current: dict, base: dict | None) -> tuple[dict, int]:
     """What a site trains from this round and the payload bytes of its download. `base`: the model this site
-    decoded last round (a delta codec's reference), None before its first; a site that holds no model yet gets
-    it whole (a delta has nothing to step from)."""
-    if spec is not None and spec.codec != "none":
-        from plexus.compression import downlink_decode, downlink_encode, is_delta
-        from plexus.wire import Layout
+    decoded last round (a delta codec's reference), None before its first; a site that holds no model yet gets the
+    chain's start, the delta from zeros, as coordinator.downlink serves it (fp16 ignores any base)."""
+    if spec is None or spec.codec == "none":
+        return {k: v.copy() for k, v in current.items()}, sum(v.nbytes for v in current.values())
+    from plexus.compression import downlink_decode, downlink_encode, zero_base
+    from plexus.wire import Layout
 
-        if base is not None or not is_delta(spec.codec):
-            wire = downlink_encode(spec, current, base)
-            return downlink_decode(spec, Layout.of(current), wire, base), sum(a.nbytes for a in wire.values())
-    return {k: v.copy() for k, v in current.items()}, sum(v.nbytes for v in current.values())
+    layout = Layout.of(current)
+    base = zero_base(layout) if base is None else base
+    wire = downlink_encode(spec, current, base)
+    return downlink_decode(spec, layout, wire, base), sum(a.nbytes for a in wire.values())
 
 
 def simulate(task, job, job_id: str, state_root: Path) -> tuple[dict, list[dict]]:

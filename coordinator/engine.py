@@ -427,13 +427,14 @@ class Engine:
                 if polls.wait(remaining):
                     self._wakeups += 1
 
-    def model_for(self, site: str, task_id: str, held: Held | None = None) -> tuple[ServedModel, str, int]:
-        """The model a task needs (`held`: the model the site holds, which a delta may apply to), the job's id
-        and the model's round."""
+    def model_for(self, site: str, task_id: str, held: Held | None = None, *, zero_base: bool = False
+                  ) -> tuple[ServedModel, str, int]:
+        """The model a task needs (`held`: the model the site holds, which a delta may apply to; `zero_base`:
+        whether it decodes a delta from zeros), the job's id and the model's round."""
         with self._cv:
             self._presence.touch(site)
             driver, grant = self._current(site, task_id)
-            return driver.served(grant, held), grant.job_id, grant.model_round
+            return driver.served(grant, held, zero_base=zero_base), grant.job_id, grant.model_round
 
     def submit_update(self, site: str, header: UpdateHeader, chunks: Iterable[tuple[int, bytes]],
                       cut: Callable[[BaseException], None] = lambda exc: None) -> str:

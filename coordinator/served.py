@@ -27,8 +27,9 @@ class Held:
 @dataclass(frozen=True)
 class ServedModel:
     """A served model: `layout` and its bytes, in `blob` or at `start` in the file `path`; `encoding` says how
-    they make the model ("dense": they are it; "fp16"; "delta8", "delta4": against the model of `base_round`), and
-    `sha256`, when set, is that of the decoded model's wire blob (delta codec jobs: the site checks it)."""
+    they make the model ("dense": they are it; "fp16"; "delta8", "delta4": against the model of `base_round`, or
+    against zeros if `zero_base`), and `sha256`, when set, is that of the decoded model's wire blob (delta codec
+    jobs: the site checks it)."""
 
     layout: Layout
     blob: object = None            # a bytes-like wire blob, or None when served from `path`
@@ -37,11 +38,12 @@ class ServedModel:
     encoding: str = "dense"
     base_round: int = 0
     sha256: bytes = b""
+    zero_base: bool = False
 
     @classmethod
     def in_memory(cls, layout: Layout, blob, *, encoding: str = "dense", base_round: int = 0,
-                  sha256: bytes = b"") -> ServedModel:
-        return cls(layout, blob=blob, encoding=encoding, base_round=base_round, sha256=sha256)
+                  sha256: bytes = b"", zero_base: bool = False) -> ServedModel:
+        return cls(layout, blob=blob, encoding=encoding, base_round=base_round, sha256=sha256, zero_base=zero_base)
 
     @classmethod
     def from_file(cls, layout: Layout, path: Path, start: int) -> ServedModel:

@@ -37,7 +37,7 @@ def model_stream(job_id: str, round_: int, served: ServedModel, chunk_bytes: int
     """Header, then chunks of the one shared model, at most chunk_bytes each (ServedModel.chunks)."""
     yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=job_id, round=round_, manifest=served.layout.to_proto(),
                                                   encoding=_ENCODINGS[served.encoding], base_round=served.base_round,
-                                                  sha256=served.sha256))
+                                                  sha256=served.sha256, zero_base=served.zero_base))
     for offset, data in served.chunks(chunk_bytes):
         yield fpb.ModelMessage(chunk={"offset": offset, "data": data})
 
@@ -163,7 +163,8 @@ class FederationService(federation_pb2_grpc.FederationServicer):
 
     @guarded(kind="site")
     def FetchModel(self, request, context, *, who):
-        served, job_id, model_round = self.engine.model_for(who.name, request.task_id, held_model(request))
+        served, job_id, model_round = self.engine.model_for(who.name, request.task_id, held_model(request),
+                                                            zero_base=request.zero_base)
         with self.transfers.slot(context, who.name):
             yield from self.watchdog.paced(model_stream(job_id, model_round, served, self.chunk_bytes), context)
 

@@ -1040,3 +1040,10 @@ def downlink_decode(spec, model_layout: Layout, wire: Mapping[str, np.ndarray],
                     base: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The model a site trains from, decoded from served wire tensors (checked: IntegrityError)."""
     return downlink_codec(spec).decode(model_layout, wire, base)
+
+
+def zero_base(model: Layout) -> dict[str, np.ndarray]:
+    """All-zero float32 tensors shaped as `model`'s (read-only views: no memory): the base a delta codec's
+    served chain starts from, so its first model, decode(encode(model, zeros), zeros), travels as that codec's
+    own compact wire and both ends hold the same bits."""
+    return {t.name: np.broadcast_to(np.float32(0), t.shape) for t in model.tensors}

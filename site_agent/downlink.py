@@ -2,8 +2,9 @@
 and decoded into the model this site trains from and measures its update against (coordinator.downlink).
 
 The header says how the model travels (ModelHeader.encoding): a site never guesses. delta8 applies to the
-model the site kept from its last fetch (state.ServedChain); a delta it cannot apply, or one whose result is
-not the model the coordinator named by its SHA-256, is an IntegrityError, and the site fetches again in full.
+model the site kept from its last fetch (state.ServedChain), or, where the header says zero_base (the served
+chain's first model), to all-zero tensors; a delta it cannot apply, or one whose result is not the model the
+coordinator named by its SHA-256, is an IntegrityError, and the site fetches again in full.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 
 import numpy as np
 
-from plexus.compression import DOWNLINK, downlink_codec, downlink_decode, is_delta
+from plexus.compression import DOWNLINK, downlink_codec, downlink_decode, is_delta, zero_base
 from plexus.config import DownlinkSpec, RoundConfig
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
@@ -38,6 +39,10 @@ def header_layout(spec: DownlinkSpec, header: fpb.ModelHeader, model: Layout) ->
     if encoding not in SERVED_AS[spec.codec]:
         raise IntegrityError(f"the coordinator sent the model as {encoding or header.encoding!r}, but this job's "
                              f"compression.downlink is {spec.codec!r} (served as {', '.join(SERVED_AS[spec.codec])})")
+    if header.zero_base and (not is_delta(encoding) or header.base_round):
+        what = f"as a delta against round {header.base_round}" if is_delta(encoding) else f"as {encoding}"
+        raise IntegrityError(f"the coordinator sent round {header.round} {what} and from a zero base; only a delta "
+                             "may start from zeros, and then it names no base round")
     layout = Layout.from_proto(header.manifest)
     expected = model if encoding == "dense" else downlink_codec(spec).wire_layout(model)
     expected.require_same(layout, what=f"the coordinator's model ({encoding})")
@@ -54,11 +59,15 @@ def decode_model(spec: DownlinkSpec, header: fpb.ModelHeader, layout: Layout, bl
     if encoding == "dense":
         state = decode(model, blob)
     else:
-        if held is None or header.base_round != held.round:
+        if header.zero_base:   # the chain's first model: needs nothing held
+            base = zero_base(model)
+        elif held is None or header.base_round != held.round:
             have = "no model" if held is None else f"the model of round {held.round}"
             raise IntegrityError(f"the coordinator sent round {header.round} as a delta against round "
                                  f"{header.base_round}, but this site holds {have}")
-        state = downlink_decode(spec, model, decode(layout, blob), held.state)
+        else:
+            base = held.state
+        state = downlink_decode(spec, model, decode(layout, blob), base)
         blob = encode(state)[1]
     digest = hashlib.sha256(blob).digest()
     if digest != header.sha256:
@@ -75,7 +84,7 @@ def fetch_model(stub, task_id: str, expected: Layout, spec: DownlinkSpec, chain:
     held = chain.load(expected) if chain is not None else None
     while True:
         have = {"have_round": held.round, "have_sha256": held.sha256} if held is not None else {}
-        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task_id, **have), timeout=timeout)
+        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task_id, zero_base=True, **have), timeout=timeout)
         header = model_header(stream)
         _, layout = header_layout(spec, header, expected)
         blob = assemble(layout, (message.chunk for message in stream))   # read whole: the call ends cleanly

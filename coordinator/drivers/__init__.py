@@ -59,8 +59,9 @@ class Driver(Protocol):
         """The grant `task_id` (of `round_`, stored with `status`) answers; RoundClosed if it is no longer
         current, FailedPrecondition if it was answered already (a replay)."""
 
-    def served(self, grant: TaskGrant, held: Held | None = None) -> ServedModel:
-        """The model a task's site fetches; `held` is the model the site says it holds (a delta's base)."""
+    def served(self, grant: TaskGrant, held: Held | None = None, *, zero_base: bool = False) -> ServedModel:
+        """The model a task's site fetches; `held` is the model the site says it holds (a delta's base), and
+        `zero_base` whether it decodes a delta from zeros (ModelHeader.zero_base)."""
 
     def upload(self, site: str, grant: TaskGrant, header: UpdateHeader,
                cut: Callable[[BaseException], None]) -> Upload:

@@ -261,7 +261,7 @@ class AsyncRounds:
         check_unanswered(task_id, status, False)
         return grant
 
-    def served(self, grant: TaskGrant, held: Held | None = None) -> ServedModel:
+    def served(self, grant: TaskGrant, held: Held | None = None, *, zero_base: bool = False) -> ServedModel:
         if grant.model_round == self.version:
             return self.served_model
         layout, path, start = self.ctx.store.checkpoint_source(self.job_id, grant.model_round, verify=False)

@@ -322,10 +322,10 @@ class ActiveJob:
             return self.state
         return {t.name: self.downlink.base[t.name] for t in self.layout.tensors}
 
-    def fetched(self, held: Held | None) -> ServedModel:
-        """What a site fetches: `served`, or under a compressed downlink the encoded model (a delta codec's delta if
-        the site holds the model it applies to)."""
-        return self.served if self.downlink is None else self.downlink.served(held)
+    def fetched(self, held: Held | None, *, zero_base: bool = False) -> ServedModel:
+        """What a site fetches: `served`, or under a compressed downlink the encoded model (a delta codec's delta
+        if the site holds the model it applies to, or from zeros at the chain's start if it decodes that)."""
+        return self.served if self.downlink is None else self.downlink.served(held, zero_base=zero_base)
 
     def round_sum(self, sites: int) -> WeightedSum:
         """An empty running sum for the next round's `sites` sites: the job's one sum, zeroed in place
@@ -485,8 +485,8 @@ class SyncRounds:
         check_unanswered(task_id, status, site in rs.outcomes_for(site))
         return grant
 
-    def served(self, grant: TaskGrant, held: Held | None = None) -> ServedModel:
-        return self.job.fetched(held)
+    def served(self, grant: TaskGrant, held: Held | None = None, *, zero_base: bool = False) -> ServedModel:
+        return self.job.fetched(held, zero_base=zero_base)
 
     def upload(self, site: str, grant: TaskGrant, header: UpdateHeader,
                cut: Callable[[BaseException], None]) -> Upload:

@@ -1,5 +1,5 @@
 """SyncRounds under compression.downlink: checkpoints keep the exact model, sites fetch the encoded one, `job.base`
-is what they decode, and a job taken up again begins the delta8 chain at the exact model."""
+is what they decode, and the delta8 chain begins from zeros, again when a job is taken up again."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from driver_rig import DriverRig, rigs
 from coordinator.drivers.sync import SyncRounds
 from coordinator.served import Held
 from coordinator.tasks import Binding, UpdateHeader
-from plexus.wire import encode
+from plexus.compression import downlink_decode, downlink_encode, zero_base
+from plexus.config import DownlinkSpec
+from plexus.wire import Layout, encode
 
 JOB = """\
 name: job
@@ -67,7 +69,13 @@ A, B = [0.1, -0.2, 0.3, 0.004], [0.3, 0.2, -0.1, 0.001]
 def test_delta8_checkpoints_the_exact_model_and_serves_the_chain(rig):
     r = rig(compression="compression: {downlink: {codec: delta8, block: 16}}")
     job = r.driver.job
-    assert job.in_memory and job.fetched(None).encoding == "dense" and job.base["w"].tolist() == [0, 0, 0, 0]
+    # The vector model starts at zeros: chain_0 = Q8(0 - 0) = 0, as 4 I8 and one F32 scale.
+    start = job.fetched(None, zero_base=True)
+    assert job.in_memory and job.base["w"].tolist() == [0, 0, 0, 0] and start.layout.total_bytes == 4 + 4
+    assert (start.encoding, start.zero_base, start.base_round, start.sha256) == ("delta8", True, 0, sha(job.base["w"]))
+    assert job.fetched(Held(0, bytes(32)), zero_base=True) is start   # whatever the site holds
+    older = job.fetched(Held(0, bytes(32)))    # an agent that cannot decode it: chain_0 in full, the same bits
+    assert (older.encoding, older.zero_base, older.sha256) == ("dense", False, start.sha256)
     r.round(A, B)
     exact = (np.float32(A) + np.float32(B)) / 2
     assert np.allclose(r.model(1), exact, atol=1e-7) and np.array_equal(job.state["w"], r.model(1))
@@ -77,6 +85,7 @@ def test_delta8_checkpoints_the_exact_model_and_serves_the_chain(rig):
     delta = job.fetched(Held(0, sha(np.zeros(4, np.float32))))
     assert (delta.encoding, delta.base_round, delta.sha256) == ("delta8", 0, sha(chain_1))
     assert delta.layout.total_bytes == 4 + 4                  # 4 I8 values + one F32 scale
+    assert not delta.zero_base
     for stale in (None, Held(0, bytes(32)), Held(1, sha(chain_1))):   # nothing, a damaged copy, chain_1 itself
         full = job.fetched(stale)
         assert full.encoding == "dense" and bytes(full.blob) == bytes(encode({"w": chain_1})[1])
@@ -85,8 +94,12 @@ def test_delta8_checkpoints_the_exact_model_and_serves_the_chain(rig):
     assert (following.encoding, following.base_round) == ("delta8", 1)
 
     taken_up = r.take_up().job                                # a coordinator restart: the chain begins again
-    assert np.array_equal(taken_up.base["w"], r.model(2))
-    assert taken_up.fetched(Held(1, sha(chain_1))).encoding == "dense"
+    spec, layout = DownlinkSpec(codec="delta8", block=16), Layout.of({"w": r.model(2)})
+    wire = downlink_encode(spec, {"w": r.model(2)}, zero_base(layout))
+    assert np.array_equal(taken_up.base["w"], downlink_decode(spec, layout, wire, zero_base(layout))["w"])
+    assert not np.array_equal(taken_up.base["w"], r.model(2))
+    again = taken_up.fetched(Held(1, sha(chain_1)), zero_base=True)
+    assert (again.encoding, again.zero_base, again.sha256) == ("delta8", True, sha(taken_up.base["w"]))
 
 
 def test_fp16_serves_half_the_bytes_and_base_is_what_sites_decode(rig):
@@ -121,7 +134,7 @@ def test_with_a_compressed_uplink_the_new_model_is_the_served_chain_plus_the_mea
     r = rig(compression="compression: {uplink: {codec: fp16}, downlink: {codec: delta8, block: 16}}")
     job = r.driver.job
     half = np.float16
-    r.round(A, B)   # Δs from the chain's start, the exact initial model
+    r.round(A, B)   # Δs from the chain's start, Q8(0 - 0): the exact initial model, zeros
     assert np.allclose(r.model(1), (np.float32(half(A)) + np.float32(half(B))) / 2, rtol=0, atol=1e-8)
     chain_1 = job.base["w"].copy()
     r.round(A, A)   # Δs from chain_1, which the sites decoded: not from the exact model of round 1
@@ -132,7 +145,9 @@ def test_with_a_compressed_uplink_the_new_model_is_the_served_chain_plus_the_mea
 def test_delta4_serves_its_chain_as_delta8_does(rig):
     r = rig(compression="compression: {downlink: {codec: delta4, block: 16}}")
     job = r.driver.job
-    assert job.fetched(None).encoding == "dense"
+    start = job.fetched(None, zero_base=True)
+    assert (start.encoding, start.zero_base, start.layout.total_bytes) == ("delta4", True, 2 + 4)
+    assert job.fetched(None).encoding == "dense"   # an agent that does not ask for the start from zeros
     r.round(A, B)
     chain_1 = job.base["w"].copy()
     exact = r.model(1)

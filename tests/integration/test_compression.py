@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from plexus.admin_client import mean_eval
-from plexus.compression import downlink_decode, downlink_encode, uplink_codec
+from plexus.compression import downlink_decode, downlink_encode, uplink_codec, zero_base
 from plexus.config import DownlinkSpec, parse_round_config
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.wire import Layout, encode
@@ -140,7 +140,7 @@ def test_a_site_sending_an_out_of_range_index_is_refused_with_invalid_argument_a
 
 
 def test_int4_up_and_delta4_down_train_with_every_site_on_the_served_chain(four, monkeypatch):
-    """Each round every site fetches a delta4 step from the chain model it holds (its first fetch in full),
+    """Each round every site fetches a delta4 step from the chain model it holds (its first from zeros),
     decodes chain_r bit for bit (recomputed here from the exact checkpoints with the codec itself), and sends
     its Δ from it as int4: ceil(N/2) bytes and a float32 scale per 256 values of each tensor."""
     decoded = {}   # (site, model round) -> what the site trains from
@@ -163,7 +163,7 @@ def test_int4_up_and_delta4_down_train_with_every_site_on_the_served_chain(four,
     layout = Layout.of(checkpoints[0])
     assert all(t.dtype == "F32" for t in layout.tensors)
     spec = DownlinkSpec(codec="delta4")
-    chain = [checkpoints[0]]
+    chain = [downlink_decode(spec, layout, downlink_encode(spec, checkpoints[0], zero_base(layout)), zero_base(layout))]
     for model in checkpoints[1:]:
         chain.append(downlink_decode(spec, layout, downlink_encode(spec, model, chain[-1]), chain[-1]))
     assert sorted(decoded) == [(site, r) for site in FOUR for r in range(4)]
@@ -173,8 +173,9 @@ def test_int4_up_and_delta4_down_train_with_every_site_on_the_served_chain(four,
     scales = sum(-(-t.numel // 256) for t in layout.tensors)
     update = sum(-(-t.numel // 2) for t in layout.tensors) + 4 * scales
     assert sent_up == 3 * 4 * update                     # 3 rounds, 4 sites
-    # each site's first fetch in full, then a delta for each round's training and the final evaluation
-    assert sent_down == 4 * layout.total_bytes + 3 * 4 * update
+    # each site's first fetch the chain's start from zeros, then a delta for each round's training and the final
+    # evaluation: every one as many bytes as an int4 update
+    assert sent_down == 4 * 4 * update
 
 
 def test_a_site_sending_an_int4_value_of_minus_8_is_refused_with_invalid_argument_and_the_round_goes_on(federation):

@@ -41,19 +41,21 @@ LAYOUT = Layout.of(models(1)[0])
 
 class Coordinator:
     """FetchModel as the servicer answers it: the request's held model, the driver's choice, the header and chunks.
-    `tamper(served)` changes what is sent (a coordinator that is wrong about what the site holds)."""
+    `tamper(served)` changes what is sent (a coordinator that is wrong about what the site holds); `older_agent`
+    drops the request's zero_base, as an agent from before it sends none."""
 
-    def __init__(self, downlink: Downlink, tamper=None):
-        self.downlink, self.tamper = downlink, tamper
+    def __init__(self, downlink: Downlink, tamper=None, *, older_agent: bool = False):
+        self.downlink, self.tamper, self.older_agent = downlink, tamper, older_agent
         self.round = downlink.round
         self.requests, self.sent = [], []
 
     def FetchModel(self, request, timeout):
         self.requests.append(request)
-        served = self.downlink.served(held_model(request))
+        zero_base = request.zero_base and not self.older_agent
+        served = self.downlink.served(held_model(request), zero_base=zero_base)
         if self.tamper is not None:
             served, self.tamper = self.tamper(served), None
-        self.sent.append((served.encoding, served.layout.total_bytes))
+        self.sent.append((served.encoding + " from zeros" * served.zero_base, served.layout.total_bytes))
         return iter(list(model_stream("job-1", self.round, served, 65536)))
 
 
@@ -77,29 +79,93 @@ def test_two_sites_one_skipping_a_round_end_with_the_same_chain_bits(tmp_path):
             assert bits(got) == bits(downlink.base)   # what the site trains from is the coordinator's chain
             assert chain.load(LAYOUT).round == round_
         error = np.abs(downlink.base["w"] - model["w"]).max()
-        assert round_ == 0 and error == 0 or 0 < error < 0.02   # quantised, and close to the exact model
+        assert 0 < error < 0.02   # quantised from round 0 on (chain_0 is the delta from zeros), close to the model
         assert downlink.base["steps"].tolist() == [round_]      # non-float tensors exactly
-    assert encodings == {"a": ["dense", "delta8", "delta8", "delta8", "delta8"],
-                         "b": ["dense", "delta8", "dense", "delta8"]}
+    # Every site's first fetch is the compact delta from zeros; b, back after a missed round, gets chain_3 in full.
+    assert encodings == {"a": ["delta8 from zeros", "delta8", "delta8", "delta8", "delta8"],
+                         "b": ["delta8 from zeros", "delta8", "dense", "delta8"]}
     assert bits(a.load(LAYOUT).state) == bits(b.load(LAYOUT).state) == bits(downlink.base)
     sent = dict(coordinator.sent)
     assert sent["dense"] == LAYOUT.total_bytes == 4 * 38 + 8
-    assert sent["delta8"] == 38 + 8 + 4 * (3 + 1)   # I8 values, the I64 as it is, an F32 scale per 16 values
+    # I8 values, the I64 as it is, an F32 scale per 16 values: from zeros as from chain_{r-1}
+    assert sent["delta8 from zeros"] == sent["delta8"] == 38 + 8 + 4 * (3 + 1)
 
 
-def test_a_coordinator_restart_begins_the_chain_again_at_the_exact_model(tmp_path):
+def test_the_first_fetch_is_the_delta_from_zeros_at_a_quarter_of_float32_and_the_site_names_its_bits(tmp_path):
+    rng = np.random.default_rng(1)
+    model = {"w": rng.normal(size=(1000, 1000)).astype(np.float32), "b": rng.normal(size=10).astype(np.float32)}
+    layout, spec = Layout.of(model), DownlinkSpec(codec="delta8")   # block 256
+    downlink = Downlink(spec)
+    downlink.advance(0, model)
+    coordinator = Coordinator(downlink)
+    chain = ServedChain(tmp_path, "job-1")
+    got = fetch_model(coordinator, "task", layout, spec, chain, timeout=5)
+    (encoding, sent), = coordinator.sent
+    assert encoding == "delta8 from zeros" and not coordinator.requests[0].have_sha256
+    assert sent == 10**6 + 10 + 4 * (3907 + 1) and sent / layout.total_bytes < 0.255   # I8 + an F32 per 256
+    chain_0 = hashlib.sha256(bits(downlink.base)).digest()
+    assert hashlib.sha256(bits(got)).digest() == chain_0 == chain.load(layout).sha256   # the same bits both ends
+    assert not np.array_equal(got["w"], model["w"])                                      # chain_0, not the model
+    downlink.advance(1, {k: v + np.float32(0.01) for k, v in model.items()})
+    coordinator.round = 1
+    fetch_model(coordinator, "task", layout, spec, chain, timeout=5)
+    assert (coordinator.requests[1].have_round, coordinator.requests[1].have_sha256) == (0, chain_0)
+    assert coordinator.sent[1] == ("delta8", sent)
+
+
+@pytest.mark.parametrize(("tamper", "message"), [
+    (lambda served: dataclasses.replace(served, zero_base=True), "as dense and from a zero base"),
+    (lambda served: dataclasses.replace(served, base_round=1), "as a delta against round 1 and from a zero base"),
+])
+def test_a_zero_base_header_that_is_not_a_plain_delta_is_refused(tmp_path, tamper, message):
+    downlink = Downlink(DELTA8)
+    for round_, model in enumerate(models(2 if "dense" in message else 1)):
+        downlink.advance(round_, model)   # a site that holds nothing: round 1 in full, round 0 from zeros
+    with pytest.raises(IntegrityError, match=message + "; only a delta may start from zeros"):
+        fetch_model(Coordinator(downlink, tamper), "task", LAYOUT, DELTA8, ServedChain(tmp_path, "job-1"), timeout=5)
+
+
+def test_fp16_from_a_zero_base_is_refused(tmp_path):
+    downlink = Downlink(FP16)
+    downlink.advance(0, models(1)[0])
+    coordinator = Coordinator(downlink, lambda served: dataclasses.replace(served, zero_base=True))
+    with pytest.raises(IntegrityError, match="as fp16 and from a zero base"):
+        fetch_model(coordinator, "task", LAYOUT, FP16, None, timeout=5)
+
+
+def test_an_agent_that_does_not_ask_for_zero_base_gets_chain_0_in_full_with_the_same_bits(tmp_path):
+    downlink = Downlink(DELTA8)
+    model = models(2)
+    downlink.advance(0, model[0])
+    new, old = Coordinator(downlink), Coordinator(downlink, older_agent=True)
+    a, b = ServedChain(tmp_path / "a", "job-1"), ServedChain(tmp_path / "b", "job-1")
+    fetch_model(new, "task", LAYOUT, DELTA8, a, timeout=5)
+    fetch_model(old, "task", LAYOUT, DELTA8, b, timeout=5)
+    assert new.requests[0].zero_base and [e for e, _ in new.sent + old.sent] == ["delta8 from zeros", "dense"]
+    assert bits(a.load(LAYOUT).state) == bits(b.load(LAYOUT).state) == bits(downlink.base)
+    downlink.advance(1, model[1])
+    new.round = old.round = 1
+    for coordinator, chain in ((new, a), (old, b)):
+        fetch_model(coordinator, "task", LAYOUT, DELTA8, chain, timeout=5)
+        assert coordinator.sent[-1][0] == "delta8" and bits(chain.load(LAYOUT).state) == bits(downlink.base)
+
+
+def test_a_coordinator_restart_begins_the_chain_again_from_zeros(tmp_path):
     before, after = Downlink(DELTA8), Downlink(DELTA8)
     chain = ServedChain(tmp_path, "job-1")
     model = models(3)
     for round_ in (0, 1):
         before.advance(round_, model[round_])
         fetch_model(Coordinator(before), "task", LAYOUT, DELTA8, chain, timeout=5)
-    assert bits(chain.load(LAYOUT).state) != bits(model[1])   # the site holds chain_1, not the model
-    after.advance(1, model[1])                                 # taken up again from the checkpoint of round 1
+    held = chain.load(LAYOUT)
+    assert bits(held.state) != bits(model[1])               # the site holds chain_1, not the model
+    after.advance(1, model[1])                              # taken up again from the checkpoint of round 1
+    assert bits(after.base) not in (bits(model[1]), bits(held.state))   # Q8(model_1 - 0): a chain of its own
     coordinator = Coordinator(after)
     fetch_model(coordinator, "task", LAYOUT, DELTA8, chain, timeout=5)
-    assert coordinator.requests[0].have_round == 1 and coordinator.sent[0][0] == "dense"
-    assert bits(chain.load(LAYOUT).state) == bits(after.base) == bits(model[1])
+    # The old chain_1 is no base for the new chain: the site gets its start, compact, and holds its bits.
+    assert coordinator.requests[0].have_sha256 == held.sha256 and coordinator.sent[0][0] == "delta8 from zeros"
+    assert bits(chain.load(LAYOUT).state) == bits(after.base)
     after.advance(2, model[2])
     coordinator.round = 2
     fetch_model(coordinator, "task", LAYOUT, DELTA8, chain, timeout=5)
@@ -124,12 +190,15 @@ def test_a_delta_the_site_cannot_apply_is_fetched_again_in_full(tmp_path, tamper
     assert bits(got) == bits(chain.load(LAYOUT).state) == bits(downlink.base)
 
 
-def test_a_full_model_that_is_not_the_named_one_fails_the_fetch(tmp_path):
+@pytest.mark.parametrize("rounds", [1, 2])   # the chain's start from zeros; chain_1 in full to a new site
+def test_a_model_that_is_not_the_named_one_fails_the_fetch_of_a_site_that_holds_none(tmp_path, rounds):
     downlink = Downlink(DELTA8)
-    downlink.advance(0, models(1)[0])
+    for round_, model in enumerate(models(rounds)):
+        downlink.advance(round_, model)
     coordinator = Coordinator(downlink, lambda served: dataclasses.replace(served, sha256=bytes(32)))
     with pytest.raises(IntegrityError, match="SHA-256"):
         fetch_model(coordinator, "task", LAYOUT, DELTA8, ServedChain(tmp_path, "job-1"), timeout=5)
+    assert [e for e, _ in coordinator.sent] == [["delta8 from zeros", "dense"][rounds - 1]]   # not fetched again
 
 
 def test_a_damaged_or_foreign_chain_file_is_no_base(tmp_path):
@@ -187,18 +256,20 @@ def test_delta4_serves_the_chain_as_delta8_does_at_half_its_value_bytes(tmp_path
             encodings[name].append(coordinator.sent[-1][0])
             assert bits(got) == bits(downlink.base) == bits(chain.load(LAYOUT).state)
         error = np.abs(downlink.base["w"] - model["w"]).max()
-        assert round_ == 0 and error == 0 or 0 < error < 0.1   # 4-bit steps: coarser than delta8's, still close
-    assert encodings == {"a": ["dense", "delta4", "delta4", "delta4", "delta4"],
-                         "b": ["dense", "delta4", "dense", "delta4"]}
-    # w: 35 values in 18 bytes, b: 3 in 2, the I64 as it is, an F32 scale per 16 values (3 + 1)
-    assert dict(coordinator.sent)["delta4"] == 18 + 2 + 8 + 4 * (3 + 1)
+        # 4-bit steps: coarser than delta8's (chain_0 within max|w|/14 of the model), then close
+        assert 0 < error <= (np.abs(model["w"]).max() / 14 + 1e-6 if round_ == 0 else 0.1)
+    assert encodings == {"a": ["delta4 from zeros", "delta4", "delta4", "delta4", "delta4"],
+                         "b": ["delta4 from zeros", "delta4", "dense", "delta4"]}
+    # w: 35 values in 18 bytes, b: 3 in 2, the I64 as it is, an F32 scale per 16 values (3 + 1); from zeros too
+    sent = dict(coordinator.sent)
+    assert sent["delta4 from zeros"] == sent["delta4"] == 18 + 2 + 8 + 4 * (3 + 1)
 
 
 def test_a_delta_of_the_other_delta_codec_is_refused(tmp_path):
     downlink = Downlink(DELTA8)
     chain = ServedChain(tmp_path, "job-1")
     downlink.advance(0, models(1)[0])
-    fetch_model(Coordinator(downlink), "task", LAYOUT, DELTA8, chain, timeout=5)   # chain_0, in full
+    fetch_model(Coordinator(downlink), "task", LAYOUT, DELTA8, chain, timeout=5)   # chain_0, from zeros
     downlink.advance(1, models(2)[1])
     with pytest.raises(IntegrityError, match=r"sent the model as 'delta8', but this job's compression.downlink is "
                                              r"'delta4' \(served as dense, delta4\)"):

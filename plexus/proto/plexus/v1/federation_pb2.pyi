@@ -227,14 +227,16 @@ class RevealMessage(_message.Message):
     def __init__(self, reveals: _Optional[_Iterable[_Union[ShareReveal, _Mapping]]] = ...) -> None: ...
 
 class FetchModelRequest(_message.Message):
-    __slots__ = ("task_id", "have_round", "have_sha256")
+    __slots__ = ("task_id", "have_round", "have_sha256", "zero_base")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_ROUND_FIELD_NUMBER: _ClassVar[int]
     HAVE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ZERO_BASE_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     have_round: int
     have_sha256: bytes
-    def __init__(self, task_id: _Optional[str] = ..., have_round: _Optional[int] = ..., have_sha256: _Optional[bytes] = ...) -> None: ...
+    zero_base: bool
+    def __init__(self, task_id: _Optional[str] = ..., have_round: _Optional[int] = ..., have_sha256: _Optional[bytes] = ..., zero_base: _Optional[bool] = ...) -> None: ...
 
 class ModelMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -245,20 +247,22 @@ class ModelMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[ModelHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class ModelHeader(_message.Message):
-    __slots__ = ("job_id", "round", "manifest", "encoding", "base_round", "sha256")
+    __slots__ = ("job_id", "round", "manifest", "encoding", "base_round", "sha256", "zero_base")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    ZERO_BASE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     round: int
     manifest: _tensor_pb2.Manifest
     encoding: ModelEncoding
     base_round: int
     sha256: bytes
-    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., manifest: _Optional[_Union[_tensor_pb2.Manifest, _Mapping]] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_round: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    zero_base: bool
+    def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., manifest: _Optional[_Union[_tensor_pb2.Manifest, _Mapping]] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_round: _Optional[int] = ..., sha256: _Optional[bytes] = ..., zero_base: _Optional[bool] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
     __slots__ = ("task_id", "job_id", "round", "nonce", "num_samples", "metrics", "eval_metrics", "manifest")
