@@ -72,6 +72,9 @@ UPLINK = {   # codec -> the round config's compression.uplink block (topk/randk 
     "randk": {"codec": "randk"},
     "topk": {"codec": "topk"},
     "adacomp": {"codec": "adacomp"},
+    # AdaComp with wider bins than the paper's 50/500 (one entry per bin rises above a wider bin's peak less often).
+    "adacomp-75": {"codec": "adacomp", "bin_conv": 75, "bin_dense": 750},
+    "adacomp-100": {"codec": "adacomp", "bin_conv": 100, "bin_dense": 1000},
 }
 DOWNLINK = {"none": {"codec": "none"}, "fp16": {"codec": "fp16"}, "delta8": {"codec": "delta8"},   # delta8/4: 256
             "delta4": {"codec": "delta4"}}
