@@ -105,7 +105,9 @@ def test_the_error_feedback_residual_survives_a_site_restart(four):
     assert residual_file.exists()
 
 
-def test_a_site_sending_an_out_of_range_index_is_refused_with_invalid_argument_and_the_round_goes_on(federation):
+def tampered_update_refused(federation, codec: str, tamper) -> grpc.RpcError:
+    """Sites a, b, c and a raw site d in a one-round job of `codec`; d encodes an update of ones and sends it as
+    `tamper` changed it. Returns the refusal d got, once the round went on without d and the job completed."""
     for name in ("a", "b", "c"):
         federation.start_site(name)
     federation.wait_online("a", "b", "c")
@@ -113,20 +115,14 @@ def test_a_site_sending_an_out_of_range_index_is_refused_with_invalid_argument_a
     raw.join()
     federation.wait_online("d")
     admin = federation.admin()
-    job_id = admin.submit(job("topk", rounds=1, min=3)).job_id
-    cfg = parse_round_config(job("topk", rounds=1, min=3))
-    codec = uplink_codec(cfg.compression.uplink, seed=cfg.seed)
+    job_id = admin.submit(job(codec, rounds=1, min=3)).job_id
+    cfg = parse_round_config(job(codec, rounds=1, min=3))
     task = raw.next_task()
-    layout, model = raw.fetch(task)
-    tensors, _ = codec.encode({k: np.ones_like(v) for k, v in model.items()}, round_=task.round, residual=None,
-                              rng=np.random.default_rng(0))
-    name = next(k for k in tensors if k.endswith("/topk.gaps"))
-    bad = dict(tensors)
-    bad[name] = tensors[name].copy()
-    bad[name][-1] = 65535          # every tensor of the mlp is smaller: its last index runs past the end
+    _, model = raw.fetch(task)
+    tensors, _ = uplink_codec(cfg.compression.uplink, seed=cfg.seed).encode(
+        {k: np.ones_like(v) for k, v in model.items()}, round_=task.round, residual=None, rng=np.random.default_rng(0))
     with pytest.raises(grpc.RpcError) as refused:
-        raw.submit(task, bad)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "range" in refused.value.details()
+        raw.submit(task, tamper(dict(tensors)))
     stop = threading.Event()   # from now on it fails every task, so no round waits out its deadline for it
     raw.answer_everything_with_failure(stop)
     try:
@@ -136,6 +132,18 @@ def test_a_site_sending_an_out_of_range_index_is_refused_with_invalid_argument_a
     rounds = {r.round: r for r in admin.job(job_id).rounds}
     assert sorted(rounds[1].contributors) == ["a", "b", "c"]
     assert task.kind == fpb.TASK_TRAIN
+    return refused.value
+
+
+def test_a_site_sending_an_out_of_range_index_is_refused_with_invalid_argument_and_the_round_goes_on(federation):
+    def tamper(tensors):
+        name = next(k for k in tensors if k.endswith("/topk.gaps"))
+        tensors[name] = tensors[name].copy()
+        tensors[name][-1] = 65535   # every tensor of the mlp is smaller: its last index runs past the end
+        return tensors
+
+    refused = tampered_update_refused(federation, "topk", tamper)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "range" in refused.details()
 
 
 
@@ -179,33 +187,15 @@ def test_int4_up_and_delta4_down_train_with_every_site_on_the_served_chain(four,
 
 
 def test_a_site_sending_an_int4_value_of_minus_8_is_refused_with_invalid_argument_and_the_round_goes_on(federation):
-    for name in ("a", "b", "c"):
-        federation.start_site(name)
-    federation.wait_online("a", "b", "c")
-    raw = federation.raw_site("d")
-    raw.join()
-    federation.wait_online("d")
-    admin = federation.admin()
-    job_id = admin.submit(job("int4", rounds=1, min=3)).job_id
-    cfg = parse_round_config(job("int4", rounds=1, min=3))
-    codec = uplink_codec(cfg.compression.uplink, seed=cfg.seed)
-    task = raw.next_task()
-    _, model = raw.fetch(task)
-    tensors, _ = codec.encode({k: np.ones_like(v) for k, v in model.items()}, round_=task.round, residual=None,
-                              rng=np.random.default_rng(0))
-    name = next(k for k in tensors if k.endswith("/int4.values"))
-    bad = dict(tensors)
-    bad[name] = tensors[name].copy()
-    bad[name][2] = 0x87            # element 5, the high nibble of byte 2: 0x8, the -8 no encoder writes
-    with pytest.raises(grpc.RpcError) as refused:
-        raw.submit(task, bad)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"{name!r}: value -8 at element 5 (byte 2, high nibble)" in refused.value.details()
-    stop = threading.Event()
-    raw.answer_everything_with_failure(stop)
-    try:
-        assert federation.wait_job(job_id, timeout=120) == "completed"
-    finally:
-        stop.set()
-    rounds = {r.round: r for r in admin.job(job_id).rounds}
-    assert sorted(rounds[1].contributors) == ["a", "b", "c"]
+    name = ""
+
+    def tamper(tensors):
+        nonlocal name
+        name = next(k for k in tensors if k.endswith("/int4.values"))
+        tensors[name] = tensors[name].copy()
+        tensors[name][2] = 0x87   # element 5, the high nibble of byte 2: 0x8, the -8 no encoder writes
+        return tensors
+
+    refused = tampered_update_refused(federation, "int4", tamper)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{name!r}: value -8 at element 5 (byte 2, high nibble)" in refused.details()
