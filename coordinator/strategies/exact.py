@@ -200,11 +200,12 @@ class Stopping:
     def why(self, iterations: int, g: np.ndarray, f: float, decrease: float | None) -> str:
         """Why the optimiser stops at this accepted iterate (F(x) = f, `decrease` from the last); empty if it goes
         on."""
-        if float(np.max(np.abs(g), initial=0.0)) <= self.gtol:
-            return f"converged: ‖∇F‖∞ = {float(np.max(np.abs(g), initial=0.0)):.3g} <= gtol {self.gtol:g}"
-        if float(np.max(np.abs(g), initial=0.0)) <= self.floor:
-            return (f"converged: ‖∇F‖∞ = {float(np.max(np.abs(g), initial=0.0)):.3g}, within twice the secure sum's "
-                    f"rounding ({self.floor / 2:.3g} per coordinate)")
+        norm = float(np.max(np.abs(g), initial=0.0))
+        if norm <= self.gtol:
+            return f"converged: ‖∇F‖∞ = {norm:.3g} <= gtol {self.gtol:g}"
+        if norm <= self.floor:
+            return (f"converged: ‖∇F‖∞ = {norm:.3g}, within twice the secure sum's rounding ({self.floor / 2:.3g} per "
+                    "coordinate)")
         if decrease is not None and decrease <= self.ftol * max(abs(f), 1.0):
             return f"converged: F decreased by {decrease:.3g}, relative to it at most ftol {self.ftol:g}"
         if iterations >= self.max_iterations:
