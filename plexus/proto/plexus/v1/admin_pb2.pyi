@@ -154,7 +154,14 @@ class ListSitesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SiteInfo(_message.Message):
-    __slots__ = ("site", "last_seen_unix_s", "online", "policy_digest", "models", "datasets", "agent_version")
+    __slots__ = ("site", "last_seen_unix_s", "online", "policy_digest", "models", "datasets", "agent_version", "dataset_rows", "revoked")
+    class DatasetRowsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SITE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     ONLINE_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +169,8 @@ class SiteInfo(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     DATASETS_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATASET_ROWS_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
     site: str
     last_seen_unix_s: float
     online: bool
@@ -169,7 +178,9 @@ class SiteInfo(_message.Message):
     models: _containers.RepeatedScalarFieldContainer[str]
     datasets: _containers.RepeatedScalarFieldContainer[str]
     agent_version: str
-    def __init__(self, site: _Optional[str] = ..., last_seen_unix_s: _Optional[float] = ..., online: _Optional[bool] = ..., policy_digest: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[str]] = ..., agent_version: _Optional[str] = ...) -> None: ...
+    dataset_rows: _containers.ScalarMap[str, int]
+    revoked: bool
+    def __init__(self, site: _Optional[str] = ..., last_seen_unix_s: _Optional[float] = ..., online: _Optional[bool] = ..., policy_digest: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[str]] = ..., agent_version: _Optional[str] = ..., dataset_rows: _Optional[_Mapping[str, int]] = ..., revoked: _Optional[bool] = ...) -> None: ...
 
 class SiteList(_message.Message):
     __slots__ = ("sites",)
