@@ -82,10 +82,20 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
         return fpb.JoinReply(federation="rogue", site="a", poll_timeout_s=1.0)
 
     def NextTask(self, request, context):
-        try:
-            return self._tasks.get(timeout=min(request.wait_s, 1.0))
-        except queue.Empty:
-            return fpb.Task(kind=fpb.TASK_NONE)
+        # A stopped agent's poll lingers here until its wait runs out; a task it took would be lost and the
+        # restarted agent never see it. So the poll waits in short steps, and a task taken for a caller that
+        # has gone away goes back to the queue.
+        deadline = time.monotonic() + min(request.wait_s, 1.0)
+        while context.is_active() and time.monotonic() < deadline:
+            try:
+                task = self._tasks.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if context.is_active():
+                return task
+            self._tasks.put(task)
+            break
+        return fpb.Task(kind=fpb.TASK_NONE)
 
     def FetchModel(self, request, context):
         task = self._issued[request.task_id]
