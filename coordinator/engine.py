@@ -408,6 +408,7 @@ class Engine:
             self._presence.joined(site, info.dataset_rows)
             self.store.site_seen(site, agent_version=info.agent_version, models=list(info.models),
                                  datasets=list(info.datasets), policy_digest=info.policy_digest)
+            self.store.site_joined(site, serial=info.serial, dataset_rows=info.dataset_rows)
             self._cv.notify_all()
 
     def next_task(self, site: str, wait_s: float) -> TaskGrant | None:

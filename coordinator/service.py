@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from coordinator.engine import Engine
 from coordinator.events import admin_actor
 from coordinator.served import Held, ServedModel
-from coordinator.store import TERMINAL, JobRow
+from coordinator.store import TERMINAL, JobRow, SiteRow
 from coordinator.tasks import Binding, JoinInfo, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader
 from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
@@ -147,7 +147,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
     @guarded(kind="site")
     def Join(self, request, context, *, who):
         check_join(request)
-        self.engine.join(who.name, join_info(request))
+        self.engine.join(who.name, join_info(request, serial=who.serial))
         if self.audit is not None:
             self.audit.site_joined(who.name, policy_digest=request.policy_digest,
                                    agent_version=request.agent_version)
@@ -231,10 +231,10 @@ def _check_join_text(what: str, text: str, *, allow_empty: bool) -> None:
                              "in site.yaml (datasets) or in the model plug-in")
 
 
-def join_info(request: fpb.JoinRequest) -> JoinInfo:
+def join_info(request: fpb.JoinRequest, *, serial: int) -> JoinInfo:
     return JoinInfo(agent_version=request.agent_version, models=tuple(request.models),
                     datasets=tuple(request.datasets), policy_digest=request.policy_digest,
-                    dataset_rows={k: int(v) for k, v in request.dataset_rows.items()})
+                    dataset_rows={k: int(v) for k, v in request.dataset_rows.items()}, serial=serial)
 
 
 def task_message(grant: TaskGrant) -> fpb.Task:
@@ -375,15 +375,23 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     def ListSites(self, request, context, *, who):
         online = self.engine.online_sites()
         return admin_pb2.SiteList(sites=[
-            admin_pb2.SiteInfo(site=name, last_seen_unix_s=seen, online=name in online, policy_digest=digest,
-                               models=json.loads(models), datasets=json.loads(datasets), agent_version=version)
-            for name, seen, version, digest, models, datasets in self.store.sites()])
+            site_info(row, online=row.name in online,
+                      revoked=bool(row.serial) and self.auth.revoked(int(row.serial)))
+            for row in self.store.sites()])
 
     @guarded(kind="admin", min_role="viewer")
     def GetAudit(self, request, context, *, who):
         if self.audit is None:
             return admin_pb2.AuditReply(problem="audit log not configured")
         return audit_reply(self.audit, verify=request.verify, limit=request.limit, sign_head=request.sign_head)
+
+
+def site_info(row: SiteRow, *, online: bool, revoked: bool) -> admin_pb2.SiteInfo:
+    """A site as `plexus sites list` shows it."""
+    return admin_pb2.SiteInfo(site=row.name, last_seen_unix_s=row.last_seen, online=online,
+                              policy_digest=row.policy_digest, models=json.loads(row.models),
+                              datasets=json.loads(row.datasets), agent_version=row.agent_version,
+                              dataset_rows=json.loads(row.dataset_rows), revoked=revoked)
 
 
 def audit_reply(log, *, verify: bool, limit: int, sign_head: bool = False) -> admin_pb2.AuditReply:

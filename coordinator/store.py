@@ -54,6 +54,8 @@ CREATE TABLE IF NOT EXISTS sites (
     name TEXT PRIMARY KEY, first_seen REAL NOT NULL, last_seen REAL NOT NULL,
     agent_version TEXT NOT NULL DEFAULT '', policy_digest TEXT NOT NULL DEFAULT '',
     models TEXT NOT NULL DEFAULT '[]', datasets TEXT NOT NULL DEFAULT '[]');
+CREATE TABLE IF NOT EXISTS site_joins (
+    name TEXT PRIMARY KEY, serial TEXT NOT NULL DEFAULT '', dataset_rows TEXT NOT NULL DEFAULT '{}');
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, at REAL NOT NULL, kind TEXT NOT NULL,
     round INTEGER NOT NULL DEFAULT 0, site TEXT NOT NULL DEFAULT '', message TEXT NOT NULL DEFAULT '');
@@ -64,7 +66,9 @@ CREATE TABLE IF NOT EXISTS submissions (
     at REAL NOT NULL, PRIMARY KEY (submitted_by, request_id));
 """
 # A state dir from an earlier version gains the tables it lacks when a store opens it (CREATE ... IF NOT
-# EXISTS above): so far every upgrade has only added tables (docs/upgrading.md).
+# EXISTS above): so far every upgrade has only added tables (docs/upgrading.md). So what a Join reports
+# beyond the `sites` columns lives in a table of its own, `site_joins` (the serial as decimal text: X.509
+# serials run to 159 bits, past SQLite's 64-bit integers).
 
 TERMINAL = ("completed", "budget_reached", "failed", "aborted")
 RESTORE = "restore the state directory from a backup (docs/backup-restore.md)"
@@ -134,7 +138,9 @@ class MetricRow(NamedTuple):
 
 
 class SiteRow(NamedTuple):
-    """A site that joined; `models` and `datasets` are JSON lists of what it reported at its last Join."""
+    """A site that joined; `models` and `datasets` are JSON lists of what it reported at its last Join,
+    `dataset_rows` a JSON object of training rows per dataset, `serial` its certificate's serial then
+    (decimal; "" if it last joined before this was recorded)."""
 
     name: str
     last_seen: float
@@ -142,6 +148,8 @@ class SiteRow(NamedTuple):
     policy_digest: str
     models: str
     datasets: str
+    serial: str
+    dataset_rows: str
 
 
 class EventRow(NamedTuple):
@@ -438,10 +446,20 @@ class Store:
                     (info["agent_version"], info["policy_digest"], json.dumps(info["models"]),
                      json.dumps(info["datasets"]), name))
 
+    def site_joined(self, name: str, *, serial: int | None, dataset_rows: Mapping[str, int]) -> None:
+        """Record the certificate serial (None: unknown) and training rows per dataset of a site's Join,
+        replacing those of its last one."""
+        rows = json.dumps(dict(dataset_rows), sort_keys=True)
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO site_joins (name, serial, dataset_rows) VALUES (?, ?, ?)",
+                             (name, "" if serial is None else str(serial), rows))
+
     def sites(self) -> list[SiteRow]:
         """Every site that ever joined, by name."""
         return [SiteRow(*r) for r in self._all(
-            "SELECT name, last_seen, agent_version, policy_digest, models, datasets FROM sites ORDER BY name")]
+            "SELECT s.name, s.last_seen, s.agent_version, s.policy_digest, s.models, s.datasets,"
+            " COALESCE(j.serial, ''), COALESCE(j.dataset_rows, '{}')"
+            " FROM sites s LEFT JOIN site_joins j ON j.name = s.name ORDER BY s.name")]
 
     def event(self, job_id: str, kind: str, round_: int = 0, site: str = "", message: str = "", *,
               actor: str = COORDINATOR) -> None:

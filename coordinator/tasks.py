@@ -135,13 +135,15 @@ class Presence:
 # What sites send, as the service hands it to the engine (no protobuf past the service).
 @dataclass(frozen=True)
 class JoinInfo:
-    """A site's Join: what it runs and which data it maps."""
+    """A site's Join: what it runs, which data it maps, and the serial of the certificate it joined with
+    (None where unknown, e.g. a test's engine)."""
 
     agent_version: str = ""
     models: tuple[str, ...] = ()
     datasets: tuple[str, ...] = ()
     policy_digest: str = ""
     dataset_rows: dict[str, int] = field(default_factory=dict)   # training rows per mapped dataset
+    serial: int | None = None
 
 
 @dataclass(frozen=True)

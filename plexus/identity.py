@@ -131,10 +131,11 @@ def federation_of(cert_pem: bytes) -> str:
 
 
 class RevocationList:
-    """A CA-verified CRL that reloads itself when its file changes; `check` raises on revoked certs.
+    """A CA-verified CRL that reloads itself when its file changes; `check` raises on revoked certs,
+    `revoked` answers for a serial.
 
     Fails closed: if the file is replaced by one that is missing, unsigned, from another CA,
-    older (a lower CRL number) or expired (past its nextUpdate), `check` raises instead of
+    older (a lower CRL number) or expired (past its nextUpdate), both raise instead of
     trusting a stale list silently. With `floor_file`, the highest CRL number ever loaded is
     kept there, so an old CRL put back while the coordinator was down is refused at restart.
     """
@@ -162,6 +163,24 @@ class RevocationList:
     def check(self, cert_pem: bytes) -> None:
         """Raise errors.Unauthenticated if the certificate's serial is on the CRL."""
         cert = _parse_cert(cert_pem)
+        if cert.serial_number in self._current():
+            try:
+                ident = identity_from_cert(cert_pem)
+                who = f"{ident.kind} {ident.name!r}"
+            except errors.Unauthenticated:
+                who = "an unknown participant"
+            raise errors.Unauthenticated(
+                f"certificate of {who} (serial {cert.serial_number}) has been revoked; "
+                "ask the federation operator for a new kit"
+            )
+
+    def revoked(self, serial: int) -> bool:
+        """Whether `serial` is on the CRL, reloading a changed file first. Fails closed as `check` does: a
+        CRL that is gone, unverifiable, older or expired raises instead of answering."""
+        return serial in self._current()
+
+    def _current(self) -> frozenset[int]:
+        """The revoked serials of the file as it is now, or raise (see the class docstring)."""
         # One tuple, swapped in one assignment, so a reader never pairs a new stat key with old serials.
         key, revoked, expires = self._state
         if self._stat() != key:
@@ -174,16 +193,7 @@ class RevocationList:
             key, revoked, expires = self._state
         if self._clock() >= expires:
             raise errors.IntegrityError(self._expired_message(expires))
-        if cert.serial_number in revoked:
-            try:
-                ident = identity_from_cert(cert_pem)
-                who = f"{ident.kind} {ident.name!r}"
-            except errors.Unauthenticated:
-                who = "an unknown participant"
-            raise errors.Unauthenticated(
-                f"certificate of {who} (serial {cert.serial_number}) has been revoked; "
-                "ask the federation operator for a new kit"
-            )
+        return revoked
 
     def _stat(self) -> tuple[int, int, int]:
         try:

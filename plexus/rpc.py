@@ -115,6 +115,10 @@ class Authenticator:
                 self._cache[pem] = ident
         return ident
 
+    def revoked(self, serial: int) -> bool:
+        """Whether a certificate serial is on the CRL the calls are checked against (RevocationList.revoked)."""
+        return self._crl.revoked(serial)
+
 
 def authorize(ident: Identity, *, kind: str, min_role: str | None = None) -> None:
     if ident.kind != kind:

@@ -499,11 +499,13 @@ def _sites_list(args) -> int:
     with _client(args) as client:
         sites = [{"site": s.site, "online": s.online, "last_seen": time.strftime(
             "%Y-%m-%d %H:%M:%S", time.localtime(s.last_seen_unix_s)), "policy_digest": s.policy_digest[:16],
-            "datasets": ",".join(s.datasets), "version": s.agent_version} for s in client.sites()]
+            "datasets": ",".join(s.datasets), "dataset_rows": dict(sorted(s.dataset_rows.items())),
+            "revoked": s.revoked, "version": s.agent_version} for s in client.sites()]
     if args.json:
         print(json.dumps(sites, indent=2))
     else:
-        table(["site", "online", "last_seen", "datasets", "policy_digest", "version"], sites)
+        shown = [{**s, "rows": ",".join(f"{name}={n}" for name, n in s["dataset_rows"].items())} for s in sites]
+        table(["site", "online", "last_seen", "datasets", "rows", "revoked", "policy_digest", "version"], shown)
     return 0
 
 

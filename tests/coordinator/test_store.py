@@ -296,6 +296,47 @@ def test_a_state_dir_from_before_submissions_gains_the_table_and_keeps_its_jobs(
         upgraded.close()
 
 
+def test_what_a_site_joined_with_survives_reopening(tmp_path):
+    folder = tmp_path / "state"
+    serial = (1 << 158) + 12345   # X.509 serials run to 159 bits, past SQLite's integers
+    first = Store(folder, clock=Clock())
+    first.site_seen("site-a", agent_version="1.2", policy_digest="d" * 64, models=["mlp"], datasets=["heart"])
+    first.site_joined("site-a", serial=7, dataset_rows={"heart": 303, "cxr": 5})
+    first.site_joined("site-a", serial=serial, dataset_rows={"heart": 240})   # a later Join replaces it
+    first.site_seen("site-b")   # seen, but never through a Join that recorded these
+    first.close()
+
+    second = Store(folder, clock=Clock(5000.0))
+    try:
+        a, b = second.sites()
+        assert (a.name, int(a.serial), json.loads(a.dataset_rows), json.loads(a.datasets)) == \
+            ("site-a", serial, {"heart": 240}, ["heart"])
+        assert (b.name, b.serial, json.loads(b.dataset_rows)) == ("site-b", "", {})
+    finally:
+        second.close()
+
+
+def test_a_state_dir_from_before_site_joins_gains_the_table_and_keeps_its_sites(tmp_path):
+    folder = tmp_path / "state"
+    old = Store(folder, clock=Clock())
+    old.site_seen("site-a", agent_version="1.1", policy_digest="d" * 64, models=["mlp"], datasets=["heart"])
+    old.close()
+    db = sqlite3.connect(folder / "plexus.db")
+    db.execute("DROP TABLE site_joins")   # as an earlier version left it
+    db.commit()
+    db.close()
+
+    upgraded = Store(folder, clock=Clock(5000.0))
+    try:
+        [site] = upgraded.sites()
+        assert (site.name, site.agent_version, site.serial, site.dataset_rows) == ("site-a", "1.1", "", "{}")
+        upgraded.site_joined("site-a", serial=42, dataset_rows={"heart": 303})
+        [site] = upgraded.sites()
+        assert (site.serial, json.loads(site.dataset_rows)) == ("42", {"heart": 303})
+    finally:
+        upgraded.close()
+
+
 def test_an_unknown_job_is_not_found(store):
     store.add_job("j1", "heart", "x", "fedavg", 1, "alice")
 

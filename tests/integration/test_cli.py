@@ -16,9 +16,10 @@ import pytest
 
 from plexus.cli import main as cli, parser
 from plexus.config import DatasetSpec, load_site_config
+from plexus.datasets import train_rows
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 
-from integration.harness import heart_job, scaled, wait_until
+from integration.harness import HOSPITAL_OF, heart_job, scaled, wait_until
 
 
 def _admin_args(fed, name="ops"):
@@ -137,8 +138,10 @@ def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
 
     assert cli(["sites", "list", "--json", *_admin_args(federation, "viewer")]) == 0
     sites = json.loads(capsys.readouterr().out)
-    assert [(s["site"], s["online"], s["datasets"]) for s in sites] == [("a", True, "heart-disease"),
-                                                                       ("b", True, "heart-disease")]
+    assert [(s["site"], s["online"], s["datasets"], s["revoked"]) for s in sites] == [
+        ("a", True, "heart-disease", False), ("b", True, "heart-disease", False)]
+    assert [s["dataset_rows"] for s in sites] == [   # the training rows each agent reported at Join
+        {"heart-disease": train_rows(DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[s]))} for s in "ab"]
 
 
 ASYNC_JOB = """\

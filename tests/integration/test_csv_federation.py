@@ -33,7 +33,7 @@ def test_csv_sites_train_on_the_declared_schema_and_a_mismatch_declines_without_
                              "old": DatasetSpec(kind="csv", path=tmp_path / "gone.csv", label="outcome")})
     federation.wait_online("a", "b", "c")
 
-    advertised = {name: json.loads(datasets) for name, *_, datasets in federation.store.sites()}
+    advertised = {s.name: json.loads(s.datasets) for s in federation.store.sites()}
     assert advertised["c"] == ["triage"]   # "old" does not load, so it is not advertised
     assert advertised["b"] == ["triage"]
 

@@ -119,6 +119,41 @@ def test_older_crl_cannot_replace_a_newer_one(fed):
         crl.check((fed / "sites" / "mallory" / "cert.pem").read_bytes())
 
 
+def test_revoked_answers_for_a_serial_and_reloads_a_changed_crl(fed):
+    kept, gone = (_serial(pki.add_site(fed, name, now=NOW)) for name in ("cleveland", "mallory"))
+    heard = []
+    crl = identity.RevocationList(fed / "coordinator" / "crl.pem", (fed / "ca" / "ca.pem").read_bytes(),
+                                  clock=NOW.timestamp, on_revoked=heard.append)
+    assert not crl.revoked(kept) and not crl.revoked(gone)
+    assert pki.revoke(fed, "mallory", now=NOW) == gone
+    assert crl.revoked(gone) and not crl.revoked(kept)   # the new file, without a call to check() first
+    assert heard == [[gone]]
+
+
+def test_revoked_fails_closed_as_check_does(fed):
+    serial = _serial(pki.add_site(fed, "cleveland", now=NOW))
+    crl_path = fed / "coordinator" / "crl.pem"
+    now = [NOW.timestamp()]
+    crl = identity.RevocationList(crl_path, (fed / "ca" / "ca.pem").read_bytes(), clock=lambda: now[0])
+    der = bytearray(_pem_to_der(crl_path.read_bytes()))
+    der[-1] ^= 0x01
+    crl_path.write_bytes(_der_to_pem(bytes(der), "X509 CRL"))
+    with pytest.raises(errors.IntegrityError, match="fails verification"):
+        crl.revoked(serial)
+    pki.reissue_crl(fed, now=NOW)
+    assert not crl.revoked(serial)
+    now[0] += pki.CRL_VALIDITY.total_seconds()   # an expired CRL may miss a revocation
+    with pytest.raises(errors.IntegrityError, match="expired"):
+        crl.revoked(serial)
+    crl_path.unlink()
+    with pytest.raises(errors.ConfigError, match="disappeared"):
+        crl.revoked(serial)
+
+
+def _serial(kit_dir) -> int:
+    return identity.identity_from_cert((kit_dir / "cert.pem").read_bytes()).serial
+
+
 def test_missing_crl_is_a_config_error(fed):
     with pytest.raises(errors.ConfigError, match="does not exist"):
         identity.RevocationList(fed / "nope.pem", (fed / "ca" / "ca.pem").read_bytes())
