@@ -1,12 +1,17 @@
-"""What `plexus job export --mlflow` logs of a job (plexus.tracking), against hand-built job details."""
+"""What `plexus job export --mlflow` logs of a job (plexus.tracking), against hand-built job details; and the
+command's refusal without MLflow installed."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
 from plexus import tracking
+from plexus.cli import main as cli
 from plexus.proto.plexus.v1 import admin_pb2
 from plexus.tracking import MAX_KEY, MAX_PARAM_VALUE, Point
 
@@ -132,3 +137,11 @@ def test_batches_keep_to_mlflows_limits_per_call():
     assert [p for _, batch in tracking.batches(points, named) for p in batch] == named
     assert list(tracking.batches([], [])) == []
 
+
+def test_export_without_mlflow_installed_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "mlflow", None)   # `import mlflow` raises ImportError
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    code = cli(["job", "export", "j", "--mlflow", f"file:{tmp_path}/mlruns", "--kit", str(tmp_path / "kit"),
+                "--coordinator", "127.0.0.1:1"])
+    assert code == 1 and "pip install 'plexus-fl[mlflow]'" in capsys.readouterr().err
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ   # set for the export only, and put back
