@@ -513,6 +513,7 @@ def _job_export(args) -> int:
         if me.role == "viewer" and not args.no_model:   # the coordinator would refuse the download midway
             raise PlexusError(f"viewer kit: pass --no-model or use an operator kit ({args.kit} is {me.name}'s, "
                               "whose role may not download models)")
+        tracker = _tracker(mlflow, args.mlflow)   # opens (a file: store: makes) the store; before any download
         with _client(args) as client, tempfile.TemporaryDirectory(prefix="plexus-export-") as tmp:
             detail = client.job(args.job_id)
             s = detail.summary
@@ -520,7 +521,7 @@ def _job_export(args) -> int:
             run = tracking.export(detail, coordinator=client.address, federation=federation_of(kit.cert_pem),
                                   exported_by=me.name, experiment=args.experiment, run_name=args.run_name,
                                   model_round=got)
-            run_id, experiment_id = _log_run(mlflow, args.mlflow, run, model)
+            run_id, experiment_id = _log_run(tracker, args.mlflow, run, model)
     if s.status not in tracking.RUN_STATUS:
         print(printable(f"note: job {s.job_id} is {s.status}: the run holds it as of round {s.current_round}"),
               file=sys.stderr)
@@ -591,15 +592,24 @@ def _import_mlflow():
     return mlflow
 
 
-def _log_run(mlflow, uri: str, run, model: Path | None) -> tuple[str, str]:
-    """Log `run` (a plexus.tracking.Export) and its artifacts as a new run at `uri`; (run id, experiment id)."""
+def _tracker(mlflow, uri: str):
+    """MLflow's client for `uri`."""
+    try:
+        return mlflow.tracking.MlflowClient(tracking_uri=uri)
+    except mlflow.exceptions.MlflowException as exc:
+        raise PlexusError(f"MLflow cannot use {uri}: {exc.message.strip()} (with plexus-fl[mlflow], i.e. "
+                          "mlflow-skinny, give a tracking server's http(s):// URI or a file: path)") from None
+
+
+def _log_run(client, uri: str, run, model: Path | None) -> tuple[str, str]:
+    """Log `run` (a plexus.tracking.Export) and its artifacts as a new run at `uri` through MLflow's `client`;
+    (run id, experiment id)."""
     from mlflow.entities import Metric, Param
     from mlflow.exceptions import MlflowException
 
     from plexus import tracking
 
     try:
-        client = mlflow.tracking.MlflowClient(tracking_uri=uri)
         experiment = client.get_experiment_by_name(run.experiment)
         if experiment is None:
             experiment_id = client.create_experiment(run.experiment)

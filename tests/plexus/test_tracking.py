@@ -10,7 +10,7 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from plexus import tracking
+from plexus import pki, tracking
 from plexus.cli import main as cli
 from plexus.proto.plexus.v1 import admin_pb2
 from plexus.tracking import MAX_KEY, MAX_PARAM_VALUE, Point
@@ -145,3 +145,15 @@ def test_export_without_mlflow_installed_says_how_to_install_it(tmp_path, monkey
                 "--coordinator", "127.0.0.1:1"])
     assert code == 1 and "pip install 'plexus-fl[mlflow]'" in capsys.readouterr().err
     assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ   # set for the export only, and put back
+
+
+def test_a_uri_mlflow_cannot_use_is_refused_before_the_coordinator_is_asked(tmp_path, capsys):
+    pytest.importorskip("mlflow")
+    pki.init_federation(tmp_path / "fed", "f", hosts=["127.0.0.1"])
+    pki.add_admin(tmp_path / "fed", "ann", role="operator")
+    kit = tmp_path / "fed" / "admins" / "ann"
+    code = cli(["job", "export", "j", "--mlflow", f"sqlite:///{tmp_path}/m.db", "--kit", str(kit),
+                "--coordinator", "127.0.0.1:1"])   # nothing listens there: asking it would fail otherwise
+    err = capsys.readouterr().err
+    assert code == 1 and "MLflow cannot use sqlite:///" in err and "a tracking server's http(s):// URI" in err
+    assert not (tmp_path / "m.db").exists()
