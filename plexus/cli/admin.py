@@ -4,6 +4,7 @@ the `health` probe an operator scripts."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import json
@@ -42,6 +43,17 @@ def add_commands(sub) -> None:
     plot = _admin(command(job, "plot", _job_plot, help="plot a job's metrics per round to a PNG"))
     plot.add_argument("job_id")
     plot.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
+    exp = _admin(command(job, "export", _job_export,
+                         help="log a job's config, metrics and final model as one MLflow run (docs/tracking.md)"))
+    exp.add_argument("job_id")
+    exp.add_argument("--mlflow", required=True, metavar="URI",
+                     help="MLflow tracking URI: http(s)://HOST:PORT of a tracking server, or file:/PATH for a local "
+                          "store (allowed for this process: MLFLOW_ALLOW_FILE_STORE=true)")
+    exp.add_argument("--experiment", type=_nonempty, metavar="NAME",
+                     help="MLflow experiment (default: plexus/JOB_NAME)")
+    exp.add_argument("--run-name", type=_nonempty, metavar="NAME", help="the run's name (default: 'JOB_NAME JOB_ID')")
+    exp.add_argument("--no-model", action="store_true",
+                     help="leave the final model out (a viewer's kit may not download it)")
 
     health = command(sub, "health", _health, help="ask a coordinator's gRPC health service (exit 0 when SERVING)")
     health.add_argument("address", nargs="?", help="host:port (default: the coordinator in --site-config)")
@@ -81,14 +93,24 @@ def _client(args):
     from plexus.admin_client import AdminClient
     from plexus.config import load_admin_config
 
-    if args.kit is None:
-        raise UsageError("no admin kit: pass --kit DIR or set PLEXUS_KIT (made by `plexus pki add-admin`)")
+    _need_kit(args)
     address = args.coordinator
     if address is None:
         if not (args.kit / "admin.yaml").exists():
             raise UsageError("no coordinator address: pass --coordinator HOST:PORT or set PLEXUS_COORDINATOR")
         address = load_admin_config(args.kit / "admin.yaml").coordinator
     return AdminClient(address, args.kit, timeout_s=args.timeout)
+
+
+def _need_kit(args) -> None:
+    if args.kit is None:
+        raise UsageError("no admin kit: pass --kit DIR or set PLEXUS_KIT (made by `plexus pki add-admin`)")
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _summary_dict(s) -> dict:
@@ -475,6 +497,144 @@ def _job_plot(args) -> int:
     print(json.dumps({"job_id": args.job_id, "path": str(args.output), "panels": panels}) if args.json
           else printable(f"wrote {', '.join(panels)} of job {args.job_id} to {args.output}"))
     return 0
+
+
+def _job_export(args) -> int:
+    import tempfile
+
+    from plexus import tracking
+    from plexus.identity import federation_of, identity_from_cert, load_kit
+
+    with _mlflow_env(args.mlflow):
+        mlflow = _import_mlflow()
+        _need_kit(args)
+        kit = load_kit(args.kit)
+        me = identity_from_cert(kit.cert_pem)
+        if me.role == "viewer" and not args.no_model:   # the coordinator would refuse the download midway
+            raise PlexusError(f"viewer kit: pass --no-model or use an operator kit ({args.kit} is {me.name}'s, "
+                              "whose role may not download models)")
+        tracker = _tracker(mlflow, args.mlflow)   # opens (a file: store: makes) the store; before any download
+        with _client(args) as client, tempfile.TemporaryDirectory(prefix="plexus-export-") as tmp:
+            detail = client.job(args.job_id)
+            s = detail.summary
+            model, got = (None, None) if args.no_model else _final_model(client, detail, Path(tmp))
+            run = tracking.export(detail, coordinator=client.address, federation=federation_of(kit.cert_pem),
+                                  exported_by=me.name, experiment=args.experiment, run_name=args.run_name,
+                                  model_round=got)
+            run_id, experiment_id = _log_run(tracker, args.mlflow, run, model)
+    if s.status not in tracking.RUN_STATUS:
+        print(printable(f"note: job {s.job_id} is {s.status}: the run holds it as of round {s.current_round}"),
+              file=sys.stderr)
+    artifact = None if model is None else f"model/{model.name}"
+    if args.json:
+        print(json.dumps({"job_id": s.job_id, "tracking_uri": args.mlflow, "experiment": run.experiment,
+                          "experiment_id": experiment_id, "run_id": run_id, "run_name": run.run_name,
+                          "metrics": len(run.metrics), "params": len(run.params), "model": artifact,
+                          "model_round": got}))
+    else:
+        what = f"; model of round {got} as {artifact}" if artifact else ""
+        print(printable(f"exported job {s.job_id} to MLflow run {run_id} (experiment {run.experiment!r}) at "
+                        f"{args.mlflow}: {len(run.metrics)} metric values, {len(run.params)} params{what}"))
+    return 0
+
+
+def _final_model(client, detail, folder: Path) -> tuple[Path | None, int | None]:
+    """The job's latest global model written into `folder`, and its round; (None, None) for a job that has no
+    model to log, saying why on stderr."""
+    from plexus.admin_client import statistics_spec
+
+    s = detail.summary
+    if statistics_spec(detail) is not None:
+        print(f"note: job {s.job_id} is a statistics job, whose result is figures, not a model: no model logged "
+              f"(`plexus job download {s.job_id} -o FILE.json` writes them)", file=sys.stderr)
+        return None, None
+    if s.current_round < 1:
+        print(f"note: job {s.job_id} has no closed round yet: no model logged", file=sys.stderr)
+        return None, None
+    path = folder / f"{s.job_id}.safetensors"
+    return path, client.download_to(s.job_id, path)
+
+
+# The MLflow client's settings for this process while it exports: a `file:` store (which MLflow 3 refuses
+# unless allowed), and no usage telemetry sent to MLflow's servers from an operator's machine. A value the
+# operator set is kept; the environment is put back afterwards.
+_MLFLOW_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true"}
+_FILE_STORE_ENV = {"MLFLOW_ALLOW_FILE_STORE": "true"}
+
+
+@contextlib.contextmanager
+def _mlflow_env(uri: str):
+    from urllib.parse import urlparse
+
+    wanted = {**_MLFLOW_ENV, **(_FILE_STORE_ENV if urlparse(uri).scheme in ("", "file") else {})}
+    saved = {key: os.environ.get(key) for key in wanted}
+    for key, value in wanted.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _import_mlflow():
+    try:
+        import mlflow
+        import mlflow.entities
+        import mlflow.exceptions
+        import mlflow.tracking
+    except ImportError as exc:
+        raise PlexusError(f"exporting to MLflow needs its client, which is not installed ({exc}): "
+                          "pip install 'plexus-fl[mlflow]'") from None
+    return mlflow
+
+
+def _tracker(mlflow, uri: str):
+    """MLflow's client for `uri`."""
+    try:
+        return mlflow.tracking.MlflowClient(tracking_uri=uri)
+    except mlflow.exceptions.MlflowException as exc:
+        raise PlexusError(f"MLflow cannot use {uri}: {exc.message.strip()} (with plexus-fl[mlflow], i.e. "
+                          "mlflow-skinny, give a tracking server's http(s):// URI or a file: path)") from None
+
+
+def _log_run(client, uri: str, run, model: Path | None) -> tuple[str, str]:
+    """Log `run` (a plexus.tracking.Export) and its artifacts as a new run at `uri` through MLflow's `client`;
+    (run id, experiment id)."""
+    from mlflow.entities import Metric, Param
+    from mlflow.exceptions import MlflowException
+
+    from plexus import tracking
+
+    try:
+        experiment = client.get_experiment_by_name(run.experiment)
+        if experiment is None:
+            experiment_id = client.create_experiment(run.experiment)
+        elif experiment.lifecycle_stage == "deleted":
+            raise PlexusError(f"the MLflow experiment {run.experiment!r} at {uri} is deleted: restore it there, or "
+                              "pass --experiment NAME")
+        else:
+            experiment_id = experiment.experiment_id
+        run_id = client.create_run(experiment_id, start_time=run.start_ms, tags=run.tags,
+                                   run_name=run.run_name).info.run_id
+        try:
+            for points, named in tracking.batches(run.metrics, run.params):
+                client.log_batch(run_id, metrics=[Metric(p.key, p.value, p.timestamp_ms, p.step) for p in points],
+                                 params=[Param(key, value) for key, value in named])
+            client.log_text(run_id, run.config_yaml, tracking.CONFIG_ARTIFACT)
+            if model is not None:
+                client.log_artifact(run_id, str(model), artifact_path="model")
+        except BaseException:
+            with contextlib.suppress(Exception):   # the error that stopped the export is the one to report
+                client.set_terminated(run_id, "FAILED")
+            raise
+        client.set_terminated(run_id, run.run_status, end_time=run.end_ms)
+    except MlflowException as exc:
+        raise PlexusError(f"MLflow at {uri}: {exc.message}") from None
+    return run_id, experiment_id
 
 
 def _health(args) -> int:
