@@ -29,6 +29,9 @@ CONFIG_ARTIFACT = "config.yaml"
 MEAN = "mean"   # the site segment of the weighted means over sites (eval/mean/accuracy)
 # Weighted over sites by their rows, as `plexus job watch` shows them (plexus.admin_client.mean_metrics).
 MEAN_KINDS = ("eval", "train")
+# A site's own privacy spend (privacy.dp_sgd: its ledger's ε) is no figure to average: a mean of the sites'
+# ε is no one's guarantee. Each site's stays under its own key.
+NOT_AVERAGED = frozenset({"epsilon", "delta"})
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\- ]")
 
@@ -91,7 +94,7 @@ def metrics(detail) -> list[Point]:
     for kind in MEAN_KINDS:
         for round_, values in sorted(mean_metrics(detail, kind).items()):
             points += [Point(f"{clean(kind)}/{MEAN}/{clean(name)}", value, round_, when(round_))
-                       for name, value in values.items()]
+                       for name, value in values.items() if name not in NOT_AVERAGED]
     return points
 
 

@@ -57,6 +57,15 @@ def test_every_row_keeps_its_round_and_value_and_the_means_over_sites_follow():
         Point("train/mean/train_loss", pytest.approx(0.3), 1, 1_010_000)]
 
 
+def test_a_sites_own_epsilon_is_logged_per_site_and_never_averaged_over_sites():
+    detail = _detail()
+    detail.metrics.extend([admin_pb2.MetricRow(round=1, site=s, kind="train", name="epsilon", value=v)
+                           for s, v in (("a", 0.5), ("b", 3.0))])
+    keys = {p.key: p.value for p in tracking.metrics(detail)}
+    assert keys["train/a/epsilon"] == 0.5 and keys["train/b/epsilon"] == 3.0
+    assert "train/mean/epsilon" not in keys and "train/mean/train_loss" in keys
+
+
 def test_a_round_the_detail_does_not_list_is_stamped_with_the_jobs_last_update():
     detail = _detail()
     detail.metrics.add(round=2, site="a", kind="eval", name="accuracy", value=0.7)
