@@ -14,6 +14,7 @@ from plexus.errors import PlexusError
 
 DEFAULT_LISTEN = "127.0.0.1:8765"
 NEEDS = "the dashboard needs Starlette and uvicorn: pip install 'plexus-fl[dashboard]'"
+WILDCARD = ("0.0.0.0", "::")   # listen on every interface
 
 
 def add_commands(sub) -> None:
@@ -41,6 +42,22 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:   # a name: it may resolve anywhere
         return False
+
+
+def allowed_hosts(host: str) -> tuple[str, ...]:
+    """The Host header names the dashboard answers (against DNS rebinding): the listen host, loopback's names,
+    and for a wildcard listen this machine's own names."""
+    names = [host, "127.0.0.1", "localhost"]
+    if host in WILDCARD:
+        names += [socket.gethostname(), socket.getfqdn()]
+    return tuple(dict.fromkeys(n.lower() for n in names if n))
+
+
+def url_host(host: str) -> str:
+    """How the printed URL names the listen host (a wildcard: loopback, which reaches it from here)."""
+    if host in WILDCARD:
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
 
 
 def exposure_warning(host: str, port: int, name: str, role: str) -> str | None:
@@ -72,12 +89,14 @@ def _dashboard(args) -> int:
         sock = _bind(host, port)
         port = sock.getsockname()[1]
         session = Session(name=me.name, role=me.role, coordinator=client.address, cookie=f"plexus_dashboard_{port}")
-        hosts = tuple(dict.fromkeys([host, "127.0.0.1", "localhost"]))
+        hosts = allowed_hosts(host)
         app = create_app(client, session, hosts=hosts)
         if (warning := exposure_warning(host, port, me.name, me.role)) is not None:
             print(warning, file=sys.stderr)
-        shown = f"[{host}]" if ":" in host else host
-        url = f"http://{shown}:{port}/?token={session.token}"
+            if host in WILDCARD:
+                print(f"other machines open it as http://{hosts[-1]}:{port}/?token=… (the Host names it answers: "
+                      f"{', '.join(hosts[1:])})", file=sys.stderr)
+        url = f"http://{url_host(host)}:{port}/?token={session.token}"
         print(json.dumps({"url": url, "name": me.name, "role": me.role}) if args.json
               else f"dashboard: {url} (as {me.name}, role {me.role})", flush=True)
         # No access log: the first request's URL carries the token.

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 import pytest
 
 from plexus.cli import main as cli
-from plexus.cli.dashboard import exposure_warning, is_loopback, listen_address
+from plexus.cli.dashboard import allowed_hosts, exposure_warning, is_loopback, listen_address, url_host
 
 
 @pytest.mark.parametrize("text", ["8765", "127.0.0.1", "127.0.0.1:http", ":8765", "127.0.0.1:70000"])
@@ -45,3 +46,13 @@ def test_a_bad_listen_address_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli(["dashboard", "--kit", "k", "--listen", "8765"])
     assert exit_.value.code == 2 and "'8765' is not HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_host_names_it_answers_and_the_url_it_prints():
+    assert allowed_hosts("127.0.0.1") == ("127.0.0.1", "localhost")
+    assert allowed_hosts("10.1.2.3") == ("10.1.2.3", "127.0.0.1", "localhost")
+    everywhere = allowed_hosts("0.0.0.0")
+    assert everywhere[:3] == ("0.0.0.0", "127.0.0.1", "localhost")
+    assert socket.gethostname().lower() in everywhere and socket.getfqdn().lower() in everywhere
+    assert [url_host(h) for h in ("127.0.0.1", "0.0.0.0", "::", "::1", "dash.example.org")] == [
+        "127.0.0.1", "127.0.0.1", "127.0.0.1", "[::1]", "dash.example.org"]
