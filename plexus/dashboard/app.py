@@ -134,18 +134,11 @@ class _Api:
         try:
             yield "retry: 5000\n\n"
             while True:
-                try:
-                    batch = [await asyncio.wait_for(queue.get(), HEARTBEAT_S)]
-                except asyncio.TimeoutError:
+                burst = await self._burst(queue)
+                if burst is None:
                     yield ": keep-alive\n\n"
                     continue
-                deadline = loop.time() + self.coalesce_s
-                while not isinstance(batch[-1], _End) and (left := deadline - loop.time()) > 0:
-                    try:
-                        batch.append(await asyncio.wait_for(queue.get(), left))
-                    except asyncio.TimeoutError:
-                        break
-                end = batch.pop() if isinstance(batch[-1], _End) else None
+                end = burst.pop() if isinstance(burst[-1], _End) else None
                 if end is not None and end.error:
                     yield _sse("problem", {"error": end.error})
                     return
@@ -154,13 +147,28 @@ class _Api:
                 except grpc.RpcError as exc:
                     yield _sse("problem", {"error": f"{exc.code().name}: {exc.details()}"})
                     return
-                yield _sse("job", {**detail, "event": views.event(batch[-1]) if batch else None})
+                yield _sse("job", {**detail, "event": views.event(burst[-1]) if burst else None})
                 if end is not None:
                     yield _sse("end", {"status": detail["status"]})
                     return
         finally:
             follower.cancel()
             self.followers.discard(follower)
+
+    async def _burst(self, queue: asyncio.Queue) -> list | None:
+        """The next event and those that follow it within coalesce_s (ending early at an _End); None when
+        nothing came for HEARTBEAT_S."""
+        try:
+            burst = [await asyncio.wait_for(queue.get(), HEARTBEAT_S)]
+        except asyncio.TimeoutError:
+            return None
+        deadline = asyncio.get_running_loop().time() + self.coalesce_s
+        while not isinstance(burst[-1], _End) and (left := deadline - asyncio.get_running_loop().time()) > 0:
+            try:
+                burst.append(await asyncio.wait_for(queue.get(), left))
+            except asyncio.TimeoutError:
+                break
+        return burst
 
 
 @dataclass(frozen=True)

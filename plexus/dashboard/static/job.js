@@ -10,8 +10,8 @@
                         "#bcbd22", "#7f7f7f"];
   const FIRST_EVAL = ["accuracy", "auc", "loss"];   // drawn first, in this order; other eval metrics after
   const ROUND_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000];
-  const charts = new Map();
-  const siteColours = new Map();   // chart key -> {plot, signature, box}
+  const charts = new Map();        // chart key -> {plot, signature, box, xRange}
+  const siteColours = new Map();   // site -> its colour on every chart
   let who = null;
   let stream = null;
 
