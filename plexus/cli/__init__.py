@@ -1,5 +1,5 @@
 """The `plexus` command, organised by audience: the operator's `pki` (here) and `coordinator run`, hospital
-IT's `site ...`, the researcher's and admin's `job`, `sites` and `audit`, and the `demo`.
+IT's `site ...`, the researcher's and admin's `job`, `sites`, `audit` and `dashboard`, and the `demo`.
 
 The kernel knows no service: the `coordinator` and `site` groups come from the packages that implement them,
 found through the `plexus.commands` entry points declared in pyproject.toml (each names a function that
@@ -14,7 +14,7 @@ import os
 import sys
 from importlib.metadata import entry_points
 
-from plexus.cli import admin, demo, pki
+from plexus.cli import admin, dashboard, demo, pki
 from plexus.cli.common import UsageError
 from plexus.errors import PlexusError
 from plexus.text import printable
@@ -73,6 +73,7 @@ def parser() -> argparse.ArgumentParser:
     for add in installed_commands().values():
         add(sub)
     admin.add_commands(sub)
+    dashboard.add_commands(sub)
     return p
 
 

@@ -177,6 +177,10 @@ class RawSite:
         """Keep polling and fail every further task, so rounds need not wait for this site's deadline."""
         return self._serve(stop, lambda task: self.report(task, fpb.RESULT_FAILED, "raw test site does not work"))
 
+    def decline_everything(self, stop: threading.Event, reason: str) -> threading.Thread:
+        """Keep polling and decline every task with `reason` (text a site controls, shown to admins)."""
+        return self._serve(stop, lambda task: self.report(task, fpb.RESULT_DECLINED, reason))
+
     def _serve(self, stop: threading.Event, answer) -> threading.Thread:
         def loop():
             while not stop.is_set():
