@@ -223,6 +223,7 @@ def test_the_dashboard_follows_a_job_live_and_guards_what_it_can_do(pki_root, tm
         _wait(driver, lambda d: _text(d, "#round-counter") == "Round 0 of 3", "the viewer's job page")
         _wait(driver, lambda d: "viewer" in _text(d, "#who"), "the viewer's name in the nav bar")
         assert not driver.find_elements(By.ID, "abort")
+        shots.take("job-viewer")   # before the browser leaves for the other server's page below
         refused = _post_from_page(driver, f"/api/jobs/{held}/abort", with_csrf=True)
         assert refused["status"] == 403 and "may not abort" in refused["body"]["error"], refused
         # A page of another web server on this machine: the same site as the dashboard (ports do not count),
@@ -235,7 +236,6 @@ def test_the_dashboard_follows_a_job_live_and_guards_what_it_can_do(pki_root, tm
                                                                                           e => done(String(e)));
             """, f"{ops_url}/api/jobs/{held}/abort")
         assert sent == "opaque" and admin.job(held).summary.status == "running"
-        shots.take("job-viewer")
 
         driver.get(f"{ops_url}/jobs/{held}")
         _wait(driver, lambda d: d.find_elements(By.ID, "abort"), "the operator's abort button")
