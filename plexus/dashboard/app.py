@@ -15,6 +15,7 @@ import secrets
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from string import Template
 
 import anyio
 import grpc
@@ -23,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -42,7 +43,11 @@ HTTP_STATUS = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.PERMISSION_DENIED
                grpc.StatusCode.UNAUTHENTICATED: 403, grpc.StatusCode.UNAVAILABLE: 503,
                grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 409,
                grpc.StatusCode.DEADLINE_EXCEEDED: 504}
-PAGES = {"/": "jobs.html", "/jobs/{job_id}": "job.html", "/sites": "sites.html", "/audit": "audit.html"}
+# path -> (page, title, what its <head> loads beyond dashboard.css and dashboard.js): each page is layout.html
+# around static/PAGE.main.html, with the script static/PAGE.js.
+PAGES = {"/": ("jobs", "Jobs", ()), "/jobs/{job_id}": ("job", "Job", ("vendor/uplot/uPlot.min.css",
+                                                                        "vendor/uplot/uPlot.iife.min.js")),
+         "/sites": ("sites", "Sites", ()), "/audit": ("audit", "Audit log", ())}
 COALESCE_S = 0.2       # events this close together reach the page as one update (a round's close is several)
 HEARTBEAT_S = 15.0     # an SSE comment this often keeps proxies from timing an idle stream out
 
@@ -64,7 +69,7 @@ def create_app(client, session: Session, *, hosts: tuple[str, ...] = ("127.0.0.1
     """The dashboard over `client` (an AdminClient: jobs, job, watch, abort, sites, audit), answering only
     requests whose Host is one of `hosts`."""
     api = _Api(client, session, coalesce_s)
-    routes = [Route(path, _page(name)) for path, name in PAGES.items()] + [
+    routes = [Route(path, _page(*page)) for path, page in PAGES.items()] + [
         Route("/api/me", api.me),
         Route("/api/jobs", api.jobs),
         Route("/api/jobs/{job_id}", api.job),
@@ -81,9 +86,16 @@ def create_app(client, session: Session, *, hosts: tuple[str, ...] = ("127.0.0.1
     return app
 
 
-def _page(name: str):
+def _page(name: str, title: str, loads: tuple[str, ...]):
+    """The page `name`, composed once: the layout (head, nav bar) around its main part."""
+    head = [f'<link rel="stylesheet" href="/static/{f}">' for f in (*loads, "dashboard.css") if f.endswith(".css")]
+    head += [f'<script src="/static/{f}" defer></script>' for f in (*loads, "dashboard.js", f"{name}.js")
+             if f.endswith(".js")]
+    html = Template((STATIC / "layout.html").read_text(encoding="utf-8")).substitute(
+        title=title, page=name, head="\n".join(head), main=(STATIC / f"{name}.main.html").read_text(encoding="utf-8"))
+
     async def page(request: Request) -> Response:
-        return FileResponse(STATIC / name, media_type="text/html")
+        return HTMLResponse(html)
     return page
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 
-import httpx
+import httpx2 as httpx
 import uvicorn
 
 from plexus.dashboard.app import Session, create_app
