@@ -17,7 +17,7 @@ import hashlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -26,8 +26,17 @@ from plexus.wire import DTYPES, FLOAT_DTYPES, Layout, TensorMeta
 
 F32 = np.dtype("<f4")
 MIN_BLOCK, MAX_BLOCK = 16, 65536
-MAX_GAP = 65535   # the largest step between two sent indices a U16 gap can hold
+# The wire dtypes a sparse codec's gaps may take (the site picks per tensor) and the largest step between two
+# sent indices each holds: a longer one is bridged by fillers.
+MAX_GAP = {"U8": 255, "U16": 65535}
 _DENSE = "dense.values"
+
+
+class Gaps(NamedTuple):
+    """How one tensor's sparse entries travel: m entries (fillers included), gaps of wire dtype `dtype`."""
+
+    m: int
+    dtype: str   # a key of MAX_GAP
 
 
 @dataclass(frozen=True)
@@ -165,14 +174,15 @@ class UplinkCodec:
         self.seed = int(seed)
         self.feedback = False
 
-    def wire_layout(self, model: Layout, *, round_: int, counts: Mapping[str, int] | None = None) -> Layout:
-        """The layout an update for `model` must have (counts: adacomp's data-dependent m per tensor)."""
+    def wire_layout(self, model: Layout, *, round_: int, counts: Mapping[str, Gaps] | None = None) -> Layout:
+        """The layout an update for `model` must have (counts: topk's and adacomp's data-dependent m and gaps
+        dtype per tensor, as the site chose them)."""
         return _wire_layout(model, lambda t: self._parts(t, counts))
 
-    def _parts(self, t: TensorMeta, counts: Mapping[str, int] | None) -> list[tuple[str, str, tuple[int, ...]]]:
+    def _parts(self, t: TensorMeta, counts: Mapping[str, Gaps] | None) -> list[tuple[str, str, tuple[int, ...]]]:
         raise NotImplementedError
 
-    def _counts(self, model: Layout, wire: Layout) -> dict[str, int] | None:
+    def _counts(self, model: Layout, wire: Layout) -> dict[str, Gaps] | None:
         return None
 
     def check_layout(self, model: Layout, wire: Layout, *, round_: int) -> None:
@@ -267,7 +277,7 @@ class UplinkCodec:
 class NoneUplink(UplinkCodec):
     """No compression: the trained model itself travels, exactly as without a compression block."""
 
-    def wire_layout(self, model: Layout, *, round_: int, counts: Mapping[str, int] | None = None) -> Layout:
+    def wire_layout(self, model: Layout, *, round_: int, counts: Mapping[str, Gaps] | None = None) -> Layout:
         return model
 
     def check_layout(self, model: Layout, wire: Layout, *, round_: int) -> None:
@@ -435,24 +445,26 @@ class TopkUplink(_SparseUplink):
     chosen entry kept even where q is 0. With error feedback the residual keeps the quantisation error as well
     as the entries not sent; without it that error is simply lost.
 
-    m = k + fillers, and how many fillers depends on where the k entries lie: the decoder cannot know it before
-    it reads the gaps, so check_layout only bounds m (k <= m <= k + (N − k) // 65535) and the Decoder checks
-    the gaps themselves as they stream."""
+    m = k + fillers, and how many fillers depends on where the k entries lie and on the gaps' dtype: the
+    decoder cannot know it before it reads the gaps, so check_layout only bounds m (k <= m <= k + (N − k) //
+    MAX_GAP[dtype]) and the Decoder checks the gaps themselves as they stream, and that at most k values are
+    non-zero (a filler's is 0)."""
 
     name = "topk"
     shared_indices = False
 
     def _parts(self, t, counts):
-        m = self.k_of(t.numel) if counts is None else counts[t.name]   # without counts: no fillers
-        return _gap_parts(self.name, m)
+        # Without counts: no fillers, so 1-byte gaps (the site's choice then).
+        sent = Gaps(self.k_of(t.numel), "U8") if counts is None else counts[t.name]
+        return _gap_parts(self.name, sent)
 
     def _counts(self, model, wire):
         return _gap_counts(self, model, wire)
 
-    def _m_range(self, numel: int) -> tuple[int, int, str]:
+    def _m_range(self, numel: int, dtype: str) -> tuple[int, int, str]:
         k = self.k_of(numel)
-        return k, k + (numel - k) // MAX_GAP, (f"k_of({numel}) = {k} entries and a filler for each {MAX_GAP} "
-                                               "positions between them")
+        return k, k + (numel - k) // MAX_GAP[dtype], (f"k_of({numel}) = {k} entries and a filler for each "
+                                                      f"{MAX_GAP[dtype]} positions between them ({dtype} gaps)")
 
     def _why_shape(self, model, entry):
         return " (one per gap)" if entry.endswith(".values") else ""
@@ -523,14 +535,15 @@ class AdacompUplink(UplinkCodec):
 
     def _parts(self, t, counts):
         if counts is None or t.name not in counts:
-            raise ValueError(f"adacomp's layout depends on how many entries of {t.name!r} were sent; pass counts")
+            raise ValueError(f"adacomp's layout depends on how many entries of {t.name!r} were sent and their gaps' "
+                             "dtype; pass counts")
         return _gap_parts(self.name, counts[t.name])
 
     def _counts(self, model, wire):
         return _gap_counts(self, model, wire)
 
-    def _m_range(self, numel: int) -> tuple[int, int, str]:
-        # Fillers sit at distinct positions of the tensor like the entries they bridge, so m <= N.
+    def _m_range(self, numel: int, dtype: str) -> tuple[int, int, str]:
+        # Fillers sit at distinct positions of the tensor like the entries they bridge, so m <= N, either dtype.
         return 0, numel, f"at most the tensor's {numel} elements"
 
     def _why_shape(self, model, entry):
@@ -567,40 +580,57 @@ def _int8_exact(picked: np.ndarray, rng: np.random.Generator) -> tuple[np.float3
     return scale, q, rest
 
 
-def _gap_parts(codec: str, m: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    return [(f"{codec}.gaps", "U16", (m,)), (f"{codec}.scale", "F32", (1,)), (f"{codec}.values", "I8", (m,))]
+def _gap_parts(codec: str, sent: Gaps) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(f"{codec}.gaps", sent.dtype, (sent.m,)), (f"{codec}.scale", "F32", (1,)),
+            (f"{codec}.values", "I8", (sent.m,))]
+
+
+def gap_width(gaps: np.ndarray) -> Gaps:
+    """The gaps dtype that sends steps `gaps` (each >= 1) in fewer bytes, fillers and the I8 value of each entry
+    counted, and the m it then takes: U16 only where it is strictly smaller than U8."""
+    by_bytes = []
+    for dtype, most in MAX_GAP.items():
+        m = gaps.size + int(((gaps - 1) // most).sum())
+        by_bytes.append((m * (DTYPES[dtype].itemsize + 1), dtype != "U8", Gaps(m, dtype)))
+    return min(by_bytes)[2]
 
 
 def _sparse_entries(codec: str, idx: np.ndarray, scale: np.float32, q: np.ndarray) -> dict[str, np.ndarray]:
     """Strictly increasing indices idx with int8 values q as <codec>.gaps (idx_j − idx_{j−1}, idx_{−1} = −1),
-    .scale and .values. A gap above MAX_GAP cannot be written: a filler entry (value 0) every MAX_GAP positions
-    bridges it, (gap − 1) // MAX_GAP of them, so there are at most (N − len(idx)) // MAX_GAP fillers."""
+    .scale and .values, the gaps U8 or U16, whichever makes fewer bytes (gap_width). A gap above the dtype's
+    MAX_GAP cannot be written: a filler entry (value 0) every MAX_GAP positions bridges it, (gap − 1) // MAX_GAP
+    of them, so there are at most (N − len(idx)) // MAX_GAP fillers."""
     gaps = np.diff(idx.astype(np.int64), prepend=-1)
-    fill = (gaps - 1) // MAX_GAP
+    sent = gap_width(gaps)
+    most = MAX_GAP[sent.dtype]
+    fill = (gaps - 1) // most
     at = np.arange(idx.size) + np.cumsum(fill)   # where each entry lands among entries and fillers
-    m = idx.size + int(fill.sum())
-    out_gaps = np.full(m, MAX_GAP, np.int64)
-    out_gaps[at] = gaps - fill * MAX_GAP
-    values = np.zeros(m, np.int8)
+    out_gaps = np.full(sent.m, most, np.int64)
+    out_gaps[at] = gaps - fill * most
+    values = np.zeros(sent.m, np.int8)
     values[at] = q
-    return {f"{codec}.gaps": out_gaps.astype("<u2"), f"{codec}.scale": np.array([scale], F32),
+    return {f"{codec}.gaps": out_gaps.astype(DTYPES[sent.dtype]), f"{codec}.scale": np.array([scale], F32),
             f"{codec}.values": values}
 
 
-def _gap_counts(codec: UplinkCodec, model: Layout, wire: Layout) -> dict[str, int]:
-    """Each tensor's m as its <codec>.gaps entry gives it, refused unless within codec._m_range(N)."""
+def _gap_counts(codec: UplinkCodec, model: Layout, wire: Layout) -> dict[str, Gaps]:
+    """Each tensor's m and gaps dtype as its <codec>.gaps entry gives them, refused unless the dtype is one of
+    MAX_GAP's and m within codec._m_range(N, dtype)."""
     sent = {t.name: t for t in wire.tensors}
     counts = {}
     for t in model.tensors:
         meta = sent.get(f"{t.name}/{codec.name}.gaps")
         if meta is None or t.dtype not in FLOAT_DTYPES:
-            counts[t.name] = 0   # the comparison then names the missing entry
+            counts[t.name] = Gaps(0, "U8")   # the comparison then names the missing entry
             continue
-        low, high, what = codec._m_range(t.numel)
+        if meta.dtype not in MAX_GAP:
+            raise IntegrityError(f"{codec.name} update entry {meta.name!r} is {meta.dtype}{list(meta.shape)}; "
+                                 f"gaps must be {' or '.join(MAX_GAP)}", reason=Reason.LAYOUT)
+        low, high, what = codec._m_range(t.numel, meta.dtype)
         if len(meta.shape) != 1 or not low <= meta.shape[0] <= high:
             raise IntegrityError(f"{codec.name} update entry {meta.name!r} has shape {list(meta.shape)}; it must "
                                  f"be [m] with {low} <= m <= {high}: {what}", reason=Reason.LAYOUT)
-        counts[t.name] = meta.shape[0]
+        counts[t.name] = Gaps(meta.shape[0], meta.dtype)
     return counts
 
 
@@ -650,9 +680,10 @@ class Decoder:
     """Fed an update's wire blob in order, split anywhere (mid-element, mid-entry); yields decoded pieces.
 
     The bytes have passed plexus.wire.Receiver (order, size, finite floats); the Decoder checks what the codec
-    means by them, as they stream, and refuses with IntegrityError: a gap of 0 (a repeated index) or one that
-    takes the index to N or beyond (the running index carries across chunk edges), int8 value −128, an int4
-    nibble 0x8 (−8) or a nonzero unused high nibble, scales negative or not finite, values that decode to ±Inf.
+    means by them, as they stream, and refuses with IntegrityError: a gap (U8 or U16, as the layout says) of 0
+    (a repeated index) or one that takes the index to N or beyond (the running index carries across chunk
+    edges), more than k non-zero topk values, int8 value −128, an int4 nibble 0x8 (−8) or a nonzero unused high
+    nibble, scales negative or not finite, values that decode to ±Inf.
     A refused stream is dead. Holds one tensor's indices (O(m); int8, int4: its scales, O(N/block)), and one
     chunk's piece at a time: never a dense copy of a sparse update. Iterate each feed() to its end before the
     next one, and do not change the fed buffer until then.
@@ -681,6 +712,7 @@ class Decoder:
         self._last = -1
         self._scales: np.ndarray | None = None
         self._scale = np.float32(0)
+        self._nonzero = 0    # non-zero topk values of the current tensor so far
         self._next_entry()
 
     def _entry_of(self, name: str) -> _Entry:
@@ -757,6 +789,8 @@ class Decoder:
                                               entry.numel, entry.meta.numel)
             elif entry.part.endswith(".scale"):
                 self._scale = np.float32(0)
+            if entry.part == "topk.values":
+                self._nonzero = 0
             if entry.meta.nbytes:
                 return
 
@@ -786,6 +820,8 @@ class Decoder:
             self._scale = self._check_scales(entry, start, values)[0]
         elif part in ("topk.values", "adacomp.values"):
             self._refuse_min(entry, start, values)
+            if part == "topk.values":
+                self._refuse_beyond_k(entry, start, values)
             yield SparsePiece(entry.tensor, self._indices[start:start + values.size],
                               self._account(entry, start, _dequant(values, self._scale)))
         else:   # randk.values: float32 as sent
@@ -807,6 +843,19 @@ class Decoder:
             raise IntegrityError(f"entry {entry.meta.name!r}: {why}", reason=Reason.LAYOUT)
         self._last = int(idx[-1])
         return idx
+
+    def _refuse_beyond_k(self, entry: _Entry, start: int, values: np.ndarray) -> None:
+        """topk sends k_of(N) entries: its other m − k are fillers, value 0, so at most k values are non-zero
+        (self._nonzero counts them across chunk edges). Where the gaps leave room for many fillers (N ≫ MAX_GAP
+        of their dtype), this is what still holds a site to k."""
+        nonzero = np.flatnonzero(values)
+        k = self._codec.k_of(entry.numel)
+        if self._nonzero + nonzero.size > k:
+            j = int(nonzero[k - self._nonzero])
+            raise IntegrityError(f"entry {entry.meta.name!r}: value {int(values[j])} at position {start + j} is "
+                                 f"non-zero value number {k + 1}; topk sends k_of({entry.numel}) = {k} entries and "
+                                 "its other entries are fillers of value 0", reason=Reason.LAYOUT)
+        self._nonzero += nonzero.size
 
     def _check_scales(self, entry: _Entry, start: int, values: np.ndarray) -> np.ndarray:
         bad = np.flatnonzero(~(values >= 0) | ~np.isfinite(values))

@@ -16,7 +16,7 @@ from coordinator.intake import read_blocks
 from coordinator.tasks import Binding, UpdateHeader
 from plexus.compression import uplink_codec
 from plexus.errors import IntegrityError
-from plexus.wire import Layout, encode, iter_chunks
+from plexus.wire import DTYPES, Layout, encode, iter_chunks
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,51 @@ def test_the_streamed_fold_of_each_codec_equals_the_dense_fold_of_its_decoded_up
     assert streamed.total_weight == dense.total_weight == 200 and streamed.count == dense.count == 2
     for k, v in dense.sums().items():
         assert np.array_equal(streamed.sums()[k], v)
+
+
+def _gap_wire(indices, values, scale, dtype):
+    """A topk wire of w with these indices and int8 values, gaps of `dtype`, fillers (value 0) every MAX
+    positions where a gap is longer (written out plainly)."""
+    most = {"U8": 255, "U16": 65535}[dtype]
+    gaps, q, last = [], [], -1
+    for i, v in zip(indices.tolist(), values.tolist()):
+        while i - last > most:
+            last += most
+            gaps.append(most)
+            q.append(0)
+        gaps.append(i - last)
+        q.append(v)
+        last = i
+    return {"w/topk.gaps": np.array(gaps, DTYPES[dtype]), "w/topk.scale": np.array([scale], np.float32),
+            "w/topk.values": np.array(q, np.int8)}
+
+
+@pytest.mark.parametrize("ones", [0, 2000])
+def test_u8_and_u16_gaps_of_the_same_entries_fold_to_the_same_sum_bit_for_bit(ones):
+    """The site's choice of gaps dtype changes bytes only: what the coordinator folds (and so the model it
+    makes) is the same bit for bit, fillers and all. Gaps of 255, 256, 510, 65535 and 65536, the first index
+    past 255; with 2000 neighbouring entries the site picks U8 gaps, without them U16."""
+    chosen = np.cumsum([300, 255, 256, 510, 65535, 65536] + [1] * ones) - 1
+    model = Layout.build([("w", "F32", (int(chosen[-1]) + 8,))])
+    g = np.zeros(model.tensors[0].numel, np.float32)
+    g[chosen] = np.random.default_rng(ones).normal(0, 0.05, chosen.size)
+    codec = uplink_codec(Spec("topk", k=chosen.size), seed=0)
+    site, _ = codec.encode({"w": g}, round_=1, residual=None, rng=np.random.default_rng(7))
+    assert site["w/topk.gaps"].dtype == DTYPES["U8" if ones else "U16"]
+    sent = np.cumsum(site["w/topk.gaps"], dtype=np.int64) - 1
+    q = site["w/topk.values"][np.isin(sent, chosen)]   # the chosen entries' values, fillers left out
+    sums = []
+    for tensors in (site, _gap_wire(chosen, q, site["w/topk.scale"][0], "U8"),
+                    _gap_wire(chosen, q, site["w/topk.scale"][0], "U16")):
+        layout, blob = encode(tensors)
+        total = WeightedSum(model, sites=1)
+        fold = CodedFold(total, 3, lambda lay=layout: codec.decoder(model, lay, round_=1))
+        for _, piece in iter_chunks(blob, 5):
+            fold.add(piece)
+        fold.finish()
+        sums.append(total.acc.copy())
+    assert np.array_equal(sums[0], sums[1]) and np.array_equal(sums[0], sums[2])
+    assert np.count_nonzero(sums[0]) == np.count_nonzero(q) > 0
 
 
 def _views(layout, blob):
@@ -132,19 +177,21 @@ def rig(tmp_path):
     yield from rigs(tmp_path, Rig)
 
 
-def topk(gaps, values, scale=1.0):
+def topk(gaps, values, scale=1.0, dtype="U16"):
     """A topk wire of w: index j is the sum of gaps[:j + 1] minus 1; value j is values[j]·scale."""
-    return {"w/topk.gaps": np.array(gaps, np.uint16), "w/topk.scale": np.array([scale], np.float32),
+    return {"w/topk.gaps": np.array(gaps, DTYPES[dtype]), "w/topk.scale": np.array([scale], np.float32),
             "w/topk.values": np.array(values, np.int8)}
 
 
-def test_a_round_of_compressed_updates_makes_the_base_plus_the_weighted_mean_delta(rig):
+@pytest.mark.parametrize(("a", "b"), [("U16", "U16"), ("U8", "U8"), ("U8", "U16")])
+def test_a_round_of_compressed_updates_makes_the_base_plus_the_weighted_mean_delta(rig, a, b):
+    """Whichever gaps dtype each site chose."""
     r = rig()
     r.join("a", "b")
     r.driver.tick(r.now)
     grants = {s: r.driver.grant(s) for s in ("a", "b")}
-    assert "accepted" in r.send_wire("a", grants["a"], topk([1, 3], [8, -4], 0.5), num_samples=100)   # 0, 3
-    r.send_wire("b", grants["b"], topk([2, 2], [8, 2]), num_samples=300)                             # 1, 3
+    assert "accepted" in r.send_wire("a", grants["a"], topk([1, 3], [8, -4], 0.5, a), num_samples=100)   # 0, 3
+    r.send_wire("b", grants["b"], topk([2, 2], [8, 2], dtype=b), num_samples=300)                        # 1, 3
     r.driver.tick(r.now)
     model = r.store.load_checkpoint(r.job_id, 1)["w"]
     # base [1,1,1,1] + (100·[4,0,0,-2] + 300·[0,8,0,2]) / 400 = [1,1,1,1] + [1,6,0,1]
@@ -156,6 +203,12 @@ def test_a_round_of_compressed_updates_makes_the_base_plus_the_weighted_mean_del
     (topk([1, 65535], [1, 1]), "out of range"),        # a gap far past the end
     (topk([3, 0], [1, 1]), "strictly increase"),       # indices 2, 2
     (topk([1, 1, 1], [1, 1, 1]), "k"),
+    (topk([1, 4], [1, 1], dtype="U8"), "out of range"),
+    (topk([1, 255], [1, 1], dtype="U8"), "out of range"),
+    (topk([3, 0], [1, 1], dtype="U8"), "strictly increase"),
+    (topk([1, 1, 1], [1, 1, 1], dtype="U8"), r"2 <= m <= 2: k_of\(4\) = 2 entries .* \(U8 gaps\)"),
+    (topk([1, 1], [1, 1], dtype="I8"), "gaps must be U8 or U16"),
+    (topk([1, 1], [1, 1], dtype="U32"), "gaps must be U8 or U16"),
     ({"w": np.zeros(4, np.float32)}, "w"),   # a dense model where a compressed Δ is due
 ])
 def test_a_malformed_compressed_update_is_refused_and_the_round_goes_on(rig, tensors, problem):

@@ -138,8 +138,9 @@ def tampered_update_refused(federation, codec: str, tamper) -> grpc.RpcError:
 def test_a_site_sending_an_out_of_range_index_is_refused_with_invalid_argument_and_the_round_goes_on(federation):
     def tamper(tensors):
         name = next(k for k in tensors if k.endswith("/topk.gaps"))
-        tensors[name] = tensors[name].copy()
-        tensors[name][-1] = 65535   # every tensor of the mlp is smaller: its last index runs past the end
+        assert tensors[name].dtype == np.uint8   # all-ones Δ: its top 5 % are the first entries, 1 apart
+        # Every gap 255: the k = ceil(N / 20) entries would reach 255·k − 1 >= N, past the end.
+        tensors[name] = np.full_like(tensors[name], 255)
         return tensors
 
     refused = tampered_update_refused(federation, "topk", tamper)

@@ -15,12 +15,15 @@ from hypothesis import given, settings, strategies as st
 
 from plexus.compression import (
     DOWNLINK,
+    MAX_GAP,
     UPLINK,
     DensePiece,
+    Gaps,
     SparsePiece,
     downlink_codec,
     downlink_decode,
     downlink_encode,
+    gap_width,
     is_delta,
     k_of,
     pack_int4,
@@ -31,7 +34,7 @@ from plexus.compression import (
     zero_base,
 )
 from plexus.errors import IntegrityError, Reason
-from plexus.wire import Layout, decode, encode
+from plexus.wire import DTYPES, Layout, decode, encode
 
 
 @dataclass(frozen=True)
@@ -184,14 +187,14 @@ def test_layouts_follow_the_spec_table():
     assert int8["conv.weight/int8.scales"] == ("F32", (5,)) and int8["conv.weight/int8.values"] == ("I8", (72,))
     assert int8["bn.num_batches_tracked/dense.values"] == ("I64", (1,))
     assert int8["half/int8.values"] == ("I8", (5,)) and int8["empty/int8.scales"] == ("F32", (0,))
-    topk = rows(uplink_codec(SPECS["topk"], seed=0).wire_layout(model, round_=0))   # no counts: no fillers
-    assert topk["fc.weight/topk.gaps"] == ("U16", (13,)) and topk["fc.weight/topk.values"] == ("I8", (13,))
+    topk = rows(uplink_codec(SPECS["topk"], seed=0).wire_layout(model, round_=0))   # no counts: no fillers, U8
+    assert topk["fc.weight/topk.gaps"] == ("U8", (13,)) and topk["fc.weight/topk.values"] == ("I8", (13,))
     assert topk["fc.weight/topk.scale"] == ("F32", (1,)) and topk["empty/topk.scale"] == ("F32", (1,))
-    assert topk["scalar/topk.values"] == ("I8", (1,)) and topk["empty/topk.gaps"] == ("U16", (0,))
+    assert topk["scalar/topk.values"] == ("I8", (1,)) and topk["empty/topk.gaps"] == ("U8", (0,))
     assert rows(uplink_codec(SPECS["randk"], seed=0).wire_layout(model, round_=0))["fc.bias/randk.values"] == (
         "F32", (5,))
     ada = rows(uplink_codec(SPECS["adacomp"], seed=0).wire_layout(
-        model, round_=0, counts={t.name: 1 for t in model.tensors}))
+        model, round_=0, counts={t.name: Gaps(1, "U16") for t in model.tensors}))
     assert ada["fc.bias/adacomp.gaps"] == ("U16", (1,)) and ada["fc.bias/adacomp.scale"] == ("F32", (1,))
     assert ada["fc.bias/adacomp.values"] == ("I8", (1,))
     with pytest.raises(ValueError, match="pass counts"):
@@ -501,7 +504,7 @@ def test_topk_picks_the_largest_magnitudes_ties_by_lower_index():
     codec = uplink_codec(Up("topk", k=3), seed=0)
     wire, rest = codec.encode({"g": g}, round_=0, residual=None, rng=np.random.default_rng())
     assert list(wire) == ["g/topk.gaps", "g/topk.scale", "g/topk.values"]
-    assert wire["g/topk.gaps"].dtype == np.uint16 and wire["g/topk.gaps"].tolist() == [2, 1, 1]   # 1, 2, 3
+    assert wire["g/topk.gaps"].dtype == np.uint8 and wire["g/topk.gaps"].tolist() == [2, 1, 1]   # 1, 2, 3
     scale = wire["g/topk.scale"]
     assert scale.dtype == np.float32 and scale.tolist() == [np.float32(5) / np.float32(127)]
     q = wire["g/topk.values"]
@@ -549,34 +552,109 @@ def test_a_gap_beyond_65535_is_bridged_by_fillers_that_decode_to_zero():
         codec.check_layout(model, Layout.of(more), round_=0)
 
 
-@pytest.mark.parametrize("n, k", [(10_000, 100), (300_000, 10_000), (65_535, 1)])
-def test_topk_sends_3_bytes_an_entry_and_4_a_tensor(n, k):
-    """Without fillers (random entries of a 300,000-element tensor at 1/30 lie far closer than 65535 apart):
-    3·k + 4 bytes, so fraction 1/30 sends 40× fewer bytes than float32 (it took 1/80 at 8 bytes an entry)."""
+def _bytes_by_hand(indices) -> dict[str, int]:
+    """What each gap dtype costs for these sorted indices: ceil(gap / MAX) entries for each gap (a filler for
+    each full MAX), every entry its gap and its I8 value."""
+    gaps = np.diff(np.asarray(indices, np.int64), prepend=-1)
+    return {"U8": 2 * int(np.sum(-(-gaps // 255))), "U16": 3 * int(np.sum(-(-gaps // 65535)))}
+
+
+def test_the_gap_width_is_the_one_that_sends_fewer_bytes():
+    assert gap_width(np.array([255])) == Gaps(1, "U8")                 # 2 bytes against 3
+    assert gap_width(np.array([256])) == Gaps(1, "U16")                # a filler: 4 bytes against 3
+    assert gap_width(np.array([510])) == Gaps(1, "U16")                # 255 + 255: one filler
+    assert gap_width(np.array([511])) == Gaps(1, "U16")                # two fillers
+    assert gap_width(np.array([1, 1, 256])) == Gaps(4, "U8")           # 8 bytes against 9
+    assert gap_width(np.array([1, 256])) == Gaps(3, "U8")              # 6 bytes either way: U8
+    assert gap_width(np.array([65535] + [1] * 300)) == Gaps(301, "U16")  # 1114 bytes against 903
+    assert gap_width(np.array([65535] + [1] * 600)) == Gaps(857, "U8")   # 1714 against 1803
+    assert gap_width(np.array([65536, 1])) == Gaps(3, "U16")           # 65535 + 1 and 1
+    assert gap_width(np.zeros(0, np.int64)) == Gaps(0, "U8")
+
+
+@pytest.mark.parametrize("n, k, dtype", [(10_000, 100, "U8"), (300_000, 10_000, "U8"), (65_535, 1, "U16"),
+                                         (2_000_000, 20, "U16")])
+def test_topk_sends_2_bytes_an_entry_where_its_gaps_fit_a_byte_and_3_where_they_do_not(n, k, dtype):
+    """Random entries at 1 % or more lie mostly closer than 255 apart: about 2 bytes an entry (a U8 gap, an I8
+    value) and a filler now and then, so fraction 1/20 sends 40× fewer bytes than float32 (1/30 at 3 bytes
+    an entry, 1/80 at 8). Far apart, U16 gaps take fewer bytes. Plus one F32 scale a tensor either way."""
     g = np.random.default_rng(n).normal(size=n).astype(np.float32)
     wire, _ = uplink_codec(Up("topk", k=k), seed=0).encode({"w": g}, round_=0, residual=None,
                                                            rng=np.random.default_rng(0))
-    assert encode(wire)[0].total_bytes == 3 * k + 4   # one U16 gap and one I8 value an entry, one F32 scale
+    cost = _bytes_by_hand(top_indices(g, k))
+    assert wire["w/topk.gaps"].dtype == DTYPES[dtype] and cost[dtype] == min(cost.values())
+    assert encode(wire)[0].total_bytes == cost[dtype] + 4
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 300_000), st.data())
-def test_fillers_are_exactly_where_the_gaps_need_them(n, data):
-    """Any strictly increasing indices (clustered or far apart): the gaps and values lead back to exactly
-    them and their values, every filler is 0, and m never exceeds k + (N − k) // 65535."""
-    k = data.draw(st.integers(1, min(n, 8)))
-    chosen = np.array(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=k, max_size=k))), np.int64)
+@pytest.mark.parametrize("ones, dtype", [(0, "U16"), (2000, "U8")])
+def test_gaps_of_255_256_510_65535_and_65536_round_trip_in_either_width(ones, dtype):
+    """The first index past 255 and gaps at and beyond each width's largest: alone, U16 gaps are smaller; with
+    2000 neighbouring entries, U8 gaps and their 516 fillers are. Either way the stream gives back exactly the
+    indices and values, and the other width decodes to the same bits."""
+    chosen = np.cumsum([300, 255, 256, 510, 65535, 65536] + [1] * ones) - 1
+    n = int(chosen[-1]) + 1
     g = np.zeros(n, np.float32)
-    g[chosen] = 127 - np.arange(k, dtype=np.float32)   # scale 127/127 = 1: q·scale is exact
+    g[chosen] = np.where(np.arange(chosen.size) % 2, -1, 1) * (1 + np.arange(chosen.size) % 127)
+    g[chosen[-1]] = 127
+    codec = uplink_codec(Up("topk", k=chosen.size), seed=0)
+    wire, _ = codec.encode({"w": g}, round_=0, residual=None, rng=np.random.default_rng(0))
+    assert wire["w/topk.gaps"].dtype == DTYPES[dtype]
+    assert encode(wire)[0].total_bytes == min(_bytes_by_hand(chosen).values()) + 4
+    model = Layout.build([("w", "F32", (n,))])
+    layout, blob = encode(wire)
+    pieces = _stream(codec.decoder(model, layout, round_=0), bytes(blob), range(3, len(blob), 3))
+    indices = np.concatenate([p.indices for p in pieces])
+    values = np.concatenate([p.values for p in pieces])
+    assert indices[values != 0].tolist() == chosen.tolist() and values[values != 0].tolist() == g[chosen].tolist()
+    decoded = codec.decode(model, wire, round_=0)["w"]
+    assert np.array_equal(decoded, g)
+    other = _gap_wire("topk", chosen, g[chosen].astype(np.int8), dtype="U8" if dtype == "U16" else "U16")
+    assert np.array_equal(_bits(codec.decode(model, other, round_=0)["w"]), _bits(decoded))
+
+
+_GAP = st.one_of(st.integers(1, 4), st.integers(1, 300),
+                 st.sampled_from([254, 255, 256, 509, 510, 511, 65534, 65535, 65536, 65537, 131070, 131071]),
+                 st.integers(1, 200_000))
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(_GAP, min_size=1, max_size=400), st.integers(0, 70_000), st.data())
+def test_fillers_are_exactly_where_the_gaps_need_them(gaps, tail, data):
+    """Any strictly increasing indices (clustered or far apart, the first past 255 or not): the gaps are of
+    the dtype that makes fewer bytes, they and the values lead back to exactly the indices and their values,
+    every filler is 0 with the dtype's largest gap, m never exceeds k + (N − k) // MAX_GAP, and the update
+    streams to the same indices and values, cut anywhere."""
+    chosen = np.cumsum(gaps) - 1
+    k, n = chosen.size, int(chosen[-1]) + 1 + tail
+    g = np.zeros(n, np.float32)
+    g[chosen] = 1 + np.arange(k) % 127
+    g[chosen[0]] = 127   # scale 127/127 = 1: q·scale is exact
     codec = uplink_codec(Up("topk", k=k), seed=0)
     wire, _ = codec.encode({"w": g}, round_=0, residual=None, rng=np.random.default_rng(0))
-    gaps = wire["w/topk.gaps"].astype(np.int64)
-    assert gaps.size == 0 or (gaps.min() >= 1 and gaps.max() <= 65535)
-    idx = np.cumsum(gaps) - 1
+    cost = _bytes_by_hand(chosen)
+    dtype = "U8" if cost["U8"] <= cost["U16"] else "U16"
+    sent = wire["w/topk.gaps"]
+    assert sent.dtype == DTYPES[dtype]
+    assert encode(wire)[0].total_bytes == cost[dtype] + 4
+    most = MAX_GAP[dtype]
+    assert sent.min() >= 1 and sent.max() <= most
+    idx = np.cumsum(sent, dtype=np.int64) - 1
     q = wire["w/topk.values"]
-    assert idx[q != 0].tolist() == chosen.tolist() and k <= q.size <= k + (n - k) // 65535
-    decoded = codec.decode(Layout.build([("w", "F32", (n,))]), wire, round_=0)["w"]
+    assert idx[q != 0].tolist() == chosen.tolist() and q[q != 0].tolist() == g[chosen].tolist()
+    assert np.all(sent[q == 0] == most) and k <= q.size <= k + (n - k) // most
+    model = Layout.build([("w", "F32", (n,))])
+    decoded = codec.decode(model, wire, round_=0)["w"]
     assert np.array_equal(decoded, g)
+    # The other width, written by hand, decodes to the same bits: which one the site chose changes no result.
+    other = _gap_wire("topk", chosen, g[chosen].astype(np.int8), dtype="U16" if dtype == "U8" else "U8")
+    assert np.array_equal(_bits(codec.decode(model, other, round_=0)["w"]), _bits(decoded))
+    layout, blob = encode(wire)
+    cuts = data.draw(st.lists(st.integers(1, len(blob) - 1), max_size=12))
+    pieces = _stream(codec.decoder(model, layout, round_=0), bytes(blob), cuts)
+    streamed = _reassemble(model, pieces)["w"]
+    assert np.array_equal(_bits(streamed), _bits(decoded))
+    got = np.concatenate([p.indices for p in pieces])
+    assert got.tolist() == idx.tolist()
 
 
 @settings(max_examples=60, deadline=None)
@@ -638,7 +716,7 @@ def test_adacomp_selects_by_bin_and_quantises_with_one_scale():
     delta = np.array([0.5, -4.0, 2.0, 1.9, -2.0, 0.0, 3.0, 0.1, 1.0, -1.0], np.float32)   # second bin: peak 1
     codec = uplink_codec(Up("adacomp", bin_dense=8), seed=0)
     wire, rest = codec.encode({"d": delta}, round_=0, residual=None, rng=np.random.default_rng(0))
-    assert wire["d/adacomp.gaps"].dtype == np.uint16 and wire["d/adacomp.gaps"].tolist() == [2, 1, 2, 2, 2, 1]
+    assert wire["d/adacomp.gaps"].dtype == np.uint8 and wire["d/adacomp.gaps"].tolist() == [2, 1, 2, 2, 2, 1]
     chosen = np.cumsum(wire["d/adacomp.gaps"]) - 1
     assert chosen.tolist() == [1, 2, 4, 6, 8, 9]
     scale = wire["d/adacomp.scale"]
@@ -657,12 +735,12 @@ def test_adacomp_selects_by_bin_and_quantises_with_one_scale():
 
 def test_adacomp_compression_on_random_normal_tensors():
     """i.i.d. N(0, 0.01²) updates (no structure, a hard case): the first round sends 10.8% of a dense
-    tensor's entries (12.4× fewer bytes than float32 at 3 bytes an entry), and with the residue accumulating,
-    3.1% (43.1×) by round 6; a conv kernel with bins of 50: 22% (6.0×), then 13% (10.4×). Real gradients
-    compress further (the paper's 40×/200× are end to end on trained networks)."""
+    tensor's entries (18.6× fewer bytes than float32 at 2 bytes an entry, 1-byte gaps, plus fillers), and with
+    the residue accumulating, 3.1% (64.4×) by round 6; a conv kernel with bins of 50: 22% (9.0×), then 13%
+    (15.5×). Real gradients compress further (the paper's 40×/200× are end to end on trained networks)."""
     codec = uplink_codec(Up("adacomp"), seed=1)
     rng = np.random.default_rng(0)
-    for shape, first, last in (((256, 512), 12.0, 42.0), ((64, 32, 3, 3), 5.9, 10.0)):
+    for shape, first, last in (((256, 512), 18.0, 63.0), ((64, 32, 3, 3), 8.8, 15.0)):
         residual = None
         ratios = []
         for round_ in range(6):
@@ -714,19 +792,20 @@ def test_streaming_property(key, seed, data):
     _check_stream(key, splits, seed=seed)
 
 
-def _gap_wire(codec: str, indices, values, *, scale: float = 1.0) -> dict[str, np.ndarray]:
-    """A hand-made <codec>.gaps/.scale/.values wire for sorted indices, with a filler (value 0) wherever a
-    gap would exceed 65535 (written out plainly, not with the codec's own code)."""
+def _gap_wire(codec: str, indices, values, *, scale: float = 1.0, dtype: str = "U16") -> dict[str, np.ndarray]:
+    """A hand-made <codec>.gaps/.scale/.values wire for sorted indices, gaps of `dtype`, with a filler (value 0)
+    wherever a gap would exceed the dtype's largest (written out plainly, not with the codec's own code)."""
+    most = {"U8": 255, "U16": 65535}[dtype]
     gaps, q, last = [], [], -1
     for i, v in zip(indices, values):
-        while i - last > 65535:
-            last += 65535
-            gaps.append(65535)
+        while i - last > most:
+            last += most
+            gaps.append(most)
             q.append(0)
         gaps.append(i - last)
         q.append(v)
         last = i
-    return {f"w/{codec}.gaps": np.array(gaps, np.uint16), f"w/{codec}.scale": np.array([scale], np.float32),
+    return {f"w/{codec}.gaps": np.array(gaps, DTYPES[dtype]), f"w/{codec}.scale": np.array([scale], np.float32),
             f"w/{codec}.values": np.array(q, np.int8)}
 
 
@@ -755,12 +834,12 @@ def test_sparse_decoder_memory_is_independent_of_n():
 
 # Malformed updates ---------------------------------------------------------------------------
 
-def _topk(gaps, values=None, n=10, scale=1.0):
-    """A topk codec with k = len(gaps), the model [n] and a hand-made wire of these gaps."""
+def _topk(gaps, values=None, n=10, scale=1.0, *, k=None, dtype="U16"):
+    """A topk codec with k (len(gaps) unless given), the model [n] and a hand-made wire of these gaps."""
     model = Layout.build([("w", "F32", (n,))])
     values = np.ones(len(gaps), np.int8) if values is None else np.asarray(values, np.int8)
-    return uplink_codec(Up("topk", k=len(gaps)), seed=0), model, {
-        "w/topk.gaps": np.asarray(gaps, np.uint16), "w/topk.scale": np.array([scale], np.float32),
+    return uplink_codec(Up("topk", k=len(gaps) if k is None else k), seed=0), model, {
+        "w/topk.gaps": np.asarray(gaps, DTYPES[dtype]), "w/topk.scale": np.array([scale], np.float32),
         "w/topk.values": values}
 
 
@@ -800,14 +879,58 @@ def test_a_gap_split_across_chunk_edges_is_read_whole():
         dec.finish()
 
 
-def test_adacomp_gaps_are_checked_too():
+@pytest.mark.parametrize("gaps, values, message", [
+    ([3, 0], [1, 1], r"'w/topk.gaps': gap 0 at position 1 repeats index 2"),
+    ([255, 255, 255], [1, 0, 1], r"'w/topk.gaps': index 764 at position 2 is out of range: the tensor has 600"),
+    ([1, 255, 255, 255], [1, 0, 0, 1], r"'w/topk.gaps': index 765 at position 3 is out of range"),
+    # The gap of 255 that could be a filler carries a value: 3 entries sent where k is 2.
+    ([1, 255, 100], [1, 5, 1], r"'w/topk.values': value 1 at position 2 is non-zero value number 3; topk sends "
+                               r"k_of\(600\) = 2 entries"),
+    ([1, 255, 255, 5], [1, 0, -3, 1], r"'w/topk.values': value 1 at position 3 is non-zero value number 3"),
+])
+def test_bad_u8_gaps_and_fillers_are_refused(gaps, values, message):
+    """k = 2 of 600 elements: U8 gaps leave room for (600 − 2) // 255 = 2 fillers, so m is 2..4."""
+    codec, model, wire = _topk(gaps, values, n=600, k=2, dtype="U8")
+    for chunk in (1, 2, 64):
+        error = _refused(codec, model, wire, chunk=chunk)
+        assert error.reason is Reason.LAYOUT and re.search(message, str(error)), str(error)
+    with pytest.raises(IntegrityError, match=message):
+        codec.decode(model, wire, round_=0)
+
+
+def test_u8_fillers_with_value_0_are_taken_and_decode_to_0():
+    codec, model, wire = _topk([1, 255, 255, 5], [3, 0, 0, -1], n=600, k=2, dtype="U8")   # 0 and 515
+    decoded = codec.decode(model, wire, round_=0)["w"]
+    assert np.flatnonzero(decoded).tolist() == [0, 515] and decoded[[0, 515]].tolist() == [3, -1]
+    # A chosen entry whose value rounds to 0 is no filler but is no more than k either.
+    codec, model, wire = _topk([1, 255, 7], [0, 0, 4], n=600, k=2, dtype="U8")
+    assert np.flatnonzero(codec.decode(model, wire, round_=0)["w"]).tolist() == [262]
+
+
+@pytest.mark.parametrize("gaps, dtype, message", [
+    ([1, 255, 255, 255, 5], "U8", r"has shape \[5\]; it must be \[m\] with 2 <= m <= 4: k_of\(600\) = 2 entries "
+                                  r"and a filler for each 255 positions between them \(U8 gaps\)"),
+    ([1, 1, 1], "U16", r"has shape \[3\]; it must be \[m\] with 2 <= m <= 2: .* 65535 positions .*\(U16 gaps\)"),
+    ([1], "U8", r"has shape \[1\]; it must be \[m\] with 2 <= m <= 4"),
+])
+def test_m_is_bounded_by_the_fillers_its_gaps_dtype_can_need(gaps, dtype, message):
+    codec, model, wire = _topk(gaps, n=600, k=2, dtype=dtype)
+    with pytest.raises(IntegrityError, match=message) as info:
+        codec.check_layout(model, Layout.of(wire), round_=0)
+    assert info.value.reason is Reason.LAYOUT
+    _, _, fits = _topk([1, 255, 255, 5], [1, 0, 0, 1], n=600, k=2, dtype="U8")   # 2 fillers: the most U8 needs
+    codec.check_layout(model, Layout.of(fits), round_=0)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_adacomp_gaps_are_checked_too(dtype):
     model = Layout.build([("w", "F32", (10,))])
     ada = uplink_codec(Up("adacomp"), seed=0)
-    error = _refused(ada, model, {"w/adacomp.gaps": np.array([3, 0], np.uint16),
+    error = _refused(ada, model, {"w/adacomp.gaps": np.array([3, 0], dtype),
                                   "w/adacomp.scale": np.ones(1, np.float32),
                                   "w/adacomp.values": np.ones(2, np.int8)})
     assert error.reason is Reason.LAYOUT and "'w/adacomp.gaps': gap 0 at position 1 repeats index 2" in str(error)
-    error = _refused(ada, model, {"w/adacomp.gaps": np.array([9, 2], np.uint16),
+    error = _refused(ada, model, {"w/adacomp.gaps": np.array([9, 2], dtype),
                                   "w/adacomp.scale": np.ones(1, np.float32),
                                   "w/adacomp.values": np.ones(2, np.int8)}, chunk=3)
     assert "'w/adacomp.gaps': index 10 at position 1 is out of range" in str(error)
@@ -864,7 +987,7 @@ def test_bad_values_are_refused(codec_key, wire, message, reason):
     (Up("topk", k=2), dict(_sparse("topk", [1, 1], 1.0, [1, 1]), **{"w/topk.extra": np.ones(2, np.float32)}),
      r"has entr\(ies\) \['w/topk.extra'\]"),
     (Up("topk", k=2), dict(_sparse("topk", [1, 1], 1.0, [1, 1]), **{"w/topk.gaps": np.ones(2, np.int32)}),
-     r"'w/topk.gaps' is I32\[2\]; expected U16\[2\]"),
+     r"'w/topk.gaps' is I32\[2\]; gaps must be U8 or U16"),
     (Up("topk", k=2), dict(_sparse("topk", [1, 1], 1.0, [1, 1]), **{"w/topk.values": np.ones(2, np.float32)}),
      r"'w/topk.values' is F32\[2\]; expected I8\[2\]"),
     (Up("topk", k=2), {"w/topk.indices": np.arange(2, dtype=np.uint32), "w/topk.values": np.ones(2, np.float32)},
@@ -878,12 +1001,18 @@ def test_bad_values_are_refused(codec_key, wire, message, reason):
     (Up("adacomp"), _sparse("adacomp", [1, 1], 1.0, [1, 1, 1]),
      r"'w/adacomp.values' is I8\[3\]; expected I8\[2\] \(one per gap\)"),
     (Up("adacomp"), _sparse("adacomp", [1] * 11, 1.0, [1] * 11), r"at most the tensor's 10 elements"),
+    (Up("adacomp"), dict(_sparse("adacomp", [1] * 11, 1.0, [1] * 11), **{"w/adacomp.gaps": np.ones(11, np.uint8)}),
+     r"\[11\]; it must be \[m\] with 0 <= m <= 10: at most the tensor's 10 elements"),
     (Up("adacomp"), dict(_sparse("adacomp", [1], 1.0, [1]), **{"w/adacomp.gaps": np.ones((1, 1), np.uint16)}),
      r"shape \[1, 1\]"),
     (Up("adacomp"), dict(_sparse("adacomp", [1], 1.0, [1]), **{"w/adacomp.scale": np.ones(2, np.float32)}),
      r"'w/adacomp.scale' is F32\[2\]; expected F32\[1\]"),
     (Up("adacomp"), dict(_sparse("adacomp", [1], 1.0, [1]), **{"w/adacomp.gaps": np.ones(1, np.uint32)}),
-     r"'w/adacomp.gaps' is U32\[1\]; expected U16\[1\]"),
+     r"'w/adacomp.gaps' is U32\[1\]; gaps must be U8 or U16"),
+    (Up("adacomp"), dict(_sparse("adacomp", [1], 1.0, [1]), **{"w/adacomp.gaps": np.ones(1, np.int8)}),
+     r"'w/adacomp.gaps' is I8\[1\]; gaps must be U8 or U16"),
+    (Up("topk", k=2), dict(_sparse("topk", [1, 1], 1.0, [1, 1]), **{"w/topk.gaps": np.ones(2, np.uint32)}),
+     r"'w/topk.gaps' is U32\[2\]; gaps must be U8 or U16"),
     (Up(), {"w": np.ones(10, np.float16)}, "'w' is F16"),
 ])
 def test_bad_layouts_are_refused(spec, wire, message):
