@@ -7,7 +7,9 @@ import importlib.machinery
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,19 @@ from plexus.config import ensemble_members
 from plexus.errors import ConfigError, IntegrityError
 
 ENTRY_POINT_GROUP = "plexus.models"
+
+# torch's default generator is one per process, and fork_rng puts back on exit the state it found on entry: another
+# thread's seeded block that starts or ends inside this one changes what this one draws. Seeded blocks take turns.
+_GLOBAL_RNG = threading.RLock()
+
+
+@contextmanager
+def seeded(seed: int, *, devices: Sequence[int] = ()) -> Iterator[None]:
+    """torch's global RNG (and `devices`' CUDA ones) seeded with `seed` for the block and restored after, with no
+    other thread's seeded block in between: what the block draws depends on `seed` alone, in any thread."""
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=list(devices)):
+        torch.manual_seed(seed)
+        yield
 
 
 def _int_arg(model: str, name: str, value: Any, *, minimum: int) -> int:
@@ -236,9 +251,7 @@ def build_model(name: str, args: Mapping[str, Any], *, seed: int, members: int =
     if not isinstance(args, Mapping):
         raise ConfigError(f"model {name!r}: args must be a mapping of argument names to values, got {args!r}")
     _check_args(name, factory, args)
-    # fork_rng: initialise from the seed without disturbing the caller's global RNG.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):   # from the seed alone, whatever other threads draw; the caller's global RNG untouched
         try:
             model = factory(**args)
         except ConfigError as e:

@@ -18,6 +18,7 @@ from torch import nn
 
 from plexus.accounting import PrivacyLedger, dp_sgd_schedule
 from plexus.errors import ConfigError
+from plexus.models import seeded
 from plexus.objectives import loss_name
 
 _EVAL_BATCH = 4096
@@ -91,8 +92,7 @@ def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, s
     # Dropout draws from the global RNG: seed a fork of it so the caller's stream is untouched.
     forked = [device.index or 0] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=forked):
-            torch.manual_seed(seed)
+        with seeded(seed, devices=forked):
             order_rng = torch.Generator().manual_seed(seed)
             for batch in itertools.islice(_batches(n, train.batch_size, order_rng, device), total):
                 if steps is None and taken % per_pass == 0:  # epochs mode reports the last pass only
@@ -186,11 +186,10 @@ def train_local_dp_sgd(model: nn.Module, x: np.ndarray, y: np.ndarray, train: An
     steps, loss_sum, seen = 0, 0.0, 0
     forked = [device.index or 0] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=forked), warnings.catch_warnings():
+        with seeded(seed, devices=forked), warnings.catch_warnings():
             # Opacus's per-sample hooks make torch warn on every backward pass when the inputs
             # need no gradient (they never do here); it is not actionable, so keep site logs clean.
             warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
-            torch.manual_seed(seed)
             for _ in range(train.epochs):
                 loss_sum, seen = 0.0, 0
                 for xb, yb in loader:

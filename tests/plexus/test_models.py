@@ -1,7 +1,10 @@
+import threading
+
 import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
+from torch import nn
 
 from plexus.errors import ConfigError, IntegrityError
 from plexus.models import REGISTRY, available_models, build_model, load_numpy_state, state_to_numpy, state_views
@@ -74,6 +77,48 @@ def test_init_is_deterministic_per_seed_and_leaves_global_rng(name, args):
     assert torch.equal(torch.get_rng_state(), before)
     assert _same_bits(a, b)
     assert not _same_bits(a, c)
+
+
+_PAUSE = threading.local()   # a thread's `fn`, called half-way through building a _Halves
+
+
+class _Halves(nn.Module):
+    """Two layers, and between them the building thread's pause, if it set one: a build stopped half-way, as a
+    preempted thread's is."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        getattr(_PAUSE, "fn", lambda: None)()
+        self.second = nn.Linear(4, 4)
+
+
+def test_two_builds_in_two_threads_that_overlap_each_get_their_seeds_weights(monkeypatch):
+    """One build starts while another is half-way and is half-way itself when the other ends (several site agents,
+    or an agent and a test recomputing its model, in one process): a seed alone still decides the weights."""
+    monkeypatch.setitem(REGISTRY, "halves", _Halves)
+    alone = {seed: state_to_numpy(build_model("halves", {}, seed=seed)) for seed in (1, 2)}
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    got = {}
+
+    def first():
+        # waits for the second build to come in; with builds taking turns it cannot, so this wait runs out
+        _PAUSE.fn = lambda: (first_in.set(), second_in.wait(1.0))
+        try:
+            got[1] = state_to_numpy(build_model("halves", {}, seed=1))
+        finally:
+            first_out.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert first_in.wait(30)
+        _PAUSE.fn = lambda: (second_in.set(), first_out.wait(30))   # the first build ends while this one is half-way
+        got[2] = state_to_numpy(build_model("halves", {}, seed=2))
+    finally:
+        del _PAUSE.fn
+        thread.join(30)
+    assert _same_bits(got[1], alone[1]) and _same_bits(got[2], alone[2])
 
 
 def test_output_shapes():

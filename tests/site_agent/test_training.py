@@ -1,3 +1,4 @@
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -89,6 +90,39 @@ def test_training_is_bit_for_bit_deterministic(cleveland, optimizer):
     assert all(a[k].tobytes() == b[k].tobytes() for k in a)
     assert ra == rb
     assert any(a[k].tobytes() != c[k].tobytes() for k in a)
+
+
+def test_two_trainings_in_two_threads_that_overlap_each_draw_from_their_own_seed(cleveland):
+    """Dropout draws from torch's one global RNG: a training that starts while another is under way and is under
+    way itself when the other ends (several site agents in one process) still draws from its own seed alone."""
+    args = {"in_features": 13, "hidden": [16], "dropout": 0.3}
+
+    def run(seed, pause=None):
+        model = build_model("mlp", args, seed=0)
+        paused = []
+        hook = (lambda: paused or (paused.append(1), pause())) if pause else None   # after the first step only
+        train_local(model, cleveland.x_train, cleveland.y_train, _train(epochs=2), seed=seed, grad_hook=hook)
+        return state_to_numpy(model)
+
+    alone = {seed: run(seed) for seed in (1, 2)}
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    got = {}
+
+    def first():
+        try:   # waits for the second training to come in; with seeded runs taking turns it cannot, so this runs out
+            got[1] = run(1, lambda: (first_in.set(), second_in.wait(1.0)))
+        finally:
+            first_out.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert first_in.wait(30)
+        got[2] = run(2, lambda: (second_in.set(), first_out.wait(30)))   # the first ends while this one is under way
+    finally:
+        thread.join(30)
+    for seed in (1, 2):
+        assert all(got[seed][k].tobytes() == alone[seed][k].tobytes() for k in alone[seed]), seed
 
 
 def test_training_leaves_global_rng_and_mode(cleveland):
