@@ -18,6 +18,8 @@ from plexus.compression import uplink_codec
 from plexus.errors import IntegrityError
 from plexus.wire import DTYPES, Layout, encode, iter_chunks
 
+from sparse_wire import gap_wire
+
 
 @dataclass(frozen=True)
 class Spec:   # the attributes of plexus.config.UplinkSpec
@@ -72,23 +74,6 @@ def test_the_streamed_fold_of_each_codec_equals_the_dense_fold_of_its_decoded_up
         assert np.array_equal(streamed.sums()[k], v)
 
 
-def _gap_wire(indices, values, scale, dtype):
-    """A topk wire of w with these indices and int8 values, gaps of `dtype`, fillers (value 0) every MAX
-    positions where a gap is longer (written out plainly)."""
-    most = {"U8": 255, "U16": 65535}[dtype]
-    gaps, q, last = [], [], -1
-    for i, v in zip(indices.tolist(), values.tolist()):
-        while i - last > most:
-            last += most
-            gaps.append(most)
-            q.append(0)
-        gaps.append(i - last)
-        q.append(v)
-        last = i
-    return {"w/topk.gaps": np.array(gaps, DTYPES[dtype]), "w/topk.scale": np.array([scale], np.float32),
-            "w/topk.values": np.array(q, np.int8)}
-
-
 @pytest.mark.parametrize("ones", [0, 2000])
 def test_u8_and_u16_gaps_of_the_same_entries_fold_to_the_same_sum_bit_for_bit(ones):
     """The site's choice of gaps dtype changes bytes only: what the coordinator folds (and so the model it
@@ -104,8 +89,8 @@ def test_u8_and_u16_gaps_of_the_same_entries_fold_to_the_same_sum_bit_for_bit(on
     sent = np.cumsum(site["w/topk.gaps"], dtype=np.int64) - 1
     q = site["w/topk.values"][np.isin(sent, chosen)]   # the chosen entries' values, fillers left out
     sums = []
-    for tensors in (site, _gap_wire(chosen, q, site["w/topk.scale"][0], "U8"),
-                    _gap_wire(chosen, q, site["w/topk.scale"][0], "U16")):
+    for tensors in (site, gap_wire("topk", chosen, q, scale=site["w/topk.scale"][0], dtype="U8"),
+                    gap_wire("topk", chosen, q, scale=site["w/topk.scale"][0], dtype="U16")):
         layout, blob = encode(tensors)
         total = WeightedSum(model, sites=1)
         fold = CodedFold(total, 3, lambda lay=layout: codec.decoder(model, lay, round_=1))

@@ -36,6 +36,8 @@ from plexus.compression import (
 from plexus.errors import IntegrityError, Reason
 from plexus.wire import DTYPES, Layout, decode, encode
 
+from sparse_wire import gap_wire
+
 
 @dataclass(frozen=True)
 class Up:
@@ -608,7 +610,7 @@ def test_gaps_of_255_256_510_65535_and_65536_round_trip_in_either_width(ones, dt
     assert indices[values != 0].tolist() == chosen.tolist() and values[values != 0].tolist() == g[chosen].tolist()
     decoded = codec.decode(model, wire, round_=0)["w"]
     assert np.array_equal(decoded, g)
-    other = _gap_wire("topk", chosen, g[chosen].astype(np.int8), dtype="U8" if dtype == "U16" else "U16")
+    other = gap_wire("topk", chosen, g[chosen].astype(np.int8), dtype="U8" if dtype == "U16" else "U16")
     assert np.array_equal(_bits(codec.decode(model, other, round_=0)["w"]), _bits(decoded))
 
 
@@ -646,7 +648,7 @@ def test_fillers_are_exactly_where_the_gaps_need_them(gaps, tail, data):
     decoded = codec.decode(model, wire, round_=0)["w"]
     assert np.array_equal(decoded, g)
     # The other width, written by hand, decodes to the same bits: which one the site chose changes no result.
-    other = _gap_wire("topk", chosen, g[chosen].astype(np.int8), dtype="U16" if dtype == "U8" else "U8")
+    other = gap_wire("topk", chosen, g[chosen].astype(np.int8), dtype="U16" if dtype == "U8" else "U8")
     assert np.array_equal(_bits(codec.decode(model, other, round_=0)["w"]), _bits(decoded))
     layout, blob = encode(wire)
     cuts = data.draw(st.lists(st.integers(1, len(blob) - 1), max_size=12))
@@ -792,31 +794,14 @@ def test_streaming_property(key, seed, data):
     _check_stream(key, splits, seed=seed)
 
 
-def _gap_wire(codec: str, indices, values, *, scale: float = 1.0, dtype: str = "U16") -> dict[str, np.ndarray]:
-    """A hand-made <codec>.gaps/.scale/.values wire for sorted indices, gaps of `dtype`, with a filler (value 0)
-    wherever a gap would exceed the dtype's largest (written out plainly, not with the codec's own code)."""
-    most = {"U8": 255, "U16": 65535}[dtype]
-    gaps, q, last = [], [], -1
-    for i, v in zip(indices, values):
-        while i - last > most:
-            last += most
-            gaps.append(most)
-            q.append(0)
-        gaps.append(i - last)
-        q.append(v)
-        last = i
-    return {f"w/{codec}.gaps": np.array(gaps, DTYPES[dtype]), f"w/{codec}.scale": np.array([scale], np.float32),
-            f"w/{codec}.values": np.array(q, np.int8)}
-
-
 def test_sparse_decoder_memory_is_independent_of_n():
     """A 50M-element tensor: the decoder holds m indices and a chunk, never an N-element array."""
     model = Layout.build([("w", "F32", (50_000_000,))])
     spread = np.arange(0, 50_000_000, 5_000_000)   # 76 fillers between neighbours
     cases = {
-        "topk": (Up("topk", k=10), _gap_wire("topk", spread, np.ones(10))),
+        "topk": (Up("topk", k=10), gap_wire("topk", spread, np.ones(10))),
         "randk": (Up("randk", k=10), {"w/randk.values": np.ones(10, np.float32)}),
-        "adacomp": (Up("adacomp"), _gap_wire("adacomp", spread, np.ones(10))),
+        "adacomp": (Up("adacomp"), gap_wire("adacomp", spread, np.ones(10))),
     }
     for spec, wire in cases.values():
         layout, blob = encode(wire)
