@@ -10,6 +10,8 @@ from plexus.errors import ConfigError, IntegrityError
 from plexus.models import REGISTRY, available_models, build_model, load_numpy_state, state_to_numpy, state_views
 from plexus.wire import decode, encode
 
+from overlap import overlapping
+
 MLP_ARGS = {"in_features": 13, "hidden": [8, 4], "num_classes": 2}
 
 
@@ -97,27 +99,17 @@ def test_two_builds_in_two_threads_that_overlap_each_get_their_seeds_weights(mon
     """One build starts while another is half-way and is half-way itself when the other ends (several site agents,
     or an agent and a test recomputing its model, in one process): a seed alone still decides the weights."""
     monkeypatch.setitem(REGISTRY, "halves", _Halves)
-    alone = {seed: state_to_numpy(build_model("halves", {}, seed=seed)) for seed in (1, 2)}
-    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
-    got = {}
 
-    def first():
-        # waits for the second build to come in; with builds taking turns it cannot, so this wait runs out
-        _PAUSE.fn = lambda: (first_in.set(), second_in.wait(1.0))
+    def run(seed, pause=None):
+        if pause is not None:
+            _PAUSE.fn = pause
         try:
-            got[1] = state_to_numpy(build_model("halves", {}, seed=1))
+            return state_to_numpy(build_model("halves", {}, seed=seed))
         finally:
-            first_out.set()
+            _PAUSE.__dict__.pop("fn", None)
 
-    thread = threading.Thread(target=first)
-    thread.start()
-    try:
-        assert first_in.wait(30)
-        _PAUSE.fn = lambda: (second_in.set(), first_out.wait(30))   # the first build ends while this one is half-way
-        got[2] = state_to_numpy(build_model("halves", {}, seed=2))
-    finally:
-        del _PAUSE.fn
-        thread.join(30)
+    alone = {seed: run(seed) for seed in (1, 2)}
+    got = overlapping(run)
     assert _same_bits(got[1], alone[1]) and _same_bits(got[2], alone[2])
 
 

@@ -1,4 +1,3 @@
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,6 +8,8 @@ from plexus.datasets import heart_disease
 from plexus.errors import ConfigError
 from plexus.models import build_model, state_to_numpy
 from site_agent.training import TrainResult, evaluate, roc_auc, train_local
+
+from overlap import overlapping
 
 
 def _train(epochs=5, batch_size=32, name="adam", lr=0.01, momentum=0.0, weight_decay=0.0):
@@ -105,22 +106,7 @@ def test_two_trainings_in_two_threads_that_overlap_each_draw_from_their_own_seed
         return state_to_numpy(model)
 
     alone = {seed: run(seed) for seed in (1, 2)}
-    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
-    got = {}
-
-    def first():
-        try:   # waits for the second training to come in; with seeded runs taking turns it cannot, so this runs out
-            got[1] = run(1, lambda: (first_in.set(), second_in.wait(1.0)))
-        finally:
-            first_out.set()
-
-    thread = threading.Thread(target=first)
-    thread.start()
-    try:
-        assert first_in.wait(30)
-        got[2] = run(2, lambda: (second_in.set(), first_out.wait(30)))   # the first ends while this one is under way
-    finally:
-        thread.join(30)
+    got = overlapping(run)
     for seed in (1, 2):
         assert all(got[seed][k].tobytes() == alone[seed][k].tobytes() for k in alone[seed]), seed
 
