@@ -1,6 +1,6 @@
 """What `plexus job export --mlflow` logs of a job, as plain data: an MLflow run's name, tags, params and
-metrics, from the job's detail. Nothing here imports MLflow; the CLI hands the result to MLflow's client
-(docs/tracking.md).
+metrics, from the job's detail, and the calls that hand it to MLflow's client (docs/tracking.md). MLflow is
+imported only inside those calls: the rest needs no MLflow.
 
 Keys keep to what any MLflow store accepts (letters, digits, `_ - . /` and spaces, at most 250 characters,
 no empty, `.` or `..` path segment): a name that needs changing gets its characters outside that set made
@@ -9,14 +9,19 @@ no empty, `.` or `..` path segment): a name that needs changing gets its charact
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import yaml
+
+from plexus.errors import PlexusError
 
 # MLflow's own limits (mlflow.utils.validation), copied so that this module needs no MLflow.
 MAX_KEY = 250
@@ -180,3 +185,86 @@ def batches(points: list[Point], named: list[tuple[str, str]]) -> Iterator[tuple
         yield [], named[i:i + BATCH_PARAMS]
     for i in range(0, len(points), BATCH_METRICS):
         yield points[i:i + BATCH_METRICS], []
+
+
+# The MLflow client's settings for this process while it exports: a `file:` store (which MLflow 3 refuses
+# unless allowed), and no usage telemetry sent to MLflow's servers from an operator's machine. A value the
+# operator set is kept; the environment is put back afterwards.
+_MLFLOW_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true"}
+_FILE_STORE_ENV = {"MLFLOW_ALLOW_FILE_STORE": "true"}
+
+
+@contextlib.contextmanager
+def mlflow_env(uri: str):
+    """MLflow's settings for this process while the block exports to `uri` (see above)."""
+    from urllib.parse import urlparse
+
+    wanted = {**_MLFLOW_ENV, **(_FILE_STORE_ENV if urlparse(uri).scheme in ("", "file") else {})}
+    saved = {key: os.environ.get(key) for key in wanted}
+    for key, value in wanted.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def import_mlflow():
+    """The mlflow module, or a PlexusError that says how to install it."""
+    try:
+        import mlflow
+        import mlflow.entities
+        import mlflow.exceptions
+        import mlflow.tracking
+    except ImportError as exc:
+        raise PlexusError(f"exporting to MLflow needs its client, which is not installed ({exc}): "
+                          "pip install 'plexus-fl[mlflow]'") from None
+    return mlflow
+
+
+def open_store(mlflow, uri: str):
+    """MLflow's client for `uri`."""
+    try:
+        return mlflow.tracking.MlflowClient(tracking_uri=uri)
+    except mlflow.exceptions.MlflowException as exc:
+        raise PlexusError(f"MLflow cannot use {uri}: {exc.message.strip()} (with plexus-fl[mlflow], i.e. "
+                          "mlflow-skinny, give a tracking server's http(s):// URI or a file: path)") from None
+
+
+def log_run(client, uri: str, run, model: Path | None) -> tuple[str, str]:
+    """Log `run` (a plexus.tracking.Export) and its artifacts as a new run at `uri` through MLflow's `client`;
+    (run id, experiment id)."""
+    from mlflow.entities import Metric, Param
+    from mlflow.exceptions import MlflowException
+
+
+    try:
+        experiment = client.get_experiment_by_name(run.experiment)
+        if experiment is None:
+            experiment_id = client.create_experiment(run.experiment)
+        elif experiment.lifecycle_stage == "deleted":
+            raise PlexusError(f"the MLflow experiment {run.experiment!r} at {uri} is deleted: restore it there, or "
+                              "pass --experiment NAME")
+        else:
+            experiment_id = experiment.experiment_id
+        run_id = client.create_run(experiment_id, start_time=run.start_ms, tags=run.tags,
+                                   run_name=run.run_name).info.run_id
+        try:
+            for points, named in batches(run.metrics, run.params):
+                client.log_batch(run_id, metrics=[Metric(p.key, p.value, p.timestamp_ms, p.step) for p in points],
+                                 params=[Param(key, value) for key, value in named])
+            client.log_text(run_id, run.config_yaml, CONFIG_ARTIFACT)
+            if model is not None:
+                client.log_artifact(run_id, str(model), artifact_path="model")
+        except BaseException:
+            with contextlib.suppress(Exception):   # the error that stopped the export is the one to report
+                client.set_terminated(run_id, "FAILED")
+            raise
+        client.set_terminated(run_id, run.run_status, end_time=run.end_ms)
+    except MlflowException as exc:
+        raise PlexusError(f"MLflow at {uri}: {exc.message}") from None
+    return run_id, experiment_id

@@ -4,7 +4,6 @@ the `health` probe an operator scripts."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import io
 import json
@@ -505,15 +504,15 @@ def _job_export(args) -> int:
     from plexus import tracking
     from plexus.identity import federation_of, identity_from_cert, load_kit
 
-    with _mlflow_env(args.mlflow):
-        mlflow = _import_mlflow()
+    with tracking.mlflow_env(args.mlflow):
+        mlflow = tracking.import_mlflow()
         _need_kit(args)
         kit = load_kit(args.kit)
         me = identity_from_cert(kit.cert_pem)
         if me.role == "viewer" and not args.no_model:   # the coordinator would refuse the download midway
             raise PlexusError(f"viewer kit: pass --no-model or use an operator kit ({args.kit} is {me.name}'s, "
                               "whose role may not download models)")
-        tracker = _tracker(mlflow, args.mlflow)   # opens (a file: store: makes) the store; before any download
+        tracker = tracking.open_store(mlflow, args.mlflow)   # opens (makes a file: store) before any download
         with _client(args) as client, tempfile.TemporaryDirectory(prefix="plexus-export-") as tmp:
             detail = client.job(args.job_id)
             s = detail.summary
@@ -521,7 +520,7 @@ def _job_export(args) -> int:
             run = tracking.export(detail, coordinator=client.address, federation=federation_of(kit.cert_pem),
                                   exported_by=me.name, experiment=args.experiment, run_name=args.run_name,
                                   model_round=got)
-            run_id, experiment_id = _log_run(tracker, args.mlflow, run, model)
+            run_id, experiment_id = tracking.log_run(tracker, args.mlflow, run, model)
     if s.status not in tracking.RUN_STATUS:
         print(printable(f"note: job {s.job_id} is {s.status}: the run holds it as of round {s.current_round}"),
               file=sys.stderr)
@@ -553,88 +552,6 @@ def _final_model(client, detail, folder: Path) -> tuple[Path | None, int | None]
         return None, None
     path = folder / f"{s.job_id}.safetensors"
     return path, client.download_to(s.job_id, path)
-
-
-# The MLflow client's settings for this process while it exports: a `file:` store (which MLflow 3 refuses
-# unless allowed), and no usage telemetry sent to MLflow's servers from an operator's machine. A value the
-# operator set is kept; the environment is put back afterwards.
-_MLFLOW_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true"}
-_FILE_STORE_ENV = {"MLFLOW_ALLOW_FILE_STORE": "true"}
-
-
-@contextlib.contextmanager
-def _mlflow_env(uri: str):
-    from urllib.parse import urlparse
-
-    wanted = {**_MLFLOW_ENV, **(_FILE_STORE_ENV if urlparse(uri).scheme in ("", "file") else {})}
-    saved = {key: os.environ.get(key) for key in wanted}
-    for key, value in wanted.items():
-        os.environ.setdefault(key, value)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _import_mlflow():
-    try:
-        import mlflow
-        import mlflow.entities
-        import mlflow.exceptions
-        import mlflow.tracking
-    except ImportError as exc:
-        raise PlexusError(f"exporting to MLflow needs its client, which is not installed ({exc}): "
-                          "pip install 'plexus-fl[mlflow]'") from None
-    return mlflow
-
-
-def _tracker(mlflow, uri: str):
-    """MLflow's client for `uri`."""
-    try:
-        return mlflow.tracking.MlflowClient(tracking_uri=uri)
-    except mlflow.exceptions.MlflowException as exc:
-        raise PlexusError(f"MLflow cannot use {uri}: {exc.message.strip()} (with plexus-fl[mlflow], i.e. "
-                          "mlflow-skinny, give a tracking server's http(s):// URI or a file: path)") from None
-
-
-def _log_run(client, uri: str, run, model: Path | None) -> tuple[str, str]:
-    """Log `run` (a plexus.tracking.Export) and its artifacts as a new run at `uri` through MLflow's `client`;
-    (run id, experiment id)."""
-    from mlflow.entities import Metric, Param
-    from mlflow.exceptions import MlflowException
-
-    from plexus import tracking
-
-    try:
-        experiment = client.get_experiment_by_name(run.experiment)
-        if experiment is None:
-            experiment_id = client.create_experiment(run.experiment)
-        elif experiment.lifecycle_stage == "deleted":
-            raise PlexusError(f"the MLflow experiment {run.experiment!r} at {uri} is deleted: restore it there, or "
-                              "pass --experiment NAME")
-        else:
-            experiment_id = experiment.experiment_id
-        run_id = client.create_run(experiment_id, start_time=run.start_ms, tags=run.tags,
-                                   run_name=run.run_name).info.run_id
-        try:
-            for points, named in tracking.batches(run.metrics, run.params):
-                client.log_batch(run_id, metrics=[Metric(p.key, p.value, p.timestamp_ms, p.step) for p in points],
-                                 params=[Param(key, value) for key, value in named])
-            client.log_text(run_id, run.config_yaml, tracking.CONFIG_ARTIFACT)
-            if model is not None:
-                client.log_artifact(run_id, str(model), artifact_path="model")
-        except BaseException:
-            with contextlib.suppress(Exception):   # the error that stopped the export is the one to report
-                client.set_terminated(run_id, "FAILED")
-            raise
-        client.set_terminated(run_id, run.run_status, end_time=run.end_ms)
-    except MlflowException as exc:
-        raise PlexusError(f"MLflow at {uri}: {exc.message}") from None
-    return run_id, experiment_id
 
 
 def _health(args) -> int:
