@@ -62,13 +62,13 @@ import torch
 
 from coordinator.drivers.sync import SyncRounds
 from coordinator.engine import Engine
-from coordinator.store import TERMINAL, Store
+from coordinator.store import Store
 from coordinator.tasks import Binding, JoinInfo, TaskGrant, TaskResult, UpdateHeader
 from plexus.config import DatasetSpec, RoundConfig, parse_round_config
 from plexus.datasets import HOSPITALS, Split, load_dataset
 from plexus.errors import PlexusError
 from plexus.models import build_job_model, load_numpy_state, state_views
-from plexus.vocab import TaskKind, TaskStatus
+from plexus.vocab import TERMINAL, TaskKind, TaskStatus
 from plexus.wire import assemble, decode, encode, iter_chunks
 from site_agent.local import local_update, served_layout
 from site_agent.training import evaluate

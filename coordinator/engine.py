@@ -29,7 +29,7 @@ from coordinator.drivers.sync import SyncRounds, strategy_at
 from coordinator.events import admin_actor
 from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
 from coordinator.served import Held, ServedModel
-from coordinator.store import TERMINAL, JobRow, Store
+from coordinator.store import JobRow, Store
 from coordinator.strategies import make_strategy
 from coordinator.tasks import (
     JoinInfo,
@@ -44,7 +44,7 @@ from coordinator.tasks import (
 from plexus.config import MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_config, ensemble_members, parse_round_config
 from plexus.errors import ConfigError, FailedPrecondition, IntegrityError, NotFound, RoundClosed
 from plexus.text import bounded
-from plexus.vocab import JobStatus, TaskKind
+from plexus.vocab import TERMINAL, JobStatus, TaskKind
 from plexus.wire import FLOAT_DTYPES, Layout
 
 log = logging.getLogger("plexus.coordinator")

@@ -10,13 +10,13 @@ from contextlib import contextmanager
 from coordinator.engine import Engine
 from coordinator.events import admin_actor
 from coordinator.served import Held, ServedModel
-from coordinator.store import TERMINAL, JobRow, SiteRow
+from coordinator.store import JobRow, SiteRow
 from coordinator.tasks import Binding, JoinInfo, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader
 from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, SendWatchdog, guarded
 from plexus.secagg import advert_from_proto, advert_to_proto
-from plexus.vocab import TaskKind, TaskStatus
+from plexus.vocab import TERMINAL, TaskKind, TaskStatus
 from plexus.wire import Layout
 
 _KINDS = {TaskKind.TRAIN: fpb.TASK_TRAIN, TaskKind.EVALUATE: fpb.TASK_EVALUATE,

@@ -70,7 +70,6 @@ CREATE TABLE IF NOT EXISTS submissions (
 # beyond the `sites` columns lives in a table of its own, `site_joins` (the serial as decimal text: X.509
 # serials run to 159 bits, past SQLite's 64-bit integers).
 
-TERMINAL = ("completed", "budget_reached", "failed", "aborted")
 RESTORE = "restore the state directory from a backup (docs/backup-restore.md)"
 READ_BYTES = 4 << 20
 _NO_DIGEST = "0" * 64   # the header's checksum while the data is still being written

@@ -47,6 +47,10 @@ class JobStatus(enum.StrEnum):
     ABORTED = "aborted"
 
 
+# The statuses a job ends in: nothing moves it on from these.
+TERMINAL = (JobStatus.COMPLETED, JobStatus.BUDGET_REACHED, JobStatus.FAILED, JobStatus.ABORTED)
+
+
 class SecaggPhase(enum.StrEnum):
     """The phases of one secure-aggregation round, in order."""
 

@@ -10,9 +10,8 @@ import math
 from collections import defaultdict
 
 from plexus.admin_client import async_view, epsilon_by_round, job_config, mean_metrics
-from plexus.vocab import JobStatus
+from plexus.vocab import TERMINAL
 
-TERMINAL = frozenset({JobStatus.COMPLETED, JobStatus.BUDGET_REACHED, JobStatus.FAILED, JobStatus.ABORTED})
 CAN_ABORT = frozenset({"admin", "operator"})   # the roles the coordinator lets abort a job
 AUDIT_ENTRIES = 50                             # the most recent entries the audit page shows
 CURVE_KINDS = ("eval", "train")                # metric kinds drawn as curves, global and per site

@@ -12,11 +12,11 @@ from pathlib import Path
 import grpc
 
 from coordinator.server import Coordinator
-from coordinator.store import TERMINAL
 from plexus import identity, transport
 from plexus.admin_client import AdminClient
 from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
+from plexus.vocab import TERMINAL
 from plexus.wire import Layout, assemble, decode, encode, iter_chunks
 from site_agent.agent import SiteAgent
 
