@@ -90,6 +90,10 @@ class Federation:
         self.agents.append((agent, thread))
         return agent
 
+    def cli_args(self, name: str = "ops") -> list[str]:
+        """The flags that point a `plexus` admin command at this federation with admin `name`'s kit."""
+        return ["--kit", str(self.root / "admins" / name), "--coordinator", self.address]
+
     def raw_site(self, name: str) -> RawSite:
         site = RawSite(self.root / "sites" / name, self.address)
         self.clients.append(site)

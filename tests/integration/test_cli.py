@@ -22,10 +22,6 @@ from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from integration.harness import HOSPITAL_OF, heart_job, scaled, wait_until
 
 
-def _admin_args(fed, name="ops"):
-    return ["--kit", str(fed.root / "admins" / name), "--coordinator", fed.address]
-
-
 def test_pki_commands_make_kits_and_revoke(tmp_path, capsys):
     root = tmp_path / "fed"
     assert cli(["pki", "init", str(root), "--federation", "cli-test", "--host", "127.0.0.1"]) == 0
@@ -93,7 +89,7 @@ def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
     federation.wait_online("a", "b")
     job_file = tmp_path / "job.yaml"
     job_file.write_text(heart_job(rounds=2, min=2))
-    assert cli(["job", "submit", str(job_file), "--wait", *_admin_args(federation)]) == 0
+    assert cli(["job", "submit", str(job_file), "--wait", *federation.cli_args()]) == 0
     out = capsys.readouterr().out
     assert "round_closed" in out and "job_completed" in out and "accuracy=" in out
     # Each metric says which model it belongs to.
@@ -102,20 +98,20 @@ def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
     assert "\n    sites' local models of round 2: train_loss=" in closed
     assert "\n    global model of round 2 on the sites' held-out rows: accuracy=" in out[out.index("job_completed"):]
 
-    assert cli(["job", "list", "--json", *_admin_args(federation, "viewer")]) == 0
+    assert cli(["job", "list", "--json", *federation.cli_args("viewer")]) == 0
     jobs = json.loads(capsys.readouterr().out)
     assert [(j["status"], j["round"], j["rounds"]) for j in jobs] == [("completed", 2, 2)]
     job_id = jobs[0]["job_id"]
 
-    assert cli(["job", "show", job_id, *_admin_args(federation, "viewer")]) == 0
+    assert cli(["job", "show", job_id, *federation.cli_args("viewer")]) == 0
     out = capsys.readouterr().out
     assert "status: completed" in out and "eval_accuracy" in out
 
-    assert cli(["job", "metrics", job_id, "--format", "csv", *_admin_args(federation, "viewer")]) == 0
+    assert cli(["job", "metrics", job_id, "--format", "csv", *federation.cli_args("viewer")]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert {(r["site"], r["kind"], r["name"]) for r in rows} >= {("a", "eval", "auc"), ("b", "train", "train_loss")}
 
-    assert cli(["job", "watch", job_id, "--json", *_admin_args(federation, "viewer")]) == 0
+    assert cli(["job", "watch", job_id, "--json", *federation.cli_args("viewer")]) == 0
     watched = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     [first] = [e for e in watched if e["kind"] == "round_closed" and e["round"] == 1]
     assert first["global_model"]["round"] == 0 and 0 <= first["global_model"]["eval"]["accuracy"] <= 1
@@ -123,20 +119,20 @@ def test_job_lifecycle_through_the_cli(federation, tmp_path, capsys):
 
     for argv in (["job", "metrics", job_id, "--format", "csv"], ["job", "list"], ["job", "show", job_id]):
         # The reader is gone before the first line (`| head -0`): no traceback, only the exit status.
-        reader = subprocess.Popen([sys.executable, "-m", "plexus", *argv, *_admin_args(federation, "viewer")],
+        reader = subprocess.Popen([sys.executable, "-m", "plexus", *argv, *federation.cli_args("viewer")],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         reader.stdout.close()
         assert (reader.wait(timeout=60), reader.stderr.read()) == (1, b""), argv
         reader.stderr.close()
 
     model = tmp_path / "m.safetensors"
-    assert cli(["job", "download", job_id, "--round", "1", "-o", str(model), *_admin_args(federation)]) == 0
+    assert cli(["job", "download", job_id, "--round", "1", "-o", str(model), *federation.cli_args()]) == 0
     from safetensors.numpy import load_file
     assert load_file(str(model))["linear.weight"].shape == (2, 13)
-    assert cli(["job", "download", job_id, "--round", "9", "-o", str(model), *_admin_args(federation)]) == 1
+    assert cli(["job", "download", job_id, "--round", "9", "-o", str(model), *federation.cli_args()]) == 1
     assert "round 9 has no model yet" in capsys.readouterr().err
 
-    assert cli(["sites", "list", "--json", *_admin_args(federation, "viewer")]) == 0
+    assert cli(["sites", "list", "--json", *federation.cli_args("viewer")]) == 0
     sites = json.loads(capsys.readouterr().out)
     assert [(s["site"], s["online"], s["datasets"], s["revoked"]) for s in sites] == [
         ("a", True, "heart-disease", False), ("b", True, "heart-disease", False)]
@@ -175,7 +171,7 @@ def test_an_asynchronous_job_through_the_cli_reads_in_versions(federation, tmp_p
         site.report(site.next_task(), fpb.RESULT_EVALUATED)
     assert federation.wait_job(job_id, scaled(20)) == "completed"
 
-    assert cli(["job", "show", job_id, *_admin_args(federation, "viewer")]) == 0
+    assert cli(["job", "show", job_id, *federation.cli_args("viewer")]) == 0
     out = capsys.readouterr().out
     assert f"job {job_id}  (fedbuff, fedavg)  status: completed  version 2 of 2\n" in out
     assert "  asynchronous: buffer 2, max staleness 0, staleness hinge (a=0.5, b=1)\n" in out
@@ -184,11 +180,11 @@ def test_an_asynchronous_job_through_the_cli_reads_in_versions(federation, tmp_p
     sites_table = out.split("\nsites (")[1].split("\n\n")[0].splitlines()[2:]
     assert [line.split() for line in sites_table] == [["a", "2", "0"], ["b", "2", "0"], ["c", "0", "1"]]
 
-    assert cli(["job", "show", job_id, "--json", *_admin_args(federation, "viewer")]) == 0
+    assert cli(["job", "show", job_id, "--json", *federation.cli_args("viewer")]) == 0
     view = json.loads(capsys.readouterr().out)["asynchronous"]
     assert (view["version"], view["refused_stale"], view["staleness"]) == (2, 1, [{"staleness": 0, "updates": 4}])
 
-    assert cli(["job", "watch", job_id, *_admin_args(federation, "viewer")]) == 0
+    assert cli(["job", "watch", job_id, *federation.cli_args("viewer")]) == 0
     out = capsys.readouterr().out
     assert "] version 1 made: 2 update(s), 20 samples, staleness a=0, b=0\n    staleness 0:2 (mean 0.00)\n" in out
     assert "] version 2 made: 2 update(s), 20 samples, staleness a=0, b=0\n    staleness 0:2 (mean 0.00); " \
@@ -200,15 +196,15 @@ def test_an_asynchronous_job_through_the_cli_reads_in_versions(federation, tmp_p
 def test_abort_and_role_errors_read_clearly(federation, tmp_path, capsys):
     job_file = tmp_path / "job.yaml"
     job_file.write_text(heart_job(rounds=2, min=3))
-    assert cli(["job", "submit", str(job_file), "--json", *_admin_args(federation)]) == 0
+    assert cli(["job", "submit", str(job_file), "--json", *federation.cli_args()]) == 0
     job_id = json.loads(capsys.readouterr().out)["job_id"]
-    assert cli(["job", "abort", job_id, *_admin_args(federation, "viewer")]) == 1
+    assert cli(["job", "abort", job_id, *federation.cli_args("viewer")]) == 1
     assert "PERMISSION_DENIED" in capsys.readouterr().err
-    assert cli(["job", "abort", job_id, *_admin_args(federation)]) == 0
+    assert cli(["job", "abort", job_id, *federation.cli_args()]) == 0
     assert "aborted" in capsys.readouterr().out
-    assert cli(["job", "abort", job_id, *_admin_args(federation)]) == 1
+    assert cli(["job", "abort", job_id, *federation.cli_args()]) == 1
     assert "already aborted" in capsys.readouterr().err
-    assert cli(["job", "show", "no-such-job", *_admin_args(federation)]) == 1
+    assert cli(["job", "show", "no-such-job", *federation.cli_args()]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
     assert cli(["job", "list", "--coordinator", federation.address, "--kit", str(tmp_path / "none")]) == 1
     assert "ca.pem is missing" in capsys.readouterr().err

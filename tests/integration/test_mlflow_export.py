@@ -40,17 +40,14 @@ def jobs(pki_root, tmp_path_factory):
         fed.close()
 
 
-def _admin(fed, name="ops"):
-    return ["--kit", str(fed.root / "admins" / name), "--coordinator", fed.address]
-
 
 def _rows(fed, job_id, capsys) -> list[dict]:
-    assert cli(["job", "metrics", job_id, "--format", "json", *_admin(fed)]) == 0
+    assert cli(["job", "metrics", job_id, "--format", "json", *fed.cli_args()]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 def _export(fed, job_id, uri, capsys, *extra, kit="ops") -> dict:
-    assert cli(["job", "export", job_id, "--mlflow", uri, "--json", *extra, *_admin(fed, kit)]) == 0
+    assert cli(["job", "export", job_id, "--mlflow", uri, "--json", *extra, *fed.cli_args(kit)]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -129,7 +126,7 @@ def test_export_holds_every_metric_the_config_and_the_model(jobs, store, tmp_pat
     assert text == fed.admin().job(job_id).config_yaml and yaml.safe_load(text)["seed"] == 0 == int(params["seed"])
 
     # The final model, byte for byte the tensors `plexus job download` writes.
-    assert cli(["job", "download", job_id, "-o", str(tmp_path / "dl.safetensors"), *_admin(fed)]) == 0
+    assert cli(["job", "download", job_id, "-o", str(tmp_path / "dl.safetensors"), *fed.cli_args()]) == 0
     capsys.readouterr()
     logged_model = load_file(_artifact(run, out["model"]))
     downloaded = load_file(tmp_path / "dl.safetensors")
@@ -141,7 +138,7 @@ def test_export_holds_every_metric_the_config_and_the_model(jobs, store, tmp_pat
 def test_a_dp_job_logs_its_epsilon_per_round_for_a_viewer_without_the_model(jobs, store, tmp_path, capsys,
                                                                            monkeypatch):
     fed, _, job_id = jobs
-    assert cli(["job", "export", job_id, "--mlflow", store, *_admin(fed, "viewer")]) == 1
+    assert cli(["job", "export", job_id, "--mlflow", store, *fed.cli_args("viewer")]) == 1
     assert "viewer kit: pass --no-model or use an operator kit" in capsys.readouterr().err
     assert not (tmp_path / "mlruns").exists()   # refused before anything was logged
 

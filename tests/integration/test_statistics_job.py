@@ -62,9 +62,6 @@ privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, phase_timeout_s: {s
 """
 
 
-def _admin(fed, name="ops") -> list[str]:
-    return ["--kit", str(fed.root / "admins" / name), "--coordinator", fed.address]
-
 
 def _run(federation, sites, job: str, **policy) -> str:
     for site in sites:
@@ -180,7 +177,7 @@ def fixed_point_tolerance(spec, rows: pd.DataFrame, e: float):
 
 def _figures_json(federation, job_id, tmp_path, capsys) -> dict:
     path = tmp_path / "figures.json"
-    assert cli(["job", "download", job_id, "-o", str(path), *_admin(federation)]) == 0
+    assert cli(["job", "download", job_id, "-o", str(path), *federation.cli_args()]) == 0
     assert f"to {path} (json)" in capsys.readouterr().out
     return json.loads(path.read_text())
 
@@ -211,7 +208,7 @@ def test_statistics_in_the_clear_equal_pandas_on_the_pooled_rows(federation, tmp
     exact = {"rel": 1e-12, "abs": 1e-9}   # the same sums, added in another order
     _compare(_figures_json(federation, job_id, tmp_path, capsys), spec, rows, lambda key: exact)
 
-    assert cli(["job", "show", job_id, *_admin(federation)]) == 0
+    assert cli(["job", "show", job_id, *federation.cli_args()]) == 0
     shown = capsys.readouterr().out
     assert "status: completed" in shown and "statistics of the pooled rows" in shown
     header = next(line for line in shown.splitlines() if line.startswith("column "))
@@ -220,13 +217,13 @@ def test_statistics_in_the_clear_equal_pandas_on_the_pooled_rows(federation, tmp
     assert float(mean_age.split()[2]) == pytest.approx(pd.to_numeric(rows["age"]).mean(), rel=1e-7)
 
     # A viewer may not download models, and the figures are this job's: the rest of the job is shown.
-    assert cli(["job", "show", job_id, *_admin(federation, "viewer")]) == 0
+    assert cli(["job", "show", job_id, *federation.cli_args("viewer")]) == 0
     out, err = capsys.readouterr()
     assert "status: completed" in out and "statistics of the pooled rows" not in out
     assert "statistics not shown: " in err and "role 'operator'" in err
 
     path = tmp_path / "figures.csv"
-    assert cli(["job", "download", job_id, "-o", str(path), *_admin(federation)]) == 0
+    assert cli(["job", "download", job_id, "-o", str(path), *federation.cli_args()]) == 0
     table = pd.read_csv(path, dtype={"group": str, "column": str, "statistic": str}, keep_default_na=False)
     rows_all = table[(table["group"] == "all") & (table["statistic"] == "rows")]
     assert float(rows_all["value"].iloc[0]) == len(rows) == 920
