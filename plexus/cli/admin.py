@@ -20,15 +20,15 @@ from plexus.text import csv_cell, printable
 def add_commands(sub) -> None:
     """The `job`, `health`, `sites` and `audit` groups under the top-level subparsers `sub`."""
     job = sub.add_parser("job", help="submit and follow jobs").add_subparsers(metavar="ACTION")
-    submit = _admin(command(job, "submit", _job_submit, help="submit a round config"))
+    submit = admin_flags(command(job, "submit", _job_submit, help="submit a round config"))
     submit.add_argument("file", type=existing_file)
     submit.add_argument("--wait", action="store_true", help="follow the job until it ends")
-    _admin(command(job, "list", _job_list, help="list jobs"))
+    admin_flags(command(job, "list", _job_list, help="list jobs"))
     for name, fn, text in (("show", _job_show, "a job's rounds, sites and metrics"),
                            ("watch", _job_watch, "follow a job live"), ("abort", _job_abort, "abort a job"),
                            ("resume", _job_resume, "run a failed job again from its last closed round")):
-        _admin(command(job, name, fn, help=text)).add_argument("job_id")
-    dl = _admin(command(job, "download", _job_download,
+        admin_flags(command(job, name, fn, help=text)).add_argument("job_id")
+    dl = admin_flags(command(job, "download", _job_download,
                         help="download a global model as safetensors, or a statistics job's figures as CSV or JSON"))
     dl.add_argument("job_id")
     dl.add_argument("--round", type=int, default=-1, help="round (default: the latest closed round)")
@@ -36,13 +36,13 @@ def add_commands(sub) -> None:
     dl.add_argument("--format", choices=DOWNLOAD_FORMATS,
                     help="what to write (default: from the file's suffix, .csv or .json for a statistics job's "
                          "figures, else safetensors)")
-    met = _admin(command(job, "metrics", _job_metrics, help="per-site, per-round metrics"))
+    met = admin_flags(command(job, "metrics", _job_metrics, help="per-site, per-round metrics"))
     met.add_argument("job_id")
     met.add_argument("--format", choices=["table", "csv", "json"], default="table")
-    plot = _admin(command(job, "plot", _job_plot, help="plot a job's metrics per round to a PNG"))
+    plot = admin_flags(command(job, "plot", _job_plot, help="plot a job's metrics per round to a PNG"))
     plot.add_argument("job_id")
     plot.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
-    exp = _admin(command(job, "export", _job_export,
+    exp = admin_flags(command(job, "export", _job_export,
                          help="log a job's config, metrics and final model as one MLflow run (docs/tracking.md)"))
     exp.add_argument("job_id")
     exp.add_argument("--mlflow", required=True, metavar="URI",
@@ -65,16 +65,17 @@ def add_commands(sub) -> None:
     health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
 
     sites = sub.add_parser("sites", help="the federation's sites").add_subparsers(metavar="ACTION")
-    _admin(command(sites, "list", _sites_list, help="list sites"))
+    admin_flags(command(sites, "list", _sites_list, help="list sites"))
 
-    audit = audit_flags(_admin(command(sub, "audit", _audit, help="the coordinator's audit log")))
+    audit = audit_flags(admin_flags(command(sub, "audit", _audit, help="the coordinator's audit log")))
     audit.add_argument("--export-head", type=Path, metavar="FILE",
                        help="write the log's head, signed by the coordinator, to FILE; keep it off the coordinator")
     audit.add_argument("--against", type=existing_file, metavar="HEAD_FILE",
                        help="with --verify: also check the log still holds, unchanged, every entry HEAD_FILE signed")
 
 
-def _admin(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def admin_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags every admin command takes (and `plexus dashboard`): --coordinator, --kit, --json, --timeout."""
     p.add_argument("--coordinator", default=os.environ.get("PLEXUS_COORDINATOR"),
                    help="host:port (or PLEXUS_COORDINATOR; default: from the kit's admin.yaml)")
     p.add_argument("--kit", type=Path, default=os.environ.get("PLEXUS_KIT"),
@@ -87,8 +88,9 @@ def _admin(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-
-def _client(args):
+def connect(args):
+    """An AdminClient for the kit and coordinator `args` name (the coordinator from the kit's admin.yaml unless
+    given)."""
     from plexus.admin_client import AdminClient
     from plexus.config import load_admin_config
 
@@ -122,7 +124,7 @@ def _job_submit(args) -> int:
         text = args.file.read_text()
     except OSError as exc:
         raise PlexusError(f"cannot read {args.file}: {exc.strerror}") from None
-    with _client(args) as client:
+    with connect(args) as client:
         summary = client.submit(text)
         print(json.dumps(_summary_dict(summary)) if args.json else f"submitted job {summary.job_id}")
         if args.wait:
@@ -131,7 +133,7 @@ def _job_submit(args) -> int:
 
 
 def _job_list(args) -> int:
-    with _client(args) as client:
+    with connect(args) as client:
         jobs = [_summary_dict(s) for s in client.jobs()]
     if args.json:
         print(json.dumps(jobs, indent=2))
@@ -146,7 +148,7 @@ def _job_show(args) -> int:
     from plexus.admin_client import job_statistics, statistics_spec
 
     statistics = denied = None
-    with _client(args) as client:
+    with connect(args) as client:
         detail = client.job(args.job_id)
         if statistics_spec(detail) is not None and detail.summary.current_round >= 1:
             try:   # the figures are the job's "model": reading them takes what downloading a model takes
@@ -289,7 +291,7 @@ def _show_async(detail, view: dict, eps: dict, evals: dict) -> None:
 
 
 def _job_watch(args) -> int:
-    with _client(args) as client:
+    with connect(args) as client:
         return follow(client, args.job_id, args.json)
 
 
@@ -418,7 +420,7 @@ def _metrics_text(metrics: dict, round_: int, asynchronous: bool = False) -> str
 
 
 def _job_resume(args) -> int:
-    with _client(args) as client:
+    with connect(args) as client:
         s = client.resume(args.job_id)
     print(json.dumps(_summary_dict(s)) if args.json else
           f"job {s.job_id}: {s.status}, resuming after round {s.current_round} "
@@ -427,7 +429,7 @@ def _job_resume(args) -> int:
 
 
 def _job_abort(args) -> int:
-    with _client(args) as client:
+    with connect(args) as client:
         s = client.abort(args.job_id)
     print(json.dumps(_summary_dict(s)) if args.json else f"job {s.job_id}: {s.status}")
     return 0
@@ -438,7 +440,7 @@ DOWNLOAD_FORMATS = ("safetensors", "csv", "json")
 
 def _job_download(args) -> int:
     fmt = args.format or {".csv": "csv", ".json": "json"}.get(args.output.suffix.lower(), "safetensors")
-    with _client(args) as client:
+    with connect(args) as client:
         if fmt == "safetensors":
             got = client.download_to(args.job_id, args.output, args.round)
         else:
@@ -466,7 +468,7 @@ def _job_metrics(args) -> int:
     from plexus.admin_client import noise_reproducible
     from plexus.dp import NOT_PRIVATE
 
-    with _client(args) as client:
+    with connect(args) as client:
         detail = client.job(args.job_id)
     if noise_reproducible(detail):   # on stderr: the table, CSV or JSON on stdout stays machine-readable
         print(f"WARNING: {NOT_PRIVATE}", file=sys.stderr)
@@ -489,7 +491,7 @@ def _job_metrics(args) -> int:
 def _job_plot(args) -> int:
     from plexus.plot import plot_metrics
 
-    with _client(args) as client:
+    with connect(args) as client:
         detail = client.job(args.job_id)
     rows = [(m.round, m.site, m.kind, m.name, m.value) for m in detail.metrics]
     panels = plot_metrics(rows, args.output, title=f"{detail.summary.name} ({detail.summary.job_id})")
@@ -513,7 +515,7 @@ def _job_export(args) -> int:
             raise PlexusError(f"viewer kit: pass --no-model or use an operator kit ({args.kit} is {me.name}'s, "
                               "whose role may not download models)")
         tracker = tracking.open_store(mlflow, args.mlflow)   # opens (makes a file: store) before any download
-        with _client(args) as client, tempfile.TemporaryDirectory(prefix="plexus-export-") as tmp:
+        with connect(args) as client, tempfile.TemporaryDirectory(prefix="plexus-export-") as tmp:
             detail = client.job(args.job_id)
             s = detail.summary
             model, got = (None, None) if args.no_model else _final_model(client, detail, Path(tmp))
@@ -573,7 +575,7 @@ def _health(args) -> int:
 
 
 def _sites_list(args) -> int:
-    with _client(args) as client:
+    with connect(args) as client:
         sites = [{"site": s.site, "online": s.online, "last_seen": time.strftime(
             "%Y-%m-%d %H:%M:%S", time.localtime(s.last_seen_unix_s)), "policy_digest": s.policy_digest[:16],
             "datasets": ",".join(s.datasets), "dataset_rows": dict(sorted(s.dataset_rows.items())),
@@ -591,7 +593,7 @@ def _audit(args) -> int:
         return _audit_export_head(args)
     if args.against is not None and not args.verify:
         raise UsageError("--against HEAD_FILE checks the log: use it with --verify")
-    with _client(args) as client:   # --against checks the whole chain, so it reads every entry
+    with connect(args) as client:   # --against checks the whole chain, so it reads every entry
         reply = client.audit(verify=args.verify, limit=0 if args.against else max(args.limit, 0))
     if reply.problem == "audit log not configured":
         raise PlexusError("the coordinator has no audit log configured")
@@ -633,7 +635,7 @@ def _audit_export_head(args) -> int:
     from plexus.files import write_atomically
     from plexus.identity import load_kit
 
-    with _client(args) as client:
+    with connect(args) as client:
         reply = client.audit(sign_head=True, limit=1)
     if not reply.signed_head_json:
         raise PlexusError(f"the coordinator returned no signed head: {reply.problem or 'no audit log'}")

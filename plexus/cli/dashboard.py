@@ -8,7 +8,7 @@ import json
 import socket
 import sys
 
-from plexus.cli.admin import _admin, _client
+from plexus.cli.admin import admin_flags, connect
 from plexus.cli.common import command
 from plexus.errors import PlexusError
 
@@ -19,7 +19,7 @@ WILDCARD = ("0.0.0.0", "::")   # listen on every interface
 
 def add_commands(sub) -> None:
     """The `dashboard` command under the top-level subparsers `sub`."""
-    p = _admin(command(sub, "dashboard", _dashboard,
+    p = admin_flags(command(sub, "dashboard", _dashboard,
                        help="serve a live web dashboard of the federation, acting with this admin kit"))
     p.add_argument("--listen", type=listen_address, default=DEFAULT_LISTEN, metavar="HOST:PORT",
                    help=f"where to serve it (default {DEFAULT_LISTEN}; port 0: any free port). Anything but "
@@ -80,7 +80,7 @@ def _dashboard(args) -> int:
     from plexus.identity import identity_from_cert, load_kit
 
     host, port = args.listen
-    client = _client(args)
+    client = connect(args)
     try:
         me = identity_from_cert(load_kit(args.kit).cert_pem)
         if me.kind != "admin":

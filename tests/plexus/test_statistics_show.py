@@ -95,7 +95,7 @@ def admin(monkeypatch, tmp_path):
     """`plexus job ...` with its AdminClient replaced by a Client of `text` (the job's config)."""
     def use(text: str) -> list[str]:
         client = Client(text)
-        monkeypatch.setattr("plexus.cli.admin._client", lambda args: client)
+        monkeypatch.setattr("plexus.cli.admin.connect", lambda args: client)
         return ["--kit", str(tmp_path)]
     return use
 
