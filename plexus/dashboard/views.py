@@ -25,9 +25,11 @@ def me(name: str, role: str, coordinator: str, csrf: str) -> dict:
 
 def job_summary(detail) -> dict:
     """A job's line in the jobs table: its summary, and its mode and privacy read from its config."""
+    return _summary(detail, job_config(detail), epsilon_by_round(detail))
+
+
+def _summary(detail, cfg, spent: dict[int, float]) -> dict:
     s = detail.summary
-    cfg = job_config(detail)
-    spent = epsilon_by_round(detail)
     return {"job_id": s.job_id, "name": s.name, "status": s.status, "strategy": s.strategy, "mode": _mode(cfg),
             "privacy": {"dp": _dp_text(cfg), "epsilon_target": _finite(_epsilon_target(cfg)),
                         "epsilon_spent": _finite(spent[max(spent)]) if spent else None,
@@ -42,11 +44,12 @@ def job_detail(detail) -> dict:
     metric curves (the weighted global mean and each site's), the privacy ledger and, for an asynchronous
     job, its versions' view (plexus.admin_client.async_view). Here `rounds` is the list of rounds; how many
     the job runs is `total_rounds`, as in the summary."""
-    view = job_summary(detail)
-    eps = epsilon_by_round(detail)
+    cfg, eps = job_config(detail), epsilon_by_round(detail)   # once (async_view reads an async job's again)
+    view = _summary(detail, cfg, eps)
     return {**view, "config_yaml": detail.config_yaml, "rounds": rounds(detail), "curves": curves(detail),
             "epsilon": [[r, _finite(eps[r])] for r in sorted(eps)],
-            "epsilon_target": view["privacy"]["epsilon_target"], "async": async_view(detail)}
+            "epsilon_target": view["privacy"]["epsilon_target"],
+            "async": async_view(detail) if cfg is not None and cfg.asynchronous is not None else None}
 
 
 def rounds(detail) -> list[dict]:
