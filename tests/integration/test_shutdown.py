@@ -7,6 +7,7 @@ non-main thread (tgkill), which is what used to leave both processes running for
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import subprocess
@@ -87,14 +88,21 @@ def _signal(proc: subprocess.Popen, sig: int, target: str) -> None:
     if target == "process":
         proc.send_signal(sig)
         return
-    tasks = Path(f"/proc/{proc.pid}/task")
-    others = wait_until(lambda: sorted(int(t) for t in os.listdir(tasks) if int(t) != proc.pid), 10,
-                        "a thread besides the main one")
     libc = ctypes.CDLL(None, use_errno=True)
     if not hasattr(libc, "tgkill"):
         pytest.skip("this libc has no tgkill() to send a signal to one thread")
-    if libc.tgkill(proc.pid, others[-1], sig) != 0:
-        raise OSError(ctypes.get_errno(), "tgkill failed")
+    tasks = Path(f"/proc/{proc.pid}/task")
+
+    def sent() -> bool:
+        # A short-lived thread listed here may have ended before the signal reaches it (ESRCH): try the next.
+        for tid in sorted((int(t) for t in os.listdir(tasks) if int(t) != proc.pid), reverse=True):
+            if libc.tgkill(proc.pid, tid, sig) == 0:
+                return True
+            if ctypes.get_errno() != errno.ESRCH:
+                raise OSError(ctypes.get_errno(), "tgkill failed")
+        return False
+
+    wait_until(sent, 10, "a thread besides the main one to take the signal")
 
 
 def _stops(proc: subprocess.Popen, name: str, target: str) -> float:
