@@ -28,6 +28,7 @@ __all__ = [
     "FeatureSpec", "GroupSpec", "LBFGSArgs", "LabelSpec", "ModelSpec", "NewtonArgs",
     "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SUMMING_STRATEGIES", "SiteConfig", "SitesSpec",
     "StatColumnSpec", "StatDPSpec", "StatisticsSpec", "StrategySpec", "TrainSpec", "UplinkSpec", "dump_round_config",
+    "dump_site_config",
     "load_admin_config", "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
     "split_address", "statistics_args", "statistics_spec_from_args",
 ]
@@ -1272,6 +1273,11 @@ def load_round_config(path: Path) -> RoundConfig:
 
 def dump_round_config(cfg: RoundConfig) -> str:
     """Canonical YAML for a round config: sorted keys, every default written out."""
+    return yaml.safe_dump(_to_plain(cfg), sort_keys=True, default_flow_style=False, allow_unicode=True)
+
+
+def dump_site_config(cfg: SiteConfig) -> str:
+    """YAML that load_site_config reads back as `cfg` (paths written as they are: absolute ones stay so)."""
     return yaml.safe_dump(_to_plain(cfg), sort_keys=True, default_flow_style=False, allow_unicode=True)
 
 

@@ -115,11 +115,7 @@ class SiteAgent:
                 with transport.channel(self.kit, self.config.coordinator) as channel:
                     self._channel = channel
                     stub = federation_pb2_grpc.FederationStub(channel)
-                    rows = self.advertised_rows()   # a dataset that does not load is not advertised
-                    reply = stub.Join(fpb.JoinRequest(
-                        agent_version=__version__, models=sorted(installed_models()),
-                        datasets=sorted(rows), policy_digest=policy_digest(self.config.policy),
-                        dataset_rows=rows), timeout=10)
+                    reply = stub.Join(self.join_request(), timeout=10)
                     log.info("joined federation %r as site %r", reply.federation, reply.site)
                     delay = BACKOFF_START_S
                     self._serve(stub, reply.poll_timeout_s or 20.0)
@@ -135,6 +131,12 @@ class SiteAgent:
                 self._channel = None
             self.stop.wait((pause or delay) * (1 + SITE_BACKOFF_JITTER * self._rng.random()))
             delay = min(delay * 2, self.backoff_cap_s)
+
+    def join_request(self) -> fpb.JoinRequest:
+        """What this site tells the coordinator at Join: its agent, models, policy and training rows per dataset."""
+        rows = self.advertised_rows()   # a dataset that does not load is not advertised
+        return fpb.JoinRequest(agent_version=__version__, models=sorted(installed_models()), datasets=sorted(rows),
+                               policy_digest=policy_digest(self.config.policy), dataset_rows=rows)
 
     def shutdown(self) -> None:
         """Stop now: set `stop` and cancel the call in flight (a long poll would hold on to its deadline)."""

@@ -1,0 +1,83 @@
+"""Where the virtual sites run: worker processes on this machine, or Ray actors on a Ray cluster.
+
+A pool hosts `count` workers (simulation/worker.py's SiteHost) and carries frames both ways: `send(worker,
+header, messages)` to one, and every frame a worker sends lands on the simulator's `inbox` as (worker,
+header, messages); a worker that ends unexpectedly puts (worker, None, [reason]) there.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from simulation.frames import FrameError, read_frame, write_frame
+
+
+class ProcessPool:
+    """`count` processes running `python -m simulation.worker`, frames over their stdin and stdout, each one's
+    log in `logs/worker-N.log`."""
+
+    def __init__(self, count: int, logs: Path, inbox: queue.Queue):
+        self.count, self._inbox = count, inbox
+        self._procs: list[subprocess.Popen] = []
+        self._locks: list[threading.Lock] = []
+        self._readers: list[threading.Thread] = []
+        self._closing = False
+        logs.mkdir(parents=True, exist_ok=True)
+        try:
+            for index in range(count):
+                self._start(index, logs / f"worker-{index}.log")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, index: int, log_path: Path) -> None:
+        with open(log_path, "ab") as log:   # the child keeps its own descriptor
+            proc = subprocess.Popen([sys.executable, "-m", "simulation.worker"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=log, env=dict(os.environ), close_fds=True)
+        self._procs.append(proc)
+        self._locks.append(threading.Lock())
+        reader = threading.Thread(target=self._read, args=(index, proc, log_path), daemon=True,
+                                  name=f"simulation-worker-{index}")
+        self._readers.append(reader)
+        reader.start()
+
+    def _read(self, index: int, proc: subprocess.Popen, log_path: Path) -> None:
+        try:
+            while (frame := read_frame(proc.stdout)) is not None:
+                self._inbox.put((index, *frame))
+            reason = "it closed its output"
+        except (FrameError, OSError, ValueError) as exc:
+            reason = f"its output could not be read ({exc})"
+        if not self._closing:
+            self._inbox.put((index, None, [f"simulation worker {index} (PID {proc.pid}) ended: {reason}, exit "
+                                           f"status {proc.wait()}; its log is {log_path}"]))
+
+    def send(self, worker: int, header: dict, messages: list[bytes] = ()) -> None:
+        with self._locks[worker]:
+            write_frame(self._procs[worker].stdin, header, list(messages))
+
+    def close(self) -> None:
+        """Ask every worker to stop, wait for it (a few seconds), then end any still running."""
+        self._closing = True
+        for index, proc in enumerate(self._procs):
+            try:
+                with self._locks[index]:
+                    write_frame(proc.stdin, {"op": "stop"})
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for reader in self._readers:
+            reader.join(timeout=5)
+        for proc in self._procs:
+            proc.stdout.close()

@@ -1,0 +1,337 @@
+"""One job on virtual sites: the coordinator's own engine, drivers and servicers, on a virtual clock.
+
+The simulator builds what `plexus coordinator run` builds (a Store in STATE/coordinator, the Engine, the
+Federation and Admin servicers, an Authenticator over a federation CA made for the run) and calls the
+servicers in process (plexus.inproc) as each virtual site, with that site's own certificate. The sites are
+the real `SiteAgent` in worker processes (simulation/worker.py), so every byte of an update is computed and
+checked as in a federation: the same seed gives the same model, bit for bit.
+
+Time is virtual (simulation/profile.py). The engine runs on the simulator's clock and is ticked, never
+threaded. A task granted at t answers at t + its virtual duration; answers are handed to the coordinator
+in the order of their virtual arrival, with one shortcut that changes no result: in a synchronous job an
+answer that arrives before its round's deadline is taken at once (a round sums its updates exactly, in any
+order, and closes only once all are in), so only late answers wait. The coordinator's memory stays that of
+a federation's: updates fold as they arrive, whatever the number of sites.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from coordinator.engine import Engine
+from coordinator.service import AdminService, FederationService
+from coordinator.store import Store
+from plexus import pki
+from plexus.config import SiteConfig, dump_site_config, parse_round_config
+from plexus.errors import ConfigError, PlexusError
+from plexus.identity import RevocationList, federation_of, load_kit
+from plexus.inproc import LocalStub
+from plexus.proto.plexus.v1 import admin_pb2, federation_pb2 as fpb
+from plexus.rpc import Authenticator
+from plexus.vocab import TERMINAL
+from plexus.wire import DEFAULT_CHUNK_BYTES
+from simulation.profile import Profile
+from simulation.worker import ANSWERS
+
+log = logging.getLogger("plexus.simulation")
+
+FEDERATION = "simulation"
+ADMIN = "simulator"
+# A job with nothing in flight and no new event for this many round deadlines (and at least STALL_MIN_S of
+# simulated time) is waiting for something its virtual sites will never do: the simulation says so and ends.
+STALL_DEADLINES, STALL_MIN_S = 3, 600.0
+_REQUESTS = {"Join": fpb.JoinRequest, "FetchModel": fpb.FetchModelRequest, "SecAgg": fpb.SecAggMessage,
+             "ReportResult": fpb.TaskResult}
+_FEDERATION = fpb.DESCRIPTOR.services_by_name["Federation"]
+_ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"]
+
+
+class SimulationError(PlexusError):
+    """The simulation could not run (a worker died, a site could not join)."""
+
+
+@dataclass
+class _Task:
+    site: str
+    task_id: str
+    start: float                 # virtual time it was granted
+    deadline: float              # virtual
+    compute_s: float
+    down: int = 0                # bytes fetched
+    arrival: float | None = None  # virtual time its answer reaches the coordinator
+    parked: bool = False         # its answer waits for virtual time to reach `arrival`
+
+
+@dataclass(order=True)
+class _Held:
+    arrival: float
+    seq: int
+    worker: int = field(compare=False)
+    header: dict = field(compare=False)
+    messages: list = field(compare=False)
+
+
+@dataclass
+class Outcome:
+    job_id: str
+    status: str
+    rounds: int
+    simulated_s: float
+    wall_s: float
+    sites: int
+    workers: int
+    dropped: int
+
+
+class Simulator:
+    """`sites`: site name -> its SiteConfig (datasets and policy; kit, state dir and coordinator are the run's).
+    `pool(count, logs, inbox)` makes the workers (simulation.pool.ProcessPool, or the Ray pool)."""
+
+    def __init__(self, job_yaml: str, sites: dict[str, SiteConfig], state: Path, *, workers: int, pool,
+                 profile: Profile = Profile()):
+        if not sites:
+            raise ConfigError("a simulation needs at least one site: give --site FILE or --data")
+        self.job_yaml = job_yaml
+        self.job = parse_round_config(job_yaml, source="the job")
+        if self.job.sites.min > len(sites):
+            raise ConfigError(f"the job needs sites.min = {self.job.sites.min} sites and the simulation has "
+                              f"{len(sites)}; simulate more sites or lower sites.min")
+        self.sites = dict(sorted(sites.items()))
+        self.state = Path(state)
+        self.workers = max(1, min(workers, len(self.sites)))
+        self.profile = profile
+        self._make_pool = pool
+        self.now = 0.0
+        self.epoch = time.time()   # virtual time 0, as wall time: the store's timestamps read from it
+        self._inbox: queue.Queue = queue.Queue()
+        self._worker_of = {site: i % self.workers for i, site in enumerate(self.sites)}
+        self._rows: dict[str, dict[str, int]] = {}
+        self._tasks: dict[str, _Task] = {}            # site -> its task in flight
+        self._held: list[_Held] = []
+        self._seq = itertools.count()
+        self._free_at = dict.fromkeys(self.sites, 0.0)
+        self._horizon = 0.0                           # the latest answer taken ahead of the clock (see above)
+        self._answered = False                        # an answer reached the engine since its last tick
+        self.dropped = 0
+
+    # setting up ---------------------------------------------------------------------------
+    def _federation(self) -> None:
+        """A CA, a coordinator and admin kit, and a kit and site.yaml per site, under STATE."""
+        root = self.state / "pki"
+        pki.init_federation(root, FEDERATION)
+        pki.add_admin(root, ADMIN, role="operator")
+        site_dir = self.state / "sites"
+        for name, config in self.sites.items():
+            kit = pki.add_site(root, name)
+            home = site_dir / name
+            home.mkdir(parents=True, exist_ok=True)
+            local = SiteConfig(site=name, coordinator="simulation.invalid:1", kit=kit.resolve(),
+                               state_dir=(home / "state").resolve(), datasets=config.datasets, policy=config.policy)
+            (home / "site.yaml").write_text(dump_site_config(local))
+
+    def _coordinator(self) -> None:
+        root = self.state / "pki"
+        kit = load_kit(root / pki.COORDINATOR_NAME)
+        self.store = Store(self.state / "coordinator", clock=self._wall)
+        crl = RevocationList(root / "crl.pem", kit.ca_pem, floor_file=self.state / "coordinator" / "crl-number")
+        auth = Authenticator(crl)
+        self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), clock=self._wall,
+                             monotonic=lambda: self.now)
+        self.engine.online_window_s = math.inf   # a virtual site is online unless its profile drops it
+        self.federation = FederationService(self.engine, auth, chunk_bytes=DEFAULT_CHUNK_BYTES, max_transfers=4)
+        self.admin = AdminService(self.engine, auth, chunk_bytes=DEFAULT_CHUNK_BYTES)
+        admin_kit = load_kit(root / "admins" / ADMIN)
+        self.admin_stub = LocalStub(self.admin, _ADMIN, admin_kit.cert_pem, peer="simulator")
+        self._stubs = {name: LocalStub(self.federation, _FEDERATION, load_kit(root / "sites" / name).cert_pem,
+                                       peer=f"virtual site {name}") for name in self.sites}
+
+    def _wall(self) -> float:
+        return self.epoch + self.now
+
+    # running ------------------------------------------------------------------------------
+    def run(self, *, watch=None) -> Outcome:
+        """Run the job to its end; `watch(admin_stub, job_id)` (in a thread) follows it as `job watch` does."""
+        started = time.monotonic()
+        self._federation()
+        self._coordinator()
+        pool = self._make_pool(self.workers, self.state / "logs", self._inbox)
+        follower = None
+        try:
+            for site, worker in self._worker_of.items():
+                pool.send(worker, {"op": "site", "site": site, "config": str(self.state / "sites" / site /
+                                                                              "site.yaml")})
+            self._join_all(pool)
+            self.job_id = self.admin_stub.SubmitJob(admin_pb2.SubmitJobRequest(config_yaml=self.job_yaml)).job_id
+            if watch is not None:
+                follower = threading.Thread(target=watch, args=(self.admin_stub, self.job_id), daemon=True,
+                                            name="simulation-watch")
+                follower.start()
+            self._loop(pool)
+        finally:
+            pool.close()
+            if follower is not None:
+                self.engine.nudge()
+                follower.join(timeout=30)
+            row = self.store.job(self.job_id) if hasattr(self, "job_id") else None
+            self.store.close()
+        outcome = Outcome(job_id=row.id, status=row.status, rounds=row.current_round, simulated_s=self.now,
+                          wall_s=time.monotonic() - started, sites=len(self.sites), workers=self.workers,
+                          dropped=self.dropped)
+        (self.state / "simulation.json").write_text(json.dumps(outcome.__dict__, indent=2) + "\n")
+        return outcome
+
+    def _join_all(self, pool) -> None:
+        for site, worker in self._worker_of.items():
+            pool.send(worker, {"op": "join", "site": site})
+        pending = set(self.sites)
+        while pending:
+            worker, header, messages = self._next_frame()
+            if header["op"] == "call":
+                if header["method"] == "Join":
+                    request = fpb.JoinRequest.FromString(messages[0])
+                    self._rows[header["site"]] = dict(request.dataset_rows)
+                self._reply(pool, worker, header, self._execute(header["site"], header["method"], messages))
+            elif header["op"] == "done":
+                if header["error"]:
+                    raise SimulationError(f"site {header['site']} could not join: {header['error']}")
+                pending.discard(header["site"])
+
+    def _loop(self, pool) -> None:
+        tick_at, progress, last_event = 0.0, 0.0, 0
+        stall_s = max(STALL_DEADLINES * self.job.sites.deadline_s, STALL_MIN_S)
+        while True:
+            while self._held and self._held[0].arrival <= self.now:
+                held = heapq.heappop(self._held)
+                self._answer(pool, held.worker, held.header, held.messages)
+            if self.now >= tick_at or self._answered:   # an answer wakes the engine, as in a coordinator
+                self._answered = False
+                driver = self.engine.driver
+                if driver is not None:
+                    driver.prepare()
+                tick_at = self.now + max(self.engine.tick(), 1e-3)
+            if self.store.job(self.job_id).status in TERMINAL:
+                return
+            events = self.store.events_after(self.job_id, last_event)
+            if events:
+                last_event, progress = events[-1][0], self.now
+            elif self.now - progress > stall_s and not self._tasks and not self._held:
+                raise SimulationError(f"job {self.job_id} made no progress for {stall_s:g} simulated seconds with no "
+                                      f"task in flight; its sites ({len(self.sites)}) may not meet what it needs "
+                                      f"(sites.min {self.job.sites.min}, the data set {self.job.data.dataset!r}, "
+                                      "their policies): see `plexus job show --state` and the workers' logs")
+            for site in self.sites:
+                if site not in self._tasks and self._free_at[site] <= self.now:
+                    self._poll(pool, site)
+            self._settle(pool)
+            self.now = max(self.now, self._horizon)
+            if self._answered:
+                continue   # the engine looks at the answers now
+            upcoming = [tick_at, *(t for t in self._free_at.values() if t > self.now)]
+            if self._held:
+                upcoming.append(self._held[0].arrival)
+            self.now = max(self.now, min(upcoming))
+
+    def _poll(self, pool, site: str) -> None:
+        task = self._stubs[site].NextTask(fpb.NextTaskRequest(wait_s=0))
+        if task.kind == fpb.TASK_NONE:
+            return
+        deadline = task.deadline_unix_s - self.epoch
+        kind = fpb.TaskKind.Name(task.kind)
+        if self.profile.drops(site, self.job.seed or 0, task.round, kind):
+            self.dropped += 1
+            self._free_at[site] = max(self.now, deadline) + 1e-6   # back once the task it left is over
+            log.info("virtual site %s drops out of %s of round %d (profile dropout)", site, kind, task.round)
+            return
+        self._tasks[site] = _Task(site, task.task_id, self.now, deadline,
+                                  self.profile.compute_s(site, self._samples(site, task)))
+        pool.send(self._worker_of[site], {"op": "task", "site": site, "task": task.task_id},
+                  [task.SerializeToString()])
+
+    def _samples(self, site: str, task: fpb.Task) -> int:
+        """Training rows the task passes over (its compute, in the profile's terms); 0 for tasks that do not train."""
+        trains = task.kind == fpb.TASK_TRAIN or (task.kind == fpb.TASK_SECAGG_ADVERTISE
+                                                 and self.job.asynchronous is None)
+        if not trains:
+            return 0
+        train = self.job.train
+        steps = task.local_steps or train.steps
+        if steps:
+            return steps * train.batch_size
+        return train.epochs * self._rows.get(site, {}).get(self.job.data.dataset, 0)
+
+    def _settle(self, pool) -> None:
+        """Serve the workers until every task in flight has ended or waits for virtual time."""
+        while any(not t.parked for t in self._tasks.values()):
+            worker, header, messages = self._next_frame()
+            site = header["site"]
+            task = self._tasks.get(site)
+            if header["op"] == "done":
+                self._tasks.pop(site, None)
+                if task is not None:
+                    self._free_at[site] = task.arrival if task.arrival is not None else self.now
+                    if header["error"]:
+                        log.warning("virtual site %s: its task ended with %s", site, header["error"])
+                continue
+            method = header["method"]
+            if method not in ANSWERS:
+                reply = self._execute(site, method, messages)
+                if task is not None:
+                    task.down += sum(map(len, messages)) + sum(map(len, reply[1]))
+                self._reply(pool, worker, header, reply)
+                continue
+            up = sum(map(len, messages))
+            task.arrival = (task.start + self.profile.transfer_s(site, task.down, up=False) + task.compute_s
+                            + self.profile.transfer_s(site, up, up=True))
+            if self.job.asynchronous is None and task.arrival <= task.deadline:
+                self._horizon = max(self._horizon, task.arrival)
+                now, self.now = self.now, max(self.now, task.arrival)   # its events carry its arrival time
+                try:
+                    self._answer(pool, worker, header, messages)
+                finally:
+                    self.now = now
+            else:
+                task.parked = True
+                heapq.heappush(self._held, _Held(task.arrival, next(self._seq), worker, header, messages))
+
+    def _answer(self, pool, worker: int, header: dict, messages: list[bytes]) -> None:
+        task = self._tasks.get(header["site"])
+        if task is not None:
+            task.parked = False
+        self._answered = True
+        self._reply(pool, worker, header, self._execute(header["site"], header["method"], messages))
+
+    def _next_frame(self) -> tuple[int, dict, list[bytes]]:
+        worker, header, messages = self._inbox.get()
+        if header is None:
+            raise SimulationError(messages[0])
+        return worker, header, messages
+
+    @staticmethod
+    def _reply(pool, worker: int, call: dict, reply: tuple[dict, list[bytes]]) -> None:
+        header, messages = reply
+        pool.send(worker, {"op": "reply", "call": call["call"], **header}, messages)
+
+    def _execute(self, site: str, method: str, messages: list[bytes]) -> tuple[dict, list[bytes]]:
+        """One call of `site`'s to the coordinator's servicer; (reply header, reply messages)."""
+        stub = self._stubs[site]
+        try:
+            if method == "SubmitUpdate":
+                replies = [stub.SubmitUpdate(fpb.UpdateMessage.FromString(m) for m in messages)]
+            elif method == "FetchModel":
+                replies = list(stub.FetchModel(fpb.FetchModelRequest.FromString(messages[0])))
+            else:
+                replies = [getattr(stub, method)(_REQUESTS[method].FromString(messages[0]))]
+        except grpc.RpcError as exc:
+            return {"error": {"code": exc.code().name, "details": exc.details() or ""}}, []
+        return {}, [r.SerializeToString() for r in replies]
