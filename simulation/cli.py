@@ -15,7 +15,8 @@ def add_commands(sub) -> None:
         description="Run JOB.yaml with the coordinator's own engine and the sites' own agent code on virtual sites, "
                     "on a virtual clock, with no network. The state dir is a coordinator's: read it with `plexus "
                     "job show|metrics|plot|download --state DIR`.")
-    p.add_argument("job", type=Path, metavar="JOB.yaml", help="the round config, as `plexus job submit` takes it")
+    p.add_argument("jobs", type=Path, nargs="+", metavar="JOB.yaml",
+                   help="the round config, as `plexus job submit` takes it; several run one after the other")
     p.add_argument("--state", type=Path, required=True, metavar="DIR",
                    help="a new (or empty) folder for the run: the coordinator's store and checkpoints, the sites' "
                         "state, their logs")
@@ -53,19 +54,24 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.ray_address and args.backend != "ray":
         raise UsageError("--ray-address needs --backend ray")
     _check_state(args.state)
-    job = load_round_config(args.job)   # its errors name the file and line before anything is made
-    job_yaml = args.job.read_text(encoding="utf-8")
-    sites = _sites(args, job.data.dataset)
+    jobs = [load_round_config(path) for path in args.jobs]   # errors name the file and line before anything is made
+    datasets = sorted({job.data.dataset for job in jobs})
+    if args.data and len(datasets) > 1:
+        raise UsageError(f"--data makes one dataset for the sites, and the jobs read {datasets}; simulate them "
+                         "separately")
+    sites = _sites(args, datasets[0])
     profile = load_profile(args.profile, sorted(sites))
-    pool = _pool(args)
-    simulator = Simulator(job_yaml, sites, args.state, workers=args.workers, pool=pool, profile=profile)
+    simulator = Simulator([path.read_text(encoding="utf-8") for path in args.jobs], sites, args.state,
+                          workers=args.workers, pool=_pool(args), profile=profile)
     outcome = simulator.run(watch=lambda stub, job_id: _follow(stub, job_id, args.json))
     if not args.json:
-        print(f"job {outcome.job_id} {outcome.status} after round {outcome.rounds}: {outcome.sites} virtual sites "
-              f"in {outcome.workers} workers; {outcome.simulated_s:.1f} s simulated, {outcome.wall_s:.1f} s here"
-              + (f"; {outcome.dropped} tasks dropped by the profile" if outcome.dropped else ""))
+        for job_id, status, rounds in outcome.jobs:
+            print(f"job {job_id} {status} after round {rounds}")
+        print(f"{outcome.sites} virtual sites in {outcome.workers} workers: {outcome.simulated_s:.1f} s simulated, "
+              f"{outcome.wall_s:.1f} s here" + (f"; {outcome.dropped} tasks dropped by the profile"
+                                                 if outcome.dropped else ""))
         print(f"read it with: plexus job show --state {args.state} {outcome.job_id}")
-    return 0 if outcome.status == "completed" else 1
+    return 0 if all(status == "completed" for _, status, _ in outcome.jobs) else 1
 
 
 def _check_state(state: Path) -> None:

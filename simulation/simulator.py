@@ -33,7 +33,7 @@ from coordinator.engine import Engine
 from coordinator.service import AdminService, FederationService
 from coordinator.store import Store
 from plexus import pki
-from plexus.config import SiteConfig, dump_site_config, parse_round_config
+from plexus.config import RoundConfig, SiteConfig, dump_site_config, parse_round_config
 from plexus.errors import ConfigError, PlexusError
 from plexus.identity import RevocationList, federation_of, load_kit
 from plexus.inproc import LocalStub
@@ -68,6 +68,7 @@ class _Task:
     start: float                 # virtual time it was granted
     deadline: float              # virtual
     compute_s: float
+    synchronous: bool            # its job's rounds close on all answers or the deadline (the shortcut applies)
     down: int = 0                # bytes fetched
     arrival: float | None = None  # virtual time its answer reaches the coordinator
     parked: bool = False         # its answer waits for virtual time to reach `arrival`
@@ -84,6 +85,8 @@ class _Held:
 
 @dataclass
 class Outcome:
+    """How the simulation ended: its last job (and every job in `jobs`), virtual and real time."""
+
     job_id: str
     status: str
     rounds: int
@@ -92,21 +95,25 @@ class Outcome:
     sites: int
     workers: int
     dropped: int
+    jobs: list[tuple[str, str, int]]   # (job id, status, last round) of each job, in order
 
 
 class Simulator:
-    """`sites`: site name -> its SiteConfig (datasets and policy; kit, state dir and coordinator are the run's).
-    `pool(count, logs, inbox)` makes the workers (simulation.pool.ProcessPool, or the Ray pool)."""
+    """`jobs`: round configs (YAML), run one after the other as a coordinator runs its queue. `sites`: site name ->
+    its SiteConfig (datasets and policy; kit, state dir and coordinator are the run's). `pool(count, logs,
+    inbox)` makes the workers (simulation.pool.ProcessPool, or the Ray pool)."""
 
-    def __init__(self, job_yaml: str, sites: dict[str, SiteConfig], state: Path, *, workers: int, pool,
+    def __init__(self, jobs: list[str], sites: dict[str, SiteConfig], state: Path, *, workers: int, pool,
                  profile: Profile = Profile()):
         if not sites:
             raise ConfigError("a simulation needs at least one site: give --site FILE or --data")
-        self.job_yaml = job_yaml
-        self.job = parse_round_config(job_yaml, source="the job")
-        if self.job.sites.min > len(sites):
-            raise ConfigError(f"the job needs sites.min = {self.job.sites.min} sites and the simulation has "
-                              f"{len(sites)}; simulate more sites or lower sites.min")
+        self.jobs = list(jobs)
+        for index, text in enumerate(self.jobs):
+            job = parse_round_config(text, source=f"job {index + 1}")
+            if job.sites.min > len(sites):
+                raise ConfigError(f"job {job.name!r} needs sites.min = {job.sites.min} sites and the simulation has "
+                                  f"{len(sites)}; simulate more sites or lower sites.min")
+        self._configs: dict[str, RoundConfig] = {}
         self.sites = dict(sorted(sites.items()))
         self.state = Path(state)
         self.workers = max(1, min(workers, len(self.sites)))
@@ -161,33 +168,31 @@ class Simulator:
 
     # running ------------------------------------------------------------------------------
     def run(self, *, watch=None) -> Outcome:
-        """Run the job to its end; `watch(admin_stub, job_id)` (in a thread) follows it as `job watch` does."""
+        """Run the jobs to their end; `watch(admin_stub, job_id)` (in a thread) follows each as `job watch` does."""
         started = time.monotonic()
         self._federation()
         self._coordinator()
-        pool = self._make_pool(self.workers, self.state / "logs", self._inbox)
-        follower = None
+        job_ids: list[str] = []
         try:
-            for site, worker in self._worker_of.items():
-                pool.send(worker, {"op": "site", "site": site, "config": str(self.state / "sites" / site /
-                                                                              "site.yaml")})
-            self._join_all(pool)
-            self.job_id = self.admin_stub.SubmitJob(admin_pb2.SubmitJobRequest(config_yaml=self.job_yaml)).job_id
-            if watch is not None:
-                follower = threading.Thread(target=watch, args=(self.admin_stub, self.job_id), daemon=True,
-                                            name="simulation-watch")
-                follower.start()
-            self._loop(pool)
+            pool = self._make_pool(self.workers, self.state / "logs", self._inbox)
+            try:
+                for site, worker in self._worker_of.items():
+                    pool.send(worker, {"op": "site", "site": site,
+                                       "config": str(self.state / "sites" / site / "site.yaml")})
+                self._join_all(pool)
+                job_ids = [self.admin_stub.SubmitJob(admin_pb2.SubmitJobRequest(config_yaml=text)).job_id
+                           for text in self.jobs]
+                for job_id in job_ids:
+                    self._run_job(pool, job_id, watch)
+            finally:
+                pool.close()
+            rows = [self.store.job(job_id) for job_id in job_ids]
         finally:
-            pool.close()
-            if follower is not None:
-                self.engine.nudge()
-                follower.join(timeout=30)
-            row = self.store.job(self.job_id) if hasattr(self, "job_id") else None
             self.store.close()
-        outcome = Outcome(job_id=row.id, status=row.status, rounds=row.current_round, simulated_s=self.now,
-                          wall_s=time.monotonic() - started, sites=len(self.sites), workers=self.workers,
-                          dropped=self.dropped)
+        outcome = Outcome(job_id=rows[-1].id, status=rows[-1].status, rounds=rows[-1].current_round,
+                          simulated_s=self.now, wall_s=time.monotonic() - started, sites=len(self.sites),
+                          workers=self.workers, dropped=self.dropped,
+                          jobs=[(r.id, r.status, r.current_round) for r in rows])
         (self.state / "simulation.json").write_text(json.dumps(outcome.__dict__, indent=2) + "\n")
         return outcome
 
@@ -207,9 +212,28 @@ class Simulator:
                     raise SimulationError(f"site {header['site']} could not join: {header['error']}")
                 pending.discard(header["site"])
 
-    def _loop(self, pool) -> None:
-        tick_at, progress, last_event = 0.0, 0.0, 0
-        stall_s = max(STALL_DEADLINES * self.job.sites.deadline_s, STALL_MIN_S)
+    def _run_job(self, pool, job_id: str, watch) -> None:
+        follower = None
+        if watch is not None:
+            follower = threading.Thread(target=watch, args=(self.admin_stub, job_id), daemon=True,
+                                        name="simulation-watch")
+            follower.start()
+        try:
+            self._loop(pool, job_id)
+        finally:
+            if follower is not None:
+                self.engine.nudge()
+                follower.join(timeout=30)
+
+    def _job(self, job_id: str, config_yaml: str) -> RoundConfig:
+        if job_id not in self._configs:
+            self._configs[job_id] = parse_round_config(config_yaml, source=f"job {job_id}")
+        return self._configs[job_id]
+
+    def _loop(self, pool, job_id: str) -> None:
+        job = self._job(job_id, self.store.job(job_id).config_yaml)
+        tick_at, progress, last_event = self.now, self.now, 0
+        stall_s = max(STALL_DEADLINES * job.sites.deadline_s, STALL_MIN_S)
         while True:
             while self._held and self._held[0].arrival <= self.now:
                 held = heapq.heappop(self._held)
@@ -220,16 +244,16 @@ class Simulator:
                 if driver is not None:
                     driver.prepare()
                 tick_at = self.now + max(self.engine.tick(), 1e-3)
-            if self.store.job(self.job_id).status in TERMINAL:
+            if self.store.job(job_id).status in TERMINAL:
                 return
-            events = self.store.events_after(self.job_id, last_event)
+            events = self.store.events_after(job_id, last_event)
             if events:
                 last_event, progress = events[-1][0], self.now
             elif self.now - progress > stall_s and not self._tasks and not self._held:
-                raise SimulationError(f"job {self.job_id} made no progress for {stall_s:g} simulated seconds with no "
-                                      f"task in flight; its sites ({len(self.sites)}) may not meet what it needs "
-                                      f"(sites.min {self.job.sites.min}, the data set {self.job.data.dataset!r}, "
-                                      "their policies): see `plexus job show --state` and the workers' logs")
+                raise SimulationError(f"job {job_id} made no progress for {stall_s:g} simulated seconds with no task "
+                                      f"in flight; its sites ({len(self.sites)}) may not meet what it needs "
+                                      f"(sites.min {job.sites.min}, the data set {job.data.dataset!r}, their "
+                                      "policies): see `plexus job show --state` and the workers' logs")
             for site in self.sites:
                 if site not in self._tasks and self._free_at[site] <= self.now:
                     self._poll(pool, site)
@@ -248,27 +272,27 @@ class Simulator:
             return
         deadline = task.deadline_unix_s - self.epoch
         kind = fpb.TaskKind.Name(task.kind)
-        if self.profile.drops(site, self.job.seed or 0, task.round, kind):
+        job = self._job(task.job_id, task.config_yaml)
+        if self.profile.drops(site, job.seed or 0, task.round, kind):
             self.dropped += 1
             self._free_at[site] = max(self.now, deadline) + 1e-6   # back once the task it left is over
             log.info("virtual site %s drops out of %s of round %d (profile dropout)", site, kind, task.round)
             return
         self._tasks[site] = _Task(site, task.task_id, self.now, deadline,
-                                  self.profile.compute_s(site, self._samples(site, task)))
+                                  self.profile.compute_s(site, self._samples(site, task, job)),
+                                  synchronous=job.asynchronous is None)
         pool.send(self._worker_of[site], {"op": "task", "site": site, "task": task.task_id},
                   [task.SerializeToString()])
 
-    def _samples(self, site: str, task: fpb.Task) -> int:
+    def _samples(self, site: str, task: fpb.Task, job: RoundConfig) -> int:
         """Training rows the task passes over (its compute, in the profile's terms); 0 for tasks that do not train."""
-        trains = task.kind == fpb.TASK_TRAIN or (task.kind == fpb.TASK_SECAGG_ADVERTISE
-                                                 and self.job.asynchronous is None)
+        trains = task.kind == fpb.TASK_TRAIN or (task.kind == fpb.TASK_SECAGG_ADVERTISE and job.asynchronous is None)
         if not trains:
             return 0
-        train = self.job.train
-        steps = task.local_steps or train.steps
+        steps = task.local_steps or job.train.steps
         if steps:
-            return steps * train.batch_size
-        return train.epochs * self._rows.get(site, {}).get(self.job.data.dataset, 0)
+            return steps * job.train.batch_size
+        return job.train.epochs * self._rows.get(site, {}).get(job.data.dataset, 0)
 
     def _settle(self, pool) -> None:
         """Serve the workers until every task in flight has ended or waits for virtual time."""
@@ -293,7 +317,7 @@ class Simulator:
             up = sum(map(len, messages))
             task.arrival = (task.start + self.profile.transfer_s(site, task.down, up=False) + task.compute_s
                             + self.profile.transfer_s(site, up, up=True))
-            if self.job.asynchronous is None and task.arrival <= task.deadline:
+            if task.synchronous and task.arrival <= task.deadline:
                 self._horizon = max(self._horizon, task.arrival)
                 now, self.now = self.now, max(self.now, task.arrival)   # its events carry its arrival time
                 try:
