@@ -1,0 +1,1 @@
+"""Plexus simulation: one job on many virtual sites on one machine (`plexus simulate`)."""
