@@ -1,0 +1,93 @@
+"""`plexus simulate` ends with the models a real federation over mTLS ends with, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.store import Store
+from plexus.config import DatasetSpec, PolicySpec, SiteConfig
+from simulation.pool import ProcessPool
+from simulation.simulator import Simulator
+
+from integration.harness import HOSPITAL_OF
+
+FOUR = ("a", "b", "c", "d")
+JOB = """\
+name: same-{name}
+model: {{name: {model}, args: {{in_features: 13, num_classes: 2{hidden}}}}}
+data: {{dataset: heart-disease}}
+rounds: 3
+strategy: {{name: {strategy}, args: {args}}}
+sites: {{min: 4, deadline_s: 60}}
+train: {{epochs: 1, batch_size: 16, optimizer: {{name: sgd, lr: 0.05}}}}
+seed: 11
+{extra}"""
+
+# Each strategy the issue names, secure aggregation, a compressed job and an asynchronous one. The asynchronous
+# job takes one update per site per version (buffer 4 of 4 sites, max_per_buffer 1), so that the real
+# federation's result does not depend on which site happens to answer first.
+JOBS = {
+    "fedavg": dict(strategy="fedavg"),
+    "fedadam": dict(strategy="fedadam", args="{eta: 0.05}"),
+    "scaffold": dict(strategy="scaffold"),
+    "trimmed": dict(strategy="trimmed_mean", args="{beta: 0.25}"),
+    "secure": dict(strategy="fedavg", extra="privacy: {secure_aggregation: true, secagg: {clip: 4.0}}\n"),
+    "compressed": dict(strategy="fedavg", model="mlp", hidden=", hidden: [16]",
+                       extra="compression: {uplink: {codec: topk, fraction: 0.1}, downlink: {codec: delta8}}\n"),
+    "async": dict(strategy="fedavg", extra="asynchronous: {buffer: 4, max_per_buffer: 1}\n"),
+}
+
+
+def job_text(name: str) -> str:
+    spec = {"model": "logistic", "hidden": "", "args": "{}", "extra": "", **JOBS[name]}
+    return JOB.format(name=name, **spec)
+
+
+def site_configs(policy: PolicySpec) -> dict[str, SiteConfig]:
+    """The federation's four sites as the simulation takes them: their datasets and policy."""
+    return {name: SiteConfig(site=name, coordinator="unused.invalid:1", kit=Path("unused"), policy=policy,
+                             datasets={"heart-disease": DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[name])})
+            for name in FOUR}
+
+
+def last_model(state: Path, job_id: str) -> dict[str, np.ndarray]:
+    store = Store(state / "coordinator")
+    try:
+        return store.load_checkpoint(job_id, store.job(job_id).current_round)
+    finally:
+        store.close()
+
+
+def test_a_simulation_ends_with_the_models_a_real_federation_ends_with(federation, tmp_path):
+    for name in FOUR:
+        federation.start_site(name)
+    federation.wait_online(*FOUR)
+    admin = federation.admin()
+    real = {}
+    for name in JOBS:
+        job_id = admin.submit(job_text(name)).job_id
+        assert federation.wait_job(job_id, timeout=120) == "completed", name
+        real[name] = admin.download(job_id)[1]
+
+    state = tmp_path / "sim"
+    outcome = Simulator([job_text(name) for name in JOBS], site_configs(PolicySpec(allowed_models=("logistic", "mlp"))),
+                        state, workers=2, pool=ProcessPool).run()
+    assert [status for _, status, _ in outcome.jobs] == ["completed"] * len(JOBS)
+    for name, (job_id, _, _) in zip(JOBS, outcome.jobs):
+        simulated = last_model(state, job_id)
+        assert sorted(simulated) == sorted(real[name]), name
+        for tensor in real[name]:
+            assert simulated[tensor].tobytes() == real[name][tensor].tobytes(), (name, tensor)
+
+
+@pytest.mark.parametrize("name", ["fedavg"])
+def test_the_same_seed_simulates_the_same_model_twice(tmp_path, name):
+    models = []
+    for run in ("one", "two"):
+        outcome = Simulator([job_text(name)], site_configs(PolicySpec(allowed_models=("logistic",))),
+                            tmp_path / run, workers=1, pool=ProcessPool).run()
+        models.append(last_model(tmp_path / run, outcome.job_id))
+    assert {k: v.tobytes() for k, v in models[0].items()} == {k: v.tobytes() for k, v in models[1].items()}
