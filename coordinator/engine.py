@@ -29,7 +29,7 @@ from coordinator.drivers.sync import SyncRounds, strategy_at
 from coordinator.events import admin_actor
 from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
 from coordinator.served import Held, ServedModel
-from coordinator.store import JobRow, Store
+from coordinator.store import EventRow, JobRow, Store
 from coordinator.strategies import make_strategy
 from coordinator.tasks import (
     JoinInfo,
@@ -386,7 +386,7 @@ class Engine:
                 self.store.interrupt_open_rounds()
             self._cv.notify_all()
 
-    def wait_events(self, job_id: str, after_id: int, timeout: float) -> list[tuple]:
+    def wait_events(self, job_id: str, after_id: int, timeout: float) -> list[EventRow]:
         """A job's events after `after_id`, waiting up to `timeout` seconds for one if there is none yet."""
         with self._cv:
             events = self.store.events_after(job_id, after_id)

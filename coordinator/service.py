@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from coordinator.engine import Engine
 from coordinator.events import admin_actor
 from coordinator.served import Held, ServedModel
-from coordinator.store import JobRow, SiteRow
+from coordinator.store import EventRow, JobRow, SiteRow
 from coordinator.tasks import Binding, JoinInfo, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader
 from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
@@ -301,6 +301,12 @@ def job_summary(row: JobRow) -> admin_pb2.JobSummary:
                                 created_unix_s=row.created, updated_unix_s=row.updated, strategy=row.strategy)
 
 
+def job_event(event: EventRow, summary: admin_pb2.JobSummary) -> admin_pb2.JobEvent:
+    """A recorded event as WatchJob streams it, with the job's summary as of when it is sent."""
+    return admin_pb2.JobEvent(unix_s=event.at, kind=event.kind, round=event.round, site=event.site,
+                              message=event.message, summary=summary)
+
+
 def job_detail(store, job_id: str) -> admin_pb2.JobDetail:
     """What `plexus job show`, `metrics` and `plot` read of a job: its rounds (an asynchronous job's versions),
     its tasks' outcomes and every metric it recorded."""
@@ -342,10 +348,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         row = self.store.job(request.job_id)
         last = 0
         while context.is_active():
-            for event_id, at, kind, round_, site, message in self.engine.wait_events(row.id, last, 1.0):
-                last = event_id
-                yield admin_pb2.JobEvent(unix_s=at, kind=kind, round=round_, site=site, message=message,
-                                         summary=job_summary(self.store.job(row.id)))
+            for event in self.engine.wait_events(row.id, last, 1.0):
+                last = event.id
+                yield job_event(event, job_summary(self.store.job(row.id)))
             if self.store.job(row.id).status in TERMINAL and not self.store.events_after(row.id, last):
                 return
 

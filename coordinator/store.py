@@ -71,6 +71,7 @@ CREATE TABLE IF NOT EXISTS submissions (
 # serials run to 159 bits, past SQLite's 64-bit integers).
 
 RESTORE = "restore the state directory from a backup (docs/backup-restore.md)"
+DB_FILE, LOCK_FILE = "plexus.db", "coordinator.lock"   # in the state dir
 READ_BYTES = 4 << 20
 _NO_DIGEST = "0" * 64   # the header's checksum while the data is still being written
 
@@ -183,7 +184,7 @@ class Store:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         # One process per state dir, for its lifetime: two would both take up the same job. First, so
         # that nothing below removes another coordinator's files in progress.
-        self._lock_fd = lock_exclusively(self.state_dir / "coordinator.lock", f"state dir {self.state_dir}")
+        self._lock_fd = lock_exclusively(self.state_dir / LOCK_FILE, f"state dir {self.state_dir}")
         try:
             self._open(clock, retention)
         except BaseException:
@@ -204,7 +205,7 @@ class Store:
         self._listeners: list = []
         self._lock = threading.RLock()
         self._reading: Counter = Counter()   # (job, round) -> downloads streaming that checkpoint now
-        path = self.state_dir / "plexus.db"
+        path = self.state_dir / DB_FILE
         _check_wal(path)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:

@@ -40,12 +40,22 @@ class AdminClient:
         self.stub = admin_pb2_grpc.AdminStub(self.channel)
         self.timeout_s = timeout_s
         self._sleep = sleep
+        self._close = self.channel.close
+
+    @classmethod
+    def over(cls, stub, *, close, address: str, timeout_s: float | None = None) -> AdminClient:
+        """A client whose calls go to `stub` (an Admin stub, e.g. a plexus.inproc.LocalStub) rather than over a
+        channel; `close()` calls `close`; `address` says where the calls go (`job export` records it)."""
+        client = cls.__new__(cls)
+        client.address, client.channel, client.stub = address, None, stub
+        client.timeout_s, client._sleep, client._close = timeout_s, time.sleep, close
+        return client
 
     def _deadline(self, default: float) -> float:
         return default if self.timeout_s is None else self.timeout_s
 
     def close(self) -> None:
-        self.channel.close()
+        self._close()
 
     def __enter__(self):
         return self

@@ -1,5 +1,6 @@
 """The researcher's and admin's commands, all calls to a running coordinator: `job`, `sites`, `audit`, and
-the `health` probe an operator scripts."""
+the `health` probe an operator scripts. The reads also take `--state DIR`: a state dir no coordinator runs on,
+read in this process through the `plexus.local_admin` entry point (coordinator/local.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import sys
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from plexus.cli.common import UsageError, audit_flags, command, existing_file, print_audit, seconds, table
@@ -25,7 +27,8 @@ def add_commands(sub) -> None:
     submit.add_argument("--wait", action="store_true", help="follow the job until it ends")
     admin_flags(command(job, "list", _job_list, help="list jobs"))
     for name, fn, text in (("show", _job_show, "a job's rounds, sites and metrics"),
-                           ("watch", _job_watch, "follow a job live"), ("abort", _job_abort, "abort a job"),
+                           ("watch", _job_watch, "follow a job live (with --state: print its recorded events)"),
+                           ("abort", _job_abort, "abort a job"),
                            ("resume", _job_resume, "run a failed job again from its last closed round")):
         admin_flags(command(job, name, fn, help=text)).add_argument("job_id")
     dl = admin_flags(command(job, "download", _job_download,
@@ -74,12 +77,19 @@ def add_commands(sub) -> None:
                        help="with --verify: also check the log still holds, unchanged, every entry HEAD_FILE signed")
 
 
+LOCAL_ADMIN_GROUP = "plexus.local_admin"
+
+
 def admin_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags every admin command takes (and `plexus dashboard`): --coordinator, --kit, --json, --timeout."""
-    p.add_argument("--coordinator", default=os.environ.get("PLEXUS_COORDINATOR"),
+    """The flags every admin command takes (and `plexus dashboard`): --coordinator, --kit, --state, --json,
+    --timeout."""
+    p.add_argument("--coordinator", default=os.environ.get("PLEXUS_COORDINATOR"), action=_Given,
                    help="host:port (or PLEXUS_COORDINATOR; default: from the kit's admin.yaml)")
-    p.add_argument("--kit", type=Path, default=os.environ.get("PLEXUS_KIT"),
+    p.add_argument("--kit", type=Path, default=os.environ.get("PLEXUS_KIT"), action=_Given,
                    help="admin kit folder (or PLEXUS_KIT)")
+    p.add_argument("--state", type=Path, metavar="DIR",
+                   help="read this state dir (a stopped coordinator's, or `plexus simulate --state`'s) instead of "
+                        "calling a coordinator")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=seconds, metavar="SECONDS",
                    help="deadline of each call to the coordinator (default 30; the audit log 120, downloads 600; "
@@ -88,12 +98,22 @@ def admin_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+class _Given(argparse.Action):
+    """Store the value, noting in `given` that the flag was on the command line (not from the environment)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), option_string}
+
+
 def connect(args):
     """An AdminClient for the kit and coordinator `args` name (the coordinator from the kit's admin.yaml unless
-    given)."""
+    given), or with --state, one that reads that state dir in this process."""
     from plexus.admin_client import AdminClient
     from plexus.config import load_admin_config
 
+    if args.state is not None:
+        return _read_state_dir(args)
     _need_kit(args)
     address = args.coordinator
     if address is None:
@@ -101,6 +121,24 @@ def connect(args):
             raise UsageError("no coordinator address: pass --coordinator HOST:PORT or set PLEXUS_COORDINATOR")
         address = load_admin_config(args.kit / "admin.yaml").coordinator
     return AdminClient(address, args.kit, timeout_s=args.timeout)
+
+
+def _read_state_dir(args):
+    """--state: an AdminClient from the `plexus.local_admin` entry point (PLEXUS_KIT and PLEXUS_COORDINATOR,
+    which name a live coordinator, do not apply)."""
+    if given := sorted(getattr(args, "given", ())):
+        raise UsageError(f"--state reads a state dir without a coordinator; leave out {' and '.join(given)}")
+    found = sorted(entry_points(group=LOCAL_ADMIN_GROUP), key=lambda ep: ep.name)
+    if not found:
+        raise PlexusError(f"--state needs the coordinator package's {LOCAL_ADMIN_GROUP} entry point, which is not "
+                          "installed; reinstall plexus (`pip install -e .` in a checkout)")
+    return found[0].load()(args.state)
+
+
+def needs_coordinator(args, doing: str) -> None:
+    """Refuse --state for a command that acts on a running coordinator; `doing`: what it would do."""
+    if args.state is not None:
+        raise UsageError(f"--state reads a state dir; to {doing}, call a running coordinator with --kit")
 
 
 def _need_kit(args) -> None:
@@ -120,6 +158,7 @@ def _summary_dict(s) -> dict:
 
 
 def _job_submit(args) -> int:
+    needs_coordinator(args, "submit a job")
     try:
         text = args.file.read_text()
     except OSError as exc:
@@ -420,6 +459,7 @@ def _metrics_text(metrics: dict, round_: int, asynchronous: bool = False) -> str
 
 
 def _job_resume(args) -> int:
+    needs_coordinator(args, "resume a job")
     with connect(args) as client:
         s = client.resume(args.job_id)
     print(json.dumps(_summary_dict(s)) if args.json else
@@ -429,6 +469,7 @@ def _job_resume(args) -> int:
 
 
 def _job_abort(args) -> int:
+    needs_coordinator(args, "abort a job")
     with connect(args) as client:
         s = client.abort(args.job_id)
     print(json.dumps(_summary_dict(s)) if args.json else f"job {s.job_id}: {s.status}")
@@ -506,6 +547,7 @@ def _job_export(args) -> int:
     from plexus import tracking
     from plexus.identity import federation_of, identity_from_cert, load_kit
 
+    needs_coordinator(args, "export a job (its run records the federation and who exported it)")
     with tracking.mlflow_env(args.mlflow):
         mlflow = tracking.import_mlflow()
         _need_kit(args)
@@ -589,6 +631,7 @@ def _sites_list(args) -> int:
 
 
 def _audit(args) -> int:
+    needs_coordinator(args, "read the audit log")
     if args.export_head is not None:
         return _audit_export_head(args)
     if args.against is not None and not args.verify:

@@ -8,7 +8,7 @@ import json
 import socket
 import sys
 
-from plexus.cli.admin import admin_flags, connect
+from plexus.cli.admin import admin_flags, connect, needs_coordinator
 from plexus.cli.common import command
 from plexus.errors import PlexusError
 
@@ -71,6 +71,7 @@ def exposure_warning(host: str, port: int, name: str, role: str) -> str | None:
 
 
 def _dashboard(args) -> int:
+    needs_coordinator(args, "serve the dashboard (a live view)")
     try:
         import uvicorn
 
