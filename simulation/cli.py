@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
@@ -61,6 +62,8 @@ def _simulate(args: argparse.Namespace) -> int:
                          "separately")
     sites = _sites(args, datasets[0])
     profile = load_profile(args.profile, sorted(sites))
+    if "PLEXUS_LOG" not in os.environ:   # the job's events are the progress; the coordinator's own lines repeat them
+        logging.getLogger("plexus.coordinator").setLevel(logging.WARNING)
     simulator = Simulator([path.read_text(encoding="utf-8") for path in args.jobs], sites, args.state,
                           workers=args.workers, pool=_pool(args), profile=profile)
     outcome = simulator.run(watch=lambda stub, job_id: _follow(stub, job_id, args.json))
@@ -132,4 +135,4 @@ def _follow(stub, job_id: str, as_json: bool) -> None:
     from plexus.admin_client import AdminClient
     from plexus.cli.admin import follow
 
-    follow(AdminClient.over(stub), job_id, as_json)
+    follow(AdminClient.over(stub, close=lambda: None, address="simulation"), job_id, as_json)
