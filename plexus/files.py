@@ -12,12 +12,13 @@ from plexus.errors import FailedPrecondition
 TMP_PATTERN = ".*.tmp"   # write_atomically's files in progress; one left behind is from an interrupted write
 
 
-def write_atomically(path: Path, *parts, mode: int = 0o644, finish=None) -> Path:
+def write_atomically(path: Path, *parts, mode: int = 0o644, finish=None, sync: bool = True) -> Path:
     """Write `parts` in order to a new file beside `path`, fsync it, rename it over `path`, and fsync the
     folder so the rename itself survives a power cut. A part is bytes-like, or an iterable of bytes-like
     blocks written as they are produced (a model written without ever being whole in memory). `mode` is
     set at creation, so a private file is never readable by others, even briefly. `finish(fh)`, if given,
-    runs after the parts and before the sync: to patch in what only the whole data determines (a checksum)."""
+    runs after the parts and before the sync: to patch in what only the whole data determines (a checksum).
+    `sync=False` skips both fsyncs: still never torn, but a power cut may lose it (throwaway files only)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")   # TMP_PATTERN
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -30,11 +31,14 @@ def write_atomically(path: Path, *parts, mode: int = 0o644, finish=None) -> Path
             if finish is not None:
                 finish(fh)
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if not sync:
+        return path
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

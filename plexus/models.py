@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.machinery
 import inspect
 import math
 import numbers
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -226,7 +229,26 @@ def installed_models() -> set[str]:
     A site lists and checks models with this; it imports a plug-in only after its
     policy allowed it and its pin matched (site_agent.policy.refusal).
     """
-    return set(REGISTRY) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return set(REGISTRY) | _plugin_names(entry_points, _paths_fingerprint())
+
+
+@functools.lru_cache(maxsize=4)
+def _plugin_names(reader, fingerprint: tuple) -> frozenset[str]:
+    """The plug-in names `reader` (importlib.metadata.entry_points) finds, read again whenever `fingerprint`
+    changes: a scan of every distribution's metadata takes milliseconds, and a site checks each task."""
+    return frozenset(ep.name for ep in reader(group=ENTRY_POINT_GROUP))
+
+
+def _paths_fingerprint() -> tuple:
+    """sys.path with each folder's modification time: installing or removing a distribution adds or removes its
+    metadata folder in one of them, which changes that folder's time."""
+    found = []
+    for entry in sys.path:
+        try:
+            found.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            found.append((entry, None))
+    return tuple(found)
 
 
 def available_models() -> dict[str, Callable[..., nn.Module]]:

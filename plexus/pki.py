@@ -131,18 +131,34 @@ def add_site(root: Path, name: str, *, datasets: Mapping[str, Mapping[str, str]]
     `datasets` (dataset name -> its site.yaml entry, e.g. {"kind": "heart-disease", "hospital": "va"})
     fills the kit's site.yaml `datasets:`; without it, the site's operator fills it in.
     """
+    return add_sites(root, {name: datasets or {}}, now=now)[0]
+
+
+def add_sites(root: Path, sites: Mapping[str, Mapping[str, Mapping[str, str]]], *, now: dt.datetime | None = None,
+              durable: bool = True) -> list[Path]:
+    """Issue a certificate and write a kit for each site of `sites` (name -> its `datasets`, as add_site takes
+    them); the kit dirs, in order. The registry is read and written once, whatever the number of sites.
+    `durable=False` leaves the kits' files to the page cache (no fsync): for a federation that is thrown away
+    after one run (`plexus simulate`), never for a real one."""
     root = Path(root)
     now = as_utc(now)
-    _check_name(name, "site")
     registry = _load_registry(root)
-    _check_unique(registry, name)
+    for name in sites:
+        _check_name(name, "site")
+        _check_unique(registry, name)
+    if len(set(sites)) != len(sites):
+        raise errors.ConfigError("a site name is given twice")
     ca_cert, ca_key = _load_ca(root)
-    kit_dir = root / "sites" / name
-    _issue(
-        root, registry, ca_cert, ca_key, name, "site", None, [x509.DNSName(name)], kit_dir, now,
-        config=("site.yaml", _site_yaml(name, _coordinator_address(registry), datasets or {})),
-    )
-    return kit_dir
+    address = _coordinator_address(registry)
+    issued = [(name, _certify(registry, ca_cert, ca_key, name, "site", None, [x509.DNSName(name)], now))
+              for name in sites]
+    _save_registry(root, registry)   # every certificate that exists on disk can be revoked
+    kits = []
+    for name, (key, cert) in issued:
+        kits.append(root / "sites" / name)
+        _write_kit(kits[-1], key, cert, ca_cert, ("site.yaml", _site_yaml(name, address, sites[name])),
+                   sync=durable)
+    return kits
 
 
 def add_admin(root: Path, name: str, *, role: str = "viewer", now: dt.datetime | None = None) -> Path:
@@ -324,6 +340,15 @@ def _issue(
     config: tuple[str, str],
 ) -> None:
     """Issue a leaf cert, record it in federation.json, then write the kit."""
+    key, cert = _certify(registry, ca_cert, ca_key, name, kind, role, san, now)
+    _save_registry(root, registry)   # before the kit: every certificate that exists on disk can be revoked
+    _write_kit(kit_dir, key, cert, ca_cert, config)
+
+
+def _certify(registry: dict, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, name: str, kind: str,
+             role: str | None, san: list[x509.GeneralName], now: dt.datetime
+             ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A new key and leaf certificate, recorded in `registry` (not yet saved)."""
     federation = registry["federation"]
     attrs = [
         x509.NameAttribute(NameOID.COMMON_NAME, name),
@@ -368,17 +393,20 @@ def _issue(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    # Record before writing the kit, so every certificate that exists on disk can be revoked.
     registry["issued"].append(
         {"name": name, "kind": kind, "role": role, "serial": serial, "revoked": False, "revoked_at": None}
     )
-    _save_registry(root, registry)
+    return key, cert
+
+
+def _write_kit(kit_dir: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, ca_cert: x509.Certificate,
+               config: tuple[str, str], *, sync: bool = True) -> None:
     _make_dir(kit_dir.parent)
     _make_dir(kit_dir)
-    write_atomically(kit_dir / "key.pem", _key_pem(key), mode=0o600)
-    write_atomically(kit_dir / "cert.pem", cert.public_bytes(serialization.Encoding.PEM))
-    write_atomically(kit_dir / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
-    write_atomically(kit_dir / config[0], config[1].encode("utf-8"))
+    write_atomically(kit_dir / "key.pem", _key_pem(key), mode=0o600, sync=sync)
+    write_atomically(kit_dir / "cert.pem", cert.public_bytes(serialization.Encoding.PEM), sync=sync)
+    write_atomically(kit_dir / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM), sync=sync)
+    write_atomically(kit_dir / config[0], config[1].encode("utf-8"), sync=sync)
 
 
 def _build_crl(

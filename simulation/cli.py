@@ -47,9 +47,11 @@ def add_commands(sub) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from plexus.config import load_round_config
+    from plexus.memory import limit_malloc_arenas
     from simulation.profile import load_profile
     from simulation.simulator import Simulator
 
+    limit_malloc_arenas()   # as the coordinator does: updates pass through here one after the other
     if args.workers < 1:
         raise UsageError(f"--workers must be at least 1; got {args.workers}")
     if args.ray_address and args.backend != "ray":

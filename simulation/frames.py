@@ -19,16 +19,18 @@ class FrameError(ValueError):
 
 
 def write_frame(out: BinaryIO, header: dict, messages: list[bytes] = ()) -> None:
+    """Write one frame; a message is written as it is (a model-sized one is not copied into the frame)."""
     head = json.dumps(header, separators=(",", ":")).encode()
-    parts = [struct.pack(">I", len(head)), head, struct.pack(">I", len(messages))]
+    out.write(struct.pack(">I", len(head)) + head + struct.pack(">I", len(messages)))
     for message in messages:
-        parts += [struct.pack(">Q", len(message)), message]
-    out.write(b"".join(parts))
+        out.write(struct.pack(">Q", len(message)))
+        out.write(message)
     out.flush()
 
 
 def read_frame(source: BinaryIO) -> tuple[dict, list[bytes]] | None:
-    """The next frame, or None at a clean end of the stream (between frames)."""
+    """The next frame, or None at a clean end of the stream (between frames). Its messages are bytearrays, read
+    in place (protobuf parses them as they are)."""
     first = source.read(4)
     if not first:
         return None
@@ -46,11 +48,13 @@ def read_frame(source: BinaryIO) -> tuple[dict, list[bytes]] | None:
     return header, messages
 
 
-def _exactly(source: BinaryIO, size: int, start: bytes = b"") -> bytes:
-    data = bytearray(start)
-    while len(data) < size:
-        more = source.read(size - len(data))
-        if not more:
-            raise FrameError(f"the stream ended inside a frame ({len(data)} of {size} bytes)")
-        data += more
-    return bytes(data)
+def _exactly(source: BinaryIO, size: int, start: bytes = b"") -> bytearray:
+    data = bytearray(size)
+    data[:len(start)] = start
+    view, done = memoryview(data), len(start)
+    while done < size:
+        got = source.readinto(view[done:])
+        if not got:
+            raise FrameError(f"the stream ended inside a frame ({done} of {size} bytes)")
+        done += got
+    return data

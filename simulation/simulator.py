@@ -16,6 +16,7 @@ a federation's: updates fold as they arrive, whatever the number of sites.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import json
@@ -42,7 +43,7 @@ from plexus.rpc import Authenticator
 from plexus.vocab import TERMINAL
 from plexus.wire import DEFAULT_CHUNK_BYTES
 from simulation.profile import Profile
-from simulation.worker import ANSWERS
+from simulation.worker import ANSWERS, DEFAULT_AGENT
 
 log = logging.getLogger("plexus.simulation")
 
@@ -96,6 +97,7 @@ class Outcome:
     workers: int
     dropped: int
     jobs: list[tuple[str, str, int]]   # (job id, status, last round) of each job, in order
+    round_wall_s: list[float]          # real seconds from the start to each round's close
 
 
 class Simulator:
@@ -104,7 +106,7 @@ class Simulator:
     inbox)` makes the workers (simulation.pool.ProcessPool, or the Ray pool)."""
 
     def __init__(self, jobs: list[str], sites: dict[str, SiteConfig], state: Path, *, workers: int, pool,
-                 profile: Profile = Profile()):
+                 profile: Profile = Profile(), agent: str = DEFAULT_AGENT):
         if not sites:
             raise ConfigError("a simulation needs at least one site: give --site FILE or --data")
         self.jobs = list(jobs)
@@ -114,6 +116,7 @@ class Simulator:
                 raise ConfigError(f"job {job.name!r} needs sites.min = {job.sites.min} sites and the simulation has "
                                   f"{len(sites)}; simulate more sites or lower sites.min")
         self._configs: dict[str, RoundConfig] = {}
+        self.agent = agent   # the site agent class the workers run, as module:Class
         self.sites = dict(sorted(sites.items()))
         self.state = Path(state)
         self.workers = max(1, min(workers, len(self.sites)))
@@ -130,7 +133,9 @@ class Simulator:
         self._free_at = dict.fromkeys(self.sites, 0.0)
         self._horizon = 0.0                           # the latest answer taken ahead of the clock (see above)
         self._answered = False                        # an answer reached the engine since its last tick
+        self._served: dict[int, tuple[str, int]] = {}  # worker -> the served model it holds, its bytes (_fetch)
         self.dropped = 0
+        self.round_wall_s: list[float] = []   # real seconds from the start to each round's close, every job
 
     # setting up ---------------------------------------------------------------------------
     def _federation(self) -> None:
@@ -139,8 +144,8 @@ class Simulator:
         pki.init_federation(root, FEDERATION)
         pki.add_admin(root, ADMIN, role="operator")
         site_dir = self.state / "sites"
-        for name, config in self.sites.items():
-            kit = pki.add_site(root, name)
+        kits = pki.add_sites(root, dict.fromkeys(self.sites, {}), durable=False)
+        for (name, config), kit in zip(self.sites.items(), kits):
             home = site_dir / name
             home.mkdir(parents=True, exist_ok=True)
             local = SiteConfig(site=name, coordinator="simulation.invalid:1", kit=kit.resolve(),
@@ -169,7 +174,7 @@ class Simulator:
     # running ------------------------------------------------------------------------------
     def run(self, *, watch=None) -> Outcome:
         """Run the jobs to their end; `watch(admin_stub, job_id)` (in a thread) follows each as `job watch` does."""
-        started = time.monotonic()
+        started = self._started = time.monotonic()
         self._federation()
         self._coordinator()
         job_ids: list[str] = []
@@ -177,7 +182,7 @@ class Simulator:
             pool = self._make_pool(self.workers, self.state / "logs", self._inbox)
             try:
                 for site, worker in self._worker_of.items():
-                    pool.send(worker, {"op": "site", "site": site,
+                    pool.send(worker, {"op": "site", "site": site, "agent": self.agent,
                                        "config": str(self.state / "sites" / site / "site.yaml")})
                 self._join_all(pool)
                 job_ids = [self.admin_stub.SubmitJob(admin_pb2.SubmitJobRequest(config_yaml=text)).job_id
@@ -192,7 +197,7 @@ class Simulator:
         outcome = Outcome(job_id=rows[-1].id, status=rows[-1].status, rounds=rows[-1].current_round,
                           simulated_s=self.now, wall_s=time.monotonic() - started, sites=len(self.sites),
                           workers=self.workers, dropped=self.dropped,
-                          jobs=[(r.id, r.status, r.current_round) for r in rows])
+                          jobs=[(r.id, r.status, r.current_round) for r in rows], round_wall_s=self.round_wall_s)
         (self.state / "simulation.json").write_text(json.dumps(outcome.__dict__, indent=2) + "\n")
         return outcome
 
@@ -249,6 +254,7 @@ class Simulator:
             events = self.store.events_after(job_id, last_event)
             if events:
                 last_event, progress = events[-1][0], self.now
+                self.round_wall_s.extend(time.monotonic() - self._started for e in events if e.kind == "round_closed")
             elif self.now - progress > stall_s and not self._tasks and not self._held:
                 raise SimulationError(f"job {job_id} made no progress for {stall_s:g} simulated seconds with no task "
                                       f"in flight; its sites ({len(self.sites)}) may not meet what it needs "
@@ -309,9 +315,9 @@ class Simulator:
                 continue
             method = header["method"]
             if method not in ANSWERS:
-                reply = self._execute(site, method, messages)
-                if task is not None:
-                    task.down += sum(map(len, messages)) + sum(map(len, reply[1]))
+                reply = self._execute(site, method, messages, worker=worker)
+                if task is not None:   # the bytes the site would have fetched, whatever the worker holds
+                    task.down += sum(map(len, messages)) + reply[0].get("bytes", sum(map(len, reply[1])))
                 self._reply(pool, worker, header, reply)
                 continue
             up = sum(map(len, messages))
@@ -327,6 +333,7 @@ class Simulator:
             else:
                 task.parked = True
                 heapq.heappush(self._held, _Held(task.arrival, next(self._seq), worker, header, messages))
+                pool.send(worker, {"op": "held", "call": header["call"]})   # its worker computes on meanwhile
 
     def _answer(self, pool, worker: int, header: dict, messages: list[bytes]) -> None:
         task = self._tasks.get(header["site"])
@@ -346,16 +353,34 @@ class Simulator:
         header, messages = reply
         pool.send(worker, {"op": "reply", "call": call["call"], **header}, messages)
 
-    def _execute(self, site: str, method: str, messages: list[bytes]) -> tuple[dict, list[bytes]]:
+    def _execute(self, site: str, method: str, messages: list[bytes], *, worker: int | None = None
+                 ) -> tuple[dict, list[bytes]]:
         """One call of `site`'s to the coordinator's servicer; (reply header, reply messages)."""
         stub = self._stubs[site]
         try:
             if method == "SubmitUpdate":
                 replies = [stub.SubmitUpdate(fpb.UpdateMessage.FromString(m) for m in messages)]
             elif method == "FetchModel":
-                replies = list(stub.FetchModel(fpb.FetchModelRequest.FromString(messages[0])))
+                return self._fetch(stub, fpb.FetchModelRequest.FromString(messages[0]), worker)
             else:
                 replies = [getattr(stub, method)(_REQUESTS[method].FromString(messages[0]))]
         except grpc.RpcError as exc:
             return {"error": {"code": exc.code().name, "details": exc.details() or ""}}, []
         return {}, [r.SerializeToString() for r in replies]
+
+    def _fetch(self, stub, request: fpb.FetchModelRequest, worker: int) -> tuple[dict, list[bytes]]:
+        """A served model goes to each worker once: its header message names the model (digest, encoding,
+        base), so a worker that holds the stream that header began gets the header alone (SiteHost.models)."""
+        stream = stub.FetchModel(request)
+        try:
+            head = next(stream).SerializeToString()
+            key = hashlib.sha256(head).hexdigest()
+            held, size = self._served.get(worker, ("", 0))
+            if held == key:
+                return {"cached": key, "bytes": size}, [head]
+            messages = [head, *(m.SerializeToString() for m in stream)]
+        finally:
+            stream.close()
+        size = sum(map(len, messages))
+        self._served[worker] = (key, size)
+        return {"cache": key, "bytes": size}, messages

@@ -12,6 +12,7 @@ Run as `python -m simulation.worker`: frames in on stdin, frames out on stdout, 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import logging
 import os
@@ -31,8 +32,23 @@ log = logging.getLogger("plexus.simulation")
 
 # The calls a task ends with: the site's answer, which reaches the coordinator at the task's virtual arrival.
 ANSWERS = ("SubmitUpdate", "SecAgg", "ReportResult")
-_REPLY_TYPES = {"Join": fpb.JoinReply, "FetchModel": fpb.ModelMessage, "SubmitUpdate": fpb.SubmitReply,
-                "SecAgg": fpb.ResultReply, "ReportResult": fpb.ResultReply}
+_REPLY_TYPES = {"Join": fpb.JoinReply, "SubmitUpdate": fpb.SubmitReply, "SecAgg": fpb.ResultReply,
+                "ReportResult": fpb.ResultReply}
+
+
+DEFAULT_AGENT = "site_agent.agent:SiteAgent"
+
+
+def agent_class(name: str) -> type:
+    """The SiteAgent (sub)class `module:Class` names: the real agent, or a benchmark's (bench/plexus_site.py).
+    The simulator that started this worker names it; torch and the site's code load with it, once."""
+    module, _, attr = name.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    from site_agent.agent import SiteAgent
+
+    if not (isinstance(cls, type) and issubclass(cls, SiteAgent)):
+        raise TypeError(f"{name} is not a SiteAgent class")
+    return cls
 
 
 class SiteHost:
@@ -48,6 +64,7 @@ class SiteHost:
         self._compute = threading.Semaphore(1)
         self._out: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._model: tuple[str, list] = ("", [])   # the served model last fetched (see `models`)
 
     def receive(self, header: dict, messages: list[bytes]) -> None:
         op = header.get("op")
@@ -62,6 +79,10 @@ class SiteHost:
             with self._lock:
                 waiting = self._waiting.pop(header["call"])
             waiting.give(header, messages)
+        elif op == "held":
+            with self._lock:
+                waiting = self._waiting[header["call"]]
+            waiting.hold()
         else:
             raise ValueError(f"unknown frame op {op!r}")
 
@@ -98,43 +119,74 @@ class SiteHost:
     def _agent(self, site: str):
         agent = self._agents.get(site)
         if agent is None:
-            # torch and the site's code load with a worker's first task, once
-            from site_agent.agent import SiteAgent
-
             spec = self._configs[site]
             config = dataclasses.replace(load_site_config(Path(spec["config"])), emulation=None)
-            agent = self._agents[site] = SiteAgent(config)
+            agent = self._agents[site] = agent_class(spec.get("agent", DEFAULT_AGENT))(config)
         return agent
 
-    def call(self, site: str, method: str, requests: list[bytes]) -> list[bytes]:
-        """Send one call to the simulator and wait for its reply, computing nothing meanwhile."""
+    def call(self, site: str, method: str, requests: list[bytes]) -> tuple[dict, list[bytes]]:
+        """Send one call to the simulator and wait for its reply. The simulator may hold a task's answer back
+        until virtual time reaches it (it says `held`): then the next task computes meanwhile. Only then, so
+        that a worker holds one task's model at a time (and those held), not one per site."""
         reply = _Reply()
         with self._lock:
             call_id = next(self._ids)
             self._waiting[call_id] = reply
         self._out.put(({"op": "call", "call": call_id, "site": site, "method": method}, requests))
-        self._compute.release()   # another task computes while this one waits
-        try:
-            header, messages = reply.wait()
-        finally:
-            self._compute.acquire()
+        if reply.wait_held():
+            self._compute.release()
+            try:
+                reply.wait()
+            finally:
+                self._compute.acquire()
+        header, messages = reply.wait()
         if "error" in header:
             raise LocalRpcError(grpc.StatusCode[header["error"]["code"]], header["error"]["details"])
-        return messages
+        return header, messages
+
+    def models(self, header: dict, messages: list[bytes]) -> list:
+        """A FetchModel reply, parsed: the simulator sends a served model to a worker once (`cache`: its
+        key, the digest of its header message, which names the model, its encoding and base), and afterwards
+        only its header with `cached`: the same key. One model is kept, the last."""
+        if "cached" in header:
+            key, parsed = self._model
+            if key != header["cached"]:
+                raise ValueError("the simulator referred to a model this worker does not hold")
+            return parsed
+        parsed = [fpb.ModelMessage.FromString(m) for m in messages]
+        if "cache" in header:
+            self._model = (header["cache"], parsed)
+        return parsed
 
 
 class _Reply:
+    """A call's reply, and whether the simulator holds the call back for a while first."""
+
     def __init__(self):
-        self._done = threading.Event()
+        self._cv = threading.Condition()
         self._value: tuple[dict, list[bytes]] | None = None
+        self._held = False
 
     def give(self, header: dict, messages: list[bytes]) -> None:
-        self._value = (header, messages)
-        self._done.set()
+        with self._cv:
+            self._value = (header, messages)
+            self._cv.notify_all()
+
+    def hold(self) -> None:
+        with self._cv:
+            self._held = True
+            self._cv.notify_all()
+
+    def wait_held(self) -> bool:
+        """Wait for the reply or word that it is held; True if held (and no reply yet)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._value is not None or self._held)
+            return self._value is None
 
     def wait(self) -> tuple[dict, list[bytes]]:
-        self._done.wait()
-        return self._value
+        with self._cv:
+            self._cv.wait_for(lambda: self._value is not None)
+            return self._value
 
 
 class _Calls:
@@ -145,9 +197,10 @@ class _Calls:
 
     def call(self, method: str, request):
         messages = request if isinstance(request, list) else [request]
-        replies = self._host.call(self._site, method, [m.SerializeToString() for m in messages])
-        parsed = [_REPLY_TYPES[method].FromString(r) for r in replies]
-        return iter(parsed) if method == "FetchModel" else parsed[0]
+        header, replies = self._host.call(self._site, method, [m.SerializeToString() for m in messages])
+        if method == "FetchModel":
+            return iter(self._host.models(header, replies))
+        return _REPLY_TYPES[method].FromString(replies[0])
 
     def Join(self, request, timeout=None):
         return self.call("Join", request)
@@ -168,8 +221,10 @@ class _Calls:
 def main() -> int:
     """Serve one simulator over stdin/stdout until it says stop or goes away."""
     from plexus.logs import configure
+    from plexus.memory import limit_malloc_arenas
 
     configure("text", os.environ.get("PLEXUS_LOG", "INFO"))
+    limit_malloc_arenas()   # before the tasks' threads: freed model buffers go back, not to idle arenas
     frames_in, frames_out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # a stray print must not land among the frames
     host = SiteHost()

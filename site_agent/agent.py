@@ -7,6 +7,7 @@ an operator.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -162,7 +163,7 @@ class SiteAgent:
         if reason:
             return self._decline(stub, task, reason)
         try:
-            job = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
+            job = round_config(task.config_yaml, task.job_id)
         except ValueError as exc:
             return self.report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
         state = JobState(self.config.state_dir, task.job_id)
@@ -603,6 +604,13 @@ def check_sums_fit(delta: list[np.ndarray], clip: float) -> None:
     raise ValueError(f"this site's sums reach up to {need:.10g} in magnitude, beyond privacy.secagg.clip = "
                      f"{clip:.10g}, and secure aggregation clips every value to ±clip, which would leave the pooled "
                      f"sums wrong; {fix}")
+
+
+@functools.lru_cache(maxsize=8)
+def round_config(text: str, job_id: str) -> RoundConfig:
+    """A task's round config, parsed once per job (every task of a job carries the same text; RoundConfig is
+    immutable)."""
+    return parse_round_config(text, source=f"job {job_id}")
 
 
 def in_cohorts(job: RoundConfig) -> bool:

@@ -91,3 +91,16 @@ def test_the_same_seed_simulates_the_same_model_twice(tmp_path, name):
                             tmp_path / run, workers=1, pool=ProcessPool).run()
         models.append(last_model(tmp_path / run, outcome.job_id))
     assert {k: v.tobytes() for k, v in models[0].items()} == {k: v.tobytes() for k, v in models[1].items()}
+
+
+def test_ray_actors_give_the_bits_worker_processes_give(tmp_path):
+    """A local Ray instance, started for the test and shut down with it (the pool's own)."""
+    from simulation.ray_pool import ray_pool
+
+    sites = site_configs(PolicySpec(allowed_models=("logistic",)))
+    models = []
+    for run, pool in (("process", ProcessPool), ("ray", ray_pool(None))):
+        outcome = Simulator([job_text("fedavg")], sites, tmp_path / run, workers=2, pool=pool).run()
+        assert outcome.status == "completed", run
+        models.append(last_model(tmp_path / run, outcome.job_id))
+    assert {k: v.tobytes() for k, v in models[0].items()} == {k: v.tobytes() for k, v in models[1].items()}
