@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from plexus.cli.common import UsageError
@@ -39,6 +40,10 @@ def add_commands(sub) -> None:
                      help="process: worker processes here (default); ray: Ray actors (pip install 'plexus-fl[ray]')")
     run.add_argument("--ray-address", metavar="ADDRESS",
                      help="an existing Ray cluster's address (default: start a local Ray instance)")
+    run.add_argument("--threads", type=int, metavar="N",
+                     help="torch threads each worker trains with (default: the cores over the workers); for a model "
+                          "bit for bit the federation's, the threads the sites train with (`plexus site run "
+                          "--threads`): convolutions' results depend on it")
     run.add_argument("--profile", type=Path, metavar="FILE.yaml",
                      help="the sites' compute speed, links and dropout, for the virtual clock (docs/simulate.md)")
     run.add_argument("--json", action="store_true", help="the job's events as JSON lines, as `job watch --json`")
@@ -54,6 +59,8 @@ def _simulate(args: argparse.Namespace) -> int:
     limit_malloc_arenas()   # as the coordinator does: updates pass through here one after the other
     if args.workers < 1:
         raise UsageError(f"--workers must be at least 1; got {args.workers}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be at least 1; got {args.threads}")
     if args.ray_address and args.backend != "ray":
         raise UsageError("--ray-address needs --backend ray")
     _check_state(args.state)
@@ -62,13 +69,22 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.data and len(datasets) > 1:
         raise UsageError(f"--data makes one dataset for the sites, and the jobs read {datasets}; simulate them "
                          "separately")
-    sites = _sites(args, datasets[0])
-    profile = load_profile(args.profile, sorted(sites))
+    try:   # a mistake found while the sites are made leaves the state dir as it was: empty
+        sites = _sites(args, datasets[0])
+        profile = load_profile(args.profile, sorted(sites))
+        simulator = Simulator([path.read_text(encoding="utf-8") for path in args.jobs], sites, args.state,
+                              workers=args.workers, pool=_pool(args), profile=profile, threads=args.threads)
+    except BaseException:
+        _empty(args.state)
+        raise
+    coordinator_log = logging.getLogger("plexus.coordinator")
+    level = coordinator_log.level
     if "PLEXUS_LOG" not in os.environ:   # the job's events are the progress; the coordinator's own lines repeat them
-        logging.getLogger("plexus.coordinator").setLevel(logging.WARNING)
-    simulator = Simulator([path.read_text(encoding="utf-8") for path in args.jobs], sites, args.state,
-                          workers=args.workers, pool=_pool(args), profile=profile)
-    outcome = simulator.run(watch=lambda stub, job_id: _follow(stub, job_id, args.json))
+        coordinator_log.setLevel(logging.WARNING)
+    try:
+        outcome = simulator.run(watch=lambda stub, job_id: _follow(stub, job_id, args.json))
+    finally:
+        coordinator_log.setLevel(level)
     if not args.json:
         for job_id, status, rounds in outcome.jobs:
             print(f"job {job_id} {status} after round {rounds}")
@@ -82,6 +98,13 @@ def _simulate(args: argparse.Namespace) -> int:
 def _check_state(state: Path) -> None:
     if state.exists() and (not state.is_dir() or any(state.iterdir())):
         raise UsageError(f"--state {state} is not empty; give a new folder for each simulation")
+
+
+def _empty(state: Path) -> None:
+    """Remove what this run wrote into `state` (it was new or empty: _check_state)."""
+    if state.is_dir():
+        for entry in state.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
 def _sites(args, dataset: str) -> dict:

@@ -19,15 +19,16 @@ from simulation.frames import FrameError, read_frame, write_frame
 
 class ProcessPool:
     """`count` processes running `python -m simulation.worker`, frames over their stdin and stdout, each one's
-    log in `logs/worker-N.log`."""
+    log in `logs/worker-N.log`; torch trains with `threads` threads in each."""
 
-    def __init__(self, count: int, logs: Path, inbox: queue.Queue):
+    def __init__(self, count: int, logs: Path, inbox: queue.Queue, *, threads: int = 1):
         self.count, self._inbox = count, inbox
         self._procs: list[subprocess.Popen] = []
         self._locks: list[threading.Lock] = []
         self._readers: list[threading.Thread] = []
         self._closing = False
         logs.mkdir(parents=True, exist_ok=True)
+        self._env = {**os.environ, "PLEXUS_SIMULATION_THREADS": str(threads)}
         try:
             for index in range(count):
                 self._start(index, logs / f"worker-{index}.log")
@@ -38,7 +39,7 @@ class ProcessPool:
     def _start(self, index: int, log_path: Path) -> None:
         with open(log_path, "ab") as log:   # the child keeps its own descriptor
             proc = subprocess.Popen([sys.executable, "-m", "simulation.worker"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=log, env=dict(os.environ), close_fds=True)
+                                    stdout=subprocess.PIPE, stderr=log, env=self._env, close_fds=True)
         self._procs.append(proc)
         self._locks.append(threading.Lock())
         reader = threading.Thread(target=self._read, args=(index, proc, log_path), daemon=True,

@@ -12,7 +12,7 @@ import io
 import threading
 
 from simulation.frames import read_frame, write_frame
-from simulation.worker import SiteHost
+from simulation.worker import SiteHost, set_threads
 
 DRAIN_WAIT_S = 0.5   # how long one drain call waits for a first frame
 
@@ -27,18 +27,19 @@ def ray_pool(address: str | None):
 
         raise ConfigError("--backend ray needs Ray: pip install 'plexus-fl[ray]'") from None
 
-    def make(count, logs, inbox):
-        return RayPool(count, inbox, address=address)
+    def make(count, logs, inbox, *, threads: int = 1):
+        return RayPool(count, inbox, address=address, threads=threads)
     return make
 
 
 class _Host:
     """The actor: a SiteHost behind two calls, `receive(frame)` and `drain() -> frames`."""
 
-    def __init__(self):
+    def __init__(self, threads: int):
         import logging
 
         logging.basicConfig(level=logging.WARNING)
+        set_threads(threads)
         self.host = SiteHost()
         self._closed = False
 
@@ -68,7 +69,7 @@ class _Host:
 class RayPool:
     """`count` actors on the Ray cluster at `address`; each actor's frames are drained by a thread here."""
 
-    def __init__(self, count: int, inbox, *, address: str | None):
+    def __init__(self, count: int, inbox, *, address: str | None, threads: int = 1):
         import ray
 
         self._ray = ray
@@ -84,7 +85,7 @@ class RayPool:
             raise ConfigError(f"--workers {count} is more than the Ray cluster's {available} CPUs; give --workers "
                               f"{max(available, 1)} or fewer")
         actor = ray.remote(num_cpus=1, max_concurrency=2)(_Host)
-        self._actors = [actor.remote() for _ in range(count)]
+        self._actors = [actor.remote(threads) for _ in range(count)]
         self._inbox = inbox
         self._closing = False
         self._threads = [threading.Thread(target=self._drain, args=(i,), daemon=True, name=f"ray-drain-{i}")

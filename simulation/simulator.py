@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -103,10 +104,11 @@ class Outcome:
 class Simulator:
     """`jobs`: round configs (YAML), run one after the other as a coordinator runs its queue. `sites`: site name ->
     its SiteConfig (datasets and policy; kit, state dir and coordinator are the run's). `pool(count, logs,
-    inbox)` makes the workers (simulation.pool.ProcessPool, or the Ray pool)."""
+    inbox, threads=)` makes the workers (simulation.pool.ProcessPool, or the Ray pool); `threads`: torch's in
+    each (default: the cores shared out)."""
 
     def __init__(self, jobs: list[str], sites: dict[str, SiteConfig], state: Path, *, workers: int, pool,
-                 profile: Profile = Profile(), agent: str = DEFAULT_AGENT):
+                 profile: Profile = Profile(), agent: str = DEFAULT_AGENT, threads: int | None = None):
         if not sites:
             raise ConfigError("a simulation needs at least one site: give --site FILE or --data")
         self.jobs = list(jobs)
@@ -120,6 +122,8 @@ class Simulator:
         self.sites = dict(sorted(sites.items()))
         self.state = Path(state)
         self.workers = max(1, min(workers, len(self.sites)))
+        # torch threads per worker: given, or the cores shared out (more would only fight over them)
+        self.threads = threads or max(1, (os.cpu_count() or 1) // self.workers)
         self.profile = profile
         self._make_pool = pool
         self.now = 0.0
@@ -179,16 +183,15 @@ class Simulator:
         self._coordinator()
         job_ids: list[str] = []
         try:
-            pool = self._make_pool(self.workers, self.state / "logs", self._inbox)
+            pool = self._make_pool(self.workers, self.state / "logs", self._inbox, threads=self.threads)
             try:
                 for site, worker in self._worker_of.items():
                     pool.send(worker, {"op": "site", "site": site, "agent": self.agent,
                                        "config": str(self.state / "sites" / site / "site.yaml")})
                 self._join_all(pool)
-                job_ids = [self.admin_stub.SubmitJob(admin_pb2.SubmitJobRequest(config_yaml=text)).job_id
-                           for text in self.jobs]
-                for job_id in job_ids:
-                    self._run_job(pool, job_id, watch)
+                for text in self.jobs:   # each once the one before has ended: the engine takes them in that order
+                    job_ids.append(self.admin_stub.SubmitJob(admin_pb2.SubmitJobRequest(config_yaml=text)).job_id)
+                    self._run_job(pool, job_ids[-1], watch)
             finally:
                 pool.close()
             rows = [self.store.job(job_id) for job_id in job_ids]

@@ -39,6 +39,15 @@ _REPLY_TYPES = {"Join": fpb.JoinReply, "SubmitUpdate": fpb.SubmitReply, "SecAgg"
 DEFAULT_AGENT = "site_agent.agent:SiteAgent"
 
 
+def set_threads(threads: int) -> None:
+    """The torch threads a virtual site trains with, as `plexus site run --threads` sets a real site's: the
+    results of some layers (convolutions) depend on it, so a simulation meant to match a federation bit for bit
+    uses the sites' count."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def agent_class(name: str) -> type:
     """The SiteAgent (sub)class `module:Class` names: the real agent, or a benchmark's (bench/plexus_site.py).
     The simulator that started this worker names it; torch and the site's code load with it, once."""
@@ -225,6 +234,7 @@ def main() -> int:
 
     configure("text", os.environ.get("PLEXUS_LOG", "INFO"))
     limit_malloc_arenas()   # before the tasks' threads: freed model buffers go back, not to idle arenas
+    set_threads(int(os.environ.get("PLEXUS_SIMULATION_THREADS", "1")))
     frames_in, frames_out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # a stray print must not land among the frames
     host = SiteHost()

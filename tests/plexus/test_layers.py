@@ -1,4 +1,5 @@
-"""The tree is the architecture: plexus/ is the kernel below coordinator/ and site_agent/, never above them."""
+"""The tree is the architecture: plexus/ is the kernel below coordinator/, site_agent/ and simulation/, never above
+them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from plexus.cli import COMMANDS_GROUP, installed_commands, parser
 
 REPO = Path(__file__).resolve().parents[2]
-SERVICES = ("coordinator", "site_agent")
+SERVICES = ("coordinator", "site_agent", "simulation")
 
 
 def _upward_imports(path: Path) -> list[str]:
@@ -35,7 +36,7 @@ def test_no_module_of_the_kernel_imports_a_service():
     modules = sorted(p for p in (REPO / "plexus").rglob("*.py") if "proto" not in p.relative_to(REPO).parts[1:2])
     assert len(modules) > 30   # the walk found the kernel
     upward = {str(p.relative_to(REPO)): hits for p in modules if (hits := _upward_imports(p))}
-    assert upward == {}, "plexus/ must not import coordinator or site_agent (declare a plexus.commands entry point " \
+    assert upward == {}, "plexus/ must not import coordinator, site_agent or simulation (declare an entry point " \
                          f"instead): {upward}"
 
 
@@ -51,15 +52,16 @@ def test_the_installed_command_groups_are_the_declared_ones():
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"][COMMANDS_GROUP]
     installed = {ep.name: ep.value for ep in entry_points(group=COMMANDS_GROUP)}
     assert installed == declared, "the installed entry points are stale: run `pip install -e '.[dev]'` again"
-    assert sorted(installed_commands()) == ["coordinator", "site"]
+    assert sorted(installed_commands()) == ["coordinator", "simulate", "site"]
 
 
 @pytest.mark.parametrize("argv", [["coordinator", "run", "--config", "c.yaml"], ["site", "run", "--config", "s.yaml"],
                                   ["site", "check", "--config", "s.yaml"], ["site", "pin-model", "mlp"],
-                                  ["site", "audit", "--config", "s.yaml"]])
+                                  ["site", "audit", "--config", "s.yaml"], ["simulate", "j.yaml", "--state", "d"]])
 def test_the_service_groups_plug_into_the_one_parser(argv, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name in ("c.yaml", "s.yaml"):
         (tmp_path / name).write_text("")
     args = parser().parse_args(argv)
-    assert args.run.__module__ == {"coordinator": "coordinator.cli", "site": "site_agent.cli"}[argv[0]]
+    assert args.run.__module__ == {"coordinator": "coordinator.cli", "site": "site_agent.cli",
+                                   "simulate": "simulation.cli"}[argv[0]]
