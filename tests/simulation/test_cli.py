@@ -17,13 +17,13 @@ JOB = """\
 name: cli-{name}
 model: {{name: logistic, args: {{in_features: {features}, num_classes: 2}}}}
 data: {data}
-rounds: 2
+rounds: {rounds}
 sites: {{min: {sites}, deadline_s: 60}}
 train: {{epochs: 1, batch_size: 8, optimizer: {{name: sgd, lr: 0.1}}}}
 seed: 5
 """
-HEART = JOB.format(name="heart", features=13, data="{dataset: heart-disease}", sites=2)
-TOY = JOB.format(name="toy", features=3, sites=200, data="""
+HEART = JOB.format(name="heart", features=13, data="{dataset: heart-disease}", sites=2, rounds=2)
+TOY = JOB.format(name="toy", features=3, sites=200, rounds=1, data="""
   dataset: toy
   label: {column: y, classes: ["0", "1"]}
   features: [{name: x1}, {name: x2}, {name: x3}]""")
@@ -80,7 +80,8 @@ def test_two_hundred_virtual_sites_of_a_partitioned_csv(tmp_path, capsys):
                  "--label", "y", "--partition", "iid", "--sites", "200", "--workers", "2"])
     out = capsys.readouterr().out
     assert code == 0, out[-2000:]
-    assert "round 2 round_closed: 200 update(s), " in out
+    assert "round 1 round_closed: 200 update(s), " in out
+    assert "job_completed: final model evaluated by 200 site(s)" in out
     assert "200 virtual sites in 2 workers" in out
     assert len(list((state / "sites").iterdir())) == 200
 
