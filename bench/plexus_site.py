@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from plexus.config import load_site_config, parse_round_config
+from plexus.config import load_site_config
 from plexus.models import build_model, installed_models
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, dtype_name, iter_chunks
-from site_agent.agent import SiteAgent, call_timeout
+from site_agent.agent import SiteAgent, call_timeout, round_config
 from site_agent.local import LocalResult
 from site_agent.policy import refusal
 from site_agent.training import TrainResult
@@ -57,7 +57,7 @@ class BenchSiteAgent(SiteAgent):
 
     def handle(self, stub, task: fpb.Task) -> None:
         try:
-            job = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
+            job = round_config(task.config_yaml, task.job_id)
         except ValueError as exc:
             return self.report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
         reason = refusal(self.config.policy, job, installed_models())

@@ -37,6 +37,7 @@ _REPLY_TYPES = {"Join": fpb.JoinReply, "SubmitUpdate": fpb.SubmitReply, "SecAgg"
 
 
 DEFAULT_AGENT = "site_agent.agent:SiteAgent"
+ANSWERING = 2   # a worker's answers in the simulator's queue at once, held ones aside: one folds, one waits
 
 
 def set_threads(threads: int) -> None:
@@ -71,6 +72,7 @@ class SiteHost:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._compute = threading.Semaphore(1)
+        self._answering = threading.Semaphore(ANSWERING)
         self._out: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._model: tuple[str, list] = ("", [])   # the served model last fetched (see `models`)
@@ -134,21 +136,27 @@ class SiteHost:
         return agent
 
     def call(self, site: str, method: str, requests: list[bytes]) -> tuple[dict, list[bytes]]:
-        """Send one call to the simulator and wait for its reply. The simulator may hold a task's answer back
-        until virtual time reaches it (it says `held`): then the next task computes meanwhile. Only then, so
-        that a worker holds one task's model at a time (and those held), not one per site."""
+        """Send one call to the simulator and wait for its reply. While a task's answer (its update) waits, the
+        next task computes; but only ANSWERING answers at a time may wait for the simulator to take them (it
+        takes them one by one), while those it holds back for virtual time (it says `held`) do not count: so a
+        worker holds a few tasks' updates at a time (and those held), never one per site."""
         reply = _Reply()
         with self._lock:
             call_id = next(self._ids)
             self._waiting[call_id] = reply
-        self._out.put(({"op": "call", "call": call_id, "site": site, "method": method}, requests))
-        if reply.wait_held():
+        if method not in ANSWERS:
+            self._out.put(({"op": "call", "call": call_id, "site": site, "method": method}, requests))
+            header, messages = reply.wait()
+        else:
+            self._answering.acquire()   # at most ANSWERING answers in the simulator's hands, not yet held
+            self._out.put(({"op": "call", "call": call_id, "site": site, "method": method}, requests))
             self._compute.release()
             try:
-                reply.wait()
+                reply.wait_held()
+                self._answering.release()
+                header, messages = reply.wait()
             finally:
                 self._compute.acquire()
-        header, messages = reply.wait()
         if "error" in header:
             raise LocalRpcError(grpc.StatusCode[header["error"]["code"]], header["error"]["details"])
         return header, messages
