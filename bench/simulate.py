@@ -34,11 +34,10 @@ import numpy as np
 
 from bench.common import descendants, proc_mem_kb
 from bench.plexus_site import DELTA
-from coordinator.store import Store
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 from simulation.partition import Partition, virtual_sites
 from simulation.pool import ProcessPool
-from simulation.simulator import Simulator
+from simulation.simulator import Simulator, final_model
 
 BENCH_AGENT = "bench.plexus_site:BenchSiteAgent"
 TRIVIAL_JOB = """\
@@ -101,21 +100,13 @@ def bench_sites(count: int) -> dict[str, SiteConfig]:
             for i in range(count)}
 
 
-def last_model(state: Path, job_id: str) -> dict[str, np.ndarray]:
-    store = Store(state / "coordinator")
-    try:
-        return store.load_checkpoint(job_id, store.job(job_id).current_round)
-    finally:
-        store.close()
-
-
 def trivial_case(size: int, sites: int, rounds: int, workers: int, work: Path) -> dict:
     state = work / f"trivial-{size}-{sites}"
     job = TRIVIAL_JOB.format(size=size, sites=sites, rounds=rounds)
     with Memory() as memory:
         outcome = Simulator([job], bench_sites(sites), state, workers=workers, pool=ProcessPool,
                             agent=BENCH_AGENT).run()
-    model = last_model(state, outcome.job_id)
+    model = final_model(state, outcome.job_id)
     expected = rounds * DELTA * np.mean(np.arange(1, sites + 1))
     worst = max(float(np.max(np.abs(t - expected))) for t in model.values())
     closes = outcome.round_wall_s
@@ -144,7 +135,7 @@ def fmnist_case(rounds: int, seed: int, workers: int, work: Path) -> dict:
                             pool=ProcessPool).run()
     wall = time.monotonic() - started
     model = build_model("cnn", {"width": 16}, seed=seed)
-    load_numpy_state(model, last_model(state, outcome.job_id))
+    load_numpy_state(model, final_model(state, outcome.job_id))
     test = load_dataset(next(iter(made.values()))["fashion-mnist"])
     accuracy = evaluate(model, test.x_test, test.y_test)["accuracy"]
     first = outcome.round_wall_s[0] if outcome.round_wall_s else 0.0

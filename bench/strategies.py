@@ -179,8 +179,8 @@ def simulate(task: Task, job: RoundConfig, job_id: str, state_root: Path) -> dic
     """The engine's round cycle over one job, in process, every site online and answering: the final model.
 
     It runs by the same decisions (coordinator.drivers.rounds) and the same strategy calls
-    (coordinator.drivers.sync) as the engine's SyncRounds driver; tests/integration/test_bench_fidelity.py
-    checks that a real federation over gRPC ends with the same bits for the same job."""
+    (coordinator.drivers.sync) as the engine's SyncRounds driver; tests/integration/test_simulate.py checks
+    that it ends with `plexus simulate`'s bits, and those with a real federation's over gRPC."""
     names = sorted(task.sites)
     strategy = make_strategy(job)
     current = state_to_numpy(build_job_model(job))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from coordinator.engine import Engine
 from coordinator.service import AdminService, FederationService
@@ -57,6 +58,15 @@ _REQUESTS = {"Join": fpb.JoinRequest, "FetchModel": fpb.FetchModelRequest, "SecA
              "ReportResult": fpb.TaskResult}
 _FEDERATION = fpb.DESCRIPTOR.services_by_name["Federation"]
 _ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"]
+
+
+def final_model(state: Path, job_id: str) -> dict[str, np.ndarray]:
+    """The model a simulated job ended with (its last closed round), read from the simulation's state dir."""
+    store = Store(Path(state) / "coordinator")
+    try:
+        return store.load_checkpoint(job_id, store.job(job_id).current_round)
+    finally:
+        store.close()
 
 
 class SimulationError(PlexusError):

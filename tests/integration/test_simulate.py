@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from coordinator.store import Store
-from plexus.config import DatasetSpec, PolicySpec, SiteConfig
+from plexus.config import DatasetSpec, PolicySpec, SiteConfig, parse_round_config
+from plexus.datasets import load_dataset
 from simulation.pool import ProcessPool
-from simulation.simulator import Simulator
+from simulation.simulator import Simulator, final_model
 
 from integration.harness import HOSPITAL_OF
 
@@ -53,14 +55,6 @@ def site_configs(policy: PolicySpec) -> dict[str, SiteConfig]:
             for name in FOUR}
 
 
-def last_model(state: Path, job_id: str) -> dict[str, np.ndarray]:
-    store = Store(state / "coordinator")
-    try:
-        return store.load_checkpoint(job_id, store.job(job_id).current_round)
-    finally:
-        store.close()
-
-
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
     """The seven jobs simulated on the four sites in worker processes: job name -> final model."""
@@ -68,7 +62,7 @@ def simulated(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
     outcome = Simulator([job_text(name) for name in JOBS], site_configs(PolicySpec(allowed_models=("logistic", "mlp"))),
                         state, workers=2, pool=ProcessPool).run()
     assert [status for _, status, _ in outcome.jobs] == ["completed"] * len(JOBS)
-    return {name: last_model(state, job_id) for name, (job_id, _, _) in zip(JOBS, outcome.jobs)}
+    return {name: final_model(state, job_id) for name, (job_id, _, _) in zip(JOBS, outcome.jobs)}
 
 
 def same_bits(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -94,4 +88,25 @@ def test_ray_actors_give_the_bits_worker_processes_give(tmp_path, simulated):
     outcome = Simulator([job_text("fedavg")], site_configs(PolicySpec(allowed_models=("logistic",))),
                         tmp_path / "ray", workers=2, pool=ray_pool(None)).run()
     assert outcome.status == "completed"
-    assert same_bits(last_model(tmp_path / "ray", outcome.job_id), simulated["fedavg"])
+    assert same_bits(final_model(tmp_path / "ray", outcome.job_id), simulated["fedavg"])
+
+
+def _bench_strategies():
+    path = Path(__file__).resolve().parents[2] / "bench" / "strategies.py"
+    spec = importlib.util.spec_from_file_location("bench_strategies", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["fedadam", "scaffold", "trimmed"])
+def test_the_strategy_benchmarks_own_rounds_give_the_simulated_models(simulated, tmp_path, name):
+    """bench/strategies.py runs its many seeds through a round loop of its own; it must end where `plexus
+    simulate` does, which the first test holds to a real federation."""
+    bench = _bench_strategies()
+    sites = {site: load_dataset(DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[site])) for site in FOUR}
+    task = bench.Task(name="heart-disease", sites=sites, x_test=sites["a"].x_test, y_test=sites["a"].y_test,
+                      model={}, optimizer={}, batch_size=16, rounds=3, epochs=1)
+    loop = bench.simulate(task, parse_round_config(job_text(name)), name, tmp_path / "bench")
+    assert same_bits({k: np.asarray(v) for k, v in loop.items()}, simulated[name])

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from coordinator.store import Store
 from plexus.cli import main
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig, dump_site_config
+from simulation.simulator import final_model
 
 JOB = """\
 name: cli-{name}
@@ -65,11 +65,7 @@ def test_site_files_simulate_and_the_admin_commands_read_the_state_dir(tmp_path,
     assert "status: completed" in shown and "round 2/2" in shown
     assert main(["job", "download", "--state", str(state), job_id, "-o", str(tmp_path / "model.safetensors")]) == 0
     downloaded = load_file(str(tmp_path / "model.safetensors"))
-    store = Store(state / "coordinator")
-    try:
-        stored = store.load_checkpoint(job_id, 2)
-    finally:
-        store.close()
+    stored = final_model(state, job_id)
     assert {k: v.tobytes() for k, v in downloaded.items()} == {k: v.tobytes() for k, v in stored.items()}
 
 
