@@ -61,6 +61,7 @@ class _Host:
                 if frame is None:
                     return frames or None
                 frames.append(_encode(*frame))
+                frame[1].clear()   # the sender's list: an update's bytes go now, not when its task ends
                 frame = self.host.outgoing(timeout=0)
         except queue.Empty:
             return frames

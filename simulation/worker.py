@@ -72,6 +72,7 @@ class SiteHost:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._compute = threading.Semaphore(1)
+        self._holding = threading.local()   # whether this task thread holds `_compute`
         self._answering = threading.Semaphore(ANSWERING)
         self._out: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
@@ -112,6 +113,7 @@ class SiteHost:
     def _run(self, header: dict, messages: list[bytes]) -> None:
         site, error = header["site"], ""
         self._compute.acquire()
+        self._holding.value = True
         try:
             agent = self._agent(site)
             calls = _Calls(self, site)
@@ -123,7 +125,8 @@ class SiteHost:
             log.exception("site %s: %s failed", site, header["op"])
             error = f"{type(exc).__name__}: {exc}"
         finally:
-            self._compute.release()
+            if self._holding.value:
+                self._compute.release()
         self._out.put(({"op": "done", "site": site, "of": header["op"], "task": header.get("task", ""),
                         "error": error}, []))
 
@@ -136,27 +139,30 @@ class SiteHost:
         return agent
 
     def call(self, site: str, method: str, requests: list[bytes]) -> tuple[dict, list[bytes]]:
-        """Send one call to the simulator and wait for its reply. While a task's answer (its update) waits, the
-        next task computes; but only ANSWERING answers at a time may wait for the simulator to take them (it
-        takes them one by one), while those it holds back for virtual time (it says `held`) do not count: so a
-        worker holds a few tasks' updates at a time (and those held), never one per site."""
+        """Send one call to the simulator and wait for its reply. A task's answer (its update) is the last thing
+        it sends: the next task computes from then on, while this one only waits and records. But only ANSWERING
+        answers at a time may wait for the simulator to take them (it takes them one by one); those it holds
+        back for virtual time (it says `held`) do not count. So a worker holds a few tasks' updates at a time
+        (and those held), never one per site. `requests` is the caller's to drop: the frame keeps them."""
         reply = _Reply()
         with self._lock:
             call_id = next(self._ids)
             self._waiting[call_id] = reply
+        frame = ({"op": "call", "call": call_id, "site": site, "method": method}, requests)
+        del requests
         if method not in ANSWERS:
-            self._out.put(({"op": "call", "call": call_id, "site": site, "method": method}, requests))
+            self._out.put(frame)
+            del frame
             header, messages = reply.wait()
         else:
             self._answering.acquire()   # at most ANSWERING answers in the simulator's hands, not yet held
-            self._out.put(({"op": "call", "call": call_id, "site": site, "method": method}, requests))
+            self._out.put(frame)
+            del frame   # the writer drops it once written
+            self._holding.value = False
             self._compute.release()
-            try:
-                reply.wait_held()
-                self._answering.release()
-                header, messages = reply.wait()
-            finally:
-                self._compute.acquire()
+            reply.wait_held()
+            self._answering.release()
+            header, messages = reply.wait()
         if "error" in header:
             raise LocalRpcError(grpc.StatusCode[header["error"]["code"]], header["error"]["details"])
         return header, messages
@@ -213,8 +219,9 @@ class _Calls:
         self._host, self._site = host, site
 
     def call(self, method: str, request):
-        messages = request if isinstance(request, list) else [request]
-        header, replies = self._host.call(self._site, method, [m.SerializeToString() for m in messages])
+        payload = [m.SerializeToString() for m in (request if isinstance(request, list) else [request])]
+        del request   # an update's messages: only their bytes travel on
+        header, replies = self._host.call(self._site, method, payload)
         if method == "FetchModel":
             return iter(self._host.models(header, replies))
         return _REPLY_TYPES[method].FromString(replies[0])
@@ -250,6 +257,7 @@ def main() -> int:
     def send():
         while (frame := host.outgoing()) is not None:
             write_frame(frames_out, *frame)
+            frame[1].clear()   # the sender's list: an update's bytes go now, not when its task ends
 
     writer = threading.Thread(target=send, name="frames-out")
     writer.start()
