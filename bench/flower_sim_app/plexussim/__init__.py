@@ -1,0 +1,1 @@
+"""Flower side of the `plexus simulate` benchmark (bench/flower_sim.py runs it on Flower's simulation engine)."""
