@@ -10,7 +10,8 @@ its constant 0.001 × (i + 1) (bench/plexus_site.py's BenchSiteAgent, the Flower
 all N sites each round. Seconds per round: the median gap between round closes over rounds 2..R (real time),
 as on Flower's side. The result is checked: after R rounds every parameter is R × the sites' mean constant.
 fmnist: the Fashion-MNIST `cnn` (width 16) over 8 sites of a Dirichlet(0.3) split (split_seed 0, all 60k
-rows), R rounds of 1 epoch, batch 32, SGD lr 0.05; accuracy of the final model on t10k.
+rows), R rounds of 1 epoch, batch 32, SGD lr 0.05; accuracy of the final model on t10k. Like Flower's run, the
+sites only train (FitOnlyAgent); `--site-evaluation` adds a Plexus job's per-round evaluation at every site.
 scale: `trivial` with 1,000 sites: wall time and peak memory.
 
 Memory: a thread samples VmRSS of this process and every descendant (the workers, the model worker) every
@@ -38,8 +39,11 @@ from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 from simulation.partition import Partition, virtual_sites
 from simulation.pool import ProcessPool
 from simulation.simulator import Simulator, final_model
+from simulation.worker import DEFAULT_AGENT
+from site_agent.agent import SiteAgent
 
 BENCH_AGENT = "bench.plexus_site:BenchSiteAgent"
+FIT_ONLY_AGENT = "bench.simulate:FitOnlyAgent"
 TRIVIAL_JOB = """\
 name: trivial-{size}-{sites}
 model: {{name: vector, args: {{size: {size}, chunks: 4}}}}
@@ -59,6 +63,14 @@ sites: {{min: 8, deadline_s: 3600}}
 train: {{epochs: 1, batch_size: 32, optimizer: {{name: sgd, lr: 0.05}}}}
 seed: {seed}
 """
+
+
+class FitOnlyAgent(SiteAgent):
+    """The real site agent, but it does not evaluate the incoming global model on its held-out rows each round:
+    Flower's run (fraction_evaluate 0) trains only, and the final model is evaluated once, here, on t10k."""
+
+    def evaluate(self, model, data) -> dict[str, float]:
+        return {}
 
 
 class Memory:
@@ -113,11 +125,11 @@ def trivial_case(size: int, sites: int, rounds: int, workers: int, work: Path) -
     gaps = [b - a for a, b in zip(closes, closes[1:])]
     return {"size": size, "sites": sites, "rounds": rounds, "workers": workers, "status": outcome.status,
             "s_per_round": statistics.median(gaps) if gaps else None, "round_close_s": closes,
-            "wall_s": outcome.wall_s, "result_ok": worst < 1e-4 * max(expected, 1.0), "max_abs_error": worst,
+            "wall_s": outcome.wall_s, "result_ok": bool(worst < 1e-4 * max(expected, 1.0)), "max_abs_error": worst,
             "peak_total_mb": memory.peak_total_kb / 1024, "peak_process_mb": memory.peak_process_kb / 1024}
 
 
-def fmnist_case(rounds: int, seed: int, workers: int, work: Path) -> dict:
+def fmnist_case(rounds: int, seed: int, workers: int, work: Path, *, site_evaluation: bool = False) -> dict:
     from plexus.datasets import load_dataset
     from plexus.models import build_model, load_numpy_state
     from simulation.cli import open_policy
@@ -132,14 +144,15 @@ def fmnist_case(rounds: int, seed: int, workers: int, work: Path) -> dict:
     started = time.monotonic()
     with Memory() as memory:
         outcome = Simulator([FMNIST_JOB.format(rounds=rounds, seed=seed)], sites, state, workers=workers,
-                            pool=ProcessPool).run()
+                            pool=ProcessPool, agent=DEFAULT_AGENT if site_evaluation else FIT_ONLY_AGENT).run()
     wall = time.monotonic() - started
     model = build_model("cnn", {"width": 16}, seed=seed)
     load_numpy_state(model, final_model(state, outcome.job_id))
     test = load_dataset(next(iter(made.values()))["fashion-mnist"])
     accuracy = evaluate(model, test.x_test, test.y_test)["accuracy"]
     first = outcome.round_wall_s[0] if outcome.round_wall_s else 0.0
-    return {"seed": seed, "rounds": rounds, "status": outcome.status, "wall_s": wall,
+    return {"seed": seed, "rounds": rounds, "sites_evaluate_each_round": site_evaluation, "status": outcome.status,
+            "wall_s": wall,
             "rounds_s": (outcome.round_wall_s[-1] - first) if outcome.round_wall_s else None,
             "first_round_close_s": first, "test_accuracy": accuracy, "test_rows": int(len(test.y_test)),
             "simulated_s": outcome.simulated_s, "peak_total_mb": memory.peak_total_kb / 1024,
@@ -155,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--site-evaluation", action="store_true",
+                   help="fmnist: the sites evaluate each round's incoming model on their held-out rows (all of t10k "
+                        "each), as a Plexus job does; off by default, as in Flower's run")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     result = {"what": args.what, "command": " ".join(["python -m bench.simulate", *(argv or sys.argv[1:])]),
@@ -164,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         if args.what == "fmnist":
             for seed in range(args.seeds):
-                result["cases"].append(fmnist_case(args.rounds, seed, args.workers, work))
+                result["cases"].append(fmnist_case(args.rounds, seed, args.workers, work,
+                                                   site_evaluation=args.site_evaluation))
                 print(json.dumps(result["cases"][-1]), flush=True)
         else:
             sizes = [parse_size(s) for s in (args.sizes if args.what == "trivial" else args.size).split(",")]

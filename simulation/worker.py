@@ -135,7 +135,9 @@ class SiteHost:
         if agent is None:
             spec = self._configs[site]
             config = dataclasses.replace(load_site_config(Path(spec["config"])), emulation=None)
-            agent = self._agents[site] = agent_class(spec.get("agent", DEFAULT_AGENT))(config)
+            cls = agent_class(spec.get("agent", DEFAULT_AGENT))
+            log.info("virtual site %s: %s.%s", site, cls.__module__, cls.__qualname__)
+            agent = self._agents[site] = cls(config)
         return agent
 
     def call(self, site: str, method: str, requests: list[bytes]) -> tuple[dict, list[bytes]]:
