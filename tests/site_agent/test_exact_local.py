@@ -150,6 +150,7 @@ def agent(kit, tmp_path, monkeypatch):
 
     def handle(job: RoundConfig, kind: int) -> FakeCoordinator:
         monkeypatch.setattr(agent_module, "parse_round_config", lambda text, source="": job)
+        agent_module.round_config.cache_clear()   # every job here has the same text: parse it anew
         stub = FakeCoordinator(job)
         site.handle(stub, fpb.Task(kind=kind, task_id="t1", job_id="exact", round=1, config_yaml="(built)",
                                    nonce=b"n" * 16, deadline_unix_s=time.time() + 600, seed=7))
