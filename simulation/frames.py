@@ -12,6 +12,7 @@ import struct
 from typing import BinaryIO
 
 MAX_HEADER_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 1 << 31   # far above any chunk or request: a larger length means the stream is out of step
 
 
 class FrameError(ValueError):
@@ -44,6 +45,9 @@ def read_frame(source: BinaryIO) -> tuple[dict, list[bytes]] | None:
     messages = []
     for _ in range(count):
         (length,) = struct.unpack(">Q", _exactly(source, 8))
+        if length > MAX_MESSAGE_BYTES:
+            raise FrameError(f"a frame message of {length} bytes is over the limit of {MAX_MESSAGE_BYTES}: the stream "
+                             "is out of step")
         messages.append(_exactly(source, length))
     return header, messages
 

@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from simulation.frames import FrameError, read_frame, write_frame
+from simulation.frames import read_frame, write_frame
 
 
 class ProcessPool:
@@ -52,11 +52,15 @@ class ProcessPool:
             while (frame := read_frame(proc.stdout)) is not None:
                 self._inbox.put((index, *frame))
             reason = "it closed its output"
-        except (FrameError, OSError, ValueError) as exc:
-            reason = f"its output could not be read ({exc})"
+        except Exception as exc:   # FrameError, OSError, MemoryError...: the simulator must hear of it, not wait
+            reason = f"its output could not be read ({type(exc).__name__}: {exc})"
         if not self._closing:
-            self._inbox.put((index, None, [f"simulation worker {index} (PID {proc.pid}) ended: {reason}, exit "
-                                           f"status {proc.wait()}; its log is {log_path}"]))
+            try:
+                status = f"exit status {proc.wait(timeout=5)}"
+            except subprocess.TimeoutExpired:   # alive, but its frames cannot be trusted: close() ends it
+                status = "still running"
+            self._inbox.put((index, None, [f"simulation worker {index} (PID {proc.pid}) failed: {reason}, {status}; "
+                                           f"its log is {log_path}"]))
 
     def send(self, worker: int, header: dict, messages: list[bytes] = ()) -> None:
         with self._locks[worker]:
