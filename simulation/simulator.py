@@ -1,4 +1,4 @@
-"""One job on virtual sites: the coordinator's own engine, drivers and servicers, on a virtual clock.
+"""Jobs on virtual sites: the coordinator's own engine, drivers and servicers, on a virtual clock.
 
 The simulator builds what `plexus coordinator run` builds (a Store in STATE/coordinator, the Engine, the
 Federation and Admin servicers, an Authenticator over a federation CA made for the run) and calls the

@@ -2,9 +2,10 @@
 
 The simulator hands a worker its sites once and then their tasks. A task runs `SiteAgent.handle` in a thread
 of its own with a stub whose calls travel back to the simulator as frames (simulation/frames.py) and wait for
-its reply; the simulator answers them from the coordinator's own servicer. One task computes at a time: a
-task waiting for a reply lets the next one compute, so a reply the simulator holds back (virtual time has not
-reached it) never stalls the worker. A site's data is loaded once, by its agent, and kept for the run.
+its reply; the simulator answers them from the coordinator's own servicer. One task computes at a time; once
+a task has sent its answer (the last thing it sends) the next one computes, so an answer the simulator holds
+back until virtual time reaches it never stalls the worker (SiteHost.call says how many may wait). A site's
+data is loaded by its agent with the first task and kept for the run.
 
 Run as `python -m simulation.worker`: frames in on stdin, frames out on stdout, logs on stderr.
 """
