@@ -88,11 +88,16 @@ def _simulate(args: argparse.Namespace) -> int:
     if not args.json:
         for job_id, status, rounds in outcome.jobs:
             print(f"job {job_id} {status} after round {rounds}")
-        print(f"{outcome.sites} virtual sites in {outcome.workers} workers: {outcome.simulated_s:.1f} s simulated, "
+        print(f"{_count(outcome.sites, 'virtual site')} in {_count(outcome.workers, 'worker')}: "
+              f"{outcome.simulated_s:.1f} s simulated, "
               f"{outcome.wall_s:.1f} s here" + (f"; {outcome.dropped} tasks dropped by the profile"
                                                  if outcome.dropped else ""))
         print(f"read it with: plexus job show --state {args.state} {outcome.job_id}")
     return 0 if all(status == "completed" for _, status, _ in outcome.jobs) else 1
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _check_state(state: Path) -> None:
