@@ -729,6 +729,34 @@ class EmulationSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class NodesSpec:
+    """Training spread over several machines of one hospital (site_agent/team.py): node 0 runs the site agent and
+    listens at `address` for the others, which run `plexus site node --config` with their own `rank`."""
+
+    count: int = field(metadata=in_range(2, 1024))
+    rank: int = field(metadata=in_range(0, 1023))   # this machine's node; 0 runs the site agent
+    address: str = field(metadata=_address(1))      # HOST:PORT where node 0's rendezvous listens (hospital network)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingSpec:
+    """How the site trains: `workers` processes per node with torch.distributed (DDP) over `backend`. The job's
+    train.batch_size is the batch of one step at the site as a whole; each worker takes its share of it."""
+
+    workers: int = field(default=1, metadata=in_range(1, 256))
+    backend: str = field(default="gloo", metadata=one_of("gloo", "nccl"))
+    device: str = field(default="cpu", metadata=one_of("cpu", "cuda"))
+    nodes: NodesSpec | None = field(default=None, metadata=_OMIT_NONE)
+    # The network interface the workers' collectives use (gloo/NCCL_SOCKET_IFNAME); default: loopback on one node,
+    # the interface of the machine's host name across nodes.
+    interface: str | None = field(default=None, metadata=_OMIT_NONE)
+    # Torch threads in each worker; default: the machine's cores shared out between its workers.
+    threads: int | None = field(default=None, metadata={**in_range(1, 1024), **_OMIT_NONE})
+    # A worker that does not answer a collective (or join a task) within this fails the task.
+    timeout_s: float = field(default=300.0, metadata=in_range(0, 86400, lo_open=True))
+
+
+@dataclass(frozen=True, slots=True)
 class SiteConfig:
     """A hospital's site agent; relative paths are relative to the config file."""
 
@@ -740,6 +768,8 @@ class SiteConfig:
     policy: PolicySpec = field(default_factory=PolicySpec)
     # Experiments only: a slow site emulated on a fast machine. Left out (None) in every real site's config.
     emulation: EmulationSpec | None = field(default=None, metadata=_OMIT_NONE)
+    # Data-parallel training inside the site (several processes or machines); left out: one process.
+    training: TrainingSpec | None = field(default=None, metadata=_OMIT_NONE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1220,6 +1250,15 @@ def _checkpoints_problem(spec: CheckpointsSpec) -> tuple[str, str] | None:
     return None
 
 
+def _training_problem(spec: TrainingSpec) -> tuple[str, str] | None:
+    if spec.backend == "nccl" and spec.device != "cuda":
+        return "backend", "nccl runs on GPUs only; set device: cuda, or backend: gloo for CPU workers"
+    if spec.nodes is not None and spec.nodes.rank >= spec.nodes.count:
+        return "nodes", (f"rank {spec.nodes.rank} is not below count {spec.nodes.count}; number the nodes 0 to "
+                         f"{spec.nodes.count - 1} (0 runs the site agent)")
+    return None
+
+
 def _coordinator_problem(cfg: CoordinatorConfig) -> tuple[str, str] | None:
     if cfg.max_calls_per_identity >= cfg.max_workers:
         return "max_calls_per_identity", (
@@ -1234,7 +1273,7 @@ _CROSS_CHECKS: dict[type, Callable[[Any], tuple[str, str] | None]] = {
     RoundConfig: _round_problem, FeatureSpec: _feature_problem, LabelSpec: _label_problem, DataSpec: _data_problem,
     CheckpointsSpec: _checkpoints_problem, CoordinatorConfig: _coordinator_problem, UplinkSpec: _uplink_problem,
     DownlinkSpec: _downlink_problem, StatColumnSpec: _stat_column_problem, GroupSpec: _group_problem,
-    StatisticsSpec: _statistics_problem}
+    StatisticsSpec: _statistics_problem, TrainingSpec: _training_problem}
 # Post-read steps: fn(reader, obj, entries, path) -> obj; pre-read steps: fn(reader, node, path) -> node.
 _AFTER_READ = {StrategySpec: _read_strategy_args}
 _BEFORE_READ = {RoundConfig: _derive_statistics_job}

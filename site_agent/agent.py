@@ -7,6 +7,7 @@ an operator.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -56,6 +57,7 @@ from site_agent.local import (
 )
 from site_agent.policy import policy_digest, refusal
 from site_agent.state import JobState, ServedChain, job_id_refusal
+from site_agent.team import Team, spreads
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
 from site_agent.uplink import Coded, encode_update, model_delta, residual_layout, rounding_rng
 
@@ -101,6 +103,8 @@ class SiteAgent:
         self.audit = SiteAudit(config.state_dir, actor=f"site:{config.site}")
         self._rng = random.Random()
         self._clock = clock
+        # training.workers > 1 (or nodes): local training runs as a team of processes, this agent its rank 0
+        self.team = Team(config) if spreads(config.training) else None
         if config.emulation is not None:
             slowdown = config.emulation.slowdown
             log.warning("EMULATION ONLY: site %r emulates a slower site (emulation.slowdown: %g): after each "
@@ -132,6 +136,8 @@ class SiteAgent:
                 self._channel = None
             self.stop.wait((pause or delay) * (1 + SITE_BACKOFF_JITTER * self._rng.random()))
             delay = min(delay * 2, self.backoff_cap_s)
+        if self.team is not None:
+            self.team.close()
 
     def join_request(self) -> fpb.JoinRequest:
         """What this site tells the coordinator at Join: its agent, models, policy and training rows per dataset."""
@@ -211,7 +217,9 @@ class SiteAgent:
             if job.privacy.dp_sgd is not None:
                 local = LocalResult(self._train_dp_sgd(model, data, job, task, state), {}, lambda: None)
             else:
-                local = self.local_update(job, model, served, data, task)
+                with self.team.session(task.config_yaml, task.job_id, model) if self.team is not None \
+                        else contextlib.nullcontext():
+                    local = self.local_update(job, model, served, data, task)
             if not self._emulate_slowdown(self._clock() - started):
                 log.info("job %s round %d: stopped during the emulated slowdown; the update is not sent",
                          task.job_id, task.round)
@@ -287,6 +295,10 @@ class SiteAgent:
         if job.data.dataset not in self.config.datasets:
             return (f"dataset {job.data.dataset!r} is not configured at this site "
                     f"(configured: {sorted(self.config.datasets)})")
+        if trains and job.privacy.dp_sgd is not None and self.team is not None:
+            return (f"this site trains with {self.team.world} workers (site.yaml training) and the job uses "
+                    "privacy.dp_sgd, which Plexus runs in one process (Opacus's accounting of distributed "
+                    "Poisson batches is not wired in): this site takes DP-SGD jobs once training.workers is 1")
         ledger = state.ledger() if trains and job.privacy.dp_sgd is not None else None
         return refusal(self.config.policy, job, installed_models(), round_=state.rounds_trained() + int(trains),
                        ledger=ledger, train_size=lambda: len(self.load_data(job.data).y_train))

@@ -18,6 +18,9 @@ def add_commands(sub) -> None:
     run = command(site, "run", _run, help="run the site agent")
     run.add_argument("--config", type=existing_file, required=True)
     run.add_argument("--threads", type=int_in(0), default=0, help="torch CPU threads (default: torch's choice)")
+    node = command(site, "node", _node, help="run this machine's training workers for a site that trains over "
+                   "several machines (site.yaml training.nodes, rank 1 or more)")
+    node.add_argument("--config", type=existing_file, required=True)
     audit = audit_flags(command(site, "audit", _audit, help="print (and verify) this site's own audit log"))
     audit.add_argument("--config", type=existing_file, required=True)
     audit.add_argument("--json", action="store_true", help="machine-readable output")
@@ -69,6 +72,36 @@ def _run(args) -> int:
     worker.join(2.0)
     return 0
 
+
+def _node(args) -> int:
+    import logging
+
+    from plexus.config import load_site_config
+    from plexus.shutdown import StopSignals
+    from site_agent.team import run_node
+
+    import threading
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = load_site_config(args.config)
+    signals = StopSignals()
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def serve():
+        try:
+            run_node(config, stop)
+        except BaseException as exc:   # told on the main thread below
+            failed.append(exc)
+
+    worker = threading.Thread(target=serve, name="plexus-site-node", daemon=True)
+    worker.start()
+    signals.wait(done=lambda: not worker.is_alive())
+    stop.set()
+    worker.join(15)
+    if failed:
+        raise failed[0]
+    return 0
 
 
 def _audit(args) -> int:

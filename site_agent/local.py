@@ -306,32 +306,41 @@ def local_update(job: Any, model: nn.Module, served: Mapping[str, np.ndarray], d
     return local_training(job).train(run)
 
 
-def proximal_term(model: nn.Module, anchor: Mapping[str, torch.Tensor | np.ndarray] | None,
-                  mu: float) -> Callable[[], torch.Tensor]:
-    """A train_local loss_term: (mu/2)·Σ‖w − anchor[name]‖² over the trainable parameters (any optimizer)."""
-    if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not np.isfinite(mu) or mu <= 0:
-        raise ValueError(f"mu must be a finite number > 0, got {mu!r}")
-    if anchor is None:
-        raise ValueError("the proximal term needs an anchor: pass the global model's parameters")
-    params = _trainable(model)
-    anchor_t = _per_parameter(anchor, params, "anchor")
-    return lambda: mu / 2 * sum(((p - anchor_t[name]) ** 2).sum() for name, p in params.items())
+class ProximalTerm:
+    """A train_local loss_term: (mu/2)·Σ‖w − anchor[name]‖² over the trainable parameters (any optimizer). Its
+    data (mu, anchor) is kept, so that training spread over workers (site_agent/team.py) can rebuild it there."""
+
+    def __init__(self, model: nn.Module, anchor: Mapping[str, torch.Tensor | np.ndarray] | None, mu: float):
+        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not np.isfinite(mu) or mu <= 0:
+            raise ValueError(f"mu must be a finite number > 0, got {mu!r}")
+        if anchor is None:
+            raise ValueError("the proximal term needs an anchor: pass the global model's parameters")
+        self.mu = float(mu)
+        self.params = _trainable(model)
+        self.anchor = _per_parameter(anchor, self.params, "anchor")
+
+    def __call__(self) -> torch.Tensor:
+        return self.mu / 2 * sum(((p - self.anchor[name]) ** 2).sum() for name, p in self.params.items())
 
 
-def gradient_correction(model: nn.Module, correction: Mapping[str, torch.Tensor | np.ndarray]) -> Callable[[], None]:
+class GradientCorrection:
     """A train_local grad_hook: add correction[name] to each trainable parameter's gradient (SCAFFOLD's c − c_k)."""
-    params = _trainable(model)
-    correction_t = _per_parameter(correction, params, "correction")
 
-    def hook() -> None:
-        for name, c in correction_t.items():
-            p = params[name]
+    def __init__(self, model: nn.Module, correction: Mapping[str, torch.Tensor | np.ndarray]):
+        self.params = _trainable(model)
+        self.correction = _per_parameter(correction, self.params, "correction")
+
+    def __call__(self) -> None:
+        for name, c in self.correction.items():
+            p = self.params[name]
             if p.grad is None:  # unused in this forward pass: its gradient is zero
                 p.grad = c.clone()
             else:
                 p.grad.add_(c)
 
-    return hook
+
+proximal_term = ProximalTerm
+gradient_correction = GradientCorrection
 
 
 def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:

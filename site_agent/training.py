@@ -8,6 +8,7 @@ import math
 import secrets
 import warnings
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,8 @@ from plexus.models import seeded
 from plexus.objectives import loss_name
 
 _EVAL_BATCH = 4096
+# The training team (site_agent/team.py) a task's train_local runs in, when the site spreads training over workers.
+TEAM: ContextVar = ContextVar("plexus_training_team", default=None)
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,14 @@ def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, s
     ``loss_term()`` returns an extra loss tensor added to the cross-entropy before backward
     (FedProx's proximal term); ``grad_hook()`` runs after backward and before the optimizer
     step (SCAFFOLD's gradient correction).
+
+    Within a training team's session (site.yaml `training.workers`, site_agent/team.py) the same batches are
+    spread over the team's workers.
     """
+    team = TEAM.get()
+    if team is not None:
+        return team.train(model, x, y, train, seed=seed, steps=_step_budget(train, steps), loss_term=loss_term,
+                          grad_hook=grad_hook)
     make_optimizer, xt, yt, n = _prepare(model, x, y, train)
     steps = _step_budget(train, steps)
     device = xt.device

@@ -14,7 +14,7 @@ import grpc
 from coordinator.server import Coordinator
 from plexus import identity, transport
 from plexus.admin_client import AdminClient
-from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig
+from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig, TrainingSpec
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.vocab import TERMINAL
 from plexus.wire import Layout, assemble, decode, encode, iter_chunks
@@ -76,14 +76,15 @@ class Federation:
         return client
 
     def start_site(self, name: str, *, allowed_models=("logistic", "mlp"), dataset: str = "heart-disease",
-                   datasets: dict[str, DatasetSpec] | None = None, **policy) -> SiteAgent:
-        """datasets: the site's own (default: `dataset`, its hospital's heart-disease rows); policy: further
-        PolicySpec keys (e.g. min_cell_count)."""
+                   datasets: dict[str, DatasetSpec] | None = None, training: TrainingSpec | None = None,
+                   **policy) -> SiteAgent:
+        """datasets: the site's own (default: `dataset`, its hospital's heart-disease rows); training: its
+        site.yaml `training` (workers); policy: further PolicySpec keys (e.g. min_cell_count)."""
         if datasets is None:
             datasets = {dataset: DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[name])}
         config = SiteConfig(site=name, coordinator=self.address, kit=self.root / "sites" / name,
                             state_dir=self.root / "sites" / name / "state", datasets=datasets,
-                            policy=PolicySpec(allowed_models=tuple(allowed_models), **policy))
+                            policy=PolicySpec(allowed_models=tuple(allowed_models), **policy), training=training)
         agent = SiteAgent(config, backoff_cap_s=0.5)
         thread = threading.Thread(target=agent.run, daemon=True)
         thread.start()

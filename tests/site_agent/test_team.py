@@ -1,0 +1,222 @@
+"""Training spread over worker processes (site.yaml `training`, site_agent/team.py): real helper processes, real
+gloo collectives on loopback, the site's real heart-disease rows."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from plexus.config import DatasetSpec, NodesSpec, SiteConfig, TrainingSpec, _parse, dump_site_config, parse_round_config
+from plexus.datasets import load_for_job
+from plexus.errors import ConfigError
+from plexus.models import build_job_model, state_to_numpy
+from site_agent.local import gradient_correction, proximal_term
+from site_agent.team import Team, TeamError
+from site_agent.training import train_local
+
+from integration.harness import free_port
+
+JOB = """\
+name: team
+model: {name: mlp, args: {in_features: 13, hidden: [16]}}
+data: {dataset: heart-disease}
+rounds: 1
+strategy: {name: fedavg}
+train: {epochs: 2, batch_size: 16, optimizer: {name: sgd, lr: 0.05, momentum: 0.5}}
+seed: 3
+"""
+TOLERANCE = 1e-6
+
+
+def site(hospital: str = "cleveland", **training) -> SiteConfig:
+    return SiteConfig(site="a", coordinator="unused.invalid:1", kit=Path("unused"),
+                      datasets={"heart-disease": DatasetSpec(kind="heart-disease", hospital=hospital)},
+                      training=TrainingSpec(**training) if training else None)
+
+
+@pytest.fixture
+def job():
+    return parse_round_config(JOB)
+
+
+@pytest.fixture
+def rows(job):
+    split = load_for_job(site().datasets["heart-disease"], job.data)
+    return split.x_train, split.y_train
+
+
+def one_process(job, rows):
+    model = build_job_model(job)
+    return model, train_local(model, *rows, job.train, seed=5)
+
+
+def as_team(team, job, rows, make_kwargs=lambda model: {}):
+    model = build_job_model(job)
+    with team.session(JOB, "job-1", model):
+        result = train_local(model, *rows, job.train, seed=5, **make_kwargs(model))
+    return model, result
+
+
+def assert_close(a, b):
+    a, b = state_to_numpy(a), state_to_numpy(b)
+    assert sorted(a) == sorted(b)
+    worst = max(float(np.abs(a[k].astype(np.float64) - b[k]).max()) for k in a)
+    assert worst < TOLERANCE, worst
+
+
+@pytest.fixture
+def team():
+    made = []
+
+    def make(config):
+        made.append(Team(config))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.close()
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_n_workers_give_the_update_of_one_worker_with_the_whole_batch(job, rows, team, workers):
+    # 199 rows in batches of 16: the last batch of each pass (7 rows) splits unevenly over the workers too.
+    alone, alone_result = one_process(job, rows)
+    spread, spread_result = as_team(team(site(workers=workers)), job, rows)
+    assert_close(alone, spread)
+    assert spread_result.steps == alone_result.steps and spread_result.num_samples == alone_result.num_samples == 199
+    assert spread_result.metrics["train_loss"] == pytest.approx(alone_result.metrics["train_loss"], rel=1e-6)
+    # and the weights did move: training happened
+    assert not np.array_equal(state_to_numpy(spread)["layers.0.weight"], state_to_numpy(build_job_model(job))["layers.0.weight"])
+
+
+def test_fedprox_and_scaffold_site_halves_train_the_same_spread_over_workers(job, rows, team):
+    anchor = {k: v + 0.1 for k, v in state_to_numpy(build_job_model(job)).items()}
+    rng = np.random.default_rng(0)
+    correction = {k: rng.normal(0, 0.05, v.shape).astype(np.float32) for k, v in anchor.items()}
+
+    def halves(model):
+        return {"loss_term": proximal_term(model, anchor, 0.5), "grad_hook": gradient_correction(model, correction)}
+
+    alone = build_job_model(job)
+    train_local(alone, *rows, job.train, seed=5, **halves(alone))
+    spread, _ = as_team(team(site(workers=2)), job, rows, halves)
+    assert_close(alone, spread)
+    plain, _ = one_process(job, rows)
+    assert not np.allclose(state_to_numpy(plain)["layers.0.weight"], state_to_numpy(spread)["layers.0.weight"])
+
+
+def test_a_loss_term_the_workers_cannot_rebuild_is_refused(job, rows, team):
+    with pytest.raises(ConfigError, match="cannot be rebuilt at the other workers"):
+        as_team(team(site(workers=2)), job, rows, lambda model: {"loss_term": lambda: torch.zeros(())})
+
+
+def test_a_worker_killed_mid_task_fails_the_task_and_the_next_task_runs(job, rows, team):
+    crew = team(site(workers=2, timeout_s=60))
+    as_team(crew, job, rows)   # the helper is up and has the data
+    helper = crew.helpers[0]
+    many = parse_round_config(JOB.replace("epochs: 2", "epochs: 400"))
+    model = build_job_model(many)
+    killer = _kill_when_training(crew, helper)
+    started = time.monotonic()
+    with pytest.raises(TeamError, match="the training team failed"):
+        with crew.session(JOB.replace("epochs: 2", "epochs: 400"), "job-1", model):
+            train_local(model, *rows, many.train, seed=5)
+    assert time.monotonic() - started < 30   # the peer's death is seen at once, not at timeout_s
+    killer.join()
+    assert helper.poll() == -signal.SIGKILL
+    again, _ = as_team(crew, job, rows)   # a new helper, the same result
+    assert crew.helpers[0].pid != helper.pid
+    alone, _ = one_process(job, rows)
+    assert_close(alone, again)
+    crew.close()
+    assert all(p.poll() is not None for p in crew.helpers) and not crew.helpers
+
+
+def _kill_when_training(crew, helper):
+    import threading
+
+    def kill():
+        session = crew.store.add("sessions", 0) + 1
+        while not crew.store.check([f"work/{session}"]):
+            time.sleep(0.01)
+        time.sleep(1.0)   # inside the training loop by now
+        os.kill(helper.pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=kill)
+    thread.start()
+    return thread
+
+
+def _node(tmp_path, config: SiteConfig) -> subprocess.Popen:
+    path = tmp_path / "node.yaml"
+    path.write_text(dump_site_config(config))
+    return subprocess.Popen([sys.executable, "-m", "plexus", "site", "node", "--config", str(path)],
+                            stdout=open(tmp_path / "node.log", "ab"), stderr=subprocess.STDOUT)
+
+
+def _stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def test_two_nodes_on_loopback_train_as_one_worker_does(job, rows, team, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    nodes = dict(workers=1, interface="lo", timeout_s=60)
+    crew = team(site(**nodes, nodes=NodesSpec(count=2, rank=0, address=address)))
+    crew._start()   # node 0 listens before node 1 dials
+    node = _node(tmp_path, site(**nodes, nodes=NodesSpec(count=2, rank=1, address=address)))
+    try:
+        spread, _ = as_team(crew, job, rows)
+        alone, _ = one_process(job, rows)
+        assert_close(alone, spread)
+    finally:
+        _stop(node)
+    assert node.returncode == 0, (tmp_path / "node.log").read_text()
+
+
+def test_a_node_whose_data_differs_fails_the_task_with_the_reason(job, rows, team, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    nodes = dict(workers=1, interface="lo", timeout_s=60)
+    crew = team(site(**nodes, nodes=NodesSpec(count=2, rank=0, address=address)))
+    crew._start()
+    node = _node(tmp_path, site("va", **nodes, nodes=NodesSpec(count=2, rank=1, address=address)))
+    try:
+        with pytest.raises(TeamError, match="rank 1: dataset 'heart-disease' here holds .* give every node the same"):
+            as_team(crew, job, rows)
+    finally:
+        _stop(node)
+
+
+def test_site_node_refuses_node_zero_and_the_agent_refuses_other_nodes(tmp_path):
+    address = "127.0.0.1:1"
+    with pytest.raises(ConfigError, match="the site agent runs on node 0"):
+        Team(site(workers=1, nodes=NodesSpec(count=2, rank=1, address=address)))
+    path = tmp_path / "zero.yaml"
+    path.write_text(dump_site_config(site(workers=2)))
+    done = subprocess.run([sys.executable, "-m", "plexus", "site", "node", "--config", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "training.nodes with rank 1 or more" in done.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ("training: {backend: nccl}", "nccl runs on GPUs only"),
+    ("training: {workers: 0}", "training.workers"),
+    ("training: {nodes: {count: 2, rank: 2, address: 'h:1'}}", "rank 2 is not below count 2"),
+    ("training: {device: tpu}", "training.device"),
+])
+def test_bad_training_sections_are_refused_with_the_key(text, message):
+    with pytest.raises(ConfigError, match=message):
+        _parse(f"site: a\ncoordinator: h:1\nkit: k\n{text}\n", SiteConfig, "site.yaml")
