@@ -755,6 +755,11 @@ class TrainingSpec:
     # A worker that does not answer a collective (or join a task) within this fails the task.
     timeout_s: float = field(default=300.0, metadata=in_range(0, 86400, lo_open=True))
 
+    @property
+    def world(self) -> int:
+        """The team's workers on all its nodes."""
+        return self.workers * (self.nodes.count if self.nodes is not None else 1)
+
 
 @dataclass(frozen=True, slots=True)
 class SiteConfig:

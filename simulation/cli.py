@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from plexus.cli.common import UsageError
@@ -127,6 +128,10 @@ def _sites(args, dataset: str) -> dict:
             config = load_site_config(path)
             if config.site in configs:
                 raise UsageError(f"site {config.site!r} is given twice ({path}); each --site names another site")
+            if config.training is not None and config.training.world > 1:
+                print(f"note: site {config.site!r} trains with several workers (training: in {path}); a virtual "
+                      "site trains in one process, which gives the same update to float tolerance (not bit for "
+                      "bit)", file=sys.stderr)
             configs[config.site] = config
         return configs
     if not args.data:

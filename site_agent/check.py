@@ -44,6 +44,11 @@ def check_site(config: SiteConfig, *, job: RoundConfig | None = None, dataset: s
     if config.emulation is not None:
         lines.append(f"EMULATION ONLY: emulation.slowdown {config.emulation.slowdown:g} stretches every training "
                      "task; remove `emulation:` at any real site (docs/install-site.md)")
+    if (training := config.training) is not None and training.world > 1:
+        where = (f"{training.nodes.count} nodes (this is node {training.nodes.rank}; rendezvous "
+                 f"{training.nodes.address})" if training.nodes is not None else "this machine")
+        lines.append(f"training: {training.workers} {training.backend} workers on {training.device} per node, "
+                     f"{training.world} in all on {where}; DP-SGD jobs are declined (docs/install-site.md)")
     for name in names:
         lines.append("")
         if name not in config.datasets:

@@ -62,13 +62,9 @@ class TeamError(RuntimeError):
     """A session could not run or finish: a rank failed, died or did not answer in time."""
 
 
-def world_size(spec: TrainingSpec) -> int:
-    return spec.workers * (spec.nodes.count if spec.nodes is not None else 1)
-
-
 def spreads(spec: TrainingSpec | None) -> bool:
     """Whether a site trains with more than one process."""
-    return spec is not None and world_size(spec) > 1
+    return spec is not None and spec.world > 1
 
 
 def _threads(spec: TrainingSpec) -> int:
@@ -247,7 +243,7 @@ class Team:
         if self.spec.nodes is not None and self.spec.nodes.rank != 0:
             raise ConfigError(f"this site.yaml is node {self.spec.nodes.rank}'s (training.nodes.rank); the site "
                               "agent runs on node 0: run `plexus site node --config` here instead")
-        self.world = world_size(self.spec)
+        self.world = self.spec.world
         self.store = None
         self.helpers: list[subprocess.Popen] = []
         self._digests: dict[int, tuple[np.ndarray, str]] = {}
@@ -386,7 +382,7 @@ class Helper:
 
     def __init__(self, config: SiteConfig, rank: int, store_address: str):
         self.config, self.spec, self.rank = config, config.training, rank
-        self.world = world_size(self.spec)
+        self.world = self.spec.world
         self.local = rank % self.spec.workers
         host, port = split_address(store_address)
         self.store = dist.TCPStore(host, port, world_size=None, is_master=False,

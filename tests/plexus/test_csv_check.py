@@ -84,6 +84,18 @@ def test_an_emulated_slowdown_is_printed_first(tmp_path, capsys):
                           "training task; remove `emulation:` at any real site (docs/install-site.md)\n")
 
 
+def test_a_training_team_is_printed(tmp_path, capsys):
+    shutil.copy(TRIAGE / "ward-a.csv", tmp_path / "ward.csv")
+    (tmp_path / "site.yaml").write_text(
+        "site: ward-f\ncoordinator: 'c.example.org:8443'\nkit: kit\n"
+        "training: {workers: 2, nodes: {count: 3, rank: 0, address: '10.0.0.5:29500'}}\n"
+        "datasets:\n  triage: {kind: csv, path: ward.csv, label: outcome}\n")
+    code, out = _check(capsys, "--config", tmp_path / "site.yaml")
+    assert code == 0
+    assert ("training: 2 gloo workers on cpu per node, 6 in all on 3 nodes (this is node 0; rendezvous "
+            "10.0.0.5:29500); DP-SGD jobs are declined (docs/install-site.md)\n") in out
+
+
 STATISTICS = """\
 name: ward-stats
 kind: statistics

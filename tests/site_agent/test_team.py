@@ -220,3 +220,17 @@ def test_site_node_refuses_node_zero_and_the_agent_refuses_other_nodes(tmp_path)
 def test_bad_training_sections_are_refused_with_the_key(text, message):
     with pytest.raises(ConfigError, match=message):
         _parse(f"site: a\ncoordinator: h:1\nkit: k\n{text}\n", SiteConfig, "site.yaml")
+
+
+def test_an_ensemble_members_training_is_spread_over_workers(rows, team):
+    text = JOB.replace("strategy: {name: fedavg}", "strategy: {name: ensemble, args: {members: [h1, a]}}")
+    job = parse_round_config(text)
+    alone = build_job_model(job)
+    train_local(alone.members[1], *rows, job.train, seed=5)
+    spread = build_job_model(job)
+    crew = team(site(workers=2))
+    with crew.session(text, "job-1", spread):
+        train_local(spread.members[1], *rows, job.train, seed=5)
+    assert_close(alone, spread)
+    untouched = state_to_numpy(build_job_model(job).members[0])
+    assert all(np.array_equal(v, state_to_numpy(spread.members[0])[k]) for k, v in untouched.items())
