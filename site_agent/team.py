@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -245,6 +246,7 @@ class Team:
                               "agent runs on node 0: run `plexus site node --config` here instead")
         self.world = self.spec.world
         self.store = None
+        self._listener: socket.socket | None = None
         self.helpers: list[subprocess.Popen] = []
         self._digests: dict[int, tuple[np.ndarray, str]] = {}
         self._lock = threading.Lock()
@@ -252,8 +254,12 @@ class Team:
     def _start(self) -> None:
         if self.store is None:
             host, port = split_address(self.spec.nodes.address) if self.spec.nodes is not None else ("127.0.0.1", 0)
+            # Bound here, to that address only: torch's own store server would listen on every interface.
+            self._listener = socket.create_server((host, port), backlog=128)
+            port = self._listener.getsockname()[1]
             self.store = dist.TCPStore(host, port, world_size=None, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=self.spec.timeout_s))
+                                       timeout=datetime.timedelta(seconds=self.spec.timeout_s),
+                                       master_listen_fd=self._listener.fileno())
             log.info("training team of %d workers: rendezvous on %s:%d", self.world, host, self.store.port)
         alive = [p for p in self.helpers if p.poll() is None]
         if len(alive) == len(self.helpers) == self.spec.workers - 1:

@@ -234,3 +234,23 @@ def test_an_ensemble_members_training_is_spread_over_workers(rows, team):
     assert_close(alone, spread)
     untouched = state_to_numpy(build_job_model(job).members[0])
     assert all(np.array_equal(v, state_to_numpy(spread.members[0])[k]) for k, v in untouched.items())
+
+
+def test_the_rendezvous_listens_on_loopback_only(job, rows, team):
+    crew = team(site(workers=2))
+    crew._start()
+    port = crew.store.port
+    assert crew._listener.getsockname()[:2] == ("127.0.0.1", port)
+    assert _listening(port) == ["0100007F"]   # 127.0.0.1, and no socket on every interface (0.0.0.0 or ::)
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net shows them) with a socket listening on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hexport = local.partition(":")
+            if state == "0A" and int(hexport, 16) == port:
+                found.append(address)
+    return found
