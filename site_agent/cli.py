@@ -75,12 +75,11 @@ def _run(args) -> int:
 
 def _node(args) -> int:
     import logging
+    import threading
 
     from plexus.config import load_site_config
     from plexus.shutdown import StopSignals
     from site_agent.team import run_node
-
-    import threading
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = load_site_config(args.config)

@@ -8,7 +8,8 @@ others) that wait for work on a rendezvous store (torch's TCPStore, hosted by th
 
 One training task is one session: rank 0 publishes what to train (the job's YAML, the dataset name, the seed,
 the steps, the strategy's proximal weight or gradient correction: JSON, never pickle), every rank loads the
-job's model and the site's data itself, and the ranks form a fresh process group for the session. DDP gives
+job's model and the site's data itself and says it is ready (or why it cannot be), rank 0 tells them all to
+go on or to stand down, and the ranks form a fresh process group for the session. DDP gives
 every rank rank 0's weights and averages the gradients. The batches are those of one-process training
 (site_agent.training.train_local, the same seeded order and batch size): rank r takes every world-th row of
 each batch and weighs its loss sum by world / batch rows, so the averaged gradient is the gradient of the
@@ -43,20 +44,26 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from plexus.config import SiteConfig, TrainingSpec, dump_site_config, load_site_config, parse_round_config, split_address
+from plexus.config import (
+    SiteConfig,
+    TrainingSpec,
+    dump_site_config,
+    load_site_config,
+    parse_round_config,
+    split_address,
+)
 from plexus.datasets import load_for_job
 from plexus.errors import ConfigError
-from plexus.models import build_job_model, seeded
+from plexus.models import build_job_model
 from site_agent import training
 from site_agent.local import GradientCorrection, ProximalTerm
 
 log = logging.getLogger("plexus.site.team")
 
-WAIT_SLICE_S = 5.0   # a helper waiting for work looks up (its parent, a stop) this often
+POLL_S = 0.05        # how often a rank waiting on the rendezvous store looks again
 
 
 class TeamError(RuntimeError):
@@ -140,42 +147,12 @@ def _run_ranks(module: nn.Module, xt: torch.Tensor, yt: torch.Tensor, train: Any
     whole team over what train_local reports (the last pass, or every step in steps mode). `correction`: rank
     0's FedProx anchor and SCAFFOLD correction, which the other ranks receive."""
     make_optimizer = training.OPTIMIZERS[train.optimizer.name]   # checked by training._prepare at every rank
-    n = len(yt)
-    steps = training._step_budget(train, work.steps)
     ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = make_optimizer(module.parameters(), train.optimizer)
     term = ProximalTerm(module, _from_rank0(module, anchor), work.mu) if work.mu is not None else None
     hook = GradientCorrection(module, _from_rank0(module, correction)) if work.correction else None
-    per_pass = math.ceil(n / train.batch_size)
-    total = steps if steps is not None else train.epochs * per_pass
-    was_training = module.training
-    module.train()
-    taken, loss_sum, seen = 0, 0.0, 0
-    forked = [device.index or 0] if device.type == "cuda" else []
-    try:
-        with seeded(work.seed + rank, devices=forked):
-            order = torch.Generator().manual_seed(work.seed)
-            for batch in _islice(training._batches(n, train.batch_size, order, device), total):
-                if steps is None and taken % per_pass == 0:
-                    loss_sum, seen = 0.0, 0
-                mine = batch[rank::world]
-                logits = ddp(xt[mine])
-                if taken == 0:
-                    training._check_labels(yt, logits)
-                loss = F.cross_entropy(logits, yt[mine], reduction="sum")
-                objective = loss * (world / len(batch))   # DDP averages over ranks: the batch's mean loss
-                if term is not None:
-                    objective = objective + term()
-                optimizer.zero_grad(set_to_none=True)
-                objective.backward()
-                if hook is not None:
-                    hook()
-                optimizer.step()
-                taken += 1
-                loss_sum += loss.item()
-                seen += len(mine)
-    finally:
-        module.train(was_training)
+    taken, loss_sum, seen = training.minibatch_steps(
+        ddp, module, xt, yt, train, make_optimizer(module.parameters(), train.optimizer), seed=work.seed,
+        steps=training._step_budget(train, work.steps), loss_term=term, grad_hook=hook, rank=rank, world=world)
     totals = torch.tensor([loss_sum, float(seen)], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     return taken, float(totals[0]), int(totals[1])
@@ -189,13 +166,6 @@ def _from_rank0(module: nn.Module, values: dict[str, torch.Tensor] | None) -> di
             value.copy_(values[name])
         dist.broadcast(value, src=0)
     return mine
-
-
-def _islice(iterator, count: int):
-    for index, item in enumerate(iterator):
-        if index >= count:
-            return
-        yield item
 
 
 def _device(spec: TrainingSpec, local_rank: int) -> torch.device:
@@ -213,20 +183,17 @@ def _join(spec: TrainingSpec, store, work_session: int, rank: int, world: int, d
                             device_id=device if device.type == "cuda" else None)
 
 
-def _agree(problem: str, store, session: int, rank: int, device: torch.device) -> list[str]:
-    """Every rank says whether it could prepare the session; the problems of all ranks (empty: go on)."""
-    if problem:
-        store.set(f"problem/{session}/{rank}", problem)
-    flag = torch.tensor([1.0 if problem else 0.0], device=device)
-    dist.all_reduce(flag)
-    if not float(flag[0]):
-        return []
-    problems = []
-    for other in range(dist.get_world_size()):
-        key = f"problem/{session}/{other}"
-        if store.check([key]):
-            problems.append(f"rank {other}: {store.get(key).decode()}")
-    return problems
+def _poll(store, keys: list[str], deadline: float, alive: Callable[[], str | None] = lambda: None) -> None:
+    """Wait until every key is set on the store; TeamError if `alive()` names a reason to stop (a worker ended)
+    or at `deadline` (monotonic). Polls: torch's store.wait logs a warning at every timeout it sees."""
+    while not store.check(keys):
+        if (reason := alive()) is not None:
+            raise TeamError(reason)
+        if time.monotonic() > deadline:
+            missing = [key for key in keys if not store.check([key])]
+            raise TeamError(f"no answer on the team's rendezvous for {', '.join(missing)} within training.timeout_s; "
+                            "is every node's `plexus site node` running, with the same site.yaml training section?")
+        time.sleep(POLL_S)
 
 
 def _leave() -> None:
@@ -291,6 +258,29 @@ class Team:
             finally:
                 training.TEAM.reset(token)
 
+    def gather(self, session: int, deadline: float) -> None:
+        """Wait until every other rank has prepared `session` (loaded the model and its rows), watching this
+        machine's helpers; then tell them all to go on, or (a rank could not prepare, one ended, time ran out)
+        to stand down, and raise TeamError with the reason."""
+        keys = [f"ready/{session}/{rank}" for rank in range(1, self.world)]
+
+        def alive() -> str | None:
+            for local, proc in enumerate(self.helpers, start=1):
+                if proc.poll() is not None:
+                    return f"worker rank {local} (PID {proc.pid}) ended with status {proc.returncode} before the task"
+            return None
+
+        try:
+            _poll(self.store, keys, deadline, alive)
+            problems = [f"rank {rank}: {text}" for rank, key in enumerate(keys, start=1)
+                        if (text := self.store.get(key).decode())]
+            if problems:
+                raise TeamError("the training team could not start this task: " + "; ".join(problems))
+        except TeamError:
+            self.store.set(f"go/{session}", "0")
+            raise
+        self.store.set(f"go/{session}", "1")
+
     def digest(self, x: np.ndarray, y: np.ndarray) -> str:
         key = id(x)
         if key not in self._digests or self._digests[key][0] is not x:
@@ -328,10 +318,8 @@ class _Session:
                 torch.set_num_threads(_threads(spec))
                 model.to(device)
                 try:
+                    team.gather(session, started + spec.timeout_s)
                     _join(spec, store, session, 0, team.world, device)
-                    problems = _agree("", store, session, 0, device)
-                    if problems:
-                        raise TeamError("the training team could not start this task: " + "; ".join(problems))
                     taken, loss_sum, seen = _run_ranks(
                         model, xt.to(device), yt.to(device), train, work, rank=0, world=team.world, device=device,
                         anchor=loss_term.anchor if loss_term is not None else None,
@@ -400,7 +388,8 @@ class Helper:
         torch.set_num_threads(_threads(self.spec))
         session = self._first_session()
         while not self.stop.is_set():
-            if not self._wait(f"work/{session}"):
+            if not self.store.check([f"work/{session}"]):
+                time.sleep(POLL_S)
                 continue
             try:
                 self._session(Work.from_json(self.store.get(f"work/{session}")))
@@ -417,13 +406,6 @@ class Helper:
             return current
         return current + 1
 
-    def _wait(self, key: str) -> bool:
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=WAIT_SLICE_S))
-            return True
-        except dist.DistStoreError:   # not yet; look again (and at `stop`)
-            return False
-
     def _session(self, work: Work) -> None:
         device = _device(self.spec, self.local)
         problem, module, xt, yt, job = "", None, None, None, None
@@ -438,10 +420,12 @@ class Helper:
                 _, xt, yt, _ = training._prepare(module, x, y, job.train)
         except Exception as exc:   # told to rank 0, which fails the task with it
             problem = f"{type(exc).__name__}: {_first_line(exc)}"
+        self.store.set(f"ready/{work.session}/{self.rank}", problem)
+        _poll(self.store, [f"go/{work.session}"], time.monotonic() + self.spec.timeout_s)
+        if problem or self.store.get(f"go/{work.session}") != b"1":
+            return
         with _environment(self.spec):
             _join(self.spec, self.store, work.session, self.rank, self.world, device)
-            if _agree(problem, self.store, work.session, self.rank, device):
-                return
             _run_ranks(module, xt, yt, job.train, work, rank=self.rank, world=self.world, device=device)
 
     def _rows(self, job) -> tuple[np.ndarray, np.ndarray]:

@@ -90,42 +90,63 @@ def train_local(model: nn.Module, x: np.ndarray, y: np.ndarray, train: Any, *, s
         return team.train(model, x, y, train, seed=seed, steps=_step_budget(train, steps), loss_term=loss_term,
                           grad_hook=grad_hook)
     make_optimizer, xt, yt, n = _prepare(model, x, y, train)
-    steps = _step_budget(train, steps)
-    device = xt.device
     optimizer = make_optimizer(model.parameters(), train.optimizer)
+    taken, loss_sum, seen = minibatch_steps(model, model, xt, yt, train, optimizer, seed=seed,
+                                            steps=_step_budget(train, steps), loss_term=loss_term, grad_hook=grad_hook)
+    train_loss = loss_sum / seen
+    if not math.isfinite(train_loss):
+        raise ValueError(f"training diverged (train_loss={train_loss}); lower the learning rate")
+    return TrainResult(num_samples=n, steps=taken, metrics={"train_loss": train_loss})
 
+
+def minibatch_steps(forward: Callable, model: nn.Module, xt: torch.Tensor, yt: torch.Tensor, train: Any,
+                    optimizer: torch.optim.Optimizer, *, seed: int, steps: int | None,
+                    loss_term: Callable | None = None, grad_hook: Callable | None = None, rank: int = 0,
+                    world: int = 1) -> tuple[int, float, int]:
+    """train_local's loop: (steps taken, loss sum, rows) over the last pass (every step in steps mode).
+
+    `forward` is the model, or its DistributedDataParallel wrapper in a training team (site_agent/team.py):
+    there rank `rank` of `world` takes every world-th row of each batch and weighs its loss sum by
+    world / batch rows, so the gradients DDP averages are those of the whole batch's mean loss.
+    """
+    n = len(yt)
     per_pass = math.ceil(n / train.batch_size)
     total = steps if steps is not None else train.epochs * per_pass
+    device = xt.device
     was_training = model.training
     model.train()
     taken, loss_sum, seen = 0, 0.0, 0
     # Dropout draws from the global RNG: seed a fork of it so the caller's stream is untouched.
     forked = [device.index or 0] if device.type == "cuda" else []
     try:
-        with seeded(seed, devices=forked):
+        with seeded(seed + rank, devices=forked):
             order_rng = torch.Generator().manual_seed(seed)
             for batch in itertools.islice(_batches(n, train.batch_size, order_rng, device), total):
                 if steps is None and taken % per_pass == 0:  # epochs mode reports the last pass only
                     loss_sum, seen = 0.0, 0
-                logits = model(xt[batch])
+                rows = batch if world == 1 else batch[rank::world]
+                logits = forward(xt[rows])
                 if taken == 0:
                     _check_labels(yt, logits)
-                loss = F.cross_entropy(logits, yt[batch])
-                objective = loss if loss_term is None else loss + loss_term()
+                if world == 1:
+                    loss = F.cross_entropy(logits, yt[rows])
+                    objective, rows_loss = loss, loss.item() * len(rows)
+                else:
+                    loss = F.cross_entropy(logits, yt[rows], reduction="sum")
+                    objective, rows_loss = loss * (world / len(batch)), loss.item()
+                if loss_term is not None:
+                    objective = objective + loss_term()
                 optimizer.zero_grad(set_to_none=True)
                 objective.backward()
                 if grad_hook is not None:
                     grad_hook()
                 optimizer.step()
                 taken += 1
-                loss_sum += loss.item() * len(batch)
-                seen += len(batch)
+                loss_sum += rows_loss
+                seen += len(rows)
     finally:
         model.train(was_training)
-    train_loss = loss_sum / seen
-    if not math.isfinite(train_loss):
-        raise ValueError(f"training diverged (train_loss={train_loss}); lower the learning rate")
-    return TrainResult(num_samples=n, steps=taken, metrics={"train_loss": train_loss})
+    return taken, loss_sum, seen
 
 
 def _batches(n: int, batch_size: int, rng: torch.Generator, device: torch.device) -> Iterator[torch.Tensor]:

@@ -30,6 +30,15 @@ STRATEGIES = {"fedavg": "", "fedprox": ", args: {mu: 0.1}", "scaffold": ""}
 TOLERANCE = 1e-5
 
 
+def own_client(port: int):
+    """A connection of the test's own to a team's rendezvous store."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+
+
 def job(name: str, strategy: str = "fedavg", *, rounds: int = 2, min: int = 2, epochs: int = 2, extra: str = "") -> str:
     return JOB.format(name=name, strategy=strategy, args=STRATEGIES.get(strategy, ""), rounds=rounds, min=min,
                       epochs=epochs, extra=extra)
@@ -93,8 +102,9 @@ def test_a_worker_killed_mid_task_is_the_sites_failure_and_the_round_goes_on(fed
     killed: list[int] = []
 
     def kill_in_first_session():
-        wait_until(lambda: agent.team.store is not None and agent.team.helpers
-                   and agent.team.store.check(["work/1"]), 60, "the first training session")
+        wait_until(lambda: agent.team.store is not None and agent.team.helpers, 60, "the training team")
+        store = own_client(agent.team.store.port)   # the agent's store client is its thread's alone
+        wait_until(lambda: store.check(["go/1"]), 60, "the first training session to start")
         time.sleep(1.0)   # inside its training loop by now
         killed.append(agent.team.helpers[0].pid)
         os.kill(killed[0], signal.SIGKILL)

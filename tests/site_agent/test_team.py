@@ -3,6 +3,8 @@ gloo collectives on loopback, the site's real heart-disease rows."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import os
 import signal
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from plexus.config import DatasetSpec, NodesSpec, SiteConfig, TrainingSpec, _parse, dump_site_config, parse_round_config
 from plexus.datasets import load_for_job
@@ -94,7 +97,8 @@ def test_n_workers_give_the_update_of_one_worker_with_the_whole_batch(job, rows,
     assert spread_result.steps == alone_result.steps and spread_result.num_samples == alone_result.num_samples == 199
     assert spread_result.metrics["train_loss"] == pytest.approx(alone_result.metrics["train_loss"], rel=1e-6)
     # and the weights did move: training happened
-    assert not np.array_equal(state_to_numpy(spread)["layers.0.weight"], state_to_numpy(build_job_model(job))["layers.0.weight"])
+    start = state_to_numpy(build_job_model(job))["layers.0.weight"]
+    assert not np.array_equal(state_to_numpy(spread)["layers.0.weight"], start)
 
 
 def test_fedprox_and_scaffold_site_halves_train_the_same_spread_over_workers(job, rows, team):
@@ -143,9 +147,11 @@ def test_a_worker_killed_mid_task_fails_the_task_and_the_next_task_runs(job, row
 def _kill_when_training(crew, helper):
     import threading
 
+    store = dist.TCPStore("127.0.0.1", crew.store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    session = store.add("sessions", 0) + 1   # a connection of its own: the team's is the training thread's
+
     def kill():
-        session = crew.store.add("sessions", 0) + 1
-        while not crew.store.check([f"work/{session}"]):
+        while not store.check([f"go/{session}"]):
             time.sleep(0.01)
         time.sleep(1.0)   # inside the training loop by now
         os.kill(helper.pid, signal.SIGKILL)
@@ -254,3 +260,26 @@ def _listening(port: int) -> list[str]:
             if state == "0A" and int(hexport, 16) == port:
                 found.append(address)
     return found
+
+
+def test_a_worker_that_never_gets_ready_fails_the_task_at_its_timeout_or_death(job, rows, team):
+    crew = team(site(workers=2, timeout_s=3))
+    as_team(crew, job, rows)
+    helper = crew.helpers[0]
+    os.kill(helper.pid, signal.SIGSTOP)   # alive, but it will not answer
+    try:
+        started = time.monotonic()
+        with pytest.raises(TeamError, match="no answer on the team's rendezvous for ready/2/1 within"):
+            as_team(crew, job, rows)
+        assert 3 <= time.monotonic() - started < 20
+        import threading
+
+        threading.Timer(1.0, os.kill, (helper.pid, signal.SIGKILL)).start()
+        crew.spec = dataclasses.replace(crew.spec, timeout_s=120)   # now its death, not the clock, ends the wait
+        started = time.monotonic()
+        with pytest.raises(TeamError, match=rf"worker rank 1 \(PID {helper.pid}\) ended with status -9 before"):
+            as_team(crew, job, rows)
+        assert time.monotonic() - started < 20
+    finally:
+        if helper.poll() is None:
+            helper.kill()
