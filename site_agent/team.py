@@ -486,11 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", required=True, help="HOST:PORT of the team's rendezvous store")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
-    config = _read_config(sys.stdin.buffer)
-    helper = Helper(config, args.rank, args.store)
-    threading.Thread(target=_watch_parent, args=(sys.stdin.buffer, lambda: os._exit(0)), daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    helper.serve()
+    config = _read_config(sys.stdin.buffer)
+    # Before anything that may wait (the store's address may not answer yet): a parent that is gone ends us.
+    threading.Thread(target=_watch_parent, args=(sys.stdin.buffer, lambda: os._exit(0)), daemon=True).start()
+    Helper(config, args.rank, args.store).serve()
     return 0
 
 

@@ -188,9 +188,11 @@ def test_two_nodes_on_loopback_train_as_one_worker_does(job, rows, team, tmp_pat
         spread, _ = as_team(crew, job, rows)
         alone, _ = one_process(job, rows)
         assert_close(alone, spread)
+        assert len(_running(f"--store {address}")) == 1   # node 1's one worker
     finally:
         _stop(node)
     assert node.returncode == 0, (tmp_path / "node.log").read_text()
+    assert _running(f"--store {address}") == []   # it ended its workers
 
 
 def test_a_node_whose_data_differs_fails_the_task_with_the_reason(job, rows, team, tmp_path):
@@ -283,3 +285,41 @@ def test_a_worker_that_never_gets_ready_fails_the_task_at_its_timeout_or_death(j
     finally:
         if helper.poll() is None:
             helper.kill()
+
+
+def _running(needle: str) -> list[int]:
+    """PIDs of live (not zombie) processes whose command line contains `needle`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_helpers_end_when_their_agent_is_killed(tmp_path):
+    config = tmp_path / "site.yaml"
+    config.write_text(dump_site_config(site(workers=3)))
+    script = ("import sys, time\nfrom plexus.config import load_site_config\nfrom site_agent.team import Team\n"
+              f"team = Team(load_site_config({str(config)!r}))\nteam._start()\n"
+              "print(team.store.port, *[p.pid for p in team.helpers], flush=True)\ntime.sleep(600)\n")
+    agent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        port, *helpers = map(int, agent.stdout.readline().split())
+        assert len(helpers) == 2 and sorted(_running(f"--store 127.0.0.1:{port}")) == sorted(helpers)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 30
+        while _running(f"--store 127.0.0.1:{port}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _running(f"--store 127.0.0.1:{port}") == []
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
