@@ -124,3 +124,19 @@ def test_a_worker_killed_mid_task_is_the_sites_failure_and_the_round_goes_on(fed
     with pytest.raises(ProcessLookupError):
         os.kill(killed[0], 0)
     assert not agent.team.helpers
+
+
+def test_a_site_with_workers_trains_in_secure_aggregation_and_dp_fedavg_rounds(federation):
+    agent = federation.start_site("a", training=TrainingSpec(workers=2))
+    for name in "bc":
+        federation.start_site(name)
+    federation.wait_online("a", "b", "c")
+    admin = federation.admin()
+    jobs = {"secure": "privacy: {secure_aggregation: true, secagg: {clip: 4.0}}\n",
+            "dpfedavg": "privacy: {dp: {mode: central, noise_multiplier: 0.5, clip_norm: 1.0}}\n"}
+    for name, privacy in jobs.items():
+        job_id = admin.submit(job(name, rounds=1, min=3, extra=privacy)).job_id
+        assert federation.wait_job(job_id, timeout=120) == "completed", (name, admin.job(job_id).summary.message)
+        (round1,) = [r for r in admin.job(job_id).rounds if r.round == 1]
+        assert list(round1.contributors) == ["a", "b", "c"], name
+    assert agent.team.store.add("sessions", 0) == len(jobs)   # a trained both as a team
