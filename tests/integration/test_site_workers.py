@@ -111,7 +111,7 @@ def test_a_worker_killed_mid_task_is_the_sites_failure_and_the_round_goes_on(fed
 
     killer = threading.Thread(target=kill_in_first_session)
     killer.start()
-    job_id = admin.submit(job("killed", rounds=2, min=1, epochs=300)).job_id
+    job_id = admin.submit(job("killed", rounds=2, min=1, epochs=150)).job_id
     killer.join()
     assert federation.wait_job(job_id, timeout=180) == "completed"
     events = admin.job(job_id).site_events
