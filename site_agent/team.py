@@ -222,7 +222,12 @@ class Team:
         if self.store is None:
             host, port = split_address(self.spec.nodes.address) if self.spec.nodes is not None else ("127.0.0.1", 0)
             # Bound here, to that address only: torch's own store server would listen on every interface.
-            self._listener = socket.create_server((host, port), backlog=128)
+            try:
+                self._listener = socket.create_server((host, port), backlog=128)
+            except OSError as exc:
+                raise ConfigError(f"the training team's rendezvous cannot listen on {host}:{port} "
+                                  f"(training.nodes.address): {exc.strerror or exc}; give an address of this machine "
+                                  "on the hospital network with a free port") from None
             port = self._listener.getsockname()[1]
             self.store = dist.TCPStore(host, port, world_size=None, is_master=True, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=self.spec.timeout_s),

@@ -323,3 +323,13 @@ def test_helpers_end_when_their_agent_is_killed(tmp_path):
         if agent.poll() is None:
             agent.kill()
             agent.wait()
+
+
+def test_a_rendezvous_address_that_cannot_be_listened_on_is_a_clear_error(job, rows, team):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        crew = team(site(workers=1, nodes=NodesSpec(count=2, rank=0, address=address)))
+        with pytest.raises(ConfigError, match=rf"cannot listen on {address} \(training.nodes.address\): .*free port"):
+            as_team(crew, job, rows)
