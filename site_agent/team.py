@@ -286,6 +286,12 @@ class Team:
             raise
         self.store.set(f"go/{session}", "1")
 
+    def forget(self, session: int) -> None:
+        """Drop an ended session's keys from the store, so that it does not grow with every task."""
+        for key in (f"work/{session}", f"go/{session}", f"done/{session}",
+                    *(f"ready/{session}/{rank}" for rank in range(1, self.world))):
+            self.store.delete_key(key)
+
     def digest(self, x: np.ndarray, y: np.ndarray) -> str:
         key = id(x)
         if key not in self._digests or self._digests[key][0] is not x:
@@ -311,6 +317,7 @@ class _Session:
         _, xt, yt, n = training._prepare(model, x, y, train)
         store = team.store
         session = store.add("sessions", 1)
+        team.forget(session - 1)   # done: its keys (the job's YAML among them) need not stay in the store
         work = Work(session=session, job_yaml=self.job_yaml, job_id=self.job_id, module=path, seed=seed,
                     steps=steps, mu=loss_term.mu if loss_term is not None else None, correction=grad_hook is not None,
                     rows=n, digest=team.digest(x, y))

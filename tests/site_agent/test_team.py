@@ -92,7 +92,11 @@ def team():
 def test_n_workers_give_the_update_of_one_worker_with_the_whole_batch(job, rows, team, workers):
     # 199 rows in batches of 16: the last batch of each pass (7 rows) splits unevenly over the workers too.
     alone, alone_result = one_process(job, rows)
-    spread, spread_result = as_team(team(site(workers=workers)), job, rows)
+    crew = team(site(workers=workers))
+    spread, spread_result = as_team(crew, job, rows)
+    again, _ = as_team(crew, job, rows)   # a second session, with the first one's keys dropped
+    assert_close(spread, again)
+    assert not crew.store.check(["work/1"]) and crew.store.check(["work/2"])
     assert_close(alone, spread)
     assert spread_result.steps == alone_result.steps and spread_result.num_samples == alone_result.num_samples == 199
     assert spread_result.metrics["train_loss"] == pytest.approx(alone_result.metrics["train_loss"], rel=1e-6)
