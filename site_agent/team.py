@@ -142,7 +142,8 @@ class Work:
 
 def _run_ranks(module: nn.Module, xt: torch.Tensor, yt: torch.Tensor, train: Any, work: Work, *, rank: int,
                world: int, device: torch.device, anchor: dict[str, torch.Tensor] | None = None,
-               correction: dict[str, torch.Tensor] | None = None) -> tuple[int, float, int]:
+               correction: dict[str, torch.Tensor] | None = None,
+               started: Callable[[], None] = lambda: None) -> tuple[int, float, int]:
     """Train `module` as rank `rank` of `world` in the current process group; (steps, loss sum, rows) of the
     whole team over what train_local reports (the last pass, or every step in steps mode). `correction`: rank
     0's FedProx anchor and SCAFFOLD correction, which the other ranks receive."""
@@ -150,6 +151,7 @@ def _run_ranks(module: nn.Module, xt: torch.Tensor, yt: torch.Tensor, train: Any
     ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
     term = ProximalTerm(module, _from_rank0(module, anchor), work.mu) if work.mu is not None else None
     hook = GradientCorrection(module, _from_rank0(module, correction)) if work.correction else None
+    started()   # the team is formed: its steps begin
     taken, loss_sum, seen = training.minibatch_steps(
         ddp, module, xt, yt, train, make_optimizer(module.parameters(), train.optimizer), seed=work.seed,
         steps=training._step_budget(train, work.steps), loss_term=term, grad_hook=hook, rank=rank, world=world)
@@ -288,7 +290,7 @@ class Team:
 
     def forget(self, session: int) -> None:
         """Drop an ended session's keys from the store, so that it does not grow with every task."""
-        for key in (f"work/{session}", f"go/{session}", f"done/{session}",
+        for key in (f"work/{session}", f"go/{session}", f"done/{session}", f"training/{session}",
                     *(f"ready/{session}/{rank}" for rank in range(1, self.world))):
             self.store.delete_key(key)
 
@@ -335,7 +337,8 @@ class _Session:
                     taken, loss_sum, seen = _run_ranks(
                         model, xt.to(device), yt.to(device), train, work, rank=0, world=team.world, device=device,
                         anchor=loss_term.anchor if loss_term is not None else None,
-                        correction=grad_hook.correction if grad_hook is not None else None)
+                        correction=grad_hook.correction if grad_hook is not None else None,
+                        started=lambda: store.set(f"training/{session}", "1"))
                 except TeamError:
                     raise
                 except (RuntimeError, dist.DistBackendError, dist.DistNetworkError) as exc:
