@@ -26,10 +26,10 @@ __all__ = [
     "AdminConfig", "Cell", "CompressionSpec", "CoordinatorConfig", "DownlinkSpec", "DPSGDSpec", "DPSpec", "DataSpec",
     "DatasetSpec", "EmulationSpec",
     "FeatureSpec", "GroupSpec", "LBFGSArgs", "LabelSpec", "ModelSpec", "NewtonArgs",
-    "OptimizerSpec", "PolicySpec", "PrivacySpec", "RoundConfig", "SUMMING_STRATEGIES", "SiteConfig", "SitesSpec",
-    "StatColumnSpec", "StatDPSpec", "StatisticsSpec", "StrategySpec", "TrainSpec", "UplinkSpec", "dump_round_config",
+    "OptimizerSpec", "PolicySpec", "PrivacySpec", "RelayConfig", "RoundConfig", "SUMMING_STRATEGIES", "SiteConfig", "SitesSpec",
+    "StatColumnSpec", "StatDPSpec", "StatisticsSpec", "StrategySpec", "TierSpec", "TrainSpec", "UplinkSpec", "dump_round_config",
     "dump_site_config",
-    "load_admin_config", "load_coordinator_config", "load_round_config", "load_site_config", "parse_round_config",
+    "load_admin_config", "load_coordinator_config", "load_relay_config", "load_round_config", "load_site_config", "parse_round_config",
     "split_address", "statistics_args", "statistics_spec_from_args",
 ]
 
@@ -831,6 +831,43 @@ class CoordinatorConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TierSpec:
+    """A relay's own round at its tier: how many of its children must answer, and how long it waits for them."""
+
+    sites_min: int = field(default=1, metadata=in_range(1))
+    # The relay answers its parent by then, or by the parent's deadline less upload_margin_s, whichever is first.
+    deadline_s: float = field(default=300.0, metadata=in_range(0, 86400, lo_open=True))
+    upload_margin_s: float = field(default=10.0, metadata=in_range(0, 3600))
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """A relay (`plexus relay run`): to its children (sites or relays below) it is their coordinator; to its
+    parent (the coordinator or a relay above) it is one site whose weight is its children's total. Relative
+    paths are relative to the config file."""
+
+    parent: str = field(metadata=_address(1))   # the coordinator (or relay) above, host:port
+    listen: str = field(metadata=_address(0))   # where its children dial; port 0 picks a free port
+    kit: Path                                   # its own kit, from `plexus pki add-relay` (kind relay)
+    state_dir: Path = Path("state")
+    crl: Path | None = None                     # the federation CRL; left out: the kit's crl.pem
+    tier: TierSpec = field(default_factory=TierSpec)
+    poll_timeout_s: float = field(default=20.0, metadata=in_range(0, 300, lo_open=True))
+    rejoin_grace_s: float = field(default=15.0, metadata=_rejoin_grace())
+    max_transfers: int = field(default=4, metadata=in_range(1, 1024))
+    stream_idle_timeout_s: float = field(default=30.0, metadata=in_range(0, 3600, lo_open=True))
+    metrics_listen: str | None = field(default=None, metadata=_address(0))
+    health_listen: str | None = field(default=None, metadata=_address(0))
+
+    def serving(self) -> CoordinatorConfig:
+        """The coordinator config of the relay's serving side (its children's coordinator)."""
+        return CoordinatorConfig(listen=self.listen, kit=self.kit, state_dir=self.state_dir, crl=self.crl,
+                                 poll_timeout_s=self.poll_timeout_s, rejoin_grace_s=self.rejoin_grace_s,
+                                 max_transfers=self.max_transfers, stream_idle_timeout_s=self.stream_idle_timeout_s,
+                                 metrics_listen=self.metrics_listen, health_listen=self.health_listen)
+
+
+@dataclass(frozen=True, slots=True)
 class AdminConfig:
     """Where the admin CLI finds the coordinator and its credentials."""
 
@@ -1345,6 +1382,11 @@ def load_site_config(path: Path) -> SiteConfig:
 def load_coordinator_config(path: Path) -> CoordinatorConfig:
     """Read and validate a coordinator config; relative paths resolve against its folder."""
     return _load(path, CoordinatorConfig)
+
+
+def load_relay_config(path: Path) -> RelayConfig:
+    """Read and validate a relay config; relative paths resolve against its folder."""
+    return _load(path, RelayConfig)
 
 
 def load_admin_config(path: Path) -> AdminConfig:
