@@ -23,7 +23,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from plexus import errors
 from plexus.files import write_atomically
 
-KINDS = ("coordinator", "site", "admin")
+KINDS = ("coordinator", "relay", "site", "admin")   # a relay is its children's coordinator and its parent's site
+# What issues a fresh certificate of each kind (the coordinator's: a new federation, docs/certificates.md).
+_REISSUE = {"coordinator": "`plexus pki init`", "relay": "`plexus pki add-relay`", "site": "`plexus pki add-site`",
+            "admin": "`plexus pki add-admin`"}
 COORDINATOR_NAME = "coordinator"   # the CN of the coordinator's certificate
 ROLES = ("admin", "operator", "viewer")
 CRL_RENEW_BEFORE = dt.timedelta(days=7)   # a loaded CRL this close to its nextUpdate is logged as a warning
@@ -64,7 +67,8 @@ def load_kit(kit_dir: Path) -> Kit:
         except FileNotFoundError:
             raise errors.ConfigError(
                 f"{path.resolve()} is missing; a kit (ca.pem, cert.pem, key.pem) is made by "
-                "`plexus pki add-site DIR NAME` or `plexus pki add-admin DIR NAME`"
+                "`plexus pki add-site DIR NAME`, `plexus pki add-relay DIR NAME --host HOST` or "
+                "`plexus pki add-admin DIR NAME`"
             ) from None
     key_path = kit_dir / "key.pem"
     if os.name == "posix" and key_path.stat().st_mode & 0o077:
@@ -82,12 +86,12 @@ def load_kit(kit_dir: Path) -> Kit:
     except (ValueError, TypeError, InvalidSignature):
         raise errors.IntegrityError(
             f"{kit_dir / 'cert.pem'} was not issued by the CA in {kit_dir / 'ca.pem'}; "
-            "the kit mixes federations: issue a fresh one with `plexus pki add-site/add-admin`"
+            "the kit mixes federations: issue a fresh one with `plexus pki add-site/add-relay/add-admin`"
         ) from None
     if key.public_key() != cert.public_key():
         raise errors.IntegrityError(
             f"{key_path} does not belong to {kit_dir / 'cert.pem'}; issue a fresh kit with "
-            "`plexus pki add-site/add-admin`"
+            "`plexus pki add-site/add-relay/add-admin`"
         )
     return Kit(ca_pem=data["ca.pem"], cert_pem=data["cert.pem"], key_pem=data["key.pem"], path=kit_dir)
 
@@ -122,7 +126,7 @@ def check_leaf(cert_pem: bytes, ca_pem: bytes) -> None:
     if problem:
         raise errors.Unauthenticated(
             f"the client certificate {problem}; only certificates issued directly by this federation's CA "
-            "(`plexus pki add-site` / `plexus pki add-admin`) identify a participant")
+            "(`plexus pki add-site` / `add-relay` / `add-admin`) identify a participant")
 
 
 def federation_of(cert_pem: bytes) -> str:
@@ -285,7 +289,7 @@ def verify_issued(cert_pem: bytes, ca_pem: bytes, *, name: str, kind: str, now: 
         raise errors.IntegrityError(
             f"the certificate presented for {kind} {name!r} is not valid at {now.isoformat()} "
             f"(valid {cert.not_valid_before_utc.isoformat()} to {cert.not_valid_after_utc.isoformat()}); "
-            "issue a fresh kit with `plexus pki add-site`"
+            f"issue a fresh kit with {_REISSUE.get(kind, '`plexus pki`')}"
         )
     try:
         ident = identity_from_cert(cert_pem)

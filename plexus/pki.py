@@ -1,5 +1,5 @@
-"""The federation PKI, offline: the operator's CA, the kits it issues to the coordinator, sites and admins,
-revocation and the CRL.
+"""The federation PKI, offline: the operator's CA, the kits it issues to the coordinator, relays, sites and
+admins, revocation and the CRL.
 
 Every certificate is ECDSA P-256 signed with SHA-256 by the federation CA; its subject carries the identity
 plexus.identity reads back at run time (CN = name, OU = kind, TITLE = admin role).
@@ -34,6 +34,7 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _FEDERATION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,63}$")
 _DNS_LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 _INIT_HINT = "run `plexus pki init DIR --federation NAME` first"
+_ISSUE_HINT = "`plexus pki add-site/add-relay/add-admin`"
 
 
 # ---------------------------------------------------------------------------
@@ -56,17 +57,12 @@ def init_federation(
             f"federation name {federation!r} is invalid: use 1-64 letters, digits, spaces, '.', '_' "
             "or '-', starting with a letter or digit"
         )
-    if isinstance(hosts, str):
-        raise TypeError("hosts must be a sequence of host names, not a single string")
-    hosts = list(dict.fromkeys(hosts))
-    for host in hosts:
-        _parse_host(host)
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise errors.ConfigError(f"port {port!r} is invalid: use an integer between 1 and 65535")
+    hosts = _check_hosts(hosts)
+    _check_port(port)
     if (root / "federation.json").exists() or (root / "ca").exists():
         raise errors.ConfigError(
             f"{root} already holds a federation; refusing to overwrite its CA. "
-            "Pick an empty directory, or use `plexus pki add-site/add-admin` to extend this one"
+            f"Pick an empty directory, or use {_ISSUE_HINT} to extend this one"
         )
 
     if not root.exists():  # a directory the user already had keeps its mode; every subfolder is 0700
@@ -109,14 +105,10 @@ def init_federation(
     write_atomically(root / "ca" / "ca.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
 
     registry = {"federation": federation, "hosts": hosts, "port": port, "issued": []}
-    san: list[x509.GeneralName] = [_parse_host(h) for h in hosts]
-    for extra in (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))):
-        if extra not in san:
-            san.append(extra)
     kit_dir = root / COORDINATOR_NAME
     crl_pem = _build_crl(ca_cert, ca_key, registry, number=1, now=now)
     _issue(
-        root, registry, ca_cert, ca_key, COORDINATOR_NAME, "coordinator", None, san, kit_dir, now,
+        root, registry, ca_cert, ca_key, COORDINATOR_NAME, "coordinator", None, _server_san(hosts), kit_dir, now,
         config=("coordinator.yaml", _coordinator_yaml(registry)),
     )
     write_atomically(root / "crl.pem", crl_pem)
@@ -179,6 +171,38 @@ def add_admin(root: Path, name: str, *, role: str = "viewer", now: dt.datetime |
     return kit_dir
 
 
+def add_relay(root: Path, name: str, *, hosts: Sequence[str] = (), port: int = 8443,
+              now: dt.datetime | None = None) -> Path:
+    """Issue a relay certificate and write its kit; return the kit dir `root/relays/<name>`.
+
+    A relay is a server to its children (sites or relays below it), which dial one of `hosts` at `port`, and a
+    client to its parent: its certificate carries both serverAuth and clientAuth, and names `hosts` (plus
+    localhost and 127.0.0.1) as the coordinator's does. The kit holds the CRL, which the relay checks its
+    children against.
+    """
+    root = Path(root)
+    now = as_utc(now)
+    _check_name(name, "relay")
+    hosts = _check_hosts(hosts)
+    _check_port(port)
+    registry = _load_registry(root)
+    _check_unique(registry, name)
+    ca_cert, ca_key = _load_ca(root)
+    try:
+        crl_pem = (root / "crl.pem").read_bytes()
+    except FileNotFoundError:
+        raise errors.ConfigError(f"{root / 'crl.pem'} is missing; write it with `plexus pki crl {root}`") from None
+    kit_dir = root / "relays" / name
+    dialled = hosts[0] if hosts else "localhost"   # what the children's configs name, as for the coordinator
+    _issue(
+        root, registry, ca_cert, ca_key, name, "relay", None, _server_san(hosts), kit_dir, now,
+        config=("relay.yaml", _relay_yaml(name, _coordinator_address(registry), _listen_address(dialled, port),
+                                          _address(dialled, port))),
+    )
+    write_atomically(kit_dir / "crl.pem", crl_pem)
+    return kit_dir
+
+
 def revoke(root: Path, name: str, *, now: dt.datetime | None = None) -> int:
     """Revoke the active certificate issued to `name`, rebuild the CRL, return the revoked serial."""
     root = Path(root)
@@ -192,7 +216,7 @@ def revoke(root: Path, name: str, *, now: dt.datetime | None = None) -> int:
     if not active:
         raise errors.ConfigError(
             f"the certificate of {name!r} is already revoked; issue a new one with "
-            "`plexus pki add-site/add-admin` if it should come back"
+            f"{_ISSUE_HINT} if it should come back"
         )
     entry = active[0]
     entry["revoked"] = True
@@ -207,8 +231,8 @@ def revoke(root: Path, name: str, *, now: dt.datetime | None = None) -> int:
 def reissue_crl(root: Path, *, now: dt.datetime | None = None) -> int:
     """Sign the CRL afresh (same revocations, next number, valid CRL_VALIDITY from now); return its number.
 
-    A coordinator refuses every call once its CRL passes nextUpdate, so run this (e.g. weekly
-    from cron) and ship `root/coordinator/crl.pem`."""
+    A coordinator (or relay) refuses every call once its CRL passes nextUpdate, so run this (e.g. weekly
+    from cron) and ship `root/coordinator/crl.pem` (and `root/relays/<name>/crl.pem` to each relay)."""
     root = Path(root)
     return _publish_crl(root, _load_registry(root), as_utc(now))
 
@@ -235,6 +259,31 @@ def _check_unique(registry: dict, name: str) -> None:
             )
 
 
+def _check_hosts(hosts: Sequence[str]) -> list[str]:
+    """`hosts` without repeats, each checked as a bare DNS name or IP address."""
+    if isinstance(hosts, str):
+        raise TypeError("hosts must be a sequence of host names, not a single string")
+    hosts = list(dict.fromkeys(hosts))
+    for host in hosts:
+        _parse_host(host)
+    return hosts
+
+
+def _check_port(port: int) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise errors.ConfigError(f"port {port!r} is invalid: use an integer between 1 and 65535")
+
+
+def _server_san(hosts: list[str]) -> list[x509.GeneralName]:
+    """The SAN of a server's certificate (the coordinator's, a relay's): the hosts it is dialled at, then
+    localhost and 127.0.0.1 for a client on the same machine."""
+    san: list[x509.GeneralName] = [_parse_host(h) for h in hosts]
+    for extra in (x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))):
+        if extra not in san:
+            san.append(extra)
+    return san
+
+
 def _parse_host(host: str) -> x509.GeneralName:
     if not isinstance(host, str):
         raise TypeError(f"host must be a string, not {type(host).__name__}")
@@ -258,15 +307,18 @@ def _dialled_host(registry: dict) -> str:
 
 def _coordinator_address(registry: dict) -> str:
     """What the kits dial: _dialled_host at the federation's port."""
-    host = _dialled_host(registry)
-    return f"[{host}]:{registry['port']}" if _ip_version(host) == 6 else f"{host}:{registry['port']}"
+    return _address(_dialled_host(registry), registry["port"])
 
 
-def _listen_address(registry: dict) -> str:
-    """Where the coordinator listens so that the kits reach it: on loopback when they dial a loopback
-    host, else on every interface (the name they dial may resolve to an address this host cannot bind,
-    behind NAT or a load balancer)."""
-    host, port = _dialled_host(registry), registry["port"]
+def _address(host: str, port: int) -> str:
+    """host:port, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if _ip_version(host) == 6 else f"{host}:{port}"
+
+
+def _listen_address(host: str, port: int) -> str:
+    """Where a server (the coordinator, a relay) listens so that clients dialling `host` reach it: on loopback
+    when they dial a loopback host, else on every interface (the name they dial may resolve to an address this
+    host cannot bind, behind NAT or a load balancer)."""
     version = _ip_version(host)
     if host.lower().rstrip(".") == "localhost" or (version and ipaddress.ip_address(host).is_loopback):
         return f"[::1]:{port}" if version == 6 else f"127.0.0.1:{port}"
@@ -358,7 +410,7 @@ def _certify(registry: dict, ca_cert: x509.Certificate, ca_key: ec.EllipticCurve
     if role is not None:
         attrs.append(x509.NameAttribute(NameOID.TITLE, role))
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    if kind == "coordinator":
+    if kind in ("coordinator", "relay"):   # the servers: a relay is its children's coordinator
         usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
     key = ec.generate_private_key(ec.SECP256R1())
     serial = x509.random_serial_number()
@@ -433,14 +485,23 @@ def _build_crl(
 
 
 def _publish_crl(root: Path, registry: dict, now: dt.datetime) -> int:
-    """Write a CRL of the registry's revocations, numbered above every CRL written before; return the number."""
+    """Write a CRL of the registry's revocations, numbered above every CRL written before, to `root` and to
+    the kit of each server (the coordinator, the relays) that checks its clients against it; return the number."""
     ca_cert, ca_key = _load_ca(root)
     number = max(_crl_number(root / "crl.pem"), _crl_number(root / COORDINATOR_NAME / "crl.pem")) + 1
     crl_pem = _build_crl(ca_cert, ca_key, registry, number=number, now=now)
     write_atomically(root / "crl.pem", crl_pem)
-    if (root / COORDINATOR_NAME).is_dir():
-        write_atomically(root / COORDINATOR_NAME / "crl.pem", crl_pem)
+    for kit_dir in crl_kits(root):
+        write_atomically(kit_dir / "crl.pem", crl_pem)
     return number
+
+
+def crl_kits(root: Path) -> list[Path]:
+    """The kit dirs under `root` that hold a copy of the CRL: the coordinator's, then each relay's."""
+    root = Path(root)
+    kits = [root / COORDINATOR_NAME] if (root / COORDINATOR_NAME).is_dir() else []
+    relays = root / "relays"
+    return kits + (sorted(p for p in relays.iterdir() if (p / "crl.pem").is_file()) if relays.is_dir() else [])
 
 
 def _crl_number(path: Path) -> int:
@@ -451,7 +512,7 @@ def _crl_number(path: Path) -> int:
 
 
 def _coordinator_yaml(registry: dict) -> str:
-    listen, dialled = _listen_address(registry), _coordinator_address(registry)
+    listen, dialled = _listen_address(_dialled_host(registry), registry["port"]), _coordinator_address(registry)
     where = ("loopback only: sites and admins on other machines cannot reach it; for them, make the federation "
              "with `plexus pki init --host` set to this machine's DNS name or IP"
              if listen.startswith(("127.", "[::1]")) else
@@ -482,6 +543,31 @@ def _site_yaml(name: str, coordinator: str, datasets: Mapping[str, Mapping[str, 
         "policy:\n"
         "  allowed_models: [logistic, mlp, cnn]\n"
         "  require_secure_aggregation: false\n"
+    )
+
+
+def _relay_yaml(name: str, parent: str, listen: str, dialled: str) -> str:
+    return (
+        f"# Plexus relay {name!r}: `plexus relay run --config relay.yaml`. Relative paths are relative to this\n"
+        "# file's folder. To its children (sites, or relays below it) a relay is their coordinator: set\n"
+        "# `coordinator:` in each child's site.yaml (`parent:` in a child relay's relay.yaml) to\n"
+        f"# {dialled}, or to another host given to `plexus pki add-relay --host` (TLS refuses any other name).\n"
+        "#\n"
+        "# parent: the coordinator (or the relay above this one), host:port; to it this relay is one site.\n"
+        f'parent: "{parent}"\n'
+        "# listen: where the children dial in (mutual TLS).\n"
+        f'listen: "{listen}"\n'
+        "# kit: this folder (ca.pem, cert.pem, key.pem). crl: the federation CRL the children are checked\n"
+        "# against; ship the newest crl.pem here after each `plexus pki revoke` or `plexus pki crl`.\n"
+        'kit: "."\n'
+        'crl: "crl.pem"\n'
+        "# state_dir: the relay's own records (its rounds, jobs and partial sums).\n"
+        'state_dir: "./state"\n'
+        "# tier: the relay's round at its tier. sites_min: how many children must answer before it answers its\n"
+        "# parent; deadline_s: how long it waits for them at most (less when the parent's deadline comes first).\n"
+        "tier:\n"
+        "  sites_min: 1\n"
+        "  deadline_s: 300\n"
     )
 
 

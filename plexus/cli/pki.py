@@ -27,6 +27,13 @@ def add_commands(sub) -> None:
                            "(repeatable). DATA: a built-in heart-disease hospital (cleveland, hungary, "
                            "switzerland, va), FILE.npz, or FILE.csv,label=COLUMN; relative paths are made "
                            "absolute. Without it, fill `datasets:` in site.yaml by hand")
+    relay = command(pki, "add-relay", _add_relay,
+                    help="issue a relay kit (a relay aggregates its children's updates and is one site to its parent)")
+    relay.add_argument("dir", type=Path)
+    relay.add_argument("name")
+    relay.add_argument("--host", action="append", required=True,
+                       help="host name or IP the relay's children dial (repeatable; its certificate names each)")
+    relay.add_argument("--port", type=int_in(1, 65535), default=8443, help="port the relay listens on (default 8443)")
     admin = command(pki, "add-admin", _add_admin, help="issue an admin kit")
     admin.add_argument("dir", type=Path)
     admin.add_argument("name")
@@ -58,6 +65,21 @@ def _add_site(args) -> int:
     return 0
 
 
+def _add_relay(args) -> int:
+    from plexus import pki
+    from plexus.config import load_relay_config
+
+    kit = pki.add_relay(args.dir, args.name, hosts=args.host, port=args.port)
+    relay = load_relay_config(kit / "relay.yaml")
+    host = args.host[0]
+    dialled = f"[{host}]:{args.port}" if ":" in host else f"{host}:{args.port}"
+    print(f"relay kit: {kit}; it dials its parent at {relay.parent} and listens at {relay.listen}.\n"
+          f"Next: check `parent:` and `tier:` in {kit / 'relay.yaml'} (a relay below another relay dials that "
+          f"relay), install the kit on the relay's machine and run `plexus relay run --config relay.yaml`; then "
+          f"point each child's `coordinator:` in its site.yaml at {dialled} (docs/install-relay.md)")
+    return 0
+
+
 def _add_admin(args) -> int:
     from plexus import pki
 
@@ -69,8 +91,7 @@ def _crl(args) -> int:
     from plexus import pki
 
     number = pki.reissue_crl(args.dir)
-    print(f"CRL number {number} (valid {pki.CRL_VALIDITY.days} days) written to "
-          f"{args.dir / 'coordinator' / 'crl.pem'}; ship it to the coordinator")
+    print(f"CRL number {number} (valid {pki.CRL_VALIDITY.days} days) written to {_crl_copies(args.dir)}")
     return 0
 
 
@@ -78,8 +99,19 @@ def _revoke(args) -> int:
     from plexus import pki
 
     serial = pki.revoke(args.dir, args.name)
-    print(f"revoked {args.name!r} (serial {serial}); the CRL in {args.dir / 'coordinator' / 'crl.pem'} is updated")
+    print(f"revoked {args.name!r} (serial {serial}); the CRL is updated in {_crl_copies(args.dir)}")
     return 0
+
+
+def _crl_copies(root: Path) -> str:
+    """Where the CRL was written, and to ship each copy to its server (the coordinator, each relay)."""
+    from plexus import pki
+
+    kits = pki.crl_kits(root)
+    if len(kits) <= 1:
+        return f"{root / 'coordinator' / 'crl.pem'}; ship it to the coordinator"
+    return (", ".join(str(kit / "crl.pem") for kit in kits)
+            + "; ship each to its server (the coordinator, and each relay: its children are checked against it)")
 
 
 def _dataset_arg(text: str) -> tuple[str, dict[str, str]]:

@@ -53,6 +53,20 @@ def _cert_serial(pem):
     return x509.load_pem_x509_certificate(pem).serial_number
 
 
+def test_a_relay_certificate_is_a_relay_identity_and_a_client_leaf(fed):
+    assert identity.KINDS == ("coordinator", "relay", "site", "admin")
+    relay_pem = (pki.add_relay(fed, "north", hosts=["relay.example.org"], now=NOW) / "cert.pem").read_bytes()
+    assert identity.identity_from_cert(relay_pem) == identity.Identity("north", "relay", None,
+                                                                       _cert_serial(relay_pem))
+    ca_pem = (fed / "ca" / "ca.pem").read_bytes()
+    identity.check_leaf(relay_pem, ca_pem)   # it dials its parent with this certificate, as a site does
+    identity.verify_issued(relay_pem, ca_pem, name="north", kind="relay", now=NOW)
+    with pytest.raises(errors.IntegrityError, match="presented for site 'north' belongs to relay 'north'"):
+        identity.verify_issued(relay_pem, ca_pem, name="north", kind="site", now=NOW)
+    with pytest.raises(errors.IntegrityError, match="plexus pki add-relay"):
+        identity.verify_issued(relay_pem, ca_pem, name="north", kind="relay", now=NOW + dt.timedelta(days=900))
+
+
 def test_identity_rejects_garbage_and_certs_without_a_kind(fed):
     with pytest.raises(errors.Unauthenticated):
         identity.identity_from_cert(b"not a certificate")
@@ -175,7 +189,7 @@ def test_load_kit_reads_a_valid_kit(fed):
 def test_load_kit_missing_file(fed):
     kit_dir = pki.add_site(fed, "cleveland", now=NOW)
     (kit_dir / "cert.pem").unlink()
-    with pytest.raises(errors.ConfigError, match=r"cert\.pem is missing.*plexus pki add-site") as err:
+    with pytest.raises(errors.ConfigError, match=r"cert\.pem is missing.*plexus pki add-site.*add-relay") as err:
         identity.load_kit(kit_dir)
     assert str((kit_dir / "cert.pem").resolve()) in str(err.value)
 

@@ -13,7 +13,15 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from plexus import errors, identity, pki
-from plexus.config import DatasetSpec, load_admin_config, load_coordinator_config, load_site_config
+from plexus.cli import main as cli
+from plexus.config import (
+    DatasetSpec,
+    TierSpec,
+    load_admin_config,
+    load_coordinator_config,
+    load_relay_config,
+    load_site_config,
+)
 
 NOW = dt.datetime(2025, 1, 15, 12, 0, tzinfo=dt.timezone.utc)
 
@@ -115,6 +123,7 @@ def test_leaf_certs_are_issued_by_the_ca(fed):
         "coordinator": (fed / "coordinator", ExtendedKeyUsageOID.SERVER_AUTH),
         "site": (pki.add_site(fed, "cleveland", now=NOW), ExtendedKeyUsageOID.CLIENT_AUTH),
         "admin": (pki.add_admin(fed, "alice", now=NOW), ExtendedKeyUsageOID.CLIENT_AUTH),
+        "relay": (pki.add_relay(fed, "north", hosts=["relay.example.org"], now=NOW), ExtendedKeyUsageOID.SERVER_AUTH),
     }
     for kind, (kit, usage) in kits.items():
         cert = _cert(kit / "cert.pem")
@@ -294,3 +303,131 @@ def test_a_site_kit_maps_the_datasets_it_is_issued_with(fed):
     assert site.datasets["registry"] == DatasetSpec(kind="csv", path=Path('/srv/data/heart "2024".csv'),
                                                     label="target")
     assert site.kit == kit and site.state_dir == kit / "state"   # absolute: the agent runs from any directory
+
+
+# --- relays ------------------------------------------------------------------------------
+
+
+def test_relay_kit_layout_and_certificate(fed):
+    kit = pki.add_relay(fed, "north", hosts=["relay.example.org", "10.1.2.3"], port=9444, now=NOW)
+    assert kit == fed / "relays" / "north"
+    for rel in ("ca.pem", "cert.pem", "key.pem", "crl.pem", "relay.yaml"):
+        assert (kit / rel).is_file(), rel
+    assert _mode(kit / "key.pem") == 0o600 and _mode(kit) == 0o700 and _mode(fed / "relays") == 0o700
+    assert (kit / "crl.pem").read_bytes() == (fed / "crl.pem").read_bytes()
+    assert identity.load_kit(kit).path == kit
+    cert = _cert(kit / "cert.pem")
+    assert identity.identity_from_cert((kit / "cert.pem").read_bytes()) == identity.Identity(
+        "north", "relay", None, cert.serial_number)
+    # A server to its children and a client of its parent.
+    assert list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
+        ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["relay.example.org", "localhost"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.1.2.3"),
+                                                       ipaddress.ip_address("127.0.0.1")]
+    registry = json.loads((fed / "federation.json").read_text())
+    (entry,) = [e for e in registry["issued"] if e["name"] == "north"]
+    assert entry["kind"] == "relay" and entry["serial"] == cert.serial_number and entry["role"] is None
+
+
+def test_relay_yaml_loads_and_points_at_the_coordinator(fed):
+    kit = pki.add_relay(fed, "north", hosts=["relay.example.org"], port=9444, now=NOW)
+    text = (kit / "relay.yaml").read_text()
+    relay = load_relay_config(kit / "relay.yaml")
+    assert relay.parent == "fl.example.org:9443"   # the coordinator's address, as the site kits dial it
+    assert relay.listen == "0.0.0.0:9444"
+    assert relay.kit == kit and relay.state_dir == kit / "state" and relay.crl == kit / "crl.pem"
+    assert relay.tier == TierSpec(sites_min=1, deadline_s=300)
+    # The comments tell the operator what the fields are and where the children must point.
+    assert "`coordinator:` in each child's site.yaml" in text and "relay.example.org:9444" in text
+    comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    for key in ("parent", "listen", "kit", "crl", "state_dir", "tier", "sites_min", "deadline_s"):
+        assert f"{key}: " in comments, key
+
+
+@pytest.mark.parametrize("hosts, dialled, listen", [
+    ((), "localhost:8443", "127.0.0.1:8443"), (("127.0.0.1",), "127.0.0.1:8443", "127.0.0.1:8443"),
+    (("fd00::7",), "[fd00::7]:8443", "[::]:8443"), (("relay.example.org",), "relay.example.org:8443", "0.0.0.0:8443")])
+def test_a_relay_listens_where_its_children_dial(fed, hosts, dialled, listen):
+    kit = pki.add_relay(fed, "north", hosts=hosts, now=NOW)
+    assert load_relay_config(kit / "relay.yaml").listen == listen
+    assert dialled in (kit / "relay.yaml").read_text()
+
+
+def test_relay_names_are_unique_across_kinds(fed):
+    pki.add_site(fed, "cleveland", now=NOW)
+    with pytest.raises(errors.ConfigError, match="site 'cleveland' is already issued.*revoke it first"):
+        pki.add_relay(fed, "cleveland", hosts=["relay.example.org"], now=NOW)
+    pki.add_relay(fed, "north", hosts=["relay.example.org"], now=NOW)
+    for add in (lambda: pki.add_site(fed, "north", now=NOW), lambda: pki.add_admin(fed, "north", now=NOW),
+                lambda: pki.add_relay(fed, "north", now=NOW)):
+        with pytest.raises(errors.ConfigError, match="relay 'north' is already issued"):
+            add()
+    with pytest.raises(errors.ConfigError, match="revoke it first"):
+        pki.add_relay(fed, "coordinator", now=NOW)
+    assert not (fed / "relays" / "cleveland").exists() and not (fed / "relays" / "coordinator").exists()
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"name": "North"}, "relay name 'North' is invalid"), ({"hosts": ["relay.example.org:9444"]}, "--port"),
+    ({"hosts": "relay.example.org"}, "sequence of host names"), ({"port": 0}, "port 0 is invalid"),
+    ({"port": True}, "port True is invalid")])
+def test_bad_relay_arguments_are_refused_before_anything_is_issued(fed, kw, match):
+    args = {"name": "north", "hosts": ["relay.example.org"], "port": 8443, **kw}
+    with pytest.raises((errors.ConfigError, TypeError), match=match):
+        pki.add_relay(fed, args.pop("name"), **args, now=NOW)
+    assert not (fed / "relays").exists()
+    assert [e["name"] for e in json.loads((fed / "federation.json").read_text())["issued"]] == ["coordinator"]
+
+
+def test_add_relay_on_an_uninitialised_root_says_how_to_init(tmp_path):
+    with pytest.raises(errors.ConfigError, match=r"plexus pki init DIR --federation NAME"):
+        pki.add_relay(tmp_path, "north", hosts=["relay.example.org"])
+
+
+def test_revoking_a_relay_reaches_the_coordinator_and_every_relay(fed):
+    north = pki.add_relay(fed, "north", hosts=["north.example.org"], now=NOW)
+    south = pki.add_relay(fed, "south", hosts=["south.example.org"], now=NOW)
+    site_pem = (pki.add_site(fed, "cleveland", now=NOW) / "cert.pem").read_bytes()
+    north_pem = (north / "cert.pem").read_bytes()
+    ca_pem = (fed / "ca" / "ca.pem").read_bytes()
+    at_south = identity.RevocationList(south / "crl.pem", ca_pem, clock=NOW.timestamp)
+    at_south.check(site_pem)
+
+    serial = pki.revoke(fed, "north", now=NOW)
+    pki.revoke(fed, "cleveland", now=NOW)
+
+    assert serial == _cert(north / "cert.pem").serial_number
+    for crl_file in (fed / "crl.pem", fed / "coordinator" / "crl.pem", north / "crl.pem", south / "crl.pem"):
+        assert crl_file.read_bytes() == (fed / "crl.pem").read_bytes(), crl_file
+    with pytest.raises(errors.Unauthenticated, match=rf"relay 'north' \(serial {serial}\) has been revoked"):
+        identity.RevocationList(fed / "coordinator" / "crl.pem", ca_pem, clock=NOW.timestamp).check(north_pem)
+    with pytest.raises(errors.Unauthenticated, match="site 'cleveland'"):
+        at_south.check(site_pem)   # a relay's children are checked against its copy of the CRL
+    assert pki.crl_kits(fed) == [fed / "coordinator", north, south]
+    number = pki.reissue_crl(fed, now=NOW + dt.timedelta(days=20))
+    assert _crl_number(x509.load_pem_x509_crl((south / "crl.pem").read_bytes())) == number
+    # Re-issued under the same name once revoked; a fresh kit, with a fresh CRL.
+    again = pki.add_relay(fed, "north", hosts=["north.example.org"], now=NOW)
+    assert _cert(again / "cert.pem").serial_number != serial
+    assert (again / "crl.pem").read_bytes() == (fed / "crl.pem").read_bytes()
+
+
+def test_cli_add_relay_says_where_the_kit_is_and_what_to_do_next(fed, capsys):
+    assert cli(["pki", "add-relay", str(fed), "north", "--host", "relay.example.org", "--host", "10.1.2.3",
+                "--port", "9444"]) == 0
+    out = capsys.readouterr().out
+    kit = fed / "relays" / "north"
+    assert f"relay kit: {kit}" in out and "plexus relay run --config relay.yaml" in out
+    assert "`coordinator:`" in out and "relay.example.org:9444" in out and "fl.example.org:9443" in out
+    san = _cert(kit / "cert.pem").extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert ipaddress.ip_address("10.1.2.3") in san.get_values_for_type(x509.IPAddress)
+    assert cli(["pki", "revoke", str(fed), "north"]) == 0
+    out = capsys.readouterr().out
+    assert str(kit / "crl.pem") in out and str(fed / "coordinator" / "crl.pem") in out and "each relay" in out
+    with pytest.raises(SystemExit) as exit_:   # argparse: the children need a name to dial
+        cli(["pki", "add-relay", str(fed), "south"])
+    assert exit_.value.code == 2 and "--host" in capsys.readouterr().err
+    assert cli(["pki", "add-relay", str(fed), "south", "--host", "bad host"]) == 1
+    assert "neither an IP address nor a DNS name" in capsys.readouterr().err
