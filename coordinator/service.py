@@ -144,7 +144,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         self.idle_s = idle_s
         self.watchdog = watchdog or SendWatchdog(idle_s)
 
-    @guarded(kind="site")
+    @guarded(kind=("site", "relay"))
     def Join(self, request, context, *, who):
         check_join(request)
         self.engine.join(who.name, join_info(request, serial=who.serial))
@@ -154,21 +154,21 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         return fpb.JoinReply(federation=self.engine.federation, site=who.name,
                              poll_timeout_s=self.engine.poll_timeout_s)
 
-    @guarded(kind="site")
+    @guarded(kind=("site", "relay"))
     def NextTask(self, request, context, *, who):
         grant = self.engine.next_task(who.name, request.wait_s)
         if grant is None:
             return fpb.Task(kind=fpb.TASK_NONE)
         return task_message(grant)
 
-    @guarded(kind="site")
+    @guarded(kind=("site", "relay"))
     def FetchModel(self, request, context, *, who):
         served, job_id, model_round = self.engine.model_for(who.name, request.task_id, held_model(request),
                                                             zero_base=request.zero_base)
         with self.transfers.slot(context, who.name):
             yield from self.watchdog.paced(model_stream(job_id, model_round, served, self.chunk_bytes), context)
 
-    @guarded(kind="site")
+    @guarded(kind=("site", "relay"))
     def SubmitUpdate(self, request_iterator, context, *, who):
         inbound = Inbound(request_iterator, idle_s=self.idle_s, what="the update")
         try:
@@ -182,11 +182,11 @@ class FederationService(federation_pb2_grpc.FederationServicer):
             inbound.close()
         return fpb.SubmitReply(accepted=True, message=message)
 
-    @guarded(kind="site")
+    @guarded(kind=("site", "relay"))
     def SecAgg(self, request, context, *, who):
         return fpb.ResultReply(message=self.engine.secagg(who.name, secagg_answer(request)))
 
-    @guarded(kind="site")
+    @guarded(kind=("site", "relay"))
     def ReportResult(self, request, context, *, who):
         if request.status not in _RESULTS:
             raise IntegrityError("result status must be EVALUATED, DECLINED, FAILED or TRAINED")

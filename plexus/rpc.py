@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import grpc
 
 from plexus import errors
-from plexus.identity import Identity, RevocationList, check_leaf, identity_from_cert
+from plexus.identity import KINDS, Identity, RevocationList, check_leaf, identity_from_cert
 from plexus.text import bounded
 
 log = logging.getLogger("plexus.rpc")
@@ -120,28 +120,37 @@ class Authenticator:
         return self._crl.revoked(serial)
 
 
-def authorize(ident: Identity, *, kind: str, min_role: str | None = None) -> None:
-    if ident.kind != kind:
+def authorize(ident: Identity, *, kind: str | tuple[str, ...], min_role: str | None = None) -> None:
+    """Raise errors.PermissionDenied unless the caller's certificate is of `kind` (one, or any of a tuple)
+    and, with `min_role`, an admin's of that role or higher."""
+    kinds = _kinds(kind)
+    if ident.kind not in kinds:
         raise errors.PermissionDenied(
-            f"{ident.kind} certificate {ident.name!r} cannot call this method; it needs a {kind} certificate")
+            f"{ident.kind} certificate {ident.name!r} cannot call this method; it needs "
+            f"{'an' if kinds[0][0] in 'aeiou' else 'a'} {' or '.join(kinds)} certificate")
     if min_role is not None and ROLE_RANK.get(ident.role or "", -1) < ROLE_RANK[min_role]:
         raise errors.PermissionDenied(
             f"admin {ident.name!r} has role {ident.role!r}; this call needs role {min_role!r} or higher "
             f"(issue a certificate with `plexus pki add-admin DIR NAME --role {min_role}`)")
 
 
-def guarded(*, kind: str, min_role: str | None = None):
-    """Decorate a servicer method: authenticate, authorise, count the call against its identity's limit
-    (self.auth.calls) for as long as it runs, map errors to status codes.
+def guarded(*, kind: str | tuple[str, ...], min_role: str | None = None):
+    """Decorate a servicer method: authenticate, authorise (a certificate of `kind`, or of any kind in a
+    tuple), count the call against its identity's limit (self.auth.calls) for as long as it runs, map errors
+    to status codes.
 
     The method receives the caller's Identity as a keyword argument `who`.
     Works for unary and server-streaming (generator) methods; a stream holds its call slot until it ends.
     """
+    kinds = _kinds(kind)   # checked once, when the method is defined
+    if min_role is not None and (kinds != ("admin",) or min_role not in ROLE_RANK):
+        raise ValueError(f"min_role={min_role!r} needs kind='admin' and one of {sorted(ROLE_RANK)}: only admin "
+                         "certificates carry a role")
 
     def decorate(method):
         def _prologue(self, context):
             ident = self.auth.identify(context)
-            authorize(ident, kind=kind, min_role=min_role)
+            authorize(ident, kind=kinds, min_role=min_role)
             return ident
 
         def _abort(context, exc):
@@ -179,6 +188,16 @@ def guarded(*, kind: str, min_role: str | None = None):
         return unary
 
     return decorate
+
+
+def _kinds(kind: str | tuple[str, ...]) -> tuple[str, ...]:
+    """`kind` as a tuple of certificate kinds, each one of identity.KINDS."""
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if not isinstance(kinds, tuple) or not kinds or not all(isinstance(k, str) for k in kinds):
+        raise TypeError(f"kind must be a certificate kind or a non-empty tuple of them, not {kind!r}")
+    if unknown := [k for k in kinds if k not in KINDS]:
+        raise ValueError(f"unknown certificate kind {unknown[0]!r}; expected one of {sorted(KINDS)}")
+    return kinds
 
 
 class SendWatchdog:

@@ -1,0 +1,90 @@
+"""plexus.rpc's authorisation: which certificate kinds may call a method, checked over real gRPC with mTLS."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from plexus import errors, pki, transport
+from plexus.identity import Identity, RevocationList, load_kit
+from plexus.rpc import Authenticator, authorize, guarded
+
+SITE = Identity("cleveland", "site", None, 1)
+RELAY = Identity("north", "relay", None, 2)
+ADMIN = Identity("alice", "admin", "operator", 3)
+
+
+def test_authorize_takes_one_kind_or_a_tuple_and_names_them_all():
+    authorize(SITE, kind="site")
+    for who in (SITE, RELAY):
+        authorize(who, kind=("site", "relay"))
+    with pytest.raises(errors.PermissionDenied, match="admin certificate 'alice' cannot call this method; "
+                                                      "it needs a site or relay certificate"):
+        authorize(ADMIN, kind=("site", "relay"))
+    with pytest.raises(errors.PermissionDenied, match="relay certificate 'north'.*needs an admin certificate"):
+        authorize(RELAY, kind="admin", min_role="viewer")
+    authorize(ADMIN, kind="admin", min_role="operator")
+    with pytest.raises(errors.PermissionDenied, match="role 'operator'; this call needs role 'admin'"):
+        authorize(ADMIN, kind="admin", min_role="admin")
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"kind": "hospital"}, ValueError, r"unknown certificate kind 'hospital'; expected one of \['admin', "),
+    ({"kind": ("site", "relays")}, ValueError, "unknown certificate kind 'relays'"),
+    ({"kind": ()}, TypeError, "non-empty tuple"), ({"kind": ["site"]}, TypeError, "non-empty tuple"),
+    ({"kind": ("site", "relay"), "min_role": "viewer"}, ValueError, "only admin certificates carry a role"),
+    ({"kind": "admin", "min_role": "root"}, ValueError, "one of"),
+])
+def test_guarded_refuses_a_kind_or_role_that_cannot_be_met_when_the_method_is_defined(kw, error, match):
+    with pytest.raises(error, match=match):
+        guarded(**kw)
+
+
+class _Health(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1's Check, open to the kinds that call the Federation service."""
+
+    def __init__(self, auth: Authenticator):
+        self.auth = auth
+        self.callers: list[Identity] = []
+
+    @guarded(kind=("site", "relay"))
+    def Check(self, request, context, *, who):
+        self.callers.append(who)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def _check(kit_dir, port: int) -> None:
+    with transport.channel(load_kit(kit_dir), f"127.0.0.1:{port}") as channel:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+
+
+def test_sites_and_relays_pass_a_guard_for_both_and_admins_do_not(tmp_path):
+    root = pki.init_federation(tmp_path / "pki", "Rpc Fed", hosts=["127.0.0.1"])
+    site, relay = pki.add_site(root, "cleveland"), pki.add_relay(root, "north", hosts=["127.0.0.1"])
+    admin = pki.add_admin(root, "alice", role="admin")
+    kit = load_kit(root / "coordinator")
+    servicer = _Health(Authenticator(RevocationList(root / "coordinator" / "crl.pem", kit.ca_pem)))
+    executor = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="test-rpc")
+    srv, port = transport.server(kit, "127.0.0.1:0", executor=executor)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, srv)
+    srv.start()
+    try:
+        _check(site, port)
+        _check(relay, port)
+        assert [(who.name, who.kind) for who in servicer.callers] == [("cleveland", "site"), ("north", "relay")]
+        with pytest.raises(grpc.RpcError) as err:
+            _check(admin, port)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "needs a site or relay certificate" in err.value.details()
+        pki.revoke(root, "north")
+        with pytest.raises(grpc.RpcError) as err:
+            _check(relay, port)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "relay 'north'" in err.value.details() and "revoked" in err.value.details()
+        assert len(servicer.callers) == 2
+    finally:
+        srv.stop(None).wait()
+        executor.shutdown()
