@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from plexus import identity, pki
-from plexus.config import load_coordinator_config, load_site_config, split_address
+from plexus.config import load_coordinator_config, load_relay_config, load_site_config, split_address
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -27,8 +27,8 @@ def run(*cmd, **kw) -> subprocess.CompletedProcess:
 
 
 # --- container images -------------------------------------------------------------------
-def test_there_are_two_dockerfiles():
-    assert [p.name for p in DOCKERFILES] == ["Dockerfile.coordinator", "Dockerfile.site"]
+def test_there_are_three_dockerfiles():
+    assert [p.name for p in DOCKERFILES] == ["Dockerfile.coordinator", "Dockerfile.relay", "Dockerfile.site"]
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -55,7 +55,7 @@ def test_dockerfile_is_slim_cpu_nonroot_and_healthchecked(dockerfile):
 def test_install_instructions_install_only_what_exists():
     """Plexus is not on PyPI: every `pip install` in the install and upgrade instructions names a checkout or
     the wheel built from one (or torch), and every deploy/ file they use is in the repository."""
-    docs = [REPO / "docs" / "install-site.md", REPO / "docs" / "upgrading.md",
+    docs = [REPO / "docs" / "install-site.md", REPO / "docs" / "install-relay.md", REPO / "docs" / "upgrading.md",
             *sorted(DEPLOY.glob("systemd/*.service"))]
     for doc in docs:
         text = doc.read_text()
@@ -85,6 +85,33 @@ def test_every_shipped_config_loads():
         assert cfg.kit == Path("/etc/plexus/kit") and cfg.datasets, path
     assert {load_site_config(p).site for p in (DEPLOY / "compose/sites").glob("*.yaml")} == {
         "cleveland", "hungary", "va"}
+    for path in (DEPLOY / "docker/relay.yaml", DEPLOY / "systemd/relay.yaml"):
+        cfg = load_relay_config(path)
+        assert cfg.kit == Path("/etc/plexus/kit") and cfg.crl == Path("/etc/plexus/kit/crl.pem"), path
+        assert split_address(cfg.listen)[1] == 8443 and split_address(cfg.parent)[1] == 8443, path
+    assert load_relay_config(DEPLOY / "docker/relay.yaml").state_dir == Path("/var/lib/plexus")
+    assert load_relay_config(DEPLOY / "docker/relay.yaml").health_listen == "127.0.0.1:8081"
+    assert load_relay_config(DEPLOY / "systemd/relay.yaml").state_dir == Path("/var/lib/plexus-relay")
+    assert load_relay_config(DEPLOY / "systemd/relay.yaml").metrics_listen == "127.0.0.1:9100"
+
+
+@pytest.mark.parametrize("role", ["coordinator", "relay"])
+def test_unit_and_image_run_their_role_on_the_config_shipped_beside_them(role):
+    """Each unit and image starts `plexus ROLE run` on the config shipped beside it, and writes where it may."""
+    config = f"/etc/plexus/{role}.yaml"
+    unit = (DEPLOY / "systemd" / f"plexus-{role}.service").read_text()
+    assert re.search(rf"^ExecStart=/opt/plexus/bin/plexus {role} run --config {config}$", unit, re.M)
+    (state,) = re.findall(r"^StateDirectory=(\S+)$", unit, re.M)
+    loaders = {"coordinator": load_coordinator_config, "relay": load_relay_config}
+    assert loaders[role](DEPLOY / "systemd" / f"{role}.yaml").state_dir == Path("/var/lib") / state
+    image = (DEPLOY / "docker" / f"Dockerfile.{role}").read_text()
+    assert f'CMD ["{role}", "run", "--config", "{config}"]' in image
+    assert f"COPY deploy/docker/{role}.yaml {config}" in image
+    _, health_port = split_address(loaders[role](DEPLOY / "docker" / f"{role}.yaml").health_listen)
+    assert f'"--plaintext", "127.0.0.1:{health_port}"' in image
+    for package in ("plexus", "coordinator", "site_agent", *(("relay",) if role == "relay" else ())):
+        assert f"COPY {package} ./{package}" in image
+        assert f"\n!{package}/\n" in (DEPLOY / "docker" / f"Dockerfile.{role}.dockerignore").read_text()
 
 
 # --- docker compose -----------------------------------------------------------------------
