@@ -92,6 +92,19 @@ class WeightedSum:
         self._require_clean()
         return Fold(self, weight)
 
+    def begin_exact(self, weight: int, updates: int) -> ExactFold:
+        """Start adding a relay's partial sum (`updates` updates of total weight `weight`), in exact_layout."""
+        if not 0 < weight <= MAX_WEIGHT * max(1, updates) or updates < 1:
+            raise IntegrityError(f"a partial sum's weight must be in (0, {MAX_WEIGHT} × its updates] with at least "
+                                 f"one update; got weight {weight} over {updates} update(s)",
+                                 reason=Reason.NUM_SAMPLES)
+        self._require_clean()
+        return ExactFold(self, weight, updates)
+
+    def exact(self) -> np.ndarray:
+        """The whole sum as exact fixed point, one I64 per element in layout order (what a relay sends up)."""
+        return self.acc
+
     def fold(self, pieces: Iterable[bytes | memoryview], weight: int, max_abs: float, *, nbytes: int) -> None:
         """Add weight × (an update blob of nbytes, arriving as consecutive pieces) in one call.
 
@@ -439,6 +452,102 @@ class CodedFold(_Entering):
                 total._poisoned = (f"a compressed update could not be taken out again: its journal held "
                                    f"{self.received - left} of the {self.received} bytes folded")
             self._leave(dense=False)
+
+
+def exact_layout(layout: Layout) -> Layout:
+    """The layout of a partial sum of updates of `layout`: each tensor as I64 fixed point (value · 2**32)."""
+    return Layout.build([(t.name, "I64", t.shape) for t in layout.tensors])
+
+
+class ExactFold(_Entering):
+    """A relay's partial sum entering a WeightedSum (WeightedSum.begin_exact): its I64 elements are already
+    Σ rint(fl(x·w)·2**32) over the relay's children, the very integers their updates would have added here, so
+    they are added as they are and the mean is the one a flat federation of the same sites gets, bit for bit.
+    It counts `updates` updates and the weight `weight` (the children's total)."""
+
+    def __init__(self, total: WeightedSum, weight: int, updates: int):
+        self.total, self.weight, self.updates = total, weight, updates
+        self.position = 0        # bytes folded so far: whole elements
+        self.received = 0
+        self._pending = bytearray()
+        self._peak = 0.0         # max |value| of the sum (in model units), reserved in the range
+        self.state = "open"
+
+    @property
+    def peak(self) -> float:
+        return self._peak
+
+    def add(self, piece: bytes | memoryview, max_abs: float) -> None:
+        """Fold the next piece; max_abs: the largest |I64| element so far (the Receiver's running max)."""
+        total = self.total
+        with total._lock:
+            self._require_open()
+            value = max_abs / _SCALE
+            if value > self._peak:   # the sum holds Σ w·|x| ≤ its largest element, as one entry of the range
+                if (total._bound - self._peak + value) * _SCALE >= _LIMIT:
+                    raise IntegrityError(f"a relay's partial sum (largest |element| {value:.3g}) overflows the "
+                                         f"fixed-point range (Σ n·|x| < {_LIMIT / _SCALE:.3g}) with the round's "
+                                         "other updates; its children's training has probably diverged",
+                                         reason=Reason.NORM)
+                total._bound += value - self._peak
+                self._peak = value
+            data = memoryview(piece).cast("B")
+            self.received += len(data)
+            if self.received > total.layout.total_elements * 8:
+                raise IntegrityError(f"partial sum has more than the {total.layout.total_elements * 8} bytes its "
+                                     "layout needs", reason=Reason.SIZE)
+            self.position += self._fold_after(self.position, self._pending, data, 1)
+
+    def _fold_after(self, position: int, pending: bytearray, data: memoryview, sign: int) -> int:
+        if pending:
+            pending += data
+            data = memoryview(bytes(pending))
+            pending.clear()
+        whole = min(len(data) // 8, self.total.layout.total_elements - position // 8)
+        combine = np.add if sign > 0 else np.subtract
+        element, used, lo = position // 8, 0, 0
+        for t, into in zip(self.total.layout.tensors, self.total._parts):
+            hi = lo + t.numel
+            if lo <= element + used < hi and used < whole:
+                n = min(hi - (element + used), whole - used)
+                values = np.frombuffer(data, dtype="<i8", count=n, offset=used * 8)
+                target = into[element + used - lo:element + used - lo + n]
+                combine(target, values, out=target)   # mod 2**64: exact while the range checks hold
+                used += n
+            lo = hi
+        pending += data[used * 8:]
+        return used * 8
+
+    def finish(self) -> None:
+        total = self.total
+        with total._lock:
+            self._require_open()
+            if self._pending or self.position != total.layout.total_elements * 8:
+                raise IntegrityError(f"partial sum ended after {self.received} of {total.layout.total_elements * 8} "
+                                     "bytes", reason=Reason.SIZE)
+            self.state = "done"
+            total.count += self.updates
+            total.total_weight += self.weight
+
+    def undo(self, journal) -> None:
+        total = self.total
+        with total._lock:
+            if self.state == "undone":
+                return
+            pending, position = bytearray(), 0
+            for piece in journal():
+                if position >= self.position:
+                    break
+                data = memoryview(piece).cast("B")[:self.position - position - len(pending)]
+                position += self._fold_after(position, pending, data, -1)
+            if position != self.position:
+                total._poisoned = (f"a partial sum could not be taken out again: its journal held {position} of "
+                                   f"the {self.position} bytes folded")
+            total._bound -= self._peak
+            if self.state == "done":
+                total.count -= self.updates
+                total.total_weight -= self.weight
+            self.state = "undone"
 
 
 def _as_int64(value: int) -> np.int64:

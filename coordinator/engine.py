@@ -113,8 +113,13 @@ class Engine:
 
     def __init__(self, store: Store, *, federation: str = "", poll_timeout_s: float = 20.0,
                  rejoin_grace_s: float = 0.0, clock=time.time, monotonic=time.monotonic, on_death=lambda: None,
-                 models: ModelWorker | None = None, model_limits: ModelLimits = ModelLimits()):
+                 models: ModelWorker | None = None, model_limits: ModelLimits = ModelLimits(),
+                 take_up: Callable[[Context, JobRow], Driver | None] | None = None, refuse_jobs: str = ""):
+        """take_up: what runs each job (default: SyncRounds or AsyncRounds by its config; a relay's tier gives
+        its own); refuse_jobs: why submissions are refused here ('' takes them)."""
         self.store = store
+        self._take_up = take_up
+        self.refuse_jobs = refuse_jobs
         self.models = models or shared_worker()   # builds initial models, never under the lock
         self.model_limits = model_limits
         self.federation = federation
@@ -237,6 +242,9 @@ class Engine:
         if not pending:
             return False
         row = next((j for j in pending if j.status == JobStatus.RUNNING), pending[0])
+        if self._take_up is not None:
+            self._driver = self._take_up(self._context(), row)
+            return self._driver is not None
         try:
             asynchronous = parse_round_config(row.config_yaml, source=f"job {row.id}").asynchronous is not None
         except ConfigError:
@@ -248,6 +256,15 @@ class Engine:
         return Context(store=self.store, presence=self._presence, clock=self._clock, monotonic=self._mono,
                        notify=self._cv.notify_all, models=self.models, model_limits=self.model_limits,
                        rejoin_grace_s=self.rejoin_grace_s, saved=self._saved)
+
+    def retire(self, keep_job: str, message: str) -> None:
+        """End the active job unless it is `keep_job` (a relay's tier, when its parent moved on to another job)."""
+        with self._cv:
+            driver = self._driver
+            if driver is not None and driver.job_id != keep_job and hasattr(driver, "end"):
+                driver.end(message)
+                self._driver = None
+            self._cv.notify_all()
 
     def _saved(self, round_: int) -> None:
         if self._storage_trouble:
@@ -289,6 +306,8 @@ class Engine:
         its deadline passed) returns the job the first one created, also while that one is still
         building its model, and a repeat with another config is refused.
         """
+        if self.refuse_jobs:
+            raise FailedPrecondition(self.refuse_jobs)
         check_request_id(request_id)
         cfg = parse_round_config(config_yaml, source="submitted round config")
         canonical = dump_round_config(cfg)   # what every site parses, every default written out: it must fit too
@@ -408,7 +427,8 @@ class Engine:
             self._presence.joined(site, info.dataset_rows)
             self.store.site_seen(site, agent_version=info.agent_version, models=list(info.models),
                                  datasets=list(info.datasets), policy_digest=info.policy_digest)
-            self.store.site_joined(site, serial=info.serial, dataset_rows=info.dataset_rows)
+            self.store.site_joined(site, serial=info.serial, dataset_rows=info.dataset_rows,
+                                   children=info.children if info.relay else None)
             self._cv.notify_all()
 
     def next_task(self, site: str, wait_s: float) -> TaskGrant | None:
@@ -449,6 +469,9 @@ class Engine:
             driver, grant = self._current(site, header.task.task_id)
             masked = grant.kind == TaskKind.SECAGG_MASK
             _bind(grant, header.task, TaskKind.SECAGG_MASK if masked else TaskKind.TRAIN)
+            if header.partial is not None and (masked or not isinstance(driver, SyncRounds)):
+                raise IntegrityError("a relay's partial sum answers a synchronous training task only; this job "
+                                     "is asynchronous or in a secure-aggregation phase: connect its sites directly")
             upload = driver.upload(site, grant, header, cut)
         try:
             try:

@@ -31,8 +31,10 @@ log = logging.getLogger("plexus.coordinator")
 class Coordinator:
     """A running coordinator; `port` is the bound port (useful with listen port 0)."""
 
-    def __init__(self, config: CoordinatorConfig, *, models: ModelWorker | None = None):
-        """models: the model worker (default: the process's shared one)."""
+    def __init__(self, config: CoordinatorConfig, *, models: ModelWorker | None = None, take_up=None,
+                 refuse_jobs: str = ""):
+        """models: the model worker (default: the process's shared one); take_up, refuse_jobs: see Engine."""
+        self._take_up, self._refuse_jobs = take_up, refuse_jobs
         kit = load_kit(config.kit)
         # Locks the state dir first: a second coordinator on it stops here, naming the first one's PID.
         self.store = Store(config.state_dir, retention=config.checkpoints)
@@ -55,7 +57,8 @@ class Coordinator:
         self.audit = CoordinatorAudit(self.audit_log, self.store)
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
                              rejoin_grace_s=config.rejoin_grace_s, on_death=self._engine_died, models=models,
-                             model_limits=ModelLimits(config.model_build_timeout_s, config.model_build_memory_bytes))
+                             model_limits=ModelLimits(config.model_build_timeout_s, config.model_build_memory_bytes),
+                             take_up=self._take_up, refuse_jobs=self._refuse_jobs)
         # One certificate's calls never take the whole pool (max_calls_per_identity < max_workers), and a
         # stream that stops moving lets go of its thread and transfer slot (stream_idle_timeout_s).
         auth = Authenticator(crl, max_calls=config.max_calls_per_identity)

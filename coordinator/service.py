@@ -11,7 +11,7 @@ from coordinator.engine import Engine
 from coordinator.events import admin_actor
 from coordinator.served import Held, ServedModel
 from coordinator.store import EventRow, JobRow, SiteRow
-from coordinator.tasks import Binding, JoinInfo, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader
+from coordinator.tasks import Binding, JoinInfo, Partial, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader
 from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, SendWatchdog, guarded
@@ -147,7 +147,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
     @guarded(kind=("site", "relay"))
     def Join(self, request, context, *, who):
         check_join(request)
-        self.engine.join(who.name, join_info(request, serial=who.serial))
+        self.engine.join(who.name, join_info(request, serial=who.serial, relay=who.kind == "relay"))
         if self.audit is not None:
             self.audit.site_joined(who.name, policy_digest=request.policy_digest,
                                    agent_version=request.agent_version)
@@ -176,8 +176,8 @@ class FederationService(federation_pb2_grpc.FederationServicer):
             if first is None or first.WhichOneof("body") != "header":
                 raise IntegrityError("an update stream must start with its header")
             with self.transfers.slot(context, who.name):
-                message = self.engine.submit_update(who.name, update_header(first.header), _chunks(inbound),
-                                                    cut=inbound.cut)
+                message = self.engine.submit_update(who.name, update_header(first.header, relay=who.kind == "relay"),
+                                                    _chunks(inbound), cut=inbound.cut)
         finally:
             inbound.close()
         return fpb.SubmitReply(accepted=True, message=message)
@@ -209,7 +209,7 @@ def check_join(request: fpb.JoinRequest) -> None:
     """Refuse a Join whose names could not be shown or stored sanely (`plexus sites list`, the audit log):
     at most MAX_JOIN_NAMES of them, each 1-64 printable characters, and a hex policy digest."""
     for field_name, names in (("models", request.models), ("datasets", request.datasets),
-                              ("dataset_rows", list(request.dataset_rows))):
+                              ("dataset_rows", list(request.dataset_rows)), ("children", request.children)):
         if len(names) > MAX_JOIN_NAMES:
             raise IntegrityError(f"Join refused: {len(names)} {field_name}; a site advertises at most "
                                  f"{MAX_JOIN_NAMES}: map fewer datasets or install fewer model plug-ins")
@@ -231,10 +231,13 @@ def _check_join_text(what: str, text: str, *, allow_empty: bool) -> None:
                              "in site.yaml (datasets) or in the model plug-in")
 
 
-def join_info(request: fpb.JoinRequest, *, serial: int) -> JoinInfo:
+def join_info(request: fpb.JoinRequest, *, serial: int, relay: bool = False) -> JoinInfo:
+    if request.children and not relay:
+        raise IntegrityError("Join refused: only a relay's certificate may name children; a site has none")
     return JoinInfo(agent_version=request.agent_version, models=tuple(request.models),
                     datasets=tuple(request.datasets), policy_digest=request.policy_digest,
-                    dataset_rows={k: int(v) for k, v in request.dataset_rows.items()}, serial=serial)
+                    dataset_rows={k: int(v) for k, v in request.dataset_rows.items()}, serial=serial,
+                    relay=relay, children=tuple(request.children))
 
 
 def task_message(grant: TaskGrant) -> fpb.Task:
@@ -265,15 +268,26 @@ def secagg_answer(request: fpb.SecAggMessage) -> SecaggAnswer:
                         eval_metrics=dict(request.eval_metrics))
 
 
-def update_header(header: fpb.UpdateHeader) -> UpdateHeader:
+def update_header(header: fpb.UpdateHeader, *, relay: bool = False) -> UpdateHeader:
     """The header as the engine reads it; a manifest that cannot be read is kept as the error to report,
-    so the update is refused (and recorded) with the task it answers."""
+    so the update is refused (and recorded) with the task it answers. `relay`: the sender's certificate is a
+    relay's, the only kind that sends (and must send) its children's partial sum."""
     try:
         layout, problem = Layout.from_proto(header.manifest), None
     except IntegrityError as exc:
         layout, problem = None, exc
+    partial = None
+    if header.HasField("partial"):
+        if not relay:
+            raise IntegrityError("only a relay's certificate may send a partial sum; a site sends its own update")
+        contributors = tuple(header.partial.contributors)
+        if len(contributors) > MAX_JOIN_NAMES or any(len(c) > MAX_JOIN_NAME_CHARS for c in contributors):
+            raise IntegrityError(f"a partial sum names at most {MAX_JOIN_NAMES} contributors of at most "
+                                 f"{MAX_JOIN_NAME_CHARS} characters each")
+        partial = Partial(updates=header.partial.updates, contributors=contributors)
     return UpdateHeader(task=_binding(header), num_samples=header.num_samples, layout=layout,
-                        metrics=dict(header.metrics), eval_metrics=dict(header.eval_metrics), problem=problem)
+                        metrics=dict(header.metrics), eval_metrics=dict(header.eval_metrics), problem=problem,
+                        partial=partial)
 
 
 def _binding(message) -> Binding:
@@ -396,7 +410,9 @@ def site_info(row: SiteRow, *, online: bool, revoked: bool) -> admin_pb2.SiteInf
     return admin_pb2.SiteInfo(site=row.name, last_seen_unix_s=row.last_seen, online=online,
                               policy_digest=row.policy_digest, models=json.loads(row.models),
                               datasets=json.loads(row.datasets), agent_version=row.agent_version,
-                              dataset_rows=json.loads(row.dataset_rows), revoked=revoked)
+                              dataset_rows=json.loads(row.dataset_rows), revoked=revoked,
+                              kind="relay" if row.children else "site",
+                              children=json.loads(row.children) if row.children else [])
 
 
 def audit_reply(log, *, verify: bool, limit: int, sign_head: bool = False) -> admin_pb2.AuditReply:

@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +56,8 @@ CREATE TABLE IF NOT EXISTS sites (
     models TEXT NOT NULL DEFAULT '[]', datasets TEXT NOT NULL DEFAULT '[]');
 CREATE TABLE IF NOT EXISTS site_joins (
     name TEXT PRIMARY KEY, serial TEXT NOT NULL DEFAULT '', dataset_rows TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS relay_joins (
+    name TEXT PRIMARY KEY, children TEXT NOT NULL DEFAULT '[]');
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, at REAL NOT NULL, kind TEXT NOT NULL,
     round INTEGER NOT NULL DEFAULT 0, site TEXT NOT NULL DEFAULT '', message TEXT NOT NULL DEFAULT '');
@@ -150,6 +152,7 @@ class SiteRow(NamedTuple):
     datasets: str
     serial: str
     dataset_rows: str
+    children: str = ""        # a relay: JSON list of the children it named at its last Join; "" for a site
 
 
 class EventRow(NamedTuple):
@@ -446,20 +449,27 @@ class Store:
                     (info["agent_version"], info["policy_digest"], json.dumps(info["models"]),
                      json.dumps(info["datasets"]), name))
 
-    def site_joined(self, name: str, *, serial: int | None, dataset_rows: Mapping[str, int]) -> None:
+    def site_joined(self, name: str, *, serial: int | None, dataset_rows: Mapping[str, int],
+                    children: Sequence[str] | None = None) -> None:
         """Record the certificate serial (None: unknown) and training rows per dataset of a site's Join,
-        replacing those of its last one."""
+        replacing those of its last one; `children`: a relay's (None: a site)."""
         rows = json.dumps(dict(dataset_rows), sort_keys=True)
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO site_joins (name, serial, dataset_rows) VALUES (?, ?, ?)",
                              (name, "" if serial is None else str(serial), rows))
+            if children is None:
+                self._db.execute("DELETE FROM relay_joins WHERE name = ?", (name,))
+            else:
+                self._db.execute("INSERT OR REPLACE INTO relay_joins (name, children) VALUES (?, ?)",
+                                 (name, json.dumps(sorted(children))))
 
     def sites(self) -> list[SiteRow]:
         """Every site that ever joined, by name."""
         return [SiteRow(*r) for r in self._all(
             "SELECT s.name, s.last_seen, s.agent_version, s.policy_digest, s.models, s.datasets,"
-            " COALESCE(j.serial, ''), COALESCE(j.dataset_rows, '{}')"
-            " FROM sites s LEFT JOIN site_joins j ON j.name = s.name ORDER BY s.name")]
+            " COALESCE(j.serial, ''), COALESCE(j.dataset_rows, '{}'), COALESCE(r.children, '')"
+            " FROM sites s LEFT JOIN site_joins j ON j.name = s.name LEFT JOIN relay_joins r ON r.name = s.name"
+            " ORDER BY s.name")]
 
     def event(self, job_id: str, kind: str, round_: int = 0, site: str = "", message: str = "", *,
               actor: str = COORDINATOR) -> None:

@@ -144,6 +144,8 @@ class JoinInfo:
     policy_digest: str = ""
     dataset_rows: dict[str, int] = field(default_factory=dict)   # training rows per mapped dataset
     serial: int | None = None
+    relay: bool = False                          # a relay's certificate joined (it sends partial sums)
+    children: tuple[str, ...] = ()               # a relay's children at its Join
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,14 @@ class Binding:
 
 
 @dataclass(frozen=True)
+class Partial:
+    """A relay's update is its children's exact partial sum: how many updates are in it, and whose."""
+
+    updates: int
+    contributors: tuple[str, ...] = ()
+
+
+@dataclass
 class UpdateHeader:
     """The header of an update stream (or of a masked input under secure aggregation)."""
 
@@ -166,6 +176,7 @@ class UpdateHeader:
     metrics: dict[str, float] = field(default_factory=dict)
     eval_metrics: dict[str, float] = field(default_factory=dict)
     problem: IntegrityError | None = None
+    partial: Partial | None = None            # from a relay: its children's exact sum (service-checked)
 
     def require_layout(self) -> Layout:
         if self.layout is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.aggregate import CodedFold, WeightedSum
+from coordinator.aggregate import CodedFold, WeightedSum, exact_layout
 from coordinator.downlink import Downlink, Step
 from coordinator.drivers import Context
 from coordinator.drivers.rounds import Action, RoundView, can_open, decide, retry_allowed, training_over
@@ -498,6 +498,8 @@ class SyncRounds:
         masked = grant.kind == TaskKind.SECAGG_MASK
         if site in rs.receiving:
             raise FailedPrecondition(f"an update for task {grant.task_id} is already being received")
+        if header.partial is not None:
+            return self._upload_partial(site, grant, header, cut)
         layout = rs.secure.masked_layout if masked else job.update_layout
         dp = job.cfg.privacy.dp
         clip_checked = dp is not None and not (masked or own_dp(job.strategy))   # DP-FedAvg: Δ within clip_norm
@@ -531,6 +533,35 @@ class SyncRounds:
             raise
         if fold is not None:
             rs.folding[site] = upload
+        rs.receiving[site] = cut
+        return upload
+
+    def _upload_partial(self, site: str, grant: TaskGrant, header: UpdateHeader,
+                        cut: Callable[[BaseException], None]) -> Upload:
+        """A relay's exact partial sum of its children's updates, folded as the integers they would have added
+        here (WeightedSum.begin_exact): the mean is a flat federation's, bit for bit."""
+        job, rs = self.job, self.round
+        try:
+            if problem := partial_sum_problem(job.cfg, job.strategy, job.codec):
+                raise IntegrityError(f"a relay's partial sum cannot be taken for this job: {problem}",
+                                     reason=Reason.LAYOUT)
+            if not 1 <= header.num_samples <= 2 ** 62 or header.partial.updates < 1:
+                raise IntegrityError(f"a partial sum needs num_samples in [1, 2**62] and at least one update; got "
+                                     f"{header.num_samples} over {header.partial.updates}", reason=Reason.NUM_SAMPLES)
+            # Bounded by the rows its children reported (their sum, at the relay's Join); not capped again here:
+            # sites.max_weight_share caps each child among its relay's children, and a sum cannot be re-weighed.
+            rs.check_rows(site, header.num_samples)
+            weight = header.num_samples
+            layout = exact_layout(job.update_layout)
+            layout.require_same(header.require_layout(), what="partial sum")
+            metrics = kept_metrics(job, site_metrics(rs, site, header.eval_metrics, header.metrics, weight))
+            upload = Upload(layout, self.ctx.store.spool / f"{grant.task_id}.part",
+                            fold=rs.total.begin_exact(weight, header.partial.updates), owner=rs, weight=weight,
+                            metrics=metrics)
+        except IntegrityError as exc:
+            self._record(rs, grant, site, TaskStatus.REJECTED, str(exc), code=exc.reason)
+            raise
+        rs.folding[site] = upload
         rs.receiving[site] = cut
         return upload
 
@@ -954,6 +985,22 @@ class SyncRounds:
     def _end(self) -> None:
         self.ended = True
         self.round = None
+
+
+def partial_sum_problem(cfg: RoundConfig, strategy, codec) -> str:
+    """Why relays' partial sums cannot stand in for their children's updates in this job ('' if they can): the
+    round must fold plain weighted updates, which relays sum exactly."""
+    if cfg.asynchronous is not None:
+        return "it is asynchronous (each update carries its own staleness)"
+    if cfg.privacy.secure_aggregation:
+        return "it uses secure aggregation (not yet across relay tiers)"
+    if cfg.privacy.dp is not None:
+        return "it uses differential privacy (per-site weights and the sampling rate are not yet kept across tiers)"
+    if codec is not None:
+        return "its updates are compressed (compression.uplink)"
+    if holds_updates(strategy):
+        return f"{cfg.strategy.name} needs every site's update at once"
+    return ""
 
 
 def secure_cohort_problem(cfg: RoundConfig, sites: int) -> str:

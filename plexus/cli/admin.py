@@ -618,14 +618,19 @@ def _health(args) -> int:
 
 def _sites_list(args) -> int:
     with connect(args) as client:
-        sites = [{"site": s.site, "online": s.online, "last_seen": time.strftime(
+        sites = [{"site": s.site, "kind": s.kind or "site", "online": s.online, "last_seen": time.strftime(
             "%Y-%m-%d %H:%M:%S", time.localtime(s.last_seen_unix_s)), "policy_digest": s.policy_digest[:16],
             "datasets": ",".join(s.datasets), "dataset_rows": dict(sorted(s.dataset_rows.items())),
-            "revoked": s.revoked, "version": s.agent_version} for s in client.sites()]
+            "revoked": s.revoked, "version": s.agent_version, "children": list(s.children)}
+            for s in client.sites()]
     if args.json:
         print(json.dumps(sites, indent=2))
     else:
-        shown = [{**s, "rows": ",".join(f"{name}={n}" for name, n in s["dataset_rows"].items())} for s in sites]
+        shown = []
+        for s in sites:
+            shown.append({**s, "site": s["site"] + (" (relay)" if s["kind"] == "relay" else ""),
+                          "rows": ",".join(f"{name}={n}" for name, n in s["dataset_rows"].items())})
+            shown += [{"site": "  " * child.count("/") + "└ " + child.rsplit("/", 1)[-1]} for child in s["children"]]
         table(["site", "online", "last_seen", "datasets", "rows", "revoked", "policy_digest", "version"], shown)
     return 0
 

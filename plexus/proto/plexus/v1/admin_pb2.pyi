@@ -154,7 +154,7 @@ class ListSitesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SiteInfo(_message.Message):
-    __slots__ = ("site", "last_seen_unix_s", "online", "policy_digest", "models", "datasets", "agent_version", "dataset_rows", "revoked")
+    __slots__ = ("site", "last_seen_unix_s", "online", "policy_digest", "models", "datasets", "agent_version", "dataset_rows", "revoked", "children", "kind")
     class DatasetRowsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,8 @@ class SiteInfo(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DATASET_ROWS_FIELD_NUMBER: _ClassVar[int]
     REVOKED_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     site: str
     last_seen_unix_s: float
     online: bool
@@ -180,7 +182,9 @@ class SiteInfo(_message.Message):
     agent_version: str
     dataset_rows: _containers.ScalarMap[str, int]
     revoked: bool
-    def __init__(self, site: _Optional[str] = ..., last_seen_unix_s: _Optional[float] = ..., online: _Optional[bool] = ..., policy_digest: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[str]] = ..., agent_version: _Optional[str] = ..., dataset_rows: _Optional[_Mapping[str, int]] = ..., revoked: _Optional[bool] = ...) -> None: ...
+    children: _containers.RepeatedScalarFieldContainer[str]
+    kind: str
+    def __init__(self, site: _Optional[str] = ..., last_seen_unix_s: _Optional[float] = ..., online: _Optional[bool] = ..., policy_digest: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[str]] = ..., agent_version: _Optional[str] = ..., dataset_rows: _Optional[_Mapping[str, int]] = ..., revoked: _Optional[bool] = ..., children: _Optional[_Iterable[str]] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class SiteList(_message.Message):
     __slots__ = ("sites",)

@@ -50,7 +50,7 @@ RESULT_FAILED: ResultStatus
 RESULT_TRAINED: ResultStatus
 
 class JoinRequest(_message.Message):
-    __slots__ = ("agent_version", "models", "datasets", "policy_digest", "dataset_rows")
+    __slots__ = ("agent_version", "models", "datasets", "policy_digest", "dataset_rows", "children")
     class DatasetRowsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,12 +63,14 @@ class JoinRequest(_message.Message):
     DATASETS_FIELD_NUMBER: _ClassVar[int]
     POLICY_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DATASET_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
     agent_version: str
     models: _containers.RepeatedScalarFieldContainer[str]
     datasets: _containers.RepeatedScalarFieldContainer[str]
     policy_digest: str
     dataset_rows: _containers.ScalarMap[str, int]
-    def __init__(self, agent_version: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[str]] = ..., policy_digest: _Optional[str] = ..., dataset_rows: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    children: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_version: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[str]] = ..., policy_digest: _Optional[str] = ..., dataset_rows: _Optional[_Mapping[str, int]] = ..., children: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("federation", "site", "poll_timeout_s")
@@ -265,7 +267,7 @@ class ModelHeader(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., round: _Optional[int] = ..., manifest: _Optional[_Union[_tensor_pb2.Manifest, _Mapping]] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_round: _Optional[int] = ..., sha256: _Optional[bytes] = ..., zero_base: _Optional[bool] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("task_id", "job_id", "round", "nonce", "num_samples", "metrics", "eval_metrics", "manifest")
+    __slots__ = ("task_id", "job_id", "round", "nonce", "num_samples", "metrics", "eval_metrics", "manifest", "partial")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +290,7 @@ class UpdateHeader(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     job_id: str
     round: int
@@ -296,7 +299,16 @@ class UpdateHeader(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     eval_metrics: _containers.ScalarMap[str, float]
     manifest: _tensor_pb2.Manifest
-    def __init__(self, task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., nonce: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., manifest: _Optional[_Union[_tensor_pb2.Manifest, _Mapping]] = ...) -> None: ...
+    partial: PartialSum
+    def __init__(self, task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., nonce: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., manifest: _Optional[_Union[_tensor_pb2.Manifest, _Mapping]] = ..., partial: _Optional[_Union[PartialSum, _Mapping]] = ...) -> None: ...
+
+class PartialSum(_message.Message):
+    __slots__ = ("updates", "contributors")
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    updates: int
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, updates: _Optional[int] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UpdateMessage(_message.Message):
     __slots__ = ("header", "chunk")
