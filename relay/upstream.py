@@ -1,0 +1,193 @@
+"""The relay as one site of its parent: it joins with its children's rows, takes the parent's tasks, hands each
+to its tier (the Mailbox) with the model the parent served, and answers with what the tier made of it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+
+import grpc
+
+from coordinator.aggregate import exact_layout
+from coordinator.engine import Engine
+from coordinator.store import Store
+from plexus import __version__, transport
+from plexus.config import RelayConfig, parse_round_config
+from plexus.errors import ConfigError, IntegrityError
+from plexus.identity import Kit
+from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
+from plexus.vocab import TaskKind
+from plexus.wire import Layout, assemble
+from relay.driver import Answer, Mailbox, Offer, relay_problem
+
+log = logging.getLogger("plexus.relay")
+
+CHUNK_BYTES = 1 << 20
+BACKOFF_START_S, BACKOFF_CAP_S = 1.0, 30.0
+_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+          grpc.StatusCode.CANCELLED)
+
+
+def children_of(store: Store) -> list[str]:
+    """The relay's children, and below a child that is a relay, its own as "child/grandchild"."""
+    names = []
+    for row in store.sites():
+        names.append(row.name)
+        names += [f"{row.name}/{child}" for child in json.loads(row.children or "[]")]
+    return names
+
+
+def children_rows(store: Store) -> dict[str, int]:
+    """Training rows per dataset over the relay's children, as they reported them: the relay's own at Join."""
+    rows: dict[str, int] = {}
+    for row in store.sites():
+        for dataset, n in json.loads(row.dataset_rows).items():
+            rows[dataset] = rows.get(dataset, 0) + int(n)
+    return rows
+
+
+class Upstream:
+    """Talks to the parent for the relay; `run` until `stop` is set."""
+
+    def __init__(self, config: RelayConfig, kit: Kit, engine: Engine, store: Store, mailbox: Mailbox):
+        self.config, self.kit, self.engine, self.store, self.mailbox = config, kit, engine, store, mailbox
+        self.stop = threading.Event()
+        self._channel: grpc.Channel | None = None
+        self._joined: tuple | None = None
+        self._rng = random.Random()
+
+    def run(self) -> None:
+        delay = BACKOFF_START_S
+        while not self.stop.is_set():
+            if len(self.store.sites()) < self.config.tier.sites_min:   # nothing to stand for yet
+                self.stop.wait(0.5)
+                continue
+            try:
+                with transport.channel(self.kit, self.config.parent) as channel:
+                    self._channel = channel
+                    stub = federation_pb2_grpc.FederationStub(channel)
+                    reply = self._join(stub)
+                    log.info("relay joined federation %r as %r (parent %s)", reply.federation, reply.site,
+                             self.config.parent)
+                    delay = BACKOFF_START_S
+                    self._serve(stub, reply.poll_timeout_s or 20.0)
+            except grpc.RpcError as exc:
+                if self.stop.is_set():
+                    break
+                log.log(logging.INFO if exc.code() in _RETRY else logging.ERROR, "parent %s: %s: %s; retrying in "
+                        "%.1fs", self.config.parent, exc.code().name, exc.details(), delay)
+            finally:
+                self._channel = None
+            self.stop.wait(delay * (1 + 0.2 * self._rng.random()))
+            delay = min(delay * 2, BACKOFF_CAP_S)
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        if self._channel is not None:
+            self._channel.close()
+
+    def join_request(self) -> fpb.JoinRequest:
+        """The relay at its parent: the models its children have in common, their datasets and rows, and who
+        they are."""
+        sites = self.store.sites()
+        models = set.intersection(*(set(json.loads(r.models)) for r in sites)) if sites else set()
+        rows = children_rows(self.store)
+        return fpb.JoinRequest(agent_version=__version__, models=sorted(models), datasets=sorted(rows),
+                               dataset_rows=rows, children=children_of(self.store))
+
+    def _join(self, stub) -> fpb.JoinReply:
+        request = self.join_request()
+        self._joined = (tuple(request.models), tuple(sorted(request.dataset_rows.items())), tuple(request.children))
+        return stub.Join(request, timeout=10)
+
+    def _serve(self, stub, poll_s: float) -> None:
+        while not self.stop.is_set():
+            request = self.join_request()   # children come and go: the parent's view follows
+            if (tuple(request.models), tuple(sorted(request.dataset_rows.items())), tuple(request.children)) \
+                    != self._joined:
+                self._join(stub)
+            task = stub.NextTask(fpb.NextTaskRequest(wait_s=min(poll_s, 5.0)), timeout=min(poll_s, 5.0) + 15)
+            if task.kind != fpb.TASK_NONE:
+                self.handle(stub, task)
+
+    def handle(self, stub, task: fpb.Task) -> None:
+        if task.kind not in (fpb.TASK_TRAIN, fpb.TASK_EVALUATE):
+            return self._report(stub, task, fpb.RESULT_DECLINED,
+                                "relays do not take part in secure aggregation yet; connect these sites directly")
+        try:
+            cfg = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
+        except ConfigError as exc:
+            return self._report(stub, task, fpb.RESULT_FAILED, f"the relay cannot read the job's round config: {exc}")
+        if problem := relay_problem(cfg):
+            return self._report(stub, task, fpb.RESULT_DECLINED, f"a relay cannot run this job: {problem}")
+        self.engine.retire(task.job_id, f"the parent moved on to job {task.job_id}")
+        if not any(row.id == task.job_id for row in self.store.jobs()):
+            self.store.add_job(task.job_id, cfg.name, task.config_yaml, cfg.strategy.name, cfg.rounds,
+                               f"parent {self.config.parent}")
+        left = task.deadline_unix_s - time.time() - self.config.tier.upload_margin_s
+        try:
+            layout, blob = self._fetch(stub, task)
+        except IntegrityError as exc:
+            return self._report(stub, task, fpb.RESULT_FAILED, f"the parent's model is unusable: {exc}")
+        kind = TaskKind.EVALUATE if task.kind == fpb.TASK_EVALUATE else TaskKind.TRAIN
+        self.mailbox.post(task.job_id, Offer(task.task_id, kind, task.round, task.model_round,
+                                             time.monotonic() + left, layout, blob))
+        self.engine.nudge()
+        answer = self.mailbox.wait_answer(task.task_id, max(left, 0.0) + 5.0)
+        if answer is None:
+            return self._report(stub, task, fpb.RESULT_FAILED, "the relay's round did not end before the parent's "
+                                "deadline")
+        if answer.status == "sum":
+            return self._submit(stub, task, answer)
+        if answer.status == "evaluated":
+            return self._report(stub, task, fpb.RESULT_EVALUATED, "", answer.eval_metrics)
+        return self._report(stub, task, fpb.RESULT_FAILED, answer.reason)
+
+    def _fetch(self, stub, task: fpb.Task) -> tuple[Layout, bytes]:
+        stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_timeout(task))
+        first = next(stream)
+        if first.WhichOneof("body") != "header":
+            raise IntegrityError("the model stream does not start with its header")
+        layout = Layout.from_proto(first.header.manifest)
+        return layout, bytes(assemble(layout, (message.chunk for message in stream)))
+
+    def _submit(self, stub, task: fpb.Task, answer: Answer) -> None:
+        layout = exact_layout(answer.layout)
+        data = memoryview(answer.exact.view("u1"))
+        header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                                  num_samples=answer.weight, metrics=answer.metrics, eval_metrics=answer.eval_metrics,
+                                  manifest=layout.to_proto(),
+                                  partial=fpb.PartialSum(updates=answer.updates, contributors=answer.contributors))
+
+        def messages():
+            yield fpb.UpdateMessage(header=header)
+            for offset in range(0, len(data), CHUNK_BYTES):
+                yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(data[offset:offset + CHUNK_BYTES])})
+
+        try:
+            reply = stub.SubmitUpdate(messages(), timeout=_timeout(task))
+            log.info("job %s round %d: the tier's sum (%d updates, weight %d): %s", task.job_id, task.round,
+                     answer.updates, answer.weight, reply.message)
+        except grpc.RpcError as exc:
+            if exc.code() in _RETRY:
+                raise
+            log.warning("job %s round %d: the parent refused the tier's sum: %s", task.job_id, task.round,
+                        exc.details())
+
+    def _report(self, stub, task: fpb.Task, status, reason: str, eval_metrics: dict | None = None) -> None:
+        try:
+            stub.ReportResult(fpb.TaskResult(task_id=task.task_id, job_id=task.job_id, round=task.round,
+                                             nonce=task.nonce, status=status, reason=reason[:2000],
+                                             eval_metrics=eval_metrics or {}), timeout=30)
+        except grpc.RpcError as exc:
+            if exc.code() in _RETRY:
+                raise
+            log.warning("job %s round %d: the parent refused the relay's result: %s", task.job_id, task.round,
+                        exc.details())
+
+
+def _timeout(task: fpb.Task) -> float:
+    return max(30.0, task.deadline_unix_s - time.time() + 30.0)

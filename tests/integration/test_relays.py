@@ -1,0 +1,197 @@
+"""Relays: a tier between sites and the coordinator, over mTLS on loopback. A FedAvg job through relays ends
+with the model of a flat federation of the same sites, bit for bit; a relay killed mid-job comes back and
+the job still ends with those bits."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import grpc
+import pytest
+
+from plexus import pki
+from plexus.config import RelayConfig, TierSpec
+from relay.server import Relay
+
+from integration.harness import Federation, RawSite, free_port, heart_job, scaled, wait_until
+
+RELAYS = ("relay-1", "relay-2")
+TREE = {"relay-1": ("a", "b"), "relay-2": ("c",)}   # and d dials the coordinator itself
+
+
+@pytest.fixture(scope="module")
+def relay_kits(pki_root):
+    for name in RELAYS:
+        if not (pki_root / "relays" / name).exists():
+            pki.add_relay(pki_root, name, hosts=["127.0.0.1"])
+    return pki_root
+
+
+def relay_config(root, name: str, parent: str, state_dir, *, sites_min: int = 1) -> RelayConfig:
+    return RelayConfig(parent=parent, listen="127.0.0.1:0", kit=root / "relays" / name, state_dir=state_dir,
+                       crl=root / "crl.pem", tier=TierSpec(sites_min=sites_min, deadline_s=scaled(60)),
+                       poll_timeout_s=1.0, rejoin_grace_s=2.0)
+
+
+def final_model(fed: Federation, job_id: str) -> bytes:
+    rounds = fed.store.job(job_id).current_round
+    layout, blob = fed.store.checkpoint_blob(job_id, rounds)
+    return bytes(blob)
+
+
+def run_flat(root, tmp_path, job: str) -> bytes:
+    fed = Federation(root, tmp_path / "flat")
+    try:
+        for name in "abcd":
+            fed.start_site(name)
+        fed.wait_online(*"abcd")
+        job_id = fed.admin().submit(job).job_id
+        assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
+        return final_model(fed, job_id)
+    finally:
+        fed.close()
+
+
+def start_tree(fed: Federation, root, tmp_path) -> list[Relay]:
+    relays = []
+    for name, children in TREE.items():
+        relay = Relay(relay_config(root, name, fed.address, tmp_path / name, sites_min=len(children)))
+        relay.start()
+        relays.append(relay)
+        for child in children:
+            fed.start_site(child, coordinator=f"127.0.0.1:{relay.port}")
+    fed.start_site("d")
+    for relay, children in zip(relays, TREE.values()):
+        wait_until(lambda r=relay, c=children: set(c) <= r.tier.engine.online_sites(), scaled(30),
+                   f"{children} online at their relay")
+    fed.wait_online(*RELAYS, "d")
+    return relays
+
+
+JOB = heart_job(name="tiers", model="mlp", rounds=3, min=2, seed=11)
+
+
+def test_fedavg_through_relays_is_bit_identical_to_a_flat_federation(relay_kits, tmp_path):
+    flat = run_flat(relay_kits, tmp_path, JOB)
+    fed = Federation(relay_kits, tmp_path / "tiered")
+    relays = []
+    try:
+        relays = start_tree(fed, relay_kits, tmp_path)
+        job_id = fed.admin().submit(JOB).job_id
+        assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
+        assert final_model(fed, job_id) == flat
+        # The coordinator saw three contributors a round: two relays (3 sites' updates) and d.
+        rounds = [r for r in fed.store.rounds(job_id) if r.kind == "train"]
+        assert [sorted(json.loads(r.contributors)) for r in rounds] == [["d", *RELAYS]] * 3
+        # Each relay ran the same rounds at its tier, its children contributing.
+        for relay, children in zip(relays, TREE.values()):
+            tier = [r for r in relay.tier.store.rounds(job_id) if r.kind == "train"]
+            assert [(r.round, r.status, sorted(json.loads(r.contributors))) for r in tier] == \
+                [(n, "closed", sorted(children)) for n in (1, 2, 3)]
+        # sites list: the relays, each with its children.
+        listed = {s.site: s for s in fed.admin().sites()}
+        assert listed["relay-1"].kind == "relay" and list(listed["relay-1"].children) == ["a", "b"]
+        assert listed["relay-2"].kind == "relay" and list(listed["relay-2"].children) == ["c"]
+        assert listed["d"].kind == "site" and not listed["d"].children
+        # A relay's weight is its children's rows.
+        rows = {s: json.loads(r.dataset_rows) for s, r in ((r.name, r) for r in fed.store.sites())}
+        child_rows = {r.name: json.loads(r.dataset_rows) for r in relays[0].tier.store.sites()}
+        assert rows["relay-1"]["heart-disease"] == sum(child_rows[c]["heart-disease"] for c in ("a", "b"))
+    finally:
+        for relay in relays:
+            relay.stop()
+        fed.close()
+
+
+def test_a_relay_refuses_jobs_submitted_to_it(relay_kits, tmp_path):
+    fed = Federation(relay_kits, tmp_path / "coordinator")
+    relay = Relay(relay_config(relay_kits, "relay-1", fed.address, tmp_path / "relay"))
+    relay.start()
+    try:
+        from plexus.admin_client import AdminClient
+        with AdminClient(f"127.0.0.1:{relay.port}", relay_kits / "admins" / "ops") as admin:
+            with pytest.raises(grpc.RpcError) as refused:
+                admin.submit(JOB)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "this is a relay" in refused.value.details()
+    finally:
+        relay.stop()
+        fed.close()
+
+
+def test_a_relay_declines_what_it_cannot_run_and_the_job_goes_on(relay_kits, tmp_path):
+    fed = Federation(relay_kits, tmp_path / "coordinator")
+    relays = []
+    try:
+        relays = start_tree(fed, relay_kits, tmp_path)
+        robust = JOB.replace("name: tiers", "name: robust") + "strategy: {name: median}\n"
+        job_id = fed.admin().submit(robust.replace("min: 2", "min: 1")).job_id
+        assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
+        declines = fed.store.declines(job_id)
+        assert set(declines) == set(RELAYS)
+        assert "strategy median does not run through relays yet" in declines["relay-1"]
+    finally:
+        for relay in relays:
+            relay.stop()
+        fed.close()
+
+
+def test_a_child_revoked_by_the_federation_crl_is_refused_by_its_relay(tmp_path):
+    root = tmp_path / "pki"
+    pki.init_federation(root, "revoking", hosts=["127.0.0.1"])
+    pki.add_site(root, "a")
+    pki.add_site(root, "b")
+    pki.add_relay(root, "relay-1", hosts=["127.0.0.1"])
+    pki.revoke(root, "b")
+    fed = Federation(root, tmp_path / "coordinator")
+    relay = Relay(relay_config(root, "relay-1", fed.address, tmp_path / "relay"))
+    relay.start()
+    try:
+        address = f"127.0.0.1:{relay.port}"
+        good, revoked = RawSite(root / "sites" / "a", address), RawSite(root / "sites" / "b", address)
+        good.join()
+        with pytest.raises(grpc.RpcError) as refused:
+            revoked.join()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "revoked" in refused.value.details()
+        assert [row.name for row in relay.tier.store.sites()] == ["a"]
+        good.close()
+        revoked.close()
+    finally:
+        relay.stop()
+        fed.close()
+
+
+def test_a_relay_killed_mid_job_resumes_and_the_model_is_still_the_flat_one(relay_kits, tmp_path, procs):
+    flat = run_flat(relay_kits, tmp_path, JOB.replace("rounds: 3", "rounds: 4"))
+    fed = Federation(relay_kits, tmp_path / "tiered")
+    relays = []
+    try:
+        # relay-1 runs as its own process (`plexus relay run`), to be SIGKILLed; relay-2 in process.
+        config = tmp_path / "relay-1.yaml"
+        port = free_port()
+        config.write_text(f"parent: {fed.address}\nlisten: 127.0.0.1:{port}\nkit: {relay_kits / 'relays' / 'relay-1'}\n"
+                          f"state_dir: {tmp_path / 'relay-1'}\ncrl: {relay_kits / 'crl.pem'}\n"
+                          f"tier: {{sites_min: 2, deadline_s: {scaled(60)}}}\npoll_timeout_s: 1\nrejoin_grace_s: 0\n")
+        first = procs.start("relay-1", "relay", "run", "--config", str(config))
+        for child in TREE["relay-1"]:
+            fed.start_site(child, coordinator=f"127.0.0.1:{port}")
+        relay = Relay(relay_config(relay_kits, "relay-2", fed.address, tmp_path / "relay-2"))
+        relay.start()
+        relays.append(relay)
+        fed.start_site("c", coordinator=f"127.0.0.1:{relay.port}")
+        fed.start_site("d")
+        fed.wait_online(*RELAYS, "d")
+        job_id = fed.admin().submit(JOB.replace("rounds: 3", "rounds: 4")).job_id
+        wait_until(lambda: fed.store.job(job_id).current_round >= 1, scaled(120), "round 1 to close")
+        assert fed.store.job(job_id).current_round < 4   # mid-job
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=scaled(10))
+        procs.start("relay-1-again", "relay", "run", "--config", str(config))
+        assert fed.wait_job(job_id, scaled(180)) == "completed", fed.store.job(job_id).message
+        assert final_model(fed, job_id) == flat
+    finally:
+        for relay in relays:
+            relay.stop()
+        fed.close()
