@@ -26,11 +26,11 @@ __all__ = [
     "AdminConfig", "Cell", "CompressionSpec", "CoordinatorConfig", "DownlinkSpec", "DPSGDSpec", "DPSpec", "DataSpec",
     "DatasetSpec", "EmulationSpec",
     "FeatureSpec", "GroupSpec", "LBFGSArgs", "LabelSpec", "ModelSpec", "NewtonArgs",
-    "OptimizerSpec", "PolicySpec", "PrivacySpec", "RelayConfig", "RoundConfig", "SUMMING_STRATEGIES", "SiteConfig", "SitesSpec",
-    "StatColumnSpec", "StatDPSpec", "StatisticsSpec", "StrategySpec", "TierSpec", "TrainSpec", "UplinkSpec", "dump_round_config",
-    "dump_site_config",
-    "load_admin_config", "load_coordinator_config", "load_relay_config", "load_round_config", "load_site_config", "parse_round_config",
-    "split_address", "statistics_args", "statistics_spec_from_args",
+    "OptimizerSpec", "PolicySpec", "PrivacySpec", "RelayConfig", "RoundConfig", "SUMMING_STRATEGIES", "SiteConfig",
+    "SitesSpec", "StatColumnSpec", "StatDPSpec", "StatisticsSpec", "StrategySpec", "TierSpec", "TrainSpec",
+    "UplinkSpec", "dump_round_config", "dump_site_config",
+    "load_admin_config", "load_coordinator_config", "load_relay_config", "load_round_config", "load_site_config",
+    "parse_round_config", "split_address", "statistics_args", "statistics_spec_from_args",
 ]
 
 from plexus.datasets import HOSPITALS, cell_number, feature_inputs

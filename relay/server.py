@@ -28,8 +28,8 @@ class Relay:
         kit = load_kit(config.kit)
         ident = identity_from_cert(kit.cert_pem)
         if ident.kind != "relay":
-            raise ConfigError(f"{config.kit}: the kit's certificate is {ident.kind} {ident.name!r}'s; a relay needs its "
-                              "own kit: `plexus pki add-relay NAME --host HOST` on the federation's CA machine")
+            raise ConfigError(f"{config.kit}: the kit's certificate is {ident.kind} {ident.name!r}'s; a relay needs "
+                              "its own kit: `plexus pki add-relay DIR NAME --host HOST` where the federation's CA is")
         self.name = ident.name
         self.mailbox = Mailbox()
         self.tier = Coordinator(config.serving(), models=models, take_up=RelayRounds.factory(self.mailbox, config.tier),
