@@ -52,7 +52,7 @@ def test_the_installed_command_groups_are_the_declared_ones():
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"][COMMANDS_GROUP]
     installed = {ep.name: ep.value for ep in entry_points(group=COMMANDS_GROUP)}
     assert installed == declared, "the installed entry points are stale: run `pip install -e '.[dev]'` again"
-    assert sorted(installed_commands()) == ["coordinator", "simulate", "site"]
+    assert sorted(installed_commands()) == ["coordinator", "relay", "simulate", "site"]
 
 
 @pytest.mark.parametrize("argv", [["coordinator", "run", "--config", "c.yaml"], ["site", "run", "--config", "s.yaml"],
