@@ -19,6 +19,7 @@ import numpy as np
 from coordinator.drivers import Context
 from coordinator.drivers.rounds import Action, decide
 from coordinator.drivers.sync import ActiveJob, RoundState, SyncRounds, partial_sum_problem, weight_caps
+from coordinator.secure_round import SecureRound
 from coordinator.served import ServedModel
 from coordinator.store import JobRow
 from coordinator.strategies import make_strategy
@@ -40,8 +41,10 @@ def relay_problem(cfg: RoundConfig) -> str:
     """Why a relay cannot stand for its children in this job ('' if it can)."""
     if cfg.strategy.name not in RELAYED:
         return f"strategy {cfg.strategy.name} does not run through relays yet (they run {', '.join(RELAYED)})"
-    if cfg.compression is not None and cfg.compression.downlink is not None:
-        return "its model travels compressed (compression.downlink)"
+    if cfg.compression is not None:
+        return "its updates or model travel compressed (compression)"
+    if cfg.privacy.secure_aggregation and cfg.privacy.dp is None and cfg.asynchronous is None:
+        return ""   # masked within each tier: children towards the relay, the relay's mean towards its parent
     return partial_sum_problem(cfg, make_strategy(cfg), job_uplink(cfg))
 
 
@@ -63,9 +66,10 @@ class Answer:
     """What the relay tells its parent for one task."""
 
     task_id: str
-    status: str               # "sum" (train), "evaluated", "failed"
+    status: str               # "sum" (train), "delta" (secure train), "evaluated", "failed"
     reason: str = ""
     exact: np.ndarray | None = None      # the sum, fixed point, in `layout`'s order
+    delta: dict[str, np.ndarray] | None = None   # secure aggregation: the survivors' mean Δ, unmasked here
     layout: Layout | None = None
     weight: int = 0
     updates: int = 0
@@ -189,8 +193,13 @@ class RelayRounds(SyncRounds):
         sizes = self._sizes()
         rows = {s: sizes[s] for s in online if s in sizes}
         deadline = min(now + self.tier.deadline_s, offer.deadline)
+        secure = None
+        if job.cfg.privacy.secure_aggregation and not evaluating:
+            secure = SecureRound(job.row.id, offer.round, job.layout, job.cfg.privacy.secagg, self.tier.sites_min,
+                                 seed=job.cfg.seed)
         self.round = RoundState(round=offer.round, kind=kind, model_round=offer.model_round, participants=online,
-                                deadline=deadline, total=None if evaluating else job.round_sum(len(online)),
+                                deadline=deadline, secure=secure,
+                                total=None if evaluating or secure else job.round_sum(len(online)),
                                 rows=rows, caps=weight_caps(rows, job.cfg.sites.max_weight_share),
                                 eval_caps=weight_caps(rows, job.cfg.sites.max_weight_share))
         log.info("job %s round %d (%s) opened at the relay for %s", job.row.id, offer.round, kind, ", ".join(online))
@@ -215,6 +224,10 @@ class RelayRounds(SyncRounds):
             rs.late = f"by the relay's round deadline (tier.deadline_s {self.tier.deadline_s:g} s, or the parent's)"
             rs.end_uploads(f"round {rs.round} of job {job.row.id} reached the relay's deadline before the update "
                            "was complete (the site is recorded late)")
+        if decision.action == Action.ADVANCE:
+            self._advance_secure(rs)
+            self.ctx.notify()
+            return 0.0
         for site in rs.participants:
             if site not in rs.outcomes:
                 rs.outcomes[site] = TaskStatus.LATE
@@ -263,6 +276,22 @@ class RelayRounds(SyncRounds):
         self.mailbox.answer(answer)
         log.info("job %s round %d at the relay: %s", self.job.row.id, rs.round, message)
         self.round, self.offer = None, None
+
+    def _unmasked(self, rs: RoundState, delta: dict[str, np.ndarray]) -> None:
+        """The tier's secure round is unmasked: its survivors' mean Δ goes up, to be masked towards the parent."""
+        store, contributors = self.ctx.store, sorted(rs.contributors)
+        metrics = {(r, s, k, n): v for r, s, k, n, v in store.metrics(self.job.row.id) if s in contributors}
+        train = [(self._of(metrics, rs.round, s, "train"), self._of(metrics, rs.model_round, s, "eval"))
+                 for s in contributors]
+        answer = Answer(self.offer.task_id, "delta", delta=delta, layout=self.job.layout, weight=rs.samples,
+                        updates=len(contributors), contributors=tuple(contributors),
+                        metrics=weighted_means([(m.get("num_samples", 1.0), m) for m, _ in train]),
+                        eval_metrics=weighted_means([(e.get("num_samples", 1.0), e) for _, e in train]))
+        self._finish(rs, answer, contributors, rs.samples, f"{len(contributors)} masked update(s), {rs.samples} "
+                     "samples: their mean masked again towards the parent")
+
+    def _fail_round(self, rs: RoundState, why: str, *, retry: bool = False) -> None:
+        self._fail(rs, why)
 
     def _fail(self, rs: RoundState, why: str) -> None:
         rs.drop_held()

@@ -17,15 +17,18 @@ from coordinator.store import Store
 from plexus import __version__, transport
 from plexus.config import RelayConfig, parse_round_config
 from plexus.errors import ConfigError, IntegrityError
-from plexus.identity import Kit
+from plexus.identity import Kit, identity_from_cert
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
+from plexus.secagg import SiteSession, advert_to_proto
 from plexus.vocab import TaskKind
-from plexus.wire import Layout, assemble
+from plexus.wire import DTYPES, Layout, assemble
 from relay.driver import Answer, Mailbox, Offer, relay_problem
+from site_agent.agent import Pending, check_sums_fit, secagg_phase
 
 log = logging.getLogger("plexus.relay")
 
 CHUNK_BYTES = 1 << 20
+_LATER_PHASES = (fpb.TASK_SECAGG_SHARE, fpb.TASK_SECAGG_MASKED_INPUT, fpb.TASK_SECAGG_UNMASK)
 BACKOFF_START_S, BACKOFF_CAP_S = 1.0, 30.0
 _RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
           grpc.StatusCode.CANCELLED)
@@ -54,7 +57,9 @@ class Upstream:
 
     def __init__(self, config: RelayConfig, kit: Kit, engine: Engine, store: Store, mailbox: Mailbox):
         self.config, self.kit, self.engine, self.store, self.mailbox = config, kit, engine, store, mailbox
+        self.name = identity_from_cert(kit.cert_pem).name
         self.stop = threading.Event()
+        self._secure: dict[tuple[str, int], Pending] = {}   # a secure round between its phases at the parent
         self._channel: grpc.Channel | None = None
         self._joined: tuple | None = None
         self._rng = random.Random()
@@ -114,13 +119,15 @@ class Upstream:
                 self.handle(stub, task)
 
     def handle(self, stub, task: fpb.Task) -> None:
-        if task.kind not in (fpb.TASK_TRAIN, fpb.TASK_EVALUATE):
-            return self._report(stub, task, fpb.RESULT_DECLINED,
-                                "relays do not take part in secure aggregation yet; connect these sites directly")
         try:
             cfg = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
         except ConfigError as exc:
             return self._report(stub, task, fpb.RESULT_FAILED, f"the relay cannot read the job's round config: {exc}")
+        if task.kind in _LATER_PHASES:
+            return self._secure_phase(stub, task, cfg)
+        if task.kind not in (fpb.TASK_TRAIN, fpb.TASK_EVALUATE, fpb.TASK_SECAGG_ADVERTISE):
+            return self._report(stub, task, fpb.RESULT_DECLINED, "a relay cannot answer this task; connect these "
+                                "sites directly for this job")
         if problem := relay_problem(cfg):
             return self._report(stub, task, fpb.RESULT_DECLINED, f"a relay cannot run this job: {problem}")
         self.engine.retire(task.job_id, f"the parent moved on to job {task.job_id}")
@@ -132,7 +139,7 @@ class Upstream:
             layout, blob = self._fetch(stub, task)
         except IntegrityError as exc:
             return self._report(stub, task, fpb.RESULT_FAILED, f"the parent's model is unusable: {exc}")
-        kind = TaskKind.EVALUATE if task.kind == fpb.TASK_EVALUATE else TaskKind.TRAIN
+        kind = TaskKind.EVALUATE if task.kind == fpb.TASK_EVALUATE else TaskKind.TRAIN   # advertise: train first
         self.mailbox.post(task.job_id, Offer(task.task_id, kind, task.round, task.model_round,
                                              time.monotonic() + left, layout, blob))
         self.engine.nudge()
@@ -142,9 +149,57 @@ class Upstream:
                                 "deadline")
         if answer.status == "sum":
             return self._submit(stub, task, answer)
+        if answer.status == "delta":
+            return self._advertise(stub, task, cfg, answer)
         if answer.status == "evaluated":
             return self._report(stub, task, fpb.RESULT_EVALUATED, "", answer.eval_metrics)
         return self._report(stub, task, fpb.RESULT_FAILED, answer.reason)
+
+    def _advertise(self, stub, task: fpb.Task, cfg, answer: Answer) -> None:
+        """Secure aggregation at the parent's tier: the relay keeps its tier's mean Δ and advertises keys for it,
+        signed with its own certificate, weighing it by its survivors' samples; the later phases mask it."""
+        try:
+            check_sums_fit(list(answer.delta.values()), cfg.privacy.secagg.clip)
+        except ValueError as exc:
+            return self._report(stub, task, fpb.RESULT_FAILED, str(exc))
+        session = SiteSession(task.job_id, task.round, self.name)
+        advert = session.advertise(answer.weight, self.kit.key_pem, self.kit.cert_pem)
+        self._secure = {(task.job_id, task.round): Pending(session, answer.layout, answer.delta)}
+        stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                                      advert=advert_to_proto(advert), metrics=answer.metrics,
+                                      eval_metrics=answer.eval_metrics), timeout=30)
+        log.info("job %s round %d: the tier's mean of %d update(s) (weight %d) kept; keys advertised", task.job_id,
+                 task.round, answer.updates, answer.weight)
+
+    def _secure_phase(self, stub, task: fpb.Task, cfg) -> None:
+        pending = self._secure.get((task.job_id, task.round))
+        if pending is None:
+            return self._report(stub, task, fpb.RESULT_FAILED, f"no secure-aggregation state for round {task.round} "
+                                "at the relay (it restarted mid-round); it drops out of this round")
+        try:
+            done = secagg_phase(stub, task, cfg, pending, ca_pem=self.kit.ca_pem,
+                                submit_masked=lambda layout, masked: self._submit_masked(stub, task, layout, masked))
+        except (IntegrityError, ValueError) as exc:
+            return self._report(stub, task, fpb.RESULT_FAILED, f"secure aggregation at the relay: {exc}")
+        if done:
+            self._secure.pop((task.job_id, task.round), None)
+
+    def _submit_masked(self, stub, task: fpb.Task, layout: Layout, masked) -> None:
+        header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
+                                  manifest=layout.to_proto())
+        wire = DTYPES[layout.tensors[0].dtype] if layout.tensors else DTYPES["U32"]
+
+        def messages():
+            yield fpb.UpdateMessage(header=header)
+            offset = 0
+            for piece in masked:
+                data = piece.astype(wire, copy=False).tobytes()
+                for start in range(0, len(data), CHUNK_BYTES):
+                    part = data[start:start + CHUNK_BYTES]
+                    yield fpb.UpdateMessage(chunk={"offset": offset, "data": part})
+                    offset += len(part)
+
+        stub.SubmitUpdate(messages(), timeout=_timeout(task))
 
     def _fetch(self, stub, task: fpb.Task) -> tuple[Layout, bytes]:
         stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_timeout(task))

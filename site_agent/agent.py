@@ -98,7 +98,7 @@ class SiteAgent:
         self.chunk_bytes = chunk_bytes
         self._data: dict[DataSpec, Split] = {}
         self._tables: dict[DatasetSpec, dict[str, np.ndarray]] = {}   # raw tables, for statistics jobs
-        self._secure: dict[tuple[str, int], _Pending] = {}
+        self._secure: dict[tuple[str, int], Pending] = {}
         self._kept: dict[tuple[str, int], _Kept] = {}   # asynchronous secure jobs: (job, base version) -> update
         self.audit = SiteAudit(config.state_dir, actor=f"site:{config.site}")
         self._rng = random.Random()
@@ -336,7 +336,7 @@ class SiteAgent:
         advert = session.advertise(weight, self.kit.key_pem, self.kit.cert_pem)
         for key in [k for k in self._secure if k[0] == task.job_id]:
             del self._secure[key]  # an older round of this job can never resume
-        self._secure[(task.job_id, task.round)] = _Pending(session, layout, delta | extras,
+        self._secure[(task.job_id, task.round)] = Pending(session, layout, delta | extras,
                                                            extras=Layout.of({k: update[k] for k in extras}))
         stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                                       advert=advert_to_proto(advert), metrics=result.metrics,
@@ -378,7 +378,7 @@ class SiteAgent:
         for old in [k for k in self._secure if k[0] == task.job_id]:
             del self._secure[old]  # an older cohort of this job can never resume
         dp = job.privacy.dp
-        self._secure[(task.job_id, task.round)] = _Pending(session, kept.layout, kept.delta,
+        self._secure[(task.job_id, task.round)] = Pending(session, kept.layout, kept.delta,
                                                            noise=dp is not None and dp.mode == "distributed")
         stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                                       advert=advert_to_proto(advert), metrics=kept.metrics,
@@ -394,38 +394,9 @@ class SiteAgent:
         if pending is None:
             raise FailedPrecondition(f"no secure-aggregation state for job {task.job_id} round {task.round} "
                                      "(this agent restarted mid-round); it drops out of this round")
-        payload = task.secagg
-        header = dict(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce)
-        if task.kind == fpb.TASK_SECAGG_SHARE:
-            ciphertexts = pending.session.share([advert_from_proto(a) for a in payload.adverts],
-                                                threshold=payload.threshold, total_weight=payload.total_weight,
-                                                ca_pem=self.kit.ca_pem)
-            stub.SecAgg(fpb.SecAggMessage(**header, shares=fpb.SharesMessage(ciphertexts=ciphertexts)), timeout=30)
-        elif task.kind == fpb.TASK_SECAGG_MASKED_INPUT:
-            pending.session.receive_shares(dict(payload.shares_for_you))
-            delta = pending.delta
-            if pending.noise:   # an asynchronous cohort's share of distributed DP noise, for its own size
-                pending.floor = max(pending.session.threshold, job.sites.min)   # t as checked at share()
-                delta = _cohort_noise(delta, job, task, pending.floor)
-            # The job's uplink codec picks the field and entries (randk: its shared indices); |U1| as this site
-            # checked it at share() sizes an 8- or 16-bit field's grid.
-            plan = mask_plan(job.compression.uplink if job.compression else None, pending.layout, seed=job.seed,
-                             round_=task.round, extras=pending.extras)
-            field = plan.field(clip=payload.clip, frac_bits=payload.frac_bits, sites=pending.session.advertised)
-            masked = pending.session.mask(plan.values(delta), field=field)
-            self._submit_masked(stub, task, plan.layout(), masked)
-        else:
-            if len(payload.u3) < pending.floor:
-                raise IntegrityError(f"only {len(payload.u3)} sites survived to be unmasked, fewer than the "
-                                     f"{pending.floor} this site's share of the distributed DP noise was drawn for; it "
-                                     "will not reveal shares, since the sum would carry too little noise")
-            reveals = pending.session.unmask(list(payload.u3))
+        if secagg_phase(stub, task, job, pending, ca_pem=self.kit.ca_pem,
+                        submit_masked=lambda layout, masked: self._submit_masked(stub, task, layout, masked)):
             del self._secure[(task.job_id, task.round)]
-            stub.SecAgg(fpb.SecAggMessage(**header, reveal=fpb.RevealMessage(reveals=[
-                fpb.ShareReveal(peer=peer, kind=kind, x=x, y=y.to_bytes(66, "big"))
-                for peer, (kind, x, y) in sorted(reveals.items())])), timeout=30)
-            log.info("job %s round %d: revealed the shares for %d survivors", task.job_id, task.round,
-                     len(payload.u3))
 
     def _submit_masked(self, stub, task, layout: Layout, masked) -> None:
         """Stream the masked input; `layout` is its manifest (plexus.secagg.plan), one unsigned width throughout."""
@@ -580,7 +551,7 @@ class SiteAgent:
 
 
 @dataclass
-class _Pending:
+class Pending:
     """A site's secure round between phases: its secrets and the update it has not revealed."""
 
     session: SiteSession
@@ -600,6 +571,44 @@ class _Kept:
     num_samples: int       # n (1 under DP)
     metrics: dict[str, float]
     eval_metrics: dict[str, float]
+
+
+def secagg_phase(stub, task, job: RoundConfig, pending: Pending, *, ca_pem: bytes, submit_masked) -> bool:
+    """One later phase of a synchronous secure round (share, mask, unmask) for the party holding `pending` (a
+    site, or a relay masking its tier's mean); True once it revealed its shares (the round is over for it).
+    `submit_masked(layout, masked)` streams a masked input."""
+    payload = task.secagg
+    header = dict(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce)
+    if task.kind == fpb.TASK_SECAGG_SHARE:
+        ciphertexts = pending.session.share([advert_from_proto(a) for a in payload.adverts],
+                                            threshold=payload.threshold, total_weight=payload.total_weight,
+                                            ca_pem=ca_pem)
+        stub.SecAgg(fpb.SecAggMessage(**header, shares=fpb.SharesMessage(ciphertexts=ciphertexts)), timeout=30)
+    elif task.kind == fpb.TASK_SECAGG_MASKED_INPUT:
+        pending.session.receive_shares(dict(payload.shares_for_you))
+        delta = pending.delta
+        if pending.noise:   # an asynchronous cohort's share of distributed DP noise, for its own size
+            pending.floor = max(pending.session.threshold, job.sites.min)   # t as checked at share()
+            delta = _cohort_noise(delta, job, task, pending.floor)
+        # The job's uplink codec picks the field and entries (randk: its shared indices); |U1| as this site
+        # checked it at share() sizes an 8- or 16-bit field's grid.
+        plan = mask_plan(job.compression.uplink if job.compression else None, pending.layout, seed=job.seed,
+                         round_=task.round, extras=pending.extras)
+        field = plan.field(clip=payload.clip, frac_bits=payload.frac_bits, sites=pending.session.advertised)
+        masked = pending.session.mask(plan.values(delta), field=field)
+        submit_masked(plan.layout(), masked)
+    else:
+        if len(payload.u3) < pending.floor:
+            raise IntegrityError(f"only {len(payload.u3)} sites survived to be unmasked, fewer than the "
+                                 f"{pending.floor} this site's share of the distributed DP noise was drawn for; it "
+                                 "will not reveal shares, since the sum would carry too little noise")
+        reveals = pending.session.unmask(list(payload.u3))
+        stub.SecAgg(fpb.SecAggMessage(**header, reveal=fpb.RevealMessage(reveals=[
+            fpb.ShareReveal(peer=peer, kind=kind, x=x, y=y.to_bytes(66, "big"))
+            for peer, (kind, x, y) in sorted(reveals.items())])), timeout=30)
+        log.info("job %s round %d: revealed the shares for %d survivors", task.job_id, task.round,
+                 len(payload.u3))
+    return task.kind == fpb.TASK_SECAGG_UNMASK
 
 
 def check_sums_fit(delta: list[np.ndarray], clip: float) -> None:

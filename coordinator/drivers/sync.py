@@ -906,11 +906,8 @@ class SyncRounds:
                     store.finish_task(rs.grants[site].task_id, TaskStatus.REJECTED, reason, job_id=job.row.id,
                                       round_=rs.round, site=site)
                     log.warning("job %s round %d site %s: rejected (%s)", job.row.id, rs.round, site, reason)
-                mean = base_plus_unmasked(job.base, delta, sec.extras)
                 rs.contributors, rs.samples = list(sec.u3), weight
-                mean = self._central_noise(rs, mean)   # central DP: on the unmasked mean of the survivors
-                self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.base, mean,
-                                                              sorted(rs.contributors)))
+                self._unmasked(rs, delta)
                 return
         except PlexusError as exc:   # too few sites answered a phase, or too few honest shares
             self._fail_round(rs, str(exc), retry=True)
@@ -920,6 +917,14 @@ class SyncRounds:
         self.ctx.presence.wake(following)
         store.event(job.row.id, f"secagg_{sec.phase}", rs.round, "", f"{len(following)} site(s): "
                     + ", ".join(following))
+
+    def _unmasked(self, rs: RoundState, delta: dict[str, np.ndarray]) -> None:
+        """A secure round's survivors' mean Δ is unmasked: the new model from it."""
+        job = self.job
+        mean = base_plus_unmasked(job.base, delta, rs.secure.extras)
+        mean = self._central_noise(rs, mean)   # central DP: on the unmasked mean of the survivors
+        self._close_training_round(rs, aggregate_mean(job.strategy, rs.round, job.base, mean,
+                                                      sorted(rs.contributors)))
 
     def _central_noise(self, rs: RoundState, mean: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Central DP-FedAvg: N(0, (zS)²) on the sum of clipped updates, i.e. std zS/m on their mean.

@@ -267,7 +267,9 @@ class SiteSession:
             raise errors.IntegrityError(f"the advert of site {advert.site!r} has an invalid sample count (not "
                                         f"between 1 and {self.max_weight})")
         try:
-            identity.verify_issued(advert.cert_pem, ca_pem, name=advert.site, kind="site", now=now)
+            # A party is a site, or a relay masking its tier's mean (kind relay): either way a leaf of the CA.
+            kind = "relay" if _kind(advert.cert_pem) == "relay" else "site"
+            identity.verify_issued(advert.cert_pem, ca_pem, name=advert.site, kind=kind, now=now)
             crypto.verify(
                 advert.cert_pem,
                 advert_message(self.job_id, self.round, advert.site, advert.c_pk, advert.s_pk, advert.num_samples,
@@ -307,3 +309,10 @@ def _masked_chunks(
                 y -= crypto.prg_words(seed, count, field.bits, start=position)
         position += count
         yield y
+
+
+def _kind(cert_pem: bytes) -> str:
+    try:
+        return identity.identity_from_cert(cert_pem).kind
+    except errors.PlexusError:
+        return ""

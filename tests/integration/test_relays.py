@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 
 import grpc
+import numpy as np
 import pytest
 
+from coordinator.tasks import site_seed
 from plexus import pki
-from plexus.config import RelayConfig, TierSpec
+from plexus.config import DatasetSpec, PolicySpec, RelayConfig, SiteConfig, TierSpec, parse_round_config
+from plexus.datasets import heart_disease
+from plexus.models import build_model, load_numpy_state, state_to_numpy
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from relay.server import Relay
+from site_agent.agent import SiteAgent
+from site_agent.training import train_local
 
 from integration.harness import Federation, RawSite, free_port, heart_job, scaled, wait_until
 
@@ -191,6 +199,109 @@ def test_a_relay_killed_mid_job_resumes_and_the_model_is_still_the_flat_one(rela
         procs.start("relay-1-again", "relay", "run", "--config", str(config))
         assert fed.wait_job(job_id, scaled(180)) == "completed", fed.store.job(job_id).message
         assert final_model(fed, job_id) == flat
+    finally:
+        for relay in relays:
+            relay.stop()
+        fed.close()
+
+
+# Secure aggregation across two tiers -------------------------------------------------------------------
+CLIP = 4.0
+SECURE_TREE = {"relay-1": ("a1", "a2", "a3", "a4"), "relay-2": ("b1", "b2", "b3")}   # and d1, d2 direct
+HOSPITALS = dict(zip(("a1", "a2", "a3", "a4", "b1", "b2", "b3", "d1", "d2"),
+                     ("cleveland", "hungary", "va", "switzerland", "cleveland", "hungary", "va", "switzerland",
+                      "cleveland")))
+
+
+class DropsOut(SiteAgent):
+    """An agent that vanishes (answers nothing more) when a given secure-aggregation phase reaches it."""
+
+    def __init__(self, *args, vanish_at, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.vanish_at = vanish_at
+
+    def handle(self, stub, task):
+        if task.kind == self.vanish_at:
+            self.stop.set()
+            return None
+        return super().handle(stub, task)
+
+
+def secure_site(fed: Federation, root, name: str, address: str, agent_cls=SiteAgent, **kwargs) -> SiteAgent:
+    config = SiteConfig(site=name, coordinator=address, kit=root / "sites" / name,
+                        state_dir=root / "sites" / name / "state",
+                        datasets={"heart-disease": DatasetSpec(kind="heart-disease", hospital=HOSPITALS[name])},
+                        policy=PolicySpec(allowed_models=("logistic",), require_secure_aggregation=True))
+    agent = agent_cls(config, backoff_cap_s=0.5, **kwargs)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    fed.agents.append((agent, thread))
+    return agent
+
+
+def clear_mean(job_yaml: str, sites) -> dict[str, np.ndarray]:
+    """The survivors' weighted mean model after round 1, computed in the clear from their local training."""
+    job = parse_round_config(job_yaml)
+    initial = state_to_numpy(build_model(job.model.name, job.model.args, seed=job.seed))
+    total, weights = {k: np.zeros(v.shape) for k, v in initial.items()}, 0
+    for site in sites:
+        data = heart_disease(HOSPITALS[site])
+        model = build_model(job.model.name, job.model.args, seed=job.seed)
+        load_numpy_state(model, initial)
+        result = train_local(model, data.x_train, data.y_train, job.train, seed=site_seed(job.seed, 1, site))
+        for k, v in state_to_numpy(model).items():
+            total[k] += result.num_samples * (v.astype(np.float64) - initial[k])
+        weights += result.num_samples
+    return {k: initial[k] + total[k] / weights for k in initial}
+
+
+def test_secure_aggregation_across_two_tiers_with_a_dropout_in_each(tmp_path):
+    root = tmp_path / "pki"
+    pki.init_federation(root, "tiers", hosts=["127.0.0.1"])
+    for name in HOSPITALS:
+        pki.add_site(root, name)
+    for name in SECURE_TREE:
+        pki.add_relay(root, name, hosts=["127.0.0.1"])
+    pki.add_admin(root, "ops", role="operator")
+    fed = Federation(root, tmp_path / "coordinator")
+    relays = []
+    try:
+        for name, children in SECURE_TREE.items():
+            relay = Relay(relay_config(root, name, fed.address, tmp_path / name, sites_min=3))
+            relay.start()
+            relays.append(relay)
+            for child in children:
+                if child == "a4":   # shares its keys at relay-1's tier, never masks
+                    secure_site(fed, root, child, f"127.0.0.1:{relay.port}", DropsOut,
+                                vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)
+                else:
+                    secure_site(fed, root, child, f"127.0.0.1:{relay.port}")
+        secure_site(fed, root, "d1", fed.address)
+        secure_site(fed, root, "d2", fed.address, DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)   # the top tier's
+        for relay, children in zip(relays, SECURE_TREE.values()):
+            wait_until(lambda r=relay, c=children: set(c) <= r.tier.engine.online_sites(), scaled(30),
+                       f"{children} online at their relay")
+        fed.wait_online(*SECURE_TREE, "d1", "d2")
+        job = heart_job(name="secure-tiers", rounds=1, min=3, seed=5, deadline=scaled(30)) + (
+            f"privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, phase_timeout_s: {scaled(3)}}}}}\n")
+        job_id = fed.admin().submit(job).job_id
+        wait_until(lambda: fed.store.job(job_id).current_round == 1, scaled(120), "round 1 to close")
+        secure_site(fed, root, "d2", fed.address)   # back for the final evaluation
+        secure_site(fed, root, "a4", f"127.0.0.1:{relays[0].port}")
+        assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
+
+        # Each tier unmasked only its own survivors' sum: a4 and d2 dropped after sharing their keys.
+        top = next(r for r in fed.store.rounds(job_id) if r.round == 1)
+        assert sorted(json.loads(top.contributors)) == ["d1", "relay-1", "relay-2"]
+        tier1 = next(r for r in relays[0].tier.store.rounds(job_id) if r.round == 1)
+        assert sorted(json.loads(tier1.contributors)) == ["a1", "a2", "a3"]
+        tier2 = next(r for r in relays[1].tier.store.rounds(job_id) if r.round == 1)
+        assert sorted(json.loads(tier2.contributors)) == ["b1", "b2", "b3"]
+        # The model is the survivors' weighted mean (to the fixed point's rounding at the two tiers).
+        expected = clear_mean(job, ["a1", "a2", "a3", "b1", "b2", "b3", "d1"])
+        got = fed.store.load_checkpoint(job_id, 1)
+        for name, value in expected.items():
+            assert np.abs(got[name].astype(np.float64) - value).max() < 1e-6 + np.abs(value).max() * 2.0 ** -23, name
     finally:
         for relay in relays:
             relay.stop()
