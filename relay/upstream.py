@@ -23,7 +23,7 @@ from plexus.secagg import SiteSession, advert_to_proto
 from plexus.vocab import TaskKind
 from plexus.wire import DTYPES, Layout, assemble
 from relay.driver import Answer, Mailbox, Offer, relay_problem
-from site_agent.agent import Pending, check_sums_fit, secagg_phase
+from site_agent.secure import Pending, check_sums_fit, secagg_phase
 
 log = logging.getLogger("plexus.relay")
 
