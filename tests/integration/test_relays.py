@@ -14,6 +14,7 @@ import pytest
 
 from coordinator.tasks import site_seed
 from plexus import pki
+from plexus.cli import main as cli
 from plexus.config import DatasetSpec, PolicySpec, RelayConfig, SiteConfig, TierSpec, parse_round_config
 from plexus.datasets import heart_disease
 from plexus.models import build_model, load_numpy_state, state_to_numpy
@@ -80,7 +81,7 @@ def start_tree(fed: Federation, root, tmp_path) -> list[Relay]:
 JOB = heart_job(name="tiers", model="mlp", rounds=3, min=2, seed=11)
 
 
-def test_fedavg_through_relays_is_bit_identical_to_a_flat_federation(relay_kits, tmp_path):
+def test_fedavg_through_relays_is_bit_identical_to_a_flat_federation(relay_kits, tmp_path, capsys):
     flat = run_flat(relay_kits, tmp_path, JOB)
     fed = Federation(relay_kits, tmp_path / "tiered")
     relays = []
@@ -102,6 +103,11 @@ def test_fedavg_through_relays_is_bit_identical_to_a_flat_federation(relay_kits,
         assert listed["relay-1"].kind == "relay" and list(listed["relay-1"].children) == ["a", "b"]
         assert listed["relay-2"].kind == "relay" and list(listed["relay-2"].children) == ["c"]
         assert listed["d"].kind == "site" and not listed["d"].children
+        capsys.readouterr()
+        assert cli(["sites", "list", *fed.cli_args("viewer")]) == 0
+        shown = [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:]]
+        assert [cells[:2] if cells[0] == "└" else cells[:1] for cells in shown] == \
+            [["d"], ["relay-1"], ["└", "a"], ["└", "b"], ["relay-2"], ["└", "c"]]
         # A relay's weight is its children's rows.
         rows = {s: json.loads(r.dataset_rows) for s, r in ((r.name, r) for r in fed.store.sites())}
         child_rows = {r.name: json.loads(r.dataset_rows) for r in relays[0].tier.store.sites()}
