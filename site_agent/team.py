@@ -149,15 +149,33 @@ def _run_ranks(module: nn.Module, xt: torch.Tensor, yt: torch.Tensor, train: Any
     0's FedProx anchor and SCAFFOLD correction, which the other ranks receive."""
     make_optimizer = training.OPTIMIZERS[train.optimizer.name]   # checked by training._prepare at every rank
     ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
-    term = ProximalTerm(module, _from_rank0(module, anchor), work.mu) if work.mu is not None else None
-    hook = GradientCorrection(module, _from_rank0(module, correction)) if work.correction else None
-    started()   # the team is formed: its steps begin
-    taken, loss_sum, seen = training.minibatch_steps(
-        ddp, module, xt, yt, train, make_optimizer(module.parameters(), train.optimizer), seed=work.seed,
-        steps=training._step_budget(train, work.steps), loss_term=term, grad_hook=hook, rank=rank, world=world)
-    totals = torch.tensor([loss_sum, float(seen)], dtype=torch.float64, device=device)
-    dist.all_reduce(totals)
-    return taken, float(totals[0]), int(totals[1])
+    try:
+        term = ProximalTerm(module, _from_rank0(module, anchor), work.mu) if work.mu is not None else None
+        hook = GradientCorrection(module, _from_rank0(module, correction)) if work.correction else None
+        started()   # the team is formed: its steps begin
+        taken, loss_sum, seen = training.minibatch_steps(
+            ddp, module, xt, yt, train, make_optimizer(module.parameters(), train.optimizer), seed=work.seed,
+            steps=training._step_budget(train, work.steps), loss_term=term, grad_hook=hook, rank=rank, world=world)
+        totals = torch.tensor([loss_sum, float(seen)], dtype=torch.float64, device=device)
+        dist.all_reduce(totals)
+        return taken, float(totals[0]), int(totals[1])
+    finally:
+        _free_reducer(ddp)
+
+
+def _free_reducer(ddp: DistributedDataParallel) -> None:
+    """Free DDP's reducer now, while the process group is still held from Python (by torch.distributed until
+    _leave, and by `ddp.process_group`), so that the reducer's reference to it is never the last one.
+
+    The last reference runs ~ProcessGroupGloo, which joins gloo's worker threads. After a failed collective
+    (a rank died) a worker may still be releasing the failed work, whose captured thread-local state holds a
+    Python object (autograd's stashed context): that needs the GIL. The group's Python binding lets go of the
+    GIL before it destroys the group; the reducer's binding keeps it, so a reducer freed last (say when the
+    exception's traceback that holds `ddp` goes, long after _leave) would join that worker with the GIL held:
+    both wait for ever (seen with py-spy: the agent's thread in std::thread::join under ~Reducer, the gloo
+    worker in gil_scoped_acquire under ~AsyncAllreduceWork)."""
+    for name in ("logger", "reducer"):   # the logger holds the reducer too
+        ddp.__dict__.pop(name, None)
 
 
 def _from_rank0(module: nn.Module, values: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:

@@ -94,8 +94,6 @@ def test_dp_sgd_is_declined_with_the_reason_by_a_site_with_workers(federation):
     assert "training.workers is 1" in declined["a"]
 
 
-@pytest.mark.skip(reason="known bug, not yet diagnosed: a worker SIGKILLed while the team trains sometimes "
-                  "leaves rank 0 blocked inside torch.distributed (about 1 run in 4 here), so this test can hang")
 def test_a_worker_killed_mid_task_is_the_sites_failure_and_the_round_goes_on(federation):
     agent = federation.start_site("a", training=TrainingSpec(workers=2, timeout_s=60))
     federation.start_site("b")
