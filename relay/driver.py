@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.drivers import Context
-from coordinator.drivers.rounds import Action, decide
+from coordinator.drivers.rounds import Action
 from coordinator.drivers.sync import ActiveJob, RoundState, SyncRounds, partial_sum_problem, weight_caps
 from coordinator.secure_round import SecureRound
 from coordinator.served import ServedModel
@@ -157,9 +157,6 @@ class RelayRounds(SyncRounds):
         return cls(ctx, job, mailbox, tier)
 
     # the round cycle ----------------------------------------------------------------------------
-    def _needed(self) -> int:
-        return self.tier.sites_min
-
     def _maybe_open_round(self, now: float) -> float:
         job, store = self.job, self.ctx.store
         if self.offer is None:
@@ -215,24 +212,15 @@ class RelayRounds(SyncRounds):
         job.served = ServedModel.in_memory(offer.layout, offer.blob)
         job.model_round = offer.model_round
 
-    def _maybe_close_round(self, now: float) -> float:
-        rs, store, job = self.round, self.ctx.store, self.job
-        decision = decide(rs.view(self._needed() if rs.kind == TaskKind.TRAIN else 1), now)
-        if decision.action == Action.WAIT:
-            return decision.wait_s
-        if decision.by_deadline:
-            rs.late = f"by the relay's round deadline (tier.deadline_s {self.tier.deadline_s:g} s, or the parent's)"
-            rs.end_uploads(f"round {rs.round} of job {job.row.id} reached the relay's deadline before the update "
-                           "was complete (the site is recorded late)")
-        if decision.action == Action.ADVANCE:
-            self._advance_secure(rs)
-            self.ctx.notify()
-            return 0.0
-        for site in rs.participants:
-            if site not in rs.outcomes:
-                rs.outcomes[site] = TaskStatus.LATE
-        for site in list(rs.folding):
-            rs.withdraw(site)
+    def _needed(self) -> int:
+        return self.tier.sites_min if self.round is None or self.round.kind == TaskKind.TRAIN else 1
+
+    def _late(self) -> str:
+        return f"by the relay's round deadline (tier.deadline_s {self.tier.deadline_s:g} s, or the parent's)"
+
+    def _decided(self, rs: RoundState, decision) -> None:
+        """End the tier's round: its sum (or evaluation) goes to the parent, or the parent hears it failed."""
+        store, job = self.ctx.store, self.job
         metrics = {(r, s, k, n): v for r, s, k, n, v in store.metrics(job.row.id) if s in rs.participants}
         if rs.kind == TaskKind.EVALUATE:
             evaluated = sorted(s for s, o in rs.outcomes.items() if o == TaskStatus.EVALUATED)
@@ -260,8 +248,6 @@ class RelayRounds(SyncRounds):
             problems = ", ".join(f"{s}: {o}" for s, o in sorted(rs.outcomes.items()) if o != TaskStatus.SUBMITTED)
             self._fail(rs, f"{len(rs.contributors)} update(s), below tier.sites_min={self.tier.sites_min} (other "
                            f"children — {problems or 'none'})")
-        self.ctx.notify()
-        return 0.0
 
     @staticmethod
     def _of(metrics: dict, round_: int, site: str, kind: str) -> dict[str, float]:

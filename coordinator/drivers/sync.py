@@ -776,12 +776,12 @@ class SyncRounds:
         return max(self.job.cfg.sites.min, min_contributors(self.job.strategy))
 
     def _maybe_close_round(self, now: float) -> float:
-        job, rs, store = self.job, self.round, self.ctx.store
+        job, rs = self.job, self.round
         decision = decide(rs.view(self._needed()), now)
         if decision.action == Action.WAIT:
             return decision.wait_s
         if decision.by_deadline:   # updates still arriving are cut, their sites late
-            rs.late = f"by the round deadline ({job.cfg.sites.deadline_s:g} s)"
+            rs.late = self._late()
             rs.end_uploads(f"round {rs.round} of job {job.row.id} reached its deadline before the update was "
                            "complete (the site is recorded late)")
         if decision.action == Action.ADVANCE:
@@ -793,6 +793,17 @@ class SyncRounds:
                 rs.outcomes[site] = TaskStatus.LATE
         for site in list(rs.folding):   # still arriving at the deadline: out of the sum before the mean
             rs.withdraw(site)
+        self._decided(rs, decision)
+        self.ctx.notify()
+        return 0.0
+
+    def _late(self) -> str:
+        """Why a task still unanswered at a round's deadline is late."""
+        return f"by the round deadline ({self.job.cfg.sites.deadline_s:g} s)"
+
+    def _decided(self, rs: RoundState, decision) -> None:
+        """End the round as decided (finish the job, close with the quorum, or fail)."""
+        job, store = self.job, self.ctx.store
         if decision.action == Action.FINISH:
             evaluated = sorted(s for s, o in rs.outcomes.items() if o == TaskStatus.EVALUATED)
             message = f"final model evaluated by {len(evaluated)} site(s)"
@@ -816,8 +827,6 @@ class SyncRounds:
                      f"the {needed} updates {job.cfg.strategy.name} needs per round")
             self._fail_round(rs, f"{len(rs.contributors)} update(s), below {floor} (other sites — {problems})",
                              retry=True)
-        self.ctx.notify()
-        return 0.0
 
     def _close_with_quorum(self, rs: RoundState) -> None:
         """The new model from the round's updates, by the memory mode the strategy allows."""

@@ -201,6 +201,20 @@ class RawSite:
         return thread
 
 
+class DropsOut(SiteAgent):
+    """An agent that vanishes (answers nothing more) when a given secure-aggregation phase reaches it."""
+
+    def __init__(self, *args, vanish_at, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.vanish_at = vanish_at
+
+    def handle(self, stub, task):
+        if task.kind == self.vanish_at:
+            self.stop.set()
+            return None
+        return super().handle(stub, task)
+
+
 def free_port() -> int:
     """A port free now, for configs that must name one before the server starts (`plexus pki init --port`)."""
     with socket.socket() as s:

@@ -23,7 +23,7 @@ from relay.server import Relay
 from site_agent.agent import SiteAgent
 from site_agent.training import train_local
 
-from integration.harness import Federation, RawSite, free_port, heart_job, scaled, wait_until
+from integration.harness import DropsOut, Federation, RawSite, free_port, heart_job, scaled, wait_until
 
 RELAYS = ("relay-1", "relay-2")
 TREE = {"relay-1": ("a", "b"), "relay-2": ("c",)}   # and d dials the coordinator itself
@@ -217,20 +217,6 @@ SECURE_TREE = {"relay-1": ("a1", "a2", "a3", "a4"), "relay-2": ("b1", "b2", "b3"
 HOSPITALS = dict(zip(("a1", "a2", "a3", "a4", "b1", "b2", "b3", "d1", "d2"),
                      ("cleveland", "hungary", "va", "switzerland", "cleveland", "hungary", "va", "switzerland",
                       "cleveland")))
-
-
-class DropsOut(SiteAgent):
-    """An agent that vanishes (answers nothing more) when a given secure-aggregation phase reaches it."""
-
-    def __init__(self, *args, vanish_at, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.vanish_at = vanish_at
-
-    def handle(self, stub, task):
-        if task.kind == self.vanish_at:
-            self.stop.set()
-            return None
-        return super().handle(stub, task)
 
 
 def secure_site(fed: Federation, root, name: str, address: str, agent_cls=SiteAgent, **kwargs) -> SiteAgent:

@@ -17,7 +17,7 @@ from plexus.secagg import frac_bits
 from site_agent.agent import SiteAgent
 from site_agent.training import train_local
 
-from integration.harness import HOSPITAL_OF, heart_job, scaled, wait_until
+from integration.harness import HOSPITAL_OF, DropsOut, heart_job, scaled, wait_until
 
 CLIP = 4.0
 
@@ -26,20 +26,6 @@ def secure_job(**kw) -> str:
     timeout = kw.pop("phase_timeout", scaled(2))   # honest sites answer each phase within it (in ms), even when loaded
     return heart_job(**kw) + (f"privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, "
                               f"phase_timeout_s: {timeout}}}}}\n")
-
-
-class DropsOut(SiteAgent):
-    """An agent that vanishes (answers nothing more) when a given secure-aggregation phase reaches it."""
-
-    def __init__(self, *args, vanish_at, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.vanish_at = vanish_at
-
-    def handle(self, stub, task):
-        if task.kind == self.vanish_at:
-            self.stop.set()
-            return None
-        return super().handle(stub, task)
 
 
 def start_agent(federation, name, agent_cls=SiteAgent, **kwargs):
