@@ -293,6 +293,11 @@ class _Entering:
     state: str
     _peak: float
 
+    @property
+    def peak(self) -> float:
+        """The largest |value| folded so far (what the update holds of its sum's range, per unit weight)."""
+        return self._peak
+
     def _leave(self, *, dense: bool) -> None:
         """Give back its part of the range and, if it had finished, its count and weight. Lock held."""
         total = self.total
@@ -325,11 +330,6 @@ class Fold(_Entering):
         self._pending = bytearray()   # only an element split across two pieces is ever copied here
         self._peak = 0.0         # max |value| seen, reserved in the sum's range
         self.state = "open"      # open | done | undone
-
-    @property
-    def peak(self) -> float:
-        """The largest |value| folded so far (what the update holds of its sum's range, per unit weight)."""
-        return self._peak
 
     def add(self, piece: bytes | memoryview, max_abs: float) -> None:
         """Fold the next piece; max_abs bounds |value| over the update so far (the Receiver's running max)."""
@@ -397,10 +397,6 @@ class CodedFold(_Entering):
         self.received = 0                 # wire bytes fed to the decoder and folded
         self._peak = 0.0
         self.state = "open"               # open | done | undone
-
-    @property
-    def peak(self) -> float:
-        return self._peak
 
     @property
     def norm(self) -> float:
@@ -472,10 +468,6 @@ class ExactFold(_Entering):
         self._pending = bytearray()
         self._peak = 0.0         # max |value| of the sum (in model units), reserved in the range
         self.state = "open"
-
-    @property
-    def peak(self) -> float:
-        return self._peak
 
     def add(self, piece: bytes | memoryview, max_abs: float) -> None:
         """Fold the next piece; max_abs: the largest |I64| element so far (the Receiver's running max)."""
