@@ -122,6 +122,19 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
 
+    def split_stages(self) -> list[nn.Module]:
+        """Split learning (plexus.split): the forward pass as a sequence of stages."""
+        return list(self.layers)
+
+    def cut_points(self) -> dict[str, int]:
+        """Split learning: each hidden layer's output ("hidden1", ...) as a cut, by stage index."""
+        cuts, hidden = {}, 0
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, (nn.ReLU, nn.Dropout)) and not isinstance(self.layers[i + 1], nn.Dropout):
+                hidden += 1
+                cuts[f"hidden{hidden}"] = i + 1
+        return cuts
+
 
 class CNN(nn.Module):
     """Two conv/ReLU/max-pool blocks and a linear head, for (N, C, H, W) images like Fashion-MNIST."""
@@ -144,6 +157,14 @@ class CNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.flatten(self.features(x), 1))
+
+    def split_stages(self) -> list[nn.Module]:
+        """Split learning (plexus.split): the forward pass as a sequence of stages."""
+        return [*self.features, nn.Flatten(1), self.head]
+
+    def cut_points(self) -> dict[str, int]:
+        """Split learning: after each conv block ("block1", "block2"), and at the flattened features ("features")."""
+        return {"block1": 3, "block2": 6, "features": 7}
 
 
 class Vector(nn.Module):

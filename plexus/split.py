@@ -1,0 +1,267 @@
+"""Split learning (Gupta & Raskar 2018; Vepakomma et al. 2018): one network cut into parts held apart.
+
+A model that can be split lists its forward pass as stages (`split_stages()`) and names the places it may be cut
+(`cut_points()`: name -> stage index). Built-in `mlp` and `cnn` do; a plug-in model declares its own.
+
+- **vanilla** (one cut): the site runs the stages before the cut on its rows and sends the cut activations and the
+  labels; the server runs the rest, the loss included, and sends back the gradient at the cut.
+- **u-shaped** (two cuts): the site also keeps the stages after the second cut and the labels. The server runs the
+  middle and returns its output; the site computes the loss and sends the gradient of the loss back through the
+  server's part. Neither raw rows nor labels leave the site.
+
+The parts share the model's own modules, so the joined model is the model itself, and one batch through the
+parts gives the unsplit model's gradients (tests/plexus/test_split.py). Everything here is pure computation on
+tensors; the wire, the server's compute worker and the schedules across sites build on it.
+
+Privacy options at the site: NoPeek (Vepakomma et al. 2019), λ · distance correlation between a batch's inputs and
+its cut activations added to the site's loss; and Gaussian noise on the activations it sends. Neither is covered by
+a DP accountant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plexus.errors import ConfigError
+
+VARIANTS = ("vanilla", "u-shaped")
+
+
+@dataclass
+class SplitParts:
+    """A model's parts: `bottom` at the site, `middle` at the server, `head` at the site (u-shaped) or None."""
+
+    bottom: nn.Sequential
+    middle: nn.Sequential
+    head: nn.Sequential | None
+
+    @property
+    def site_modules(self) -> list[nn.Module]:
+        return [self.bottom] + ([self.head] if self.head is not None else [])
+
+
+def cut_points(model: nn.Module) -> dict[str, int]:
+    """The named cuts a model declares; ConfigError if it cannot be split."""
+    if not (hasattr(model, "split_stages") and hasattr(model, "cut_points")):
+        raise ConfigError(f"model {type(model).__name__} does not declare how it splits: a model for split learning "
+                          "defines split_stages() (its forward pass as a list of modules) and cut_points() (name -> "
+                          "stage index)")
+    return dict(model.cut_points())
+
+
+def split(model: nn.Module, variant: str, cuts: list[str]) -> SplitParts:
+    """The model's parts for `variant` at the named `cuts` (one for vanilla, two in order for u-shaped)."""
+    if variant not in VARIANTS:
+        raise ConfigError(f"split variant {variant!r} is unknown; use one of {', '.join(VARIANTS)}")
+    points = cut_points(model)
+    want = 1 if variant == "vanilla" else 2
+    if len(cuts) != want:
+        raise ConfigError(f"a {variant} split takes {want} cut(s); got {len(cuts)}: {cuts}")
+    unknown = [c for c in cuts if c not in points]
+    if unknown:
+        raise ConfigError(f"cut(s) {unknown} are not among this model's: {', '.join(points)}")
+    stages = list(model.split_stages())
+    at = [points[c] for c in cuts]
+    if not all(0 < a < len(stages) for a in at) or at != sorted(set(at)):
+        raise ConfigError(f"cuts {cuts} must lie strictly inside the model and in order (stages {at} of "
+                          f"{len(stages)})")
+    if variant == "vanilla":
+        return SplitParts(nn.Sequential(*stages[:at[0]]), nn.Sequential(*stages[at[0]:]), None)
+    return SplitParts(nn.Sequential(*stages[:at[0]]), nn.Sequential(*stages[at[0]:at[1]]),
+                      nn.Sequential(*stages[at[1]:]))
+
+
+def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Sample distance correlation between the rows of x and of z (Székely et al. 2007), differentiable: NoPeek's
+    leakage term. 0 for independent rows, 1 when one is a similarity transform of the other."""
+    a = _centred_distances(x.reshape(len(x), -1))
+    b = _centred_distances(z.reshape(len(z), -1))
+    dcov_xy = (a * b).mean()
+    dcov_xx, dcov_yy = (a * a).mean(), (b * b).mean()
+    return torch.sqrt(dcov_xy.clamp_min(0) / torch.sqrt(dcov_xx * dcov_yy).clamp_min(1e-12))
+
+
+def _centred_distances(x: torch.Tensor) -> torch.Tensor:
+    d = torch.cdist(x, x)
+    return d - d.mean(dim=0, keepdim=True) - d.mean(dim=1, keepdim=True) + d.mean()
+
+
+@dataclass
+class SiteOptions:
+    """The site's privacy options: NoPeek weight λ (0: off) and the std of Gaussian noise on sent activations."""
+
+    nopeek: float = 0.0
+    noise_std: float = 0.0
+
+
+class SiteStep:
+    """One batch at the site, in the order the messages flow. Vanilla: `forward` (send activations and labels),
+    then `backward(grad at the cut)`. U-shaped: `forward`, then `loss(server output)` (send its gradient), then
+    `backward(grad at the cut)`. The site's optimizer steps once, at `backward`."""
+
+    def __init__(self, parts: SplitParts, optimizer: torch.optim.Optimizer, options: SiteOptions = SiteOptions(),
+                 *, generator: torch.Generator | None = None):
+        self.parts, self.optimizer, self.options, self.generator = parts, optimizer, options, generator
+        self._cut: torch.Tensor | None = None
+        self._nopeek: torch.Tensor | None = None
+        self._rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations to send (detached; noised if asked)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        cut = self.parts.bottom(x)
+        self._cut, self._rows = cut, len(x)
+        self._nopeek = self.options.nopeek * distance_correlation(x, cut) if self.options.nopeek else None
+        sent = cut.detach()
+        if self.options.noise_std:
+            sent = sent + self.options.noise_std * torch.randn(sent.shape, generator=self.generator,
+                                                               dtype=sent.dtype)
+        return sent
+
+    def loss(self, server_out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """U-shaped: the head's loss on the server's output; (its gradient to send back, the loss)."""
+        h = server_out.detach().requires_grad_(True)
+        loss = F.cross_entropy(self.parts.head(h), y)
+        loss.backward()
+        return h.grad, float(loss.detach())
+
+    def backward(self, grad_at_cut: torch.Tensor) -> None:
+        """Finish the batch: the gradient at the cut (and NoPeek's own) through the bottom part; one step."""
+        if grad_at_cut.shape != self._cut.shape:
+            raise ValueError(f"the gradient at the cut has shape {tuple(grad_at_cut.shape)}; the activations had "
+                             f"{tuple(self._cut.shape)}")
+        if self._nopeek is not None:
+            torch.autograd.backward([self._cut, self._nopeek], [grad_at_cut, torch.ones_like(self._nopeek)])
+        else:
+            self._cut.backward(grad_at_cut)
+        self.optimizer.step()
+        self._cut = self._nopeek = None
+
+
+class ServerStep:
+    """One batch at the server. Vanilla: `vanilla(activations, labels)` returns the gradient at the cut (and the
+    loss). U-shaped: `forward(activations)` returns the middle's output, `backward(its gradient)` the gradient at
+    the cut. The server's optimizer steps once per batch."""
+
+    def __init__(self, parts: SplitParts, optimizer: torch.optim.Optimizer):
+        self.parts, self.optimizer = parts, optimizer
+        self._a: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+
+    def vanilla(self, activations: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        a = activations.detach().requires_grad_(True)
+        loss = F.cross_entropy(self.parts.middle(a), y)
+        loss.backward()
+        self.optimizer.step()
+        return a.grad, float(loss.detach())
+
+    def forward(self, activations: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._a = activations.detach().requires_grad_(True)
+        self._out = self.parts.middle(self._a)
+        return self._out.detach()
+
+    def backward(self, grad_out: torch.Tensor) -> torch.Tensor:
+        if grad_out.shape != self._out.shape:
+            raise ValueError(f"the gradient of the server's output has shape {tuple(grad_out.shape)}; the output "
+                             f"had {tuple(self._out.shape)}")
+        self._out.backward(grad_out)
+        self.optimizer.step()
+        grad, self._a, self._out = self._a.grad, None, None
+        return grad
+
+
+def train_batch(site: SiteStep, server: ServerStep, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One batch through both sides in process (what the messages carry, in order); the batch's loss."""
+    a = site.forward(x)
+    if site.parts.head is None:
+        grad, loss = server.vanilla(a, y)
+    else:
+        out = server.forward(a)
+        grad_out, loss = site.loss(out, y)
+        grad = server.backward(grad_out)
+    site.backward(grad)
+    return loss
+
+
+def message_bytes(parts: SplitParts, x: torch.Tensor) -> dict[str, int]:
+    """Bytes one batch puts on the wire each way (float32 activations and gradients, int64 labels for vanilla):
+    {'up': site → server, 'down': server → site}."""
+    with torch.no_grad():
+        a = parts.bottom(x)
+        up, down = a.numel() * 4, a.numel() * 4
+        if parts.head is None:
+            up += len(x) * 8
+        else:
+            out = parts.middle(a)
+            down += out.numel() * 4
+            up += out.numel() * 4
+    return {"up": up, "down": down}
+
+
+# Schedules across sites, in process: the reference the federated schedules follow ---------------------------------
+def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    order = torch.randperm(n, generator=generator)
+    return [order[k:k + batch_size] for k in range(0, n, batch_size)]
+
+
+def sequential_epoch(model: nn.Module, parts: SplitParts, server: ServerStep, sites: list[tuple], make_optimizer,
+                     *, batch_size: int, seed: int, options: SiteOptions = SiteOptions()) -> float:
+    """Gupta & Raskar's schedule: the sites take turns, each training on all its rows (x, y) from the site-side
+    weights the previous one left; the server's part carries on throughout. `model` holds those weights (the
+    parts share its modules); each turn's site optimizer is new (its state never leaves a site). Mean loss."""
+    losses = []
+    for k, (x, y) in enumerate(sites):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + k)
+        site = SiteStep(parts, make_optimizer([p for m in parts.site_modules for p in m.parameters()]), options,
+                        generator=generator)
+        for rows in _batches(len(x), batch_size, generator):
+            losses.append(train_batch(site, server, x[rows], y[rows]))
+    return sum(losses) / max(1, len(losses))
+
+
+def splitfed_epoch(model: nn.Module, variant: str, cuts: list[str], server: ServerStep, sites: list[tuple],
+                   make_optimizer, *, batch_size: int, seed: int, options: SiteOptions = SiteOptions()) -> float:
+    """SplitFed (Thapa et al. 2022): every site starts the epoch from the same site-side weights (the model's) and
+    trains its own copy against the one server part, the sites' batches taking turns; at the epoch's end the
+    site-side parts are averaged, weighted by rows, into the model. Mean loss."""
+    import copy
+
+    copies, steps, plans = [], [], []
+    for k, (x, _) in enumerate(sites):
+        mine = copy.deepcopy(model)
+        parts = split(mine, variant, cuts)
+        parts.middle = server.parts.middle   # one server part for all
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + k)
+        copies.append(mine)
+        steps.append(SiteStep(parts, make_optimizer([p for m in parts.site_modules for p in m.parameters()]),
+                              options, generator=generator))
+        plans.append(_batches(len(x), batch_size, generator))
+    losses = []
+    for turn in range(max(len(p) for p in plans)):
+        for k, (x, y) in enumerate(sites):
+            if turn < len(plans[k]):
+                rows = plans[k][turn]
+                losses.append(train_batch(steps[k], server, x[rows], y[rows]))
+    _average_site_parts(model, variant, cuts, copies, [len(x) for x, _ in sites])
+    return sum(losses) / max(1, len(losses))
+
+
+def _average_site_parts(model: nn.Module, variant: str, cuts: list[str], copies: list[nn.Module],
+                        weights: list[int]) -> None:
+    target = split(model, variant, cuts)
+    total = float(sum(weights))
+    sources = [split(c, variant, cuts) for c in copies]
+    with torch.no_grad():
+        for which in ("bottom", "head"):
+            mine = getattr(target, which)
+            if mine is None:
+                continue
+            theirs = [dict(getattr(s, which).named_parameters()) for s in sources]
+            for name, p in mine.named_parameters():
+                p.copy_(sum(w / total * t[name].double() for w, t in zip(weights, theirs)).to(p.dtype))
