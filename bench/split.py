@@ -53,6 +53,15 @@ def accuracy(model, test) -> float:
     return right / len(x)
 
 
+def _epoch(model, opt, x, y, batch: int, generator: torch.Generator) -> None:
+    order = torch.randperm(len(x), generator=generator)
+    for k in range(0, len(x), batch):
+        rows = order[k:k + batch]
+        opt.zero_grad()
+        F.cross_entropy(model(x[rows]), y[rows]).backward()
+        opt.step()
+
+
 def run(method: str, name: str, args: dict, sites, test, *, epochs: int, seed: int, lr: float, batch: int) -> dict:
     torch.manual_seed(seed)
     model = build_model(name, args, seed=seed)
@@ -66,12 +75,7 @@ def run(method: str, name: str, args: dict, sites, test, *, epochs: int, seed: i
         opt = make(model.parameters())
         g = torch.Generator().manual_seed(seed)
         for _ in range(epochs):
-            order = torch.randperm(len(x), generator=g)
-            for k in range(0, len(x), batch):
-                rows = order[k:k + batch]
-                opt.zero_grad()
-                F.cross_entropy(model(x[rows]), y[rows]).backward()
-                opt.step()
+            _epoch(model, opt, x, y, batch, g)
     elif method == "fedavg":
         model_bytes = sum(p.numel() * 4 for p in model.parameters())
         per_site_bytes = 2.0 * model_bytes   # the model down, the update up, once per epoch (one local epoch a round)
@@ -79,14 +83,8 @@ def run(method: str, name: str, args: dict, sites, test, *, epochs: int, seed: i
             states, weights = [], []
             for k, (x, y) in enumerate(tensors):
                 local = copy.deepcopy(model)
-                opt = make(local.parameters())
-                g = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 1009 + k)
-                order = torch.randperm(len(x), generator=g)
-                for s in range(0, len(x), batch):
-                    rows = order[s:s + batch]
-                    opt.zero_grad()
-                    F.cross_entropy(local(x[rows]), y[rows]).backward()
-                    opt.step()
+                _epoch(local, make(local.parameters()), x, y, batch,
+                       torch.Generator().manual_seed(seed * 1_000_003 + epoch * 1009 + k))
                 states.append(local.state_dict())
                 weights.append(len(x))
             total = sum(weights)

@@ -122,6 +122,16 @@ def test_noise_on_the_activations_is_seeded_and_only_on_what_is_sent():
     assert float((sent[0] - clean).std()) == pytest.approx(0.5, rel=0.2)
 
 
+def by_hand(model, opt, x, y, *, seed: int, batch_size: int = 16) -> None:
+    """One epoch of the whole model over (x, y), in the batch order plexus.split draws from `seed`."""
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    for start in range(0, len(x), batch_size):
+        rows = order[start:start + batch_size]
+        opt.zero_grad()
+        F.cross_entropy(model(x[rows]), y[rows]).backward()
+        opt.step()
+
+
 def _sites(n, rows=40, seed=0):
     return [batch((rows, 13), seed=seed + k) for k in range(n)]
 
@@ -136,13 +146,7 @@ def test_sequential_hands_each_site_the_weights_the_previous_one_left():
     whole = build_model("mlp", {"in_features": 13, "hidden": [16]}, seed=2)
     opt = sgd(0.1)(whole.parameters())
     for k, (x, y) in enumerate(sites):
-        g = torch.Generator().manual_seed(4 * 1_000_003 + k)
-        order = torch.randperm(len(x), generator=g)
-        for start in range(0, len(x), 16):
-            rows = order[start:start + 16]
-            opt.zero_grad()
-            F.cross_entropy(whole(x[rows]), y[rows]).backward()
-            opt.step()
+        by_hand(whole, opt, x, y, seed=4 * 1_000_003 + k)
     for (n, a), (_, b) in zip(model.named_parameters(), whole.named_parameters()):
         assert torch.allclose(a, b, atol=1e-5), n
 
@@ -166,14 +170,8 @@ def test_splitfed_averages_the_site_parts_by_rows_and_keeps_one_server_part():
     trained = []
     for k, (x, y) in enumerate(sites):
         mine = build_model("mlp", args, seed=2)
-        opt = sgd(0.1)([p for n, p in mine.named_parameters() if not n.startswith("layers.2.")])
-        g = torch.Generator().manual_seed(4 * 1_000_003 + k)
-        order = torch.randperm(len(x), generator=g)
-        for start in range(0, len(x), 16):
-            rows = order[start:start + 16]
-            opt.zero_grad()
-            F.cross_entropy(mine(x[rows]), y[rows]).backward()
-            opt.step()
+        by_hand(mine, sgd(0.1)([p for n, p in mine.named_parameters() if not n.startswith("layers.2.")]), x, y,
+                seed=4 * 1_000_003 + k)
         trained.append(dict(mine.named_parameters()))
     for n, p in model.named_parameters():
         if n.startswith("layers.2."):   # the server's middle: held still
