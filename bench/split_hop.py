@@ -1,0 +1,91 @@
+"""Split learning's compute-worker hop: the per-batch cost of sending a batch's activations to the server part in its
+own process (coordinator/split_worker.py: framed pipes, raw tensor bytes) and its gradient back, against the
+batch's compute there.
+
+    python -m bench.split_hop --out bench/results/split_hop.json
+
+Per case, 50 batches after 5 of warm-up: the worker's own compute time per batch (what it reports), the round trip
+seen by the caller, and the hop = round trip - compute, as a share of compute. The goal (#16): hop <= 10 % of the
+batch's compute at the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from coordinator.split_worker import SplitWorker
+from plexus.models import build_model
+from plexus.split import split
+
+CASES = [("cnn", {"width": 16}, "vanilla", ["block1"], (1, 28, 28), 10, 64),
+         ("cnn", {"width": 16}, "u-shaped", ["block1", "features"], (1, 28, 28), 10, 64),
+         ("cnn", {"width": 64}, "vanilla", ["block1"], (1, 28, 28), 10, 64),
+         ("mlp", {"in_features": 784, "hidden": [1024, 1024], "num_classes": 10}, "vanilla", ["hidden1"], (784,), 10,
+          64)]
+
+
+def run_case(name, args, variant, cuts, row_in, classes, rows, *, batches=50, warmup=5, threads=1,
+             shared_memory=True) -> dict:
+    parts = split(build_model(name, args, seed=0), variant, cuts)
+    with torch.no_grad():
+        cut = parts.bottom(torch.zeros(1, *row_in))
+    row_shape = list(cut.shape[1:])
+    worker = SplitWorker(shared_memory=shared_memory)
+    try:
+        worker.call("load", model=name, args=args, seed=0, variant=variant, cuts=cuts, row_shape=row_shape,
+                    classes=classes, max_rows=rows, lr=0.01, threads=threads)
+        rng = np.random.default_rng(0)
+        compute, trips = [], []
+        for k in range(warmup + batches):
+            a = rng.normal(size=(rows, *row_shape)).astype(np.float32)
+            y = rng.integers(0, classes, rows)
+            started = time.perf_counter()
+            if variant == "vanilla":
+                worker.call("vanilla", [a, y])
+                spent = worker.compute_s
+            else:
+                _, (out,) = worker.call("forward", [a])
+                spent = worker.compute_s
+                worker.call("backward", [np.ones_like(out) / out.size])
+                spent += worker.compute_s
+            trip = time.perf_counter() - started
+            if k >= warmup:
+                compute.append(spent)
+                trips.append(trip)
+    finally:
+        worker.close()
+    c, t = statistics.median(compute), statistics.median(trips)
+    return {"model": name, "args": args, "variant": variant, "cuts": cuts, "rows": rows,
+            "transport": "shared memory" if shared_memory else "pipe",
+            "activation_bytes": int(np.prod(row_shape)) * 4 * rows, "compute_ms": c * 1e3, "round_trip_ms": t * 1e3,
+            "hop_ms": (t - c) * 1e3, "hop_share": (t - c) / c}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    rows = []
+    for case in CASES:
+        for shared in (True, False):
+            row = run_case(*case, shared_memory=shared)
+            rows.append(row)
+            print(f"{row['model']} {row['args']} {row['variant']} {row['cuts']} ({row['transport']}): "
+                  f"{row['activation_bytes'] / 1e6:.2f} MB "
+                  f"of activations, compute {row['compute_ms']:.2f} ms, round trip {row['round_trip_ms']:.2f} ms, hop "
+                  f"{row['hop_ms']:.2f} ms = {100 * row['hop_share']:.1f} % of compute", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

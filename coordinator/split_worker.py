@@ -1,0 +1,310 @@
+"""Split learning's server part in a compute worker process, so the coordinator process stays free of torch.
+
+The coordinator (`SplitWorker`, numpy only) and the worker (`python -m coordinator.split_worker`, torch) talk over
+the worker's stdin and stdout in frames: a 4-byte big-endian length, a small JSON header (the operation, each
+tensor's dtype and shape), then the tensors' raw bytes, little-endian, in order. With `shared_memory` (the
+default) the tensors travel instead through a shared-memory segment the coordinator creates (0600, its own
+user): the header names the segment and each tensor's offset, and each side makes one copy of a tensor, not
+three through a pipe. No tensor is ever written as JSON, and nothing is pickled.
+
+Operations (plexus.split's ServerStep, one batch at a time):
+- `load`: the job's model (a registry name and its arguments, built from the job seed), the variant, the cuts,
+  the optimizer, and the shape one row's activations must have at the cut;
+- `vanilla` (activations, labels) -> (gradient at the cut,) and the loss;
+- `forward` (activations,) -> (the middle's output,), then `backward` (its gradient,) -> (gradient at the cut,);
+- `state` -> the server part's tensors, by name (for checkpoints); `load_state` puts them back.
+
+Every reply also says how long the worker computed (`compute_s`), so the hop's own cost is measured apart.
+
+    python -m coordinator.split_worker        (started by SplitWorker; not run by hand)
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import secrets
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from plexus.errors import ConfigError, IntegrityError, Reason
+
+_DTYPES = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+MAX_HEADER = 1 << 20
+MAX_TENSOR_BYTES = 1 << 31
+SHM_DIR = Path("/dev/shm")
+
+
+def write_frame(stream, header: dict, tensors: list[np.ndarray] = (), shm=None) -> None:
+    """Send a frame; with `shm` (a SharedMemory) the tensors go into it, from offset 0, instead of the stream."""
+    arrays = [np.ascontiguousarray(t, dtype=_DTYPES[_name(t)]) for t in tensors]
+    specs, offset = [], 0
+    for a in arrays:
+        specs.append({"dtype": _name(a), "shape": list(a.shape), "offset": offset})
+        offset += a.nbytes
+    if shm is not None:
+        if offset > shm.size:
+            raise ValueError(f"{offset} bytes of tensors do not fit the {shm.size}-byte shared segment")
+        for a, spec in zip(arrays, specs):
+            np.frombuffer(shm.buf, dtype=a.dtype, count=a.size, offset=spec["offset"])[...] = a.reshape(-1)
+    header = dict(header, tensors=specs, shm=shm.name if shm is not None else "")
+    text = json.dumps(header).encode()
+    stream.write(struct.pack(">I", len(text)) + text)
+    if shm is None:
+        for a in arrays:
+            stream.write(memoryview(a).cast("B"))
+    stream.flush()
+
+
+def read_frame(stream, attach=None) -> tuple[dict, list[np.ndarray]]:
+    """Read a frame; tensors in a shared segment are copied out of it (`attach(name)` gives the segment)."""
+    head = _read_exactly(stream, 4)
+    (size,) = struct.unpack(">I", head)
+    if size > MAX_HEADER:
+        raise IntegrityError(f"a split-worker frame header of {size} bytes is over {MAX_HEADER}: out of step")
+    header = json.loads(_read_exactly(stream, size))
+    shm = attach(header["shm"]) if header.get("shm") and attach is not None else None
+    if header.get("shm") and shm is None:
+        raise IntegrityError("a split-worker frame names a shared segment this side does not take")
+    tensors = []
+    for spec in header.pop("tensors", []):
+        dtype = _DTYPES.get(spec.get("dtype"))
+        shape = tuple(int(n) for n in spec.get("shape", ()))
+        if dtype is None or any(n < 0 for n in shape):
+            raise IntegrityError(f"a split-worker frame names tensor {spec!r}: not F32 or I64 with a shape")
+        count = int(np.prod(shape, dtype=np.int64))
+        nbytes = count * dtype.itemsize
+        if nbytes > MAX_TENSOR_BYTES:
+            raise IntegrityError(f"a split-worker tensor of {nbytes} bytes is over {MAX_TENSOR_BYTES}")
+        if shm is not None:
+            offset = int(spec.get("offset", -1))
+            if not 0 <= offset <= shm.size - nbytes:
+                raise IntegrityError(f"a split-worker tensor at offset {offset} overruns the shared segment")
+            tensors.append(np.frombuffer(shm.buf, dtype=dtype, count=count, offset=offset).reshape(shape).copy())
+        else:
+            tensors.append(np.frombuffer(bytearray(_read_exactly(stream, nbytes)), dtype=dtype).reshape(shape))
+    return header, tensors   # each its own writable memory
+
+
+def _name(a: np.ndarray) -> str:
+    kind = np.dtype(a.dtype)
+    if kind.kind == "f":
+        return "F32"
+    if kind.kind in "iu":
+        return "I64"
+    raise TypeError(f"a split-worker tensor is float32 or int64, not {kind}")
+
+
+def _read_exactly(stream, n: int) -> bytes:
+    data = stream.read(n)
+    if data is None or len(data) != n:
+        raise EOFError(f"the split worker's stream ended after {0 if data is None else len(data)} of {n} bytes")
+    return data
+
+
+def check_batch(activations: np.ndarray, row_shape: tuple[int, ...], *, max_rows: int,
+                labels: np.ndarray | None = None, classes: int = 0) -> None:
+    """Refuse a batch whose activations are not (n, *row_shape) finite float32 with 1 <= n <= max_rows, or whose
+    labels are not n class indices in [0, classes)."""
+    if activations.dtype != np.float32 or activations.ndim != len(row_shape) + 1 \
+            or tuple(activations.shape[1:]) != tuple(row_shape) or not 1 <= activations.shape[0] <= max_rows:
+        raise IntegrityError(f"activations of shape {activations.shape} ({activations.dtype}); the cut takes float32 "
+                             f"(n, {', '.join(map(str, row_shape))}) with 1 <= n <= {max_rows}", reason=Reason.LAYOUT)
+    if not np.isfinite(activations).all():
+        raise IntegrityError("activations contain NaN or Inf; refusing the batch", reason=Reason.NON_FINITE)
+    if labels is not None:
+        if labels.shape != (activations.shape[0],) or labels.dtype.kind not in "iu" \
+                or (labels.size and not (0 <= labels.min() and labels.max() < classes)):
+            raise IntegrityError(f"labels must be {activations.shape[0]} class indices in [0, {classes}); got shape "
+                                 f"{labels.shape}", reason=Reason.LAYOUT)
+
+
+class Segment:
+    """A shared-memory segment: a file in /dev/shm (mode 0600) mapped by both processes. The coordinator creates
+    and unlinks it; the worker maps it by name. (multiprocessing.shared_memory would start a resource-tracker
+    process in the coordinator for it.)"""
+
+    PREFIX = "plexus-split-"
+
+    def __init__(self, path: Path, fd: int, size: int):
+        self.path, self.name, self.size = path, path.name, size
+        self._map = mmap.mmap(fd, size)
+        os.close(fd)
+        self.buf = memoryview(self._map)
+
+    @classmethod
+    def create(cls, size: int) -> Segment:
+        path = SHM_DIR / f"{cls.PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, size)
+        return cls(path, fd, size)
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        if not re.fullmatch(re.escape(cls.PREFIX) + r"\d+-[0-9a-f]{16}", name):
+            raise IntegrityError(f"{name!r} is not a split worker's shared segment")
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR)
+        return cls(path, fd, os.fstat(fd).st_size)
+
+    def close(self, *, unlink: bool = False) -> None:
+        self.buf.release()
+        self._map.close()
+        if unlink:
+            self.path.unlink(missing_ok=True)
+
+
+class SplitWorker:
+    """The coordinator's handle on one compute worker process (thread-safe: one call at a time). With
+    `shared_memory`, tensors travel through a segment that grows to the largest call's tensors."""
+
+    def __init__(self, *, shared_memory: bool = True):
+        self._proc = subprocess.Popen([sys.executable, "-m", "coordinator.split_worker"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE)
+        self._lock = threading.Lock()
+        self._shared = shared_memory
+        self._shm = None
+        self.compute_s = 0.0    # the worker's own time in the last call
+
+    def _segment(self, tensors) -> Segment:
+        """The shared segment, large enough for `tensors` and for a reply of at least as many bytes."""
+        need = max(1 << 20, 2 * sum(np.asarray(t).size * 8 for t in tensors))
+        if self._shm is None or self._shm.size < need:
+            if self._shm is not None:
+                self._shm.close(unlink=True)
+            self._shm = Segment.create(need)
+        return self._shm
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def call(self, op: str, tensors: list[np.ndarray] = (), **fields) -> tuple[dict, list[np.ndarray]]:
+        with self._lock:
+            try:
+                shm = self._segment(tensors) if self._shared else None
+                write_frame(self._proc.stdin, {"op": op, **fields}, tensors, shm)
+                header, out = read_frame(self._proc.stdout, lambda name: shm if shm is not None and name == shm.name
+                                         else None)
+            except (BrokenPipeError, EOFError) as exc:
+                raise ConfigError(f"the split compute worker (PID {self._proc.pid}) ended: {exc}; see the "
+                                  "coordinator's log") from None
+        if header.get("error"):
+            raise (IntegrityError if header.get("kind") == "integrity" else ConfigError)(header["error"])
+        self.compute_s = float(header.get("compute_s", 0.0))
+        return header, out
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close(unlink=True)
+            self._shm = None
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+# The worker process --------------------------------------------------------------------------------------------
+class _Server:
+    def __init__(self):
+        self.step = None
+        self.row_shape: tuple[int, ...] = ()
+        self.classes = 0
+        self.max_rows = 0
+
+    def load(self, header: dict) -> tuple[dict, list]:
+        import torch
+
+        from plexus.models import build_model
+        from plexus.split import ServerStep, split
+
+        model = build_model(header["model"], header.get("args", {}), seed=int(header.get("seed", 0)))
+        self.parts = split(model, header["variant"], list(header["cuts"]))
+        self.row_shape = tuple(int(n) for n in header["row_shape"])
+        self.classes, self.max_rows = int(header.get("classes", 0)), int(header.get("max_rows", 4096))
+        lr, momentum = float(header.get("lr", 0.01)), float(header.get("momentum", 0.0))
+        self.step = ServerStep(self.parts, torch.optim.SGD(self.parts.middle.parameters(), lr=lr, momentum=momentum))
+        torch.set_num_threads(int(header.get("threads", 1)))
+        return {}, []
+
+    def handle(self, header: dict, tensors: list[np.ndarray]) -> tuple[dict, list]:
+        import torch
+
+        op = header.get("op")
+        if op == "load":
+            return self.load(header)
+        if self.step is None:
+            raise ConfigError("the split worker has no model yet: send `load` first")
+        if op == "vanilla":
+            activations, labels = tensors
+            check_batch(activations, self.row_shape, max_rows=self.max_rows, labels=labels, classes=self.classes)
+            grad, loss = self.step.vanilla(torch.from_numpy(activations), torch.from_numpy(labels))
+            return {"loss": loss}, [grad.numpy()]
+        if op == "forward":
+            check_batch(tensors[0], self.row_shape, max_rows=self.max_rows)
+            return {}, [self.step.forward(torch.from_numpy(tensors[0])).numpy()]
+        if op == "backward":
+            grad = tensors[0]
+            if not np.isfinite(grad).all():
+                raise IntegrityError("the gradient contains NaN or Inf; refusing it", reason=Reason.NON_FINITE)
+            return {}, [self.step.backward(torch.from_numpy(grad)).numpy()]
+        if op == "state":
+            named = sorted(self.parts.middle.state_dict().items())
+            return {"names": [n for n, _ in named]}, [t.detach().numpy() for _, t in named]
+        if op == "load_state":
+            self.parts.middle.load_state_dict({n: torch.from_numpy(t.copy()) for n, t in zip(header["names"],
+                                                                                              tensors)})
+            return {}, []
+        raise ConfigError(f"the split worker does not know operation {op!r}")
+
+
+class _Segments:
+    """The worker's side of the shared segments: attached by name, the newest one kept."""
+
+    def __init__(self):
+        self.current: Segment | None = None
+
+    def attach(self, name: str) -> Segment:
+        if self.current is None or self.current.name != name:
+            if self.current is not None:
+                self.current.close()
+            self.current = Segment.attach(name)
+        return self.current
+
+
+def main() -> int:
+    server, segments = _Server(), _Segments()
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        try:
+            header, tensors = read_frame(stdin, segments.attach)
+        except EOFError:
+            return 0
+        started = time.perf_counter()
+        try:
+            reply, out = server.handle(header, tensors)
+        except IntegrityError as exc:
+            reply, out = {"error": str(exc), "kind": "integrity"}, []
+        except (ConfigError, ValueError, KeyError, TypeError) as exc:
+            reply, out = {"error": f"{type(exc).__name__}: {exc}"}, []
+        reply["compute_s"] = time.perf_counter() - started
+        shm = segments.current if header.get("shm") else None
+        if shm is not None and sum(np.asarray(t).size * 8 for t in out) > shm.size:
+            shm = None   # a reply larger than the segment (a model's state) goes through the pipe
+        write_frame(stdout, reply, out, shm)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Split learning's compute worker: the server part in its own process, over framed pipes (raw tensor bytes, no
+JSON for tensors, no pickle), gives what plexus.split's ServerStep gives in process; malformed batches are
+refused and the worker goes on; the coordinator's side never imports torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.split_worker import SHM_DIR, SplitWorker
+from plexus.errors import IntegrityError
+from plexus.models import build_model
+from plexus.split import ServerStep, split
+
+MLP = {"in_features": 13, "hidden": [32, 16]}
+
+
+@pytest.fixture(params=[True, False], ids=["shared-memory", "pipe"])
+def worker(request):
+    w = SplitWorker(shared_memory=request.param)
+    yield w
+    w.close()
+
+
+def load(worker, variant, cuts, row_shape):
+    worker.call("load", model="mlp", args=MLP, seed=3, variant=variant, cuts=cuts, row_shape=row_shape, classes=2,
+                max_rows=256, lr=0.1)
+    parts = split(build_model("mlp", MLP, seed=3), variant, cuts)
+    return parts, ServerStep(parts, torch.optim.SGD(parts.middle.parameters(), lr=0.1))
+
+
+def batch(rows=16, width=32, seed=0):
+    g = np.random.default_rng(seed)
+    return g.normal(size=(rows, width)).astype(np.float32), g.integers(0, 2, rows)
+
+
+def test_vanilla_batches_through_the_worker_match_the_server_step_in_process(worker):
+    _, local = load(worker, "vanilla", ["hidden1"], [32])
+    for seed in range(3):   # the optimizer steps carry over from batch to batch, on both sides
+        a, y = batch(seed=seed)
+        header, (grad,) = worker.call("vanilla", [a, y])
+        expected, loss = local.vanilla(torch.from_numpy(a), torch.from_numpy(y))
+        assert header["loss"] == pytest.approx(loss, rel=1e-6)
+        np.testing.assert_allclose(grad, expected.numpy(), rtol=1e-5, atol=1e-7)
+        assert worker.compute_s > 0
+
+
+def test_u_shaped_forward_and_backward_through_the_worker(worker):
+    _, local = load(worker, "u-shaped", ["hidden1", "hidden2"], [32])
+    a, _ = batch()
+    _, (out,) = worker.call("forward", [a])
+    np.testing.assert_allclose(out, local.forward(torch.from_numpy(a)).numpy(), rtol=1e-5, atol=1e-7)
+    g = np.random.default_rng(1).normal(size=out.shape).astype(np.float32)
+    _, (grad,) = worker.call("backward", [g])
+    np.testing.assert_allclose(grad, local.backward(torch.from_numpy(g)).numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_malformed_batches_are_refused_and_the_worker_goes_on(worker):
+    load(worker, "vanilla", ["hidden1"], [32])
+    a, y = batch()
+    bad = [([a[:, :31], y], "activations of shape"), ([a.astype(np.float64), y], None),
+           ([np.where(np.arange(a.size).reshape(a.shape) == 5, np.nan, a).astype(np.float32), y], "NaN or Inf"),
+           ([a, y + 5], "class indices"), ([a, y[:3]], "class indices"),
+           ([np.zeros((300, 32), np.float32), np.zeros(300, np.int64)], "1 <= n <= 256")]
+    for tensors, message in bad:
+        if message is None:   # float64 travels as float32 frames: the worker sees float32 and takes it
+            worker.call("vanilla", tensors)
+            continue
+        with pytest.raises(IntegrityError, match=message):
+            worker.call("vanilla", tensors)
+    header, _ = worker.call("vanilla", [a, y])
+    assert np.isfinite(header["loss"])
+
+
+def test_the_server_part_s_state_round_trips(worker):
+    load(worker, "vanilla", ["hidden1"], [32])
+    header, tensors = worker.call("state")
+    assert header["names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]   # the middle: Linear, ReLU, Linear
+    worker.call("vanilla", list(batch()))
+    _, changed = worker.call("state")
+    assert any(not np.array_equal(a, b) for a, b in zip(tensors, changed))
+    worker.call("load_state", tensors, names=header["names"])
+    _, back = worker.call("state")
+    assert all(np.array_equal(a, b) for a, b in zip(tensors, back))
+
+
+def test_a_state_larger_than_the_shared_segment_comes_back_through_the_pipe():
+    w = SplitWorker()
+    try:
+        w.call("load", model="mlp", args={"in_features": 13, "hidden": [8, 100_000]}, seed=0, variant="vanilla",
+               cuts=["hidden1"], row_shape=[8], classes=2)
+        header, tensors = w.call("state")   # 1.1M floats: beyond the 1 MiB segment, so through the pipe
+        assert sum(t.nbytes for t in tensors) == 4 * (8 * 100_000 + 100_000 + 100_000 * 2 + 2)
+        assert header["names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert list((SHM_DIR).glob(f"plexus-split-{os.getpid()}-*"))   # the coordinator's segment
+    finally:
+        w.close()
+    assert not list(SHM_DIR.glob(f"plexus-split-{os.getpid()}-*"))    # unlinked at close
+
+
+def test_the_coordinator_side_never_imports_torch():
+    code = "import sys, coordinator.split_worker; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
+        == "False"
