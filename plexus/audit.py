@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from plexus import crypto, identity
+from plexus import crypto, errors, identity
 from plexus.errors import IntegrityError
 
 GENESIS = "0" * 64
@@ -88,9 +88,18 @@ class SignedHead:
         return _canonical([_HEAD_PURPOSE, self.seq, self.hash, self.at]).encode()
 
     def verify(self, ca_pem: bytes) -> None:
-        """Raise IntegrityError unless the federation's coordinator signed exactly this head."""
+        """Raise IntegrityError unless the federation's coordinator, or one of its relays (whose own log it is),
+        signed exactly this head."""
         when = dt.datetime.fromtimestamp(self.at, dt.timezone.utc)
-        identity.verify_issued(self.cert_pem, ca_pem, name=identity.COORDINATOR_NAME, kind="coordinator", now=when)
+        try:
+            signer = identity.identity_from_cert(self.cert_pem)
+        except errors.PlexusError:
+            signer = None
+        if signer is not None and signer.kind == "relay":
+            identity.verify_issued(self.cert_pem, ca_pem, name=signer.name, kind="relay", now=when)
+        else:
+            identity.verify_issued(self.cert_pem, ca_pem, name=identity.COORDINATOR_NAME, kind="coordinator",
+                                   now=when)
         crypto.verify(self.cert_pem, self.message(), self.signature)
 
     def to_json(self) -> str:

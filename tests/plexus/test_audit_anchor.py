@@ -85,3 +85,21 @@ def test_a_log_without_a_signer_signs_nothing(tmp_path):
 def test_a_file_that_is_not_a_signed_head_is_refused(text):
     with pytest.raises(IntegrityError, match="not a signed audit head"):
         SignedHead.from_json(text, source="head.json")
+
+
+def test_a_relay_signs_its_own_log_s_head_and_a_site_cannot(tmp_path, federation):
+    ca = (federation / "ca" / "ca.pem").read_bytes()
+    if not (federation / "relays" / "relay-north").exists():
+        pki.add_relay(federation, "relay-north", hosts=["127.0.0.1"])
+        pki.add_site(federation, "clinic")
+    for kit_dir, signs in ((federation / "relays" / "relay-north", True), (federation / "sites" / "clinic", False)):
+        kit = identity.load_kit(kit_dir)
+        with AuditLog(tmp_path / f"{kit_dir.name}.db", signer=(kit.key_pem, kit.cert_pem)) as audit:
+            audit.append("admin:ops", "job_submitted", "job:j1", {"round": 1})
+            head = audit.anchor()
+            if signs:
+                head.verify(ca)
+                verify_against(audit.entries(), head, ca)
+            else:
+                with pytest.raises(IntegrityError, match="coordinator"):
+                    head.verify(ca)
