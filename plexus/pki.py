@@ -117,17 +117,17 @@ def init_federation(
 
 
 def add_site(root: Path, name: str, *, datasets: Mapping[str, Mapping[str, str]] | None = None,
-             now: dt.datetime | None = None) -> Path:
+             now: dt.datetime | None = None, via: str | None = None) -> Path:
     """Issue a site certificate and write its kit; return the kit dir `root/sites/<name>`.
 
     `datasets` (dataset name -> its site.yaml entry, e.g. {"kind": "heart-disease", "hospital": "va"})
     fills the kit's site.yaml `datasets:`; without it, the site's operator fills it in.
     """
-    return add_sites(root, {name: datasets or {}}, now=now)[0]
+    return add_sites(root, {name: datasets or {}}, now=now, via=via)[0]
 
 
 def add_sites(root: Path, sites: Mapping[str, Mapping[str, Mapping[str, str]]], *, now: dt.datetime | None = None,
-              durable: bool = True) -> list[Path]:
+              durable: bool = True, via: str | None = None) -> list[Path]:
     """Issue a certificate and write a kit for each site of `sites` (name -> its `datasets`, as add_site takes
     them); the kit dirs, in order. The registry is read and written once, whatever the number of sites.
     `durable=False` leaves the kits' files to the page cache (no fsync): for a federation that is thrown away
@@ -141,7 +141,7 @@ def add_sites(root: Path, sites: Mapping[str, Mapping[str, Mapping[str, str]]], 
     if len(set(sites)) != len(sites):
         raise errors.ConfigError("a site name is given twice")
     ca_cert, ca_key = _load_ca(root)
-    address = _coordinator_address(registry)
+    address = _coordinator_address(registry) if via is None else _relay_address(registry, via)
     issued = [(name, _certify(registry, ca_cert, ca_key, name, "site", None, [x509.DNSName(name)], now))
               for name in sites]
     _save_registry(root, registry)   # every certificate that exists on disk can be revoked
@@ -198,6 +198,7 @@ def add_relay(root: Path, name: str, *, hosts: Sequence[str] = (), port: int = 8
         root, registry, ca_cert, ca_key, name, "relay", None, _server_san(hosts), kit_dir, now,
         config=("relay.yaml", _relay_yaml(name, _coordinator_address(registry), _listen_address(dialled, port),
                                           _address(dialled, port))),
+        extra={"address": _address(dialled, port)},   # what `pki add-site --via` writes into its children's kits
     )
     write_atomically(kit_dir / "crl.pem", crl_pem)
     return kit_dir
@@ -310,6 +311,20 @@ def _coordinator_address(registry: dict) -> str:
     return _address(_dialled_host(registry), registry["port"])
 
 
+def _relay_address(registry: dict, relay: str) -> str:
+    """Where the children of relay `relay` dial it, as `pki add-relay` recorded it."""
+    entries = [e for e in registry["issued"] if e["kind"] == "relay" and not e["revoked"]]
+    for entry in entries:
+        if entry["name"] == relay:
+            if "address" not in entry:
+                raise errors.ConfigError(f"relay {relay!r} was issued before relays recorded their address; set "
+                                         "`coordinator:` in the site's site.yaml to its host:port by hand")
+            return entry["address"]
+    known = ", ".join(sorted(e["name"] for e in entries)) or "none"
+    raise errors.ConfigError(f"--via {relay!r}: no relay of that name in this federation (relays: {known}); issue it "
+                             "with `plexus pki add-relay DIR NAME --host HOST` first")
+
+
 def _address(host: str, port: int) -> str:
     """host:port, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if _ip_version(host) == 6 else f"{host}:{port}"
@@ -390,9 +405,11 @@ def _issue(
     now: dt.datetime,
     *,
     config: tuple[str, str],
+    extra: dict | None = None,
 ) -> None:
-    """Issue a leaf cert, record it in federation.json, then write the kit."""
+    """Issue a leaf cert, record it in federation.json (with `extra` in its entry), then write the kit."""
     key, cert = _certify(registry, ca_cert, ca_key, name, kind, role, san, now)
+    registry["issued"][-1].update(extra or {})
     _save_registry(root, registry)   # before the kit: every certificate that exists on disk can be revoked
     _write_kit(kit_dir, key, cert, ca_cert, config)
 

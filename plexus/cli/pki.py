@@ -27,6 +27,8 @@ def add_commands(sub) -> None:
                            "(repeatable). DATA: a built-in heart-disease hospital (cleveland, hungary, "
                            "switzerland, va), FILE.npz, or FILE.csv,label=COLUMN; relative paths are made "
                            "absolute. Without it, fill `datasets:` in site.yaml by hand")
+    site.add_argument("--via", metavar="RELAY", help="the site dials this relay (issued with `pki add-relay`) "
+                                                    "instead of the coordinator: its site.yaml names the relay")
     relay = command(pki, "add-relay", _add_relay,
                     help="issue a relay kit (a relay aggregates its children's updates and is one site to its parent)")
     relay.add_argument("dir", type=Path)
@@ -59,9 +61,10 @@ def _add_site(args) -> int:
     names = [name for name, _ in args.dataset]
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise PlexusError(f"--dataset maps {', '.join(twice)} more than once; give each dataset name once")
-    kit = pki.add_site(args.dir, args.name, datasets=dict(args.dataset))
-    print(f"site kit: {kit}" + ("" if args.dataset else f"; map its datasets in {kit / 'site.yaml'} "
-                                "(`datasets:`), or issue it with --dataset NAME=DATA"))
+    kit = pki.add_site(args.dir, args.name, datasets=dict(args.dataset), via=args.via)
+    print(f"site kit: {kit}" + (f" (it dials relay {args.via!r})" if args.via else "")
+          + ("" if args.dataset else f"; map its datasets in {kit / 'site.yaml'} "
+             "(`datasets:`), or issue it with --dataset NAME=DATA"))
     return 0
 
 

@@ -88,3 +88,20 @@ def test_a_relay_of_another_federation_is_refused(fed, tmp_path):
         with pytest.raises(grpc.RpcError) as err:
             probe.check(f"127.0.0.1:{port}", kit=foreign)
         assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+
+
+def test_a_site_issued_via_a_relay_dials_the_relay(tmp_path):
+    from plexus.cli import main as cli
+    from plexus.config import load_site_config
+    from plexus.errors import ConfigError
+
+    root = pki.init_federation(tmp_path / "fed", "via", hosts=["coord.example.org"])
+    pki.add_relay(root, "north", hosts=["relay-north.example.org", "10.0.0.5"], port=9443)
+    kit = pki.add_site(root, "clinic", via="north")
+    assert load_site_config(kit / "site.yaml").coordinator == "relay-north.example.org:9443"
+    assert load_site_config(pki.add_site(root, "direct") / "site.yaml").coordinator == "coord.example.org:8443"
+    assert cli(["pki", "add-site", str(root), "lab", "--via", "north"]) == 0
+    assert load_site_config(root / "sites" / "lab" / "site.yaml").coordinator == "relay-north.example.org:9443"
+    with pytest.raises(ConfigError, match="no relay of that name in this federation \\(relays: north\\)"):
+        pki.add_site(root, "nowhere", via="south")
+    assert not (root / "sites" / "nowhere").exists()
