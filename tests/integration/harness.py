@@ -77,16 +77,17 @@ class Federation:
 
     def start_site(self, name: str, *, allowed_models=("logistic", "mlp"), dataset: str = "heart-disease",
                    datasets: dict[str, DatasetSpec] | None = None, training: TrainingSpec | None = None,
-                   coordinator: str | None = None, **policy) -> SiteAgent:
+                   coordinator: str | None = None, agent_cls: type = SiteAgent, **policy) -> SiteAgent:
         """datasets: the site's own (default: `dataset`, its hospital's heart-disease rows); training: its
         site.yaml `training` (workers); coordinator: where it dials (default: this federation's coordinator; a
-        relay's address puts it below that relay); policy: further PolicySpec keys (e.g. min_cell_count)."""
+        relay's address puts it below that relay); agent_cls: a SiteAgent subclass; policy: further PolicySpec keys
+        (e.g. min_cell_count)."""
         if datasets is None:
             datasets = {dataset: DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[name])}
         config = SiteConfig(site=name, coordinator=coordinator or self.address, kit=self.root / "sites" / name,
                             state_dir=self.root / "sites" / name / "state", datasets=datasets,
                             policy=PolicySpec(allowed_models=tuple(allowed_models), **policy), training=training)
-        agent = SiteAgent(config, backoff_cap_s=0.5)
+        agent = agent_cls(config, backoff_cap_s=0.5)
         thread = threading.Thread(target=agent.run, daemon=True)
         thread.start()
         self.agents.append((agent, thread))

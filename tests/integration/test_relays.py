@@ -49,11 +49,20 @@ def final_model(fed: Federation, job_id: str) -> bytes:
     return bytes(blob)
 
 
-def run_flat(root, tmp_path, job: str) -> bytes:
+class FailsRoundTwo(SiteAgent):
+    """A site whose round-2 training fails (reported), in a flat federation and below a relay alike."""
+
+    def handle(self, stub, task):
+        if task.kind == fpb.TASK_TRAIN and task.round == 2:
+            return self.report(stub, task, fpb.RESULT_FAILED, "the scanner's export broke (test)")
+        return super().handle(stub, task)
+
+
+def run_flat(root, tmp_path, job: str, failing: str = "") -> bytes:
     fed = Federation(root, tmp_path / "flat")
     try:
         for name in "abcd":
-            fed.start_site(name)
+            fed.start_site(name, agent_cls=FailsRoundTwo if name == failing else SiteAgent)
         fed.wait_online(*"abcd")
         job_id = fed.admin().submit(job).job_id
         assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
@@ -62,14 +71,16 @@ def run_flat(root, tmp_path, job: str) -> bytes:
         fed.close()
 
 
-def start_tree(fed: Federation, root, tmp_path) -> list[Relay]:
+def start_tree(fed: Federation, root, tmp_path, failing: str = "") -> list[Relay]:
     relays = []
     for name, children in TREE.items():
-        relay = Relay(relay_config(root, name, fed.address, tmp_path / name, sites_min=len(children)))
+        relay = Relay(relay_config(root, name, fed.address, tmp_path / name,
+                                   sites_min=len(children) - (failing in children)))
         relay.start()
         relays.append(relay)
         for child in children:
-            fed.start_site(child, coordinator=f"127.0.0.1:{relay.port}")
+            fed.start_site(child, coordinator=f"127.0.0.1:{relay.port}",
+                           agent_cls=FailsRoundTwo if child == failing else SiteAgent)
     fed.start_site("d")
     for relay, children in zip(relays, TREE.values()):
         wait_until(lambda r=relay, c=children: set(c) <= r.tier.engine.online_sites(), scaled(30),
@@ -112,6 +123,26 @@ def test_fedavg_through_relays_is_bit_identical_to_a_flat_federation(relay_kits,
         rows = {s: json.loads(r.dataset_rows) for s, r in ((r.name, r) for r in fed.store.sites())}
         child_rows = {r.name: json.loads(r.dataset_rows) for r in relays[0].tier.store.sites()}
         assert rows["relay-1"]["heart-disease"] == sum(child_rows[c]["heart-disease"] for c in ("a", "b"))
+    finally:
+        for relay in relays:
+            relay.stop()
+        fed.close()
+
+
+def test_a_child_failing_at_a_relay_s_tier_leaves_the_flat_federation_s_model(relay_kits, tmp_path):
+    """b fails round 2 both times: flat, the coordinator sums a, c, d; tiered, relay-1 sends a's update alone."""
+    flat = run_flat(relay_kits, tmp_path, JOB, failing="b")
+    fed = Federation(relay_kits, tmp_path / "tiered")
+    relays = []
+    try:
+        relays = start_tree(fed, relay_kits, tmp_path, failing="b")
+        job_id = fed.admin().submit(JOB).job_id
+        assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
+        assert final_model(fed, job_id) == flat
+        tier = {r.round: r for r in relays[0].tier.store.rounds(job_id) if r.kind == "train"}
+        assert json.loads(tier[2].contributors) == ["a"] and json.loads(tier[1].contributors) == ["a", "b"]
+        failed = [e for e in relays[0].tier.store.site_events(job_id) if e.site == "b" and e.round == 2]
+        assert [e.status for e in failed] == ["failed"] and "scanner" in failed[0].reason
     finally:
         for relay in relays:
             relay.stop()
