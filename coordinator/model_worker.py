@@ -47,6 +47,18 @@ _FIX_TIME = "use a smaller model, or raise model_build_timeout_s in the coordina
 _FIX_MEMORY = "use a smaller model, or raise model_build_memory_bytes in the coordinator's config"
 
 
+def end_child(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """End a worker that reads requests on its stdin: close that (it exits at EOF), then kill it if it lingers."""
+    if proc.poll() is None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class ModelWorker:
     """A lazily started, reused worker process; thread-safe (one call at a time); restarted if it dies."""
 
@@ -142,14 +154,7 @@ class ModelWorker:
 
     def _stop_locked(self) -> None:
         if self._proc is not None:
-            if self._proc.poll() is None:
-                with contextlib.suppress(OSError):
-                    self._proc.stdin.close()
-                try:
-                    self._proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait()
+            end_child(self._proc)
             self._proc.stdout.close()
             self._proc = None
 

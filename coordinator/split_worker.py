@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.model_worker import end_child
 from plexus.errors import ConfigError, IntegrityError, Reason
 
 _DTYPES = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
@@ -207,13 +208,8 @@ class SplitWorker:
         if self._shm is not None:
             self._shm.close(unlink=True)
             self._shm = None
-        if self._proc.poll() is None:
-            self._proc.stdin.close()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        end_child(self._proc)
+        self._proc.stdout.close()
 
 
 # The worker process --------------------------------------------------------------------------------------------
@@ -286,7 +282,10 @@ class _Segments:
 
 def main() -> int:
     server, segments = _Server(), _Segments()
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    # Frames go to the original stdout; anything a model plug-in or library prints goes to stderr (the
+    # coordinator's log), so it cannot break the frames.
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     while True:
         try:
             header, tensors = read_frame(stdin, segments.attach)

@@ -4,9 +4,9 @@ the job still ends with those bits."""
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
-import threading
 
 import grpc
 import numpy as np
@@ -15,7 +15,7 @@ import pytest
 from coordinator.tasks import site_seed
 from plexus import pki
 from plexus.cli import main as cli
-from plexus.config import DatasetSpec, PolicySpec, RelayConfig, SiteConfig, TierSpec, parse_round_config
+from plexus.config import DatasetSpec, RelayConfig, TierSpec, parse_round_config
 from plexus.datasets import heart_disease
 from plexus.models import build_model, load_numpy_state, state_to_numpy
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
@@ -250,16 +250,10 @@ HOSPITALS = dict(zip(("a1", "a2", "a3", "a4", "b1", "b2", "b3", "d1", "d2"),
                       "cleveland")))
 
 
-def secure_site(fed: Federation, root, name: str, address: str, agent_cls=SiteAgent, **kwargs) -> SiteAgent:
-    config = SiteConfig(site=name, coordinator=address, kit=root / "sites" / name,
-                        state_dir=root / "sites" / name / "state",
-                        datasets={"heart-disease": DatasetSpec(kind="heart-disease", hospital=HOSPITALS[name])},
-                        policy=PolicySpec(allowed_models=("logistic",), require_secure_aggregation=True))
-    agent = agent_cls(config, backoff_cap_s=0.5, **kwargs)
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    fed.agents.append((agent, thread))
-    return agent
+def secure_site(fed: Federation, name: str, address: str, agent_cls=SiteAgent, **kwargs) -> SiteAgent:
+    return fed.start_site(name, coordinator=address, agent_cls=functools.partial(agent_cls, **kwargs),
+                          datasets={"heart-disease": DatasetSpec(kind="heart-disease", hospital=HOSPITALS[name])},
+                          allowed_models=("logistic",), require_secure_aggregation=True)
 
 
 def clear_mean(job_yaml: str, sites) -> dict[str, np.ndarray]:
@@ -295,12 +289,12 @@ def test_secure_aggregation_across_two_tiers_with_a_dropout_in_each(tmp_path):
             relays.append(relay)
             for child in children:
                 if child == "a4":   # shares its keys at relay-1's tier, never masks
-                    secure_site(fed, root, child, f"127.0.0.1:{relay.port}", DropsOut,
+                    secure_site(fed, child, f"127.0.0.1:{relay.port}", DropsOut,
                                 vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)
                 else:
-                    secure_site(fed, root, child, f"127.0.0.1:{relay.port}")
-        secure_site(fed, root, "d1", fed.address)
-        secure_site(fed, root, "d2", fed.address, DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)   # the top tier's
+                    secure_site(fed, child, f"127.0.0.1:{relay.port}")
+        secure_site(fed, "d1", fed.address)
+        secure_site(fed, "d2", fed.address, DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)   # the top tier's
         for relay, children in zip(relays, SECURE_TREE.values()):
             wait_until(lambda r=relay, c=children: set(c) <= r.tier.engine.online_sites(), scaled(30),
                        f"{children} online at their relay")
@@ -309,8 +303,8 @@ def test_secure_aggregation_across_two_tiers_with_a_dropout_in_each(tmp_path):
             f"privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, phase_timeout_s: {scaled(3)}}}}}\n")
         job_id = fed.admin().submit(job).job_id
         wait_until(lambda: fed.store.job(job_id).current_round == 1, scaled(120), "round 1 to close")
-        secure_site(fed, root, "d2", fed.address)   # back for the final evaluation
-        secure_site(fed, root, "a4", f"127.0.0.1:{relays[0].port}")
+        secure_site(fed, "d2", fed.address)   # back for the final evaluation
+        secure_site(fed, "a4", f"127.0.0.1:{relays[0].port}")
         assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
 
         # Each tier unmasked only its own survivors' sum: a4 and d2 dropped after sharing their keys.
