@@ -149,6 +149,28 @@ def test_a_child_failing_at_a_relay_s_tier_leaves_the_flat_federation_s_model(re
         fed.close()
 
 
+def test_a_child_s_own_policy_is_enforced_at_the_child_below_a_relay(relay_kits, tmp_path):
+    """b allows only logistic models: below relay-1 it declines the mlp job itself, and relay-1 stands for a."""
+    fed = Federation(relay_kits, tmp_path / "coordinator")
+    relay = Relay(relay_config(relay_kits, "relay-1", fed.address, tmp_path / "relay-1"))
+    relay.start()
+    try:
+        fed.start_site("a", coordinator=f"127.0.0.1:{relay.port}")
+        fed.start_site("b", coordinator=f"127.0.0.1:{relay.port}", allowed_models=("logistic",))
+        wait_until(lambda: {"a", "b"} <= relay.tier.engine.online_sites(), scaled(30), "a and b at relay-1")
+        fed.wait_online("relay-1")
+        job_id = fed.admin().submit(JOB.replace("rounds: 3", "rounds: 1").replace("min: 2", "min: 1")).job_id
+        assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
+        declines = relay.tier.store.declines(job_id)
+        assert list(declines) == ["b"] and "policy.allowed_models ['logistic']" in declines["b"]
+        tier = next(r for r in relay.tier.store.rounds(job_id) if r.round == 1)
+        assert json.loads(tier.contributors) == ["a"]
+        assert json.loads(next(r for r in fed.store.rounds(job_id) if r.round == 1).contributors) == ["relay-1"]
+    finally:
+        relay.stop()
+        fed.close()
+
+
 def test_a_relay_refuses_jobs_submitted_to_it(relay_kits, tmp_path):
     fed = Federation(relay_kits, tmp_path / "coordinator")
     relay = Relay(relay_config(relay_kits, "relay-1", fed.address, tmp_path / "relay"))
