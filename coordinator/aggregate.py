@@ -368,12 +368,9 @@ class Fold(_Entering):
         with total._lock:
             if self.state == "undone":
                 return
-            pending, position = bytearray(), 0
-            for piece in journal():
-                data = memoryview(piece).cast("B")[:self.position - position - len(pending)]
-                position += total._fold_after(position, pending, data, self.weight, self._peak, -1)
-                if position + len(pending) >= self.position:
-                    break
+            position = _replay(journal, self.position,
+                               lambda at, pending, data: total._fold_after(at, pending, data, self.weight, self._peak,
+                                                                           -1))
             if position != self.position:
                 total._poisoned = (f"an update could not be taken out again: its journal held {position} of the "
                                    f"{self.position} bytes folded")
@@ -526,12 +523,8 @@ class ExactFold(_Entering):
         with total._lock:
             if self.state == "undone":
                 return
-            pending, position = bytearray(), 0
-            for piece in journal():
-                if position >= self.position:
-                    break
-                data = memoryview(piece).cast("B")[:self.position - position - len(pending)]
-                position += self._fold_after(position, pending, data, -1)
+            position = _replay(journal, self.position,
+                               lambda at, pending, data: self._fold_after(at, pending, data, -1))
             if position != self.position:
                 total._poisoned = (f"a partial sum could not be taken out again: its journal held {position} of "
                                    f"the {self.position} bytes folded")
@@ -540,6 +533,18 @@ class ExactFold(_Entering):
                 total.count -= self.updates
                 total.total_weight -= self.weight
             self.state = "undone"
+
+
+def _replay(journal, folded: int, fold) -> int:
+    """Fold the first `folded` bytes of `journal()` (pieces split anywhere) again with `fold(at, pending, data)`,
+    which folds whole elements from byte `at` on and keeps a split one in `pending`; the bytes it folded. How every
+    update that fails is taken back out of its sum."""
+    pending, position = bytearray(), 0
+    for piece in journal():
+        if position + len(pending) >= folded:
+            break
+        position += fold(position, pending, memoryview(piece).cast("B")[:folded - position - len(pending)])
+    return position
 
 
 def _as_int64(value: int) -> np.int64:
@@ -654,12 +659,10 @@ class MaskedFold:
         with total._lock:
             if self.state == "undone":
                 return
-            pending, position = bytearray(), 0
-            for piece in journal():
-                if position >= self.position:
-                    break
-                data = memoryview(piece).cast("B")[:(self.position - position) * total.dtype.itemsize - len(pending)]
-                position += total._fold_after(position, pending, data, -1)
+            size = total.dtype.itemsize   # MaskedSum counts elements; the journal holds bytes
+            position = _replay(journal, self.position * size,
+                               lambda at, pending, data: size * total._fold_after(at // size, pending, data, -1))
+            position //= size
             if position != self.position:
                 total._poisoned = (f"a masked input could not be taken out again: its journal held {position} of "
                                    f"the {self.position} elements folded")
