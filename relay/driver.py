@@ -25,7 +25,7 @@ from coordinator.store import JobRow
 from coordinator.strategies import make_strategy
 from plexus.compression import job_uplink
 from plexus.config import RoundConfig, TierSpec, parse_round_config
-from plexus.errors import ConfigError, IntegrityError
+from plexus.errors import ConfigError
 from plexus.vocab import JobStatus, TaskKind, TaskStatus
 from plexus.wire import Layout
 
@@ -220,38 +220,37 @@ class RelayRounds(SyncRounds):
 
     def _decided(self, rs: RoundState, decision) -> None:
         """End the tier's round: its sum (or evaluation) goes to the parent, or the parent hears it failed."""
-        store, job = self.ctx.store, self.job
-        metrics = {(r, s, k, n): v for r, s, k, n, v in store.metrics(job.row.id) if s in rs.participants}
         if rs.kind == TaskKind.EVALUATE:
             evaluated = sorted(s for s, o in rs.outcomes.items() if o == TaskStatus.EVALUATED)
             if not evaluated:
-                self._fail(rs, "no child evaluated the model")
+                self._fail_round(rs, "no child evaluated the model")
             else:
-                means = weighted_means([(self._of(metrics, rs.model_round, s, "eval").get("num_samples", 1.0),
-                                         self._of(metrics, rs.model_round, s, "eval")) for s in evaluated])
+                _, means = self._means(rs, evaluated)
                 self._finish(rs, Answer(self.offer.task_id, "evaluated", eval_metrics=means), evaluated, 0,
                              f"{len(evaluated)} child(ren) evaluated the model; sent to the parent")
         elif decision.action == Action.CLOSE:
             contributors = sorted(rs.contributors)
-            weights = [(float(self._of(metrics, rs.round, s, "train").get("num_samples", 0.0)), s)
-                       for s in contributors]
+            train, evaluation = self._means(rs, contributors)
             answer = Answer(self.offer.task_id, "sum", exact=rs.total.exact(), layout=rs.total.layout,
-                            weight=rs.total.total_weight,
-                            updates=rs.total.count, contributors=tuple(contributors),
-                            metrics=weighted_means([(w, self._of(metrics, rs.round, s, "train")) for w, s in weights]),
-                            eval_metrics=weighted_means([
-                                (self._of(metrics, rs.model_round, s, "eval").get("num_samples", 1.0),
-                                 self._of(metrics, rs.model_round, s, "eval")) for _, s in weights]))
+                            weight=rs.total.total_weight, updates=rs.total.count, contributors=tuple(contributors),
+                            metrics=train, eval_metrics=evaluation)
             self._finish(rs, answer, contributors, rs.samples,
                          f"{len(contributors)} update(s), {rs.samples} samples: their exact sum sent to the parent")
         else:
             problems = ", ".join(f"{s}: {o}" for s, o in sorted(rs.outcomes.items()) if o != TaskStatus.SUBMITTED)
-            self._fail(rs, f"{len(rs.contributors)} update(s), below tier.sites_min={self.tier.sites_min} (other "
+            self._fail_round(rs, f"{len(rs.contributors)} update(s), below tier.sites_min={self.tier.sites_min} (other "
                            f"children — {problems or 'none'})")
 
-    @staticmethod
-    def _of(metrics: dict, round_: int, site: str, kind: str) -> dict[str, float]:
-        return {n: v for (r, s, k, n), v in metrics.items() if r == round_ and s == site and k == kind}
+    def _means(self, rs: RoundState, sites: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+        """The children's train metrics of this round and eval metrics of the incoming model, each averaged over
+        `sites` weighted by its num_samples: what the relay reports as its own."""
+        train: dict[str, dict[str, float]] = {s: {} for s in sites}
+        evaluation: dict[str, dict[str, float]] = {s: {} for s in sites}
+        for r, s, k, n, v in self.ctx.store.metrics(self.job.row.id):
+            if s in train and (r, k) in ((rs.round, "train"), (rs.model_round, "eval")):
+                (train if k == "train" else evaluation)[s][n] = v
+        return tuple(weighted_means([(m.get("num_samples", 1.0), m) for m in per.values()])
+                     for per in (train, evaluation))
 
     def _finish(self, rs: RoundState, answer: Answer, contributors: list[str], samples: int, message: str) -> None:
         store = self.ctx.store
@@ -265,21 +264,16 @@ class RelayRounds(SyncRounds):
 
     def _unmasked(self, rs: RoundState, delta: dict[str, np.ndarray]) -> None:
         """The tier's secure round is unmasked: its survivors' mean Δ goes up, to be masked towards the parent."""
-        store, contributors = self.ctx.store, sorted(rs.contributors)
-        metrics = {(r, s, k, n): v for r, s, k, n, v in store.metrics(self.job.row.id) if s in contributors}
-        train = [(self._of(metrics, rs.round, s, "train"), self._of(metrics, rs.model_round, s, "eval"))
-                 for s in contributors]
+        contributors = sorted(rs.contributors)
+        train, evaluation = self._means(rs, contributors)
         answer = Answer(self.offer.task_id, "delta", delta=delta, layout=self.job.layout, weight=rs.samples,
-                        updates=len(contributors), contributors=tuple(contributors),
-                        metrics=weighted_means([(m.get("num_samples", 1.0), m) for m, _ in train]),
-                        eval_metrics=weighted_means([(e.get("num_samples", 1.0), e) for _, e in train]))
+                        updates=len(contributors), contributors=tuple(contributors), metrics=train,
+                        eval_metrics=evaluation)
         self._finish(rs, answer, contributors, rs.samples, f"{len(contributors)} masked update(s), {rs.samples} "
                      "samples: their mean masked again towards the parent")
 
     def _fail_round(self, rs: RoundState, why: str, *, retry: bool = False) -> None:
-        self._fail(rs, why)
-
-    def _fail(self, rs: RoundState, why: str) -> None:
+        """The tier's round produced nothing: recorded here, and the parent told the task failed (it retries)."""
         rs.drop_held()
         message = f"round {rs.round} failed at the relay: {why}"
         self.ctx.store.close_round(self.job.row.id, rs.round, status="failed", contributors=sorted(rs.contributors),
@@ -299,8 +293,3 @@ class RelayRounds(SyncRounds):
         if self.round is not None:
             self.round.end_uploads(message)
         self._end()
-
-
-def check_offer(layout: Layout, blob: bytes) -> None:
-    if len(blob) != layout.total_bytes:
-        raise IntegrityError(f"the parent's model has {len(blob)} bytes; its manifest needs {layout.total_bytes}")

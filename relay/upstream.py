@@ -13,7 +13,7 @@ import grpc
 
 from coordinator.aggregate import exact_layout
 from coordinator.engine import Engine
-from coordinator.store import Store
+from coordinator.store import SiteRow, Store
 from plexus import __version__, transport
 from plexus.config import RelayConfig, parse_round_config
 from plexus.errors import ConfigError, IntegrityError
@@ -21,9 +21,10 @@ from plexus.identity import Kit, identity_from_cert
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.secagg import SiteSession, advert_to_proto
 from plexus.vocab import TaskKind
-from plexus.wire import DTYPES, Layout, assemble
+from plexus.wire import Layout, assemble, iter_chunks
 from relay.driver import Answer, Mailbox, Offer, relay_problem
-from site_agent.secure import Pending, check_sums_fit, secagg_phase
+from site_agent.downlink import model_header
+from site_agent.secure import Pending, check_sums_fit, masked_input_messages, secagg_phase
 
 log = logging.getLogger("plexus.relay")
 
@@ -34,22 +35,19 @@ _RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.S
           grpc.StatusCode.CANCELLED)
 
 
-def children_of(store: Store) -> list[str]:
-    """The relay's children, and below a child that is a relay, its own as "child/grandchild"."""
-    names = []
-    for row in store.sites():
-        names.append(row.name)
-        names += [f"{row.name}/{child}" for child in json.loads(row.children or "[]")]
-    return names
-
-
-def children_rows(store: Store) -> dict[str, int]:
-    """Training rows per dataset over the relay's children, as they reported them: the relay's own at Join."""
+def join_request(sites: list[SiteRow]) -> fpb.JoinRequest:
+    """The relay at its parent, from its children as they joined it: the models they have in common, their
+    datasets with their rows summed, and who they are (below a child that is a relay, its own as
+    "child/grandchild")."""
+    models = set.intersection(*(set(json.loads(r.models)) for r in sites)) if sites else set()
     rows: dict[str, int] = {}
-    for row in store.sites():
+    children = []
+    for row in sites:
         for dataset, n in json.loads(row.dataset_rows).items():
             rows[dataset] = rows.get(dataset, 0) + int(n)
-    return rows
+        children += [row.name] + [f"{row.name}/{child}" for child in json.loads(row.children or "[]")]
+    return fpb.JoinRequest(agent_version=__version__, models=sorted(models), datasets=sorted(rows),
+                           dataset_rows=rows, children=children)
 
 
 class Upstream:
@@ -61,7 +59,7 @@ class Upstream:
         self.stop = threading.Event()
         self._secure: dict[tuple[str, int], Pending] = {}   # a secure round between its phases at the parent
         self._channel: grpc.Channel | None = None
-        self._joined: tuple | None = None
+        self._joined: fpb.JoinRequest | None = None
         self._rng = random.Random()
 
     def run(self) -> None:
@@ -94,25 +92,13 @@ class Upstream:
         if self._channel is not None:
             self._channel.close()
 
-    def join_request(self) -> fpb.JoinRequest:
-        """The relay at its parent: the models its children have in common, their datasets and rows, and who
-        they are."""
-        sites = self.store.sites()
-        models = set.intersection(*(set(json.loads(r.models)) for r in sites)) if sites else set()
-        rows = children_rows(self.store)
-        return fpb.JoinRequest(agent_version=__version__, models=sorted(models), datasets=sorted(rows),
-                               dataset_rows=rows, children=children_of(self.store))
-
     def _join(self, stub) -> fpb.JoinReply:
-        request = self.join_request()
-        self._joined = (tuple(request.models), tuple(sorted(request.dataset_rows.items())), tuple(request.children))
-        return stub.Join(request, timeout=10)
+        self._joined = join_request(self.store.sites())
+        return stub.Join(self._joined, timeout=10)
 
     def _serve(self, stub, poll_s: float) -> None:
         while not self.stop.is_set():
-            request = self.join_request()   # children come and go: the parent's view follows
-            if (tuple(request.models), tuple(sorted(request.dataset_rows.items())), tuple(request.children)) \
-                    != self._joined:
+            if join_request(self.store.sites()) != self._joined:   # children come and go: the parent's view follows
                 self._join(stub)
             task = stub.NextTask(fpb.NextTaskRequest(wait_s=min(poll_s, 5.0)), timeout=min(poll_s, 5.0) + 15)
             if task.kind != fpb.TASK_NONE:
@@ -137,7 +123,7 @@ class Upstream:
         left = task.deadline_unix_s - time.time() - self.config.tier.upload_margin_s
         try:
             layout, blob = self._fetch(stub, task)
-        except IntegrityError as exc:
+        except (IntegrityError, ValueError) as exc:
             return self._report(stub, task, fpb.RESULT_FAILED, f"the parent's model is unusable: {exc}")
         kind = TaskKind.EVALUATE if task.kind == fpb.TASK_EVALUATE else TaskKind.TRAIN   # advertise: train first
         self.mailbox.post(task.job_id, Offer(task.task_id, kind, task.round, task.model_round,
@@ -185,33 +171,15 @@ class Upstream:
             self._secure.pop((task.job_id, task.round), None)
 
     def _submit_masked(self, stub, task: fpb.Task, layout: Layout, masked) -> None:
-        header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
-                                  manifest=layout.to_proto())
-        wire = DTYPES[layout.tensors[0].dtype] if layout.tensors else DTYPES["U32"]
-
-        def messages():
-            yield fpb.UpdateMessage(header=header)
-            offset = 0
-            for piece in masked:
-                data = piece.astype(wire, copy=False).tobytes()
-                for start in range(0, len(data), CHUNK_BYTES):
-                    part = data[start:start + CHUNK_BYTES]
-                    yield fpb.UpdateMessage(chunk={"offset": offset, "data": part})
-                    offset += len(part)
-
-        stub.SubmitUpdate(messages(), timeout=_timeout(task))
+        stub.SubmitUpdate(masked_input_messages(task, layout, masked, CHUNK_BYTES), timeout=_timeout(task))
 
     def _fetch(self, stub, task: fpb.Task) -> tuple[Layout, bytes]:
         stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_timeout(task))
-        first = next(stream)
-        if first.WhichOneof("body") != "header":
-            raise IntegrityError("the model stream does not start with its header")
-        layout = Layout.from_proto(first.header.manifest)
+        layout = Layout.from_proto(model_header(stream).manifest)
         return layout, bytes(assemble(layout, (message.chunk for message in stream)))
 
     def _submit(self, stub, task: fpb.Task, answer: Answer) -> None:
         layout = exact_layout(answer.layout)
-        data = memoryview(answer.exact.view("u1"))
         header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                                   num_samples=answer.weight, metrics=answer.metrics, eval_metrics=answer.eval_metrics,
                                   manifest=layout.to_proto(),
@@ -219,8 +187,8 @@ class Upstream:
 
         def messages():
             yield fpb.UpdateMessage(header=header)
-            for offset in range(0, len(data), CHUNK_BYTES):
-                yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(data[offset:offset + CHUNK_BYTES])})
+            for offset, piece in iter_chunks(answer.exact.view("u1"), CHUNK_BYTES):
+                yield fpb.UpdateMessage(chunk={"offset": offset, "data": bytes(piece)})
 
         try:
             reply = stub.SubmitUpdate(messages(), timeout=_timeout(task))

@@ -40,7 +40,7 @@ from plexus.identity import load_kit
 from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.secagg import SiteSession, advert_to_proto
-from plexus.wire import DEFAULT_CHUNK_BYTES, DTYPES, Layout, assemble, chunk_size, decode, encode_chunks
+from plexus.wire import DEFAULT_CHUNK_BYTES, Layout, assemble, chunk_size, decode, encode_chunks
 from site_agent.audit import AuditWriteFailed, SiteAudit
 from site_agent.downlink import downlink_spec, fetch_model, model_header
 from site_agent.local import (
@@ -54,7 +54,7 @@ from site_agent.local import (
     served_layout,
 )
 from site_agent.policy import policy_digest, refusal
-from site_agent.secure import Pending, check_sums_fit, secagg_phase
+from site_agent.secure import Pending, check_sums_fit, masked_input_messages, secagg_phase
 from site_agent.state import JobState, ServedChain, job_id_refusal
 from site_agent.team import Team, spreads
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
@@ -399,25 +399,9 @@ class SiteAgent:
 
     def _submit_masked(self, stub, task, layout: Layout, masked) -> None:
         """Stream the masked input; `layout` is its manifest (plexus.secagg.plan), one unsigned width throughout."""
-        header = fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
-                                  manifest=layout.to_proto())
-        wire = DTYPES[layout.tensors[0].dtype] if layout.tensors else DTYPES["U32"]
-
         digest = hashlib.sha256()
-        chunk = chunk_size(layout.total_bytes, self.chunk_bytes)
-
-        def messages():
-            yield fpb.UpdateMessage(header=header)
-            offset = 0
-            for piece in masked:
-                data = piece.astype(wire, copy=False).tobytes()
-                digest.update(data)
-                for start in range(0, len(data), chunk):
-                    part = data[start:start + chunk]
-                    yield fpb.UpdateMessage(chunk={"offset": offset, "data": part})
-                    offset += len(part)
-
-        stub.SubmitUpdate(messages(), timeout=call_timeout(task))
+        stub.SubmitUpdate(masked_input_messages(task, layout, masked, chunk_size(layout.total_bytes, self.chunk_bytes),
+                                                digest), timeout=call_timeout(task))
         self._audit_sent(task, "masked:" + digest.hexdigest(), 0)
         log.info("job %s round %d: sent the masked update", task.job_id, task.round)
 

@@ -14,7 +14,7 @@ from plexus.dp import add_noise, distributed_std, noise_key
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.secagg import NO_EXTRAS, SiteSession, advert_from_proto, mask_plan
-from plexus.wire import Layout
+from plexus.wire import DTYPES, Layout
 
 log = logging.getLogger("plexus.site")
 
@@ -91,3 +91,20 @@ def cohort_noise(delta: dict[str, np.ndarray], job: RoundConfig, task, floor: in
     dp = job.privacy.dp
     std = distributed_std(dp.noise_multiplier, dp.clip_norm, floor)
     return add_noise(delta, std, noise_key(None, task.job_id, task.round, "site"))
+
+
+def masked_input_messages(task: fpb.Task, layout: Layout, masked, chunk: int, digest=None):
+    """The SubmitUpdate stream of a masked input (pieces of `masked`, in `layout`'s one unsigned width), chunk by
+    chunk; `digest` (a hashlib object), if given, takes every byte sent."""
+    yield fpb.UpdateMessage(header=fpb.UpdateHeader(task_id=task.task_id, job_id=task.job_id, round=task.round,
+                                                    nonce=task.nonce, manifest=layout.to_proto()))
+    wire = DTYPES[layout.tensors[0].dtype] if layout.tensors else DTYPES["U32"]
+    offset = 0
+    for piece in masked:
+        data = piece.astype(wire, copy=False).tobytes()
+        if digest is not None:
+            digest.update(data)
+        for start in range(0, len(data), chunk):
+            part = data[start:start + chunk]
+            yield fpb.UpdateMessage(chunk={"offset": offset, "data": part})
+            offset += len(part)
