@@ -9,10 +9,13 @@ three through a pipe. No tensor is ever written as JSON, and nothing is pickled.
 
 Operations (plexus.split's ServerStep, one batch at a time):
 - `load`: the job's model (a registry name and its arguments, built from the job seed), the variant, the cuts,
-  the optimizer, and the shape one row's activations must have at the cut;
+  the optimizer; replies with the model's state names each side holds and the shapes at the cuts;
 - `vanilla` (activations, labels) -> (gradient at the cut,) and the loss;
 - `forward` (activations,) -> (the middle's output,), then `backward` (its gradient,) -> (gradient at the cut,);
-- `state` -> the server part's tensors, by name (for checkpoints); `load_state` puts them back.
+  `drop` forgets a forward whose gradient will not come;
+- `evaluate` (activations, labels) -> the summed loss and the correct count (vanilla); `infer` (activations,) ->
+  (the middle's output,) (u-shaped); neither steps the optimizer;
+- `state` -> the server part's tensors, by the model's names (for checkpoints); `load_state` puts them back.
 
 Every reply also says how long the worker computed (`compute_s`), so the hop's own cost is measured apart.
 
@@ -217,23 +220,48 @@ class _Server:
     def __init__(self):
         self.step = None
         self.row_shape: tuple[int, ...] = ()
+        self.out_shape: tuple[int, ...] | None = None
         self.classes = 0
         self.max_rows = 0
+        self.device = "cpu"
 
     def load(self, header: dict) -> tuple[dict, list]:
         import torch
 
         from plexus.models import build_model
-        from plexus.split import ServerStep, split
+        from plexus.split import ServerStep, cut_shapes, part_names, split
 
-        model = build_model(header["model"], header.get("args", {}), seed=int(header.get("seed", 0)))
-        self.parts = split(model, header["variant"], list(header["cuts"]))
-        self.row_shape = tuple(int(n) for n in header["row_shape"])
-        self.classes, self.max_rows = int(header.get("classes", 0)), int(header.get("max_rows", 4096))
-        lr, momentum = float(header.get("lr", 0.01)), float(header.get("momentum", 0.0))
-        self.step = ServerStep(self.parts, torch.optim.SGD(self.parts.middle.parameters(), lr=lr, momentum=momentum))
         torch.set_num_threads(int(header.get("threads", 1)))
-        return {}, []
+        model = build_model(header["model"], header.get("args", {}), seed=int(header.get("seed", 0)))
+        parts = split(model, header["variant"], list(header["cuts"]))
+        self.row_shape, self.out_shape = cut_shapes(model, parts)
+        if header.get("row_shape") is not None:
+            self.row_shape = tuple(int(n) for n in header["row_shape"])
+        with torch.no_grad():
+            model.eval()
+            self.classes = int(model(torch.zeros((1, *model.input_shape()))).shape[1]) \
+                if hasattr(model, "input_shape") else int(header.get("classes", 0))
+            model.train()
+        self.max_rows = int(header.get("max_rows", 4096))
+        self.device = str(header.get("device", "cpu"))
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("split.device is cuda, and this coordinator's machine has no CUDA device torch can use; "
+                              "set split.device: cpu")
+        model.to(self.device)
+        self.model, self.parts = model, parts
+        self.site_names, self.server_names = part_names(model, parts)
+        optimizer = torch.optim.SGD(parts.middle.parameters(), lr=float(header.get("lr", 0.01)),
+                                    momentum=float(header.get("momentum", 0.0)),
+                                    weight_decay=float(header.get("weight_decay", 0.0)))
+        self.step = ServerStep(parts, optimizer)
+        return {"site": self.site_names, "server": self.server_names, "row_shape": list(self.row_shape),
+                "out_shape": list(self.out_shape) if self.out_shape is not None else None,
+                "classes": self.classes}, []
+
+    def _in(self, array: np.ndarray):
+        import torch
+
+        return torch.from_numpy(array).to(self.device)
 
     def handle(self, header: dict, tensors: list[np.ndarray]) -> tuple[dict, list]:
         import torch
@@ -243,25 +271,57 @@ class _Server:
             return self.load(header)
         if self.step is None:
             raise ConfigError("the split worker has no model yet: send `load` first")
-        if op == "vanilla":
+        if op in ("vanilla", "evaluate"):
             activations, labels = tensors
             check_batch(activations, self.row_shape, max_rows=self.max_rows, labels=labels, classes=self.classes)
-            grad, loss = self.step.vanilla(torch.from_numpy(activations), torch.from_numpy(labels))
-            return {"loss": loss}, [grad.numpy()]
-        if op == "forward":
+            a, y = self._in(activations), self._in(labels)
+            if op == "vanilla":
+                grad, loss = self.step.vanilla(a, y)
+                return {"loss": loss}, [grad.cpu().numpy()]
+            with torch.no_grad():
+                self.parts.middle.eval()
+                logits = self.parts.middle(a)
+                self.parts.middle.train()
+                loss = float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+                return {"loss": loss, "correct": int((logits.argmax(1) == y).sum())}, []
+        if op in ("forward", "infer"):
             check_batch(tensors[0], self.row_shape, max_rows=self.max_rows)
-            return {}, [self.step.forward(torch.from_numpy(tensors[0])).numpy()]
+            if op == "forward":
+                return {}, [self.step.forward(self._in(tensors[0])).cpu().numpy()]
+            with torch.no_grad():
+                self.parts.middle.eval()
+                out = self.parts.middle(self._in(tensors[0]))
+                self.parts.middle.train()
+            return {}, [out.cpu().numpy()]
         if op == "backward":
             grad = tensors[0]
+            if self.step._out is None:
+                raise IntegrityError("a gradient for a batch the server did not run forward; send its activations "
+                                     "first", reason=Reason.LAYOUT)
+            expected = tuple(self.step._out.shape)
+            if grad.dtype != np.float32 or grad.shape != expected:
+                raise IntegrityError(f"the gradient of the server part's output must be float32 {expected}; got "
+                                     f"{grad.dtype} {grad.shape}", reason=Reason.LAYOUT)
             if not np.isfinite(grad).all():
                 raise IntegrityError("the gradient contains NaN or Inf; refusing it", reason=Reason.NON_FINITE)
-            return {}, [self.step.backward(torch.from_numpy(grad)).numpy()]
+            return {}, [self.step.backward(self._in(grad)).cpu().numpy()]
+        if op == "drop":   # a u-shaped batch whose gradient will not come (its site dropped): forget its forward
+            self.step._a = self.step._out = None
+            return {}, []
         if op == "state":
-            named = sorted(self.parts.middle.state_dict().items())
-            return {"names": [n for n, _ in named]}, [t.detach().numpy() for _, t in named]
+            state = self.model.state_dict()
+            return {"names": self.server_names}, [state[n].detach().cpu().numpy() for n in self.server_names]
         if op == "load_state":
-            self.parts.middle.load_state_dict({n: torch.from_numpy(t.copy()) for n, t in zip(header["names"],
-                                                                                              tensors)})
+            state = self.model.state_dict()
+            names = list(header["names"])
+            if sorted(names) != self.server_names or len(names) != len(tensors):
+                raise IntegrityError(f"load_state names {names} are not the server part's {self.server_names}")
+            with torch.no_grad():
+                for name, array in zip(names, tensors):
+                    if tuple(array.shape) != tuple(state[name].shape):
+                        raise IntegrityError(f"{name}: shape {array.shape}, the server part's is "
+                                             f"{tuple(state[name].shape)}")
+                    state[name].copy_(torch.from_numpy(array.copy()))
             return {}, []
         raise ConfigError(f"the split worker does not know operation {op!r}")
 

@@ -372,6 +372,38 @@ class CompressionSpec:
     downlink: DownlinkSpec = field(default_factory=DownlinkSpec)
 
 
+SPLIT_VARIANTS = ("vanilla", "u-shaped")
+SPLIT_SCHEDULES = ("sequential", "splitfed")
+
+
+def _split_cuts() -> dict:
+    def check(value: tuple[str, ...]) -> str | None:
+        if not 1 <= len(value) <= 2 or any(not isinstance(c, str) or not c for c in value):
+            return f"{list(value)!r} is not one or two cut names; e.g. [hidden1] (vanilla) or [block1, features]"
+        return None
+
+    return {"check": check}
+
+
+@dataclass(frozen=True, slots=True)
+class SplitSpec:
+    """Split learning (mode: split, docs/split-learning.md): where the model is cut and how the sites take turns.
+    Each of the job's `rounds` is one epoch over every site's rows; train.batch_size and train.optimizer set both
+    sides' batches and SGD."""
+
+    variant: str = field(metadata=one_of(*SPLIT_VARIANTS))
+    # The model's named cuts (its cut_points()): one for vanilla; two, in order, for u-shaped (the site keeps the
+    # stages after the second, and the labels).
+    cuts: tuple[str, ...] = field(metadata=_split_cuts())
+    schedule: str = field(default="splitfed", metadata=one_of(*SPLIT_SCHEDULES))
+    nopeek: float = field(default=0.0, metadata=in_range(0, 100))        # λ of NoPeek's distance correlation
+    noise_std: float = field(default=0.0, metadata=in_range(0, 100))     # Gaussian noise on sent activations
+    # The longest the coordinator waits for a site's next message in a session (and for a site whose turn it is
+    # at the server): past it the site is recorded as dropped and the schedule goes on without it.
+    batch_timeout_s: float = field(default=60.0, metadata=in_range(0, 3600, lo_open=True))
+    device: str = field(default="cpu", metadata=one_of("cpu", "cuda"))   # where the server part computes
+
+
 # Statistics jobs (plexus.statistics): which columns, how they are binned and grouped, optional DP. ------------
 
 
@@ -467,6 +499,7 @@ ASYNC_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedad
 # advertises weight 1 and the coordinator refuses any other (a signed advert cannot be re-weighted).
 SUMMING_STRATEGIES = frozenset({"lbfgs", "newton", "statistics"})
 JOB_KINDS = ("train", "statistics")
+JOB_MODES = ("federated", "split")
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,6 +526,9 @@ class RoundConfig:
     # dumped config at "train", so that agents older than this key still read a training job.
     kind: str = field(default="train", metadata={**one_of(*JOB_KINDS), "omit_default": True})
     statistics: StatisticsSpec | None = field(default=None, metadata={"omit_none": True})
+    # "split": split learning (coordinator/drivers/split.py) as the `split` block says; left out at "federated".
+    mode: str = field(default="federated", metadata={**one_of(*JOB_MODES), "omit_default": True})
+    split: SplitSpec | None = field(default=None, metadata={"omit_none": True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -973,7 +1009,7 @@ def _sites_problem(spec: SitesSpec) -> tuple[str, str] | None:
 
 
 def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
-    problem = (_statistics_job_problem(cfg) or _exact_problem(cfg) or _target_problem(cfg) or _async_problem(cfg)
+    problem = (_split_problem(cfg) or _statistics_job_problem(cfg) or _exact_problem(cfg) or _target_problem(cfg) or _async_problem(cfg)
                or _compression_problem(cfg))
     if problem:
         return problem
@@ -1075,6 +1111,43 @@ def _statistics_job_problem(cfg: RoundConfig) -> tuple[str, str] | None:
                     "inside the range no sum a site sends exceeds its row count, and privacy.secagg.clip at least "
                     "the largest site's rows covers them (docs/statistics.md#privacy); add `range: [lo, hi]` "
                     "spanning its values, or describe it as `categories`, or set privacy.secure_aggregation: false")
+    return None
+
+
+def _split_problem(cfg: RoundConfig) -> tuple[str, str] | None:
+    """A split job names its cuts, and none of federated averaging's machinery (it has no updates to average)."""
+    if cfg.mode != "split":
+        if cfg.split is not None:
+            return "split", "configures split learning, but mode is federated; add `mode: split`, or remove `split:`"
+        return None
+    spec = cfg.split
+    if spec is None:
+        return "mode", ("is split, and the job has no `split:` block; add one with the variant and cuts, e.g. "
+                        "`split: {variant: u-shaped, cuts: [block1, features], schedule: splitfed}`")
+    want = 1 if spec.variant == "vanilla" else 2
+    if len(spec.cuts) != want:
+        return "split.cuts", (f"lists {len(spec.cuts)} cut(s), and a {spec.variant} split takes {want}: "
+                              + ("the site's layers end at the one cut" if want == 1 else
+                                 "the server's part lies between the two, the site keeps the layers after the second"))
+    if cfg.kind != "train":
+        return "kind", "is statistics, which sends sums, not activations; a split job trains: remove `kind:`"
+    if cfg.strategy.name != "fedavg" or cfg.strategy.args:
+        return "strategy", (f"is {cfg.strategy.name!r}, and a split job has no updates for a server rule: its sites' "
+                            "parts are handed on (sequential) or averaged by rows (splitfed); remove `strategy:`")
+    for key, unset in (("asynchronous", None), ("compression", None)):
+        if getattr(cfg, key) != unset:
+            return key, f"does not apply to split learning, which sends activations batch by batch; remove `{key}:`"
+    if cfg.privacy != PrivacySpec():
+        return "privacy", ("secure aggregation and DP cover averaged updates; a split job's site sends activations, "
+                           "which they do not protect: remove `privacy:` and use split.nopeek or split.noise_std "
+                           "(docs/split-learning.md says what each does and does not protect)")
+    if cfg.train.steps is not None or cfg.train.epochs != 1:
+        return "train", ("steps and epochs set local training per round; a split job's round is one epoch over "
+                         "every site's rows: remove them, and set `rounds` to the number of epochs")
+    if cfg.train.optimizer.name != "sgd":
+        return "train.optimizer", "is adam; a split job's both sides step with SGD (lr, momentum, weight_decay)"
+    if cfg.sites.fraction is not None or cfg.sites.count is not None:
+        return "sites", "fraction and count sample rounds' sites; every online site takes part in a split epoch"
     return None
 
 

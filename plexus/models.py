@@ -126,6 +126,10 @@ class MLP(nn.Module):
         """Split learning (plexus.split): the forward pass as a sequence of stages."""
         return list(self.layers)
 
+    def input_shape(self) -> tuple[int, ...]:
+        """Split learning: one row's shape, from which the shape at each cut follows."""
+        return (self.layers[0].in_features,)
+
     def cut_points(self) -> dict[str, int]:
         """Split learning: each hidden layer's output ("hidden1", ...) as a cut, by stage index."""
         cuts, hidden = {}, 0
@@ -154,6 +158,7 @@ class CNN(nn.Module):
             nn.MaxPool2d(2),
         )
         self.head = nn.Linear(2 * width * (size // 4) ** 2, _int_arg("cnn", "num_classes", num_classes, minimum=2))
+        self._input = (channels, size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.flatten(self.features(x), 1))
@@ -161,6 +166,10 @@ class CNN(nn.Module):
     def split_stages(self) -> list[nn.Module]:
         """Split learning (plexus.split): the forward pass as a sequence of stages."""
         return [*self.features, nn.Flatten(1), self.head]
+
+    def input_shape(self) -> tuple[int, ...]:
+        """Split learning: one image's shape (channels, size, size)."""
+        return self._input
 
     def cut_points(self) -> dict[str, int]:
         """Split learning: after each conv block ("block1", "block2"), and at the flattened features ("features")."""

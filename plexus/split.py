@@ -45,7 +45,8 @@ class SplitParts:
 
 
 def cut_points(model: nn.Module) -> dict[str, int]:
-    """The named cuts a model declares; ConfigError if it cannot be split."""
+    """The named cuts a model declares; ConfigError if it cannot be split. A plug-in model for split learning
+    defines split_stages(), cut_points() and input_shape(), as the built-in mlp and cnn do."""
     if not (hasattr(model, "split_stages") and hasattr(model, "cut_points")):
         raise ConfigError(f"model {type(model).__name__} does not declare how it splits: a model for split learning "
                           "defines split_stages() (its forward pass as a list of modules) and cut_points() (name -> "
@@ -73,6 +74,34 @@ def split(model: nn.Module, variant: str, cuts: list[str]) -> SplitParts:
         return SplitParts(nn.Sequential(*stages[:at[0]]), nn.Sequential(*stages[at[0]:]), None)
     return SplitParts(nn.Sequential(*stages[:at[0]]), nn.Sequential(*stages[at[0]:at[1]]),
                       nn.Sequential(*stages[at[1]:]))
+
+
+def part_names(model: nn.Module, parts: SplitParts) -> tuple[list[str], list[str]]:
+    """The model's state names held by the site (bottom and head) and by the server (middle), each sorted: the
+    parts share the model's tensors, so the joined model is the union of the two, under the model's own names."""
+    server = {id(t) for t in parts.middle.state_dict(keep_vars=True).values()}
+    site, middle = [], []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        (middle if id(tensor) in server else site).append(name)
+    return sorted(site), sorted(middle)
+
+
+def cut_shapes(model: nn.Module, parts: SplitParts) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """One row's shape at the first cut, and (u-shaped) at the server part's output, from the model's
+    input_shape()."""
+    if not hasattr(model, "input_shape"):
+        raise ConfigError(f"model {type(model).__name__} does not declare input_shape() (one row's shape), which "
+                          "split learning needs to check the activations at the cut")
+    was = [m.training for m in (parts.bottom, parts.middle)]
+    parts.bottom.eval(), parts.middle.eval()
+    try:
+        with torch.no_grad():
+            probe = torch.zeros((2, *model.input_shape()), dtype=next(model.parameters()).dtype)
+            cut = parts.bottom(probe)
+            out = parts.middle(cut) if parts.head is not None else None
+    finally:
+        parts.bottom.train(was[0]), parts.middle.train(was[1])
+    return tuple(cut.shape[1:]), (tuple(out.shape[1:]) if out is not None else None)
 
 
 def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ class TaskKind(enum.StrEnum):
     SECAGG_SHARE = "secagg_share"
     SECAGG_MASK = "secagg_mask"
     SECAGG_UNMASK = "secagg_unmask"
+    SPLIT_TRAIN = "split_train"           # split learning: one epoch of batches through a Split session
+    SPLIT_EVALUATE = "split_evaluate"     # split learning: the joined model on the site's held-out rows
 
 
 class TaskStatus(enum.StrEnum):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coordinator.split_worker import SHM_DIR, SplitWorker
-from plexus.errors import IntegrityError
+from plexus.errors import ConfigError, IntegrityError
 from plexus.models import build_model
 from plexus.split import ServerStep, split
 
@@ -80,7 +80,8 @@ def test_malformed_batches_are_refused_and_the_worker_goes_on(worker):
 def test_the_server_part_s_state_round_trips(worker):
     load(worker, "vanilla", ["hidden1"], [32])
     header, tensors = worker.call("state")
-    assert header["names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]   # the middle: Linear, ReLU, Linear
+    # the middle (Linear, ReLU, Linear) under the whole model's names, as checkpoints keep them
+    assert header["names"] == ["layers.2.bias", "layers.2.weight", "layers.4.bias", "layers.4.weight"]
     worker.call("vanilla", list(batch()))
     _, changed = worker.call("state")
     assert any(not np.array_equal(a, b) for a, b in zip(tensors, changed))
@@ -96,11 +97,46 @@ def test_a_state_larger_than_the_shared_segment_comes_back_through_the_pipe():
                cuts=["hidden1"], row_shape=[8], classes=2)
         header, tensors = w.call("state")   # 1.1M floats: beyond the 1 MiB segment, so through the pipe
         assert sum(t.nbytes for t in tensors) == 4 * (8 * 100_000 + 100_000 + 100_000 * 2 + 2)
-        assert header["names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert header["names"] == ["layers.2.bias", "layers.2.weight", "layers.4.bias", "layers.4.weight"]
         assert list((SHM_DIR).glob(f"plexus-split-{os.getpid()}-*"))   # the coordinator's segment
     finally:
         w.close()
     assert not list(SHM_DIR.glob(f"plexus-split-{os.getpid()}-*"))    # unlinked at close
+
+
+def test_load_names_each_side_s_tensors_and_the_shapes_at_the_cuts():
+    w = SplitWorker()
+    try:
+        header, _ = w.call("load", model="cnn", args={}, seed=0, variant="u-shaped", cuts=["block1", "features"])
+        assert header["site"] == ["features.0.bias", "features.0.weight", "head.bias", "head.weight"]
+        assert header["server"] == ["features.3.bias", "features.3.weight"]
+        assert header["row_shape"] == [16, 14, 14] and header["out_shape"] == [1568] and header["classes"] == 10
+        with pytest.raises(ConfigError, match="not among this model's: block1, block2, features"):
+            w.call("load", model="cnn", args={}, seed=0, variant="vanilla", cuts=["block3"])
+    finally:
+        w.close()
+
+
+def test_evaluation_ops_leave_the_server_part_unchanged(worker):
+    load(worker, "vanilla", ["hidden1"], [32])
+    _, before = worker.call("state")
+    a, y = batch()
+    header, _ = worker.call("evaluate", [a, y])
+    assert header["loss"] > 0 and 0 <= header["correct"] <= len(y)
+    _, after = worker.call("state")
+    assert all(np.array_equal(p, q) for p, q in zip(before, after))
+
+
+def test_a_gradient_of_the_wrong_shape_or_without_a_forward_is_refused(worker):
+    load(worker, "u-shaped", ["hidden1", "hidden2"], [32])
+    a, _ = batch()
+    with pytest.raises(IntegrityError, match="did not run forward"):
+        worker.call("backward", [np.zeros((16, 16), np.float32)])
+    _, (out,) = worker.call("forward", [a])
+    with pytest.raises(IntegrityError, match="must be float32"):
+        worker.call("backward", [np.zeros((16, 15), np.float32)])
+    _, (grad,) = worker.call("backward", [np.ones_like(out)])
+    assert grad.shape == a.shape
 
 
 def test_the_coordinator_side_never_imports_torch():

@@ -17,6 +17,8 @@ class TaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_SECAGG_SHARE: _ClassVar[TaskKind]
     TASK_SECAGG_MASKED_INPUT: _ClassVar[TaskKind]
     TASK_SECAGG_UNMASK: _ClassVar[TaskKind]
+    TASK_SPLIT_TRAIN: _ClassVar[TaskKind]
+    TASK_SPLIT_EVALUATE: _ClassVar[TaskKind]
 
 class ModelEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +41,8 @@ TASK_SECAGG_ADVERTISE: TaskKind
 TASK_SECAGG_SHARE: TaskKind
 TASK_SECAGG_MASKED_INPUT: TaskKind
 TASK_SECAGG_UNMASK: TaskKind
+TASK_SPLIT_TRAIN: TaskKind
+TASK_SPLIT_EVALUATE: TaskKind
 MODEL_DENSE: ModelEncoding
 MODEL_FP16: ModelEncoding
 MODEL_DELTA8: ModelEncoding
@@ -356,3 +360,90 @@ class ResultReply(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     message: str
     def __init__(self, message: _Optional[str] = ...) -> None: ...
+
+class TensorData(_message.Message):
+    __slots__ = ("dtype", "shape", "data", "name")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    name: str
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., name: _Optional[str] = ...) -> None: ...
+
+class SplitOpen(_message.Message):
+    __slots__ = ("task_id", "job_id", "round", "nonce", "batches")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    job_id: str
+    round: int
+    nonce: bytes
+    batches: int
+    def __init__(self, task_id: _Optional[str] = ..., job_id: _Optional[str] = ..., round: _Optional[int] = ..., nonce: _Optional[bytes] = ..., batches: _Optional[int] = ...) -> None: ...
+
+class SplitBatch(_message.Message):
+    __slots__ = ("seq", "activations", "labels")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    activations: TensorData
+    labels: TensorData
+    def __init__(self, seq: _Optional[int] = ..., activations: _Optional[_Union[TensorData, _Mapping]] = ..., labels: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+
+class SplitGrad(_message.Message):
+    __slots__ = ("seq", "grad")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    grad: TensorData
+    def __init__(self, seq: _Optional[int] = ..., grad: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+
+class SplitDone(_message.Message):
+    __slots__ = ("num_samples", "metrics", "weights")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    num_samples: int
+    metrics: _containers.ScalarMap[str, float]
+    weights: _containers.RepeatedCompositeFieldContainer[TensorData]
+    def __init__(self, num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., weights: _Optional[_Iterable[_Union[TensorData, _Mapping]]] = ...) -> None: ...
+
+class SplitMessage(_message.Message):
+    __slots__ = ("open", "batch", "grad", "done")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    open: SplitOpen
+    batch: SplitBatch
+    grad: SplitGrad
+    done: SplitDone
+    def __init__(self, open: _Optional[_Union[SplitOpen, _Mapping]] = ..., batch: _Optional[_Union[SplitBatch, _Mapping]] = ..., grad: _Optional[_Union[SplitGrad, _Mapping]] = ..., done: _Optional[_Union[SplitDone, _Mapping]] = ...) -> None: ...
+
+class SplitReply(_message.Message):
+    __slots__ = ("seq", "tensor", "loss", "correct", "message")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    tensor: TensorData
+    loss: float
+    correct: int
+    message: str
+    def __init__(self, seq: _Optional[int] = ..., tensor: _Optional[_Union[TensorData, _Mapping]] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

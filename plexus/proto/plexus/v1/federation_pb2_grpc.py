@@ -66,6 +66,11 @@ class FederationStub:
                 request_serializer=plexus_dot_v1_dot_federation__pb2.SecAggMessage.SerializeToString,
                 response_deserializer=plexus_dot_v1_dot_federation__pb2.ResultReply.FromString,
                 _registered_method=True)
+        self.Split = channel.stream_stream(
+                '/plexus.v1.Federation/Split',
+                request_serializer=plexus_dot_v1_dot_federation__pb2.SplitMessage.SerializeToString,
+                response_deserializer=plexus_dot_v1_dot_federation__pb2.SplitReply.FromString,
+                _registered_method=True)
 
 
 class FederationServicer:
@@ -114,6 +119,15 @@ class FederationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Split(self, request_iterator, context):
+        """Split learning: one session per split task. The site sends its cut activations batch by batch (and, for a
+        vanilla split, the labels); the coordinator answers each message with the gradient at the cut (or, u-shaped,
+        the server part's output, whose gradient the site sends next). Lock-step: one message in flight each way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +160,11 @@ def add_FederationServicer_to_server(servicer, server):
                     servicer.SecAgg,
                     request_deserializer=plexus_dot_v1_dot_federation__pb2.SecAggMessage.FromString,
                     response_serializer=plexus_dot_v1_dot_federation__pb2.ResultReply.SerializeToString,
+            ),
+            'Split': grpc.stream_stream_rpc_method_handler(
+                    servicer.Split,
+                    request_deserializer=plexus_dot_v1_dot_federation__pb2.SplitMessage.FromString,
+                    response_serializer=plexus_dot_v1_dot_federation__pb2.SplitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +331,33 @@ class Federation:
             '/plexus.v1.Federation/SecAgg',
             plexus_dot_v1_dot_federation__pb2.SecAggMessage.SerializeToString,
             plexus_dot_v1_dot_federation__pb2.ResultReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Split(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/plexus.v1.Federation/Split',
+            plexus_dot_v1_dot_federation__pb2.SplitMessage.SerializeToString,
+            plexus_dot_v1_dot_federation__pb2.SplitReply.FromString,
             options,
             channel_credentials,
             insecure,
