@@ -25,6 +25,7 @@ import numpy as np
 
 from coordinator.drivers import Context, Driver
 from coordinator.drivers.async_ import AsyncRounds
+from coordinator.drivers.split import Session, SplitRounds, check_split
 from coordinator.drivers.sync import SyncRounds, strategy_at
 from coordinator.events import admin_actor
 from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
@@ -32,6 +33,7 @@ from coordinator.served import Held, ServedModel
 from coordinator.store import EventRow, JobRow, Store
 from coordinator.strategies import make_strategy
 from coordinator.tasks import (
+    Binding,
     JoinInfo,
     Presence,
     SecaggAnswer,
@@ -92,6 +94,8 @@ def validate_job(cfg: RoundConfig, *, build: Path, models: ModelWorker | None = 
     except ConfigError as exc:
         raise ConfigError(f"model: {exc}") from None
     state = strategy.rule.initial_model(state)
+    if cfg.mode == "split":
+        check_split(cfg)   # the cuts, in a compute worker: the coordinator never imports torch
     float_only = all(t.dtype in FLOAT_DTYPES for t in Layout.of(state).tensors)
     if cfg.privacy.secure_aggregation:   # make_strategy has refused strategies it cannot compute
         if not float_only:
@@ -246,10 +250,11 @@ class Engine:
             self._driver = self._take_up(self._context(), row)
             return self._driver is not None
         try:
-            asynchronous = parse_round_config(row.config_yaml, source=f"job {row.id}").asynchronous is not None
+            cfg = parse_round_config(row.config_yaml, source=f"job {row.id}")
+            kind = SplitRounds if cfg.mode == "split" else AsyncRounds if cfg.asynchronous is not None else SyncRounds
         except ConfigError:
-            asynchronous = False   # SyncRounds.take_up fails the job with the config's error
-        self._driver = (AsyncRounds if asynchronous else SyncRounds).take_up(self._context(), row)
+            kind = SyncRounds   # SyncRounds.take_up fails the job with the config's error
+        self._driver = kind.take_up(self._context(), row)
         return self._driver is not None
 
     def _context(self) -> Context:
@@ -494,6 +499,22 @@ class Engine:
             driver, grant = self._current(site, answer.task.task_id)
             _bind(grant, answer.task, _SECAGG_KIND[answer.body])
             return driver.answered(site, grant, answer)
+
+    def split_session(self, site: str, task: Binding, batches: int, cut: Callable[[BaseException], None]) -> Session:
+        """A site opens the Split session of its split task (bound to job, epoch and nonce): the session its
+        messages go through, without the engine lock."""
+        with self._cv:
+            self._presence.touch(site)
+            driver, grant = self._current(site, task.task_id)
+            check_binding(grant, task.job_id, task.round, task.nonce, None)
+            if not isinstance(driver, SplitRounds):
+                raise FailedPrecondition(f"job {grant.job_id} is not a split-learning job; its tasks take no Split "
+                                         "session")
+            return driver.session(site, grant, batches, cut, self._cv)
+
+    def split_ended(self, site: str) -> None:
+        with self._cv:
+            self._presence.touch(site)
 
     def report(self, site: str, result: TaskResult) -> str:
         """A task's result without an update: evaluated, declined or failed."""

@@ -21,7 +21,8 @@ from plexus.wire import Layout
 
 _KINDS = {TaskKind.TRAIN: fpb.TASK_TRAIN, TaskKind.EVALUATE: fpb.TASK_EVALUATE,
           TaskKind.SECAGG_ADVERTISE: fpb.TASK_SECAGG_ADVERTISE, TaskKind.SECAGG_SHARE: fpb.TASK_SECAGG_SHARE,
-          TaskKind.SECAGG_MASK: fpb.TASK_SECAGG_MASKED_INPUT, TaskKind.SECAGG_UNMASK: fpb.TASK_SECAGG_UNMASK}
+          TaskKind.SECAGG_MASK: fpb.TASK_SECAGG_MASKED_INPUT, TaskKind.SECAGG_UNMASK: fpb.TASK_SECAGG_UNMASK,
+          TaskKind.SPLIT_TRAIN: fpb.TASK_SPLIT_TRAIN, TaskKind.SPLIT_EVALUATE: fpb.TASK_SPLIT_EVALUATE}
 MAX_SHARE_VALUE_BYTES = 80   # a share value mod 2**521 - 1 fits in 66 bytes
 MAX_JOIN_NAMES = 256         # models, datasets (and their row counts) one site may advertise
 MAX_JOIN_NAME_CHARS = 64     # a model or dataset name, and the agent version
@@ -76,8 +77,8 @@ class Inbound:
     message, not two), and a stream not being read holds one message beyond its flow-control window. The
     helper ends with the call, which ends as soon as the method returns."""
 
-    def __init__(self, messages, *, idle_s: float, what: str):
-        self._messages, self.idle_s, self.what = messages, idle_s, what
+    def __init__(self, messages, *, idle_s: float, what: str, setting: str = "the coordinator's stream_idle_timeout_s"):
+        self._messages, self.idle_s, self.what, self.setting = messages, idle_s, what, setting
         self._cv = threading.Condition()
         self._closed = False
         self._item: tuple | None = None    # (message, None), (None, None) at the end, or (None, the error)
@@ -94,9 +95,9 @@ class Inbound:
             end = time.monotonic() + self.idle_s
             while self._item is None and self._cut is None:
                 if (remaining := end - time.monotonic()) <= 0:
-                    raise TimedOut(f"the next message of {self.what} did not arrive within {self.idle_s:g} s (the "
-                                   "coordinator's stream_idle_timeout_s), so the stream was dropped; a sender "
-                                   "this slow needs a faster link or a less loaded machine")
+                    raise TimedOut(f"the next message of {self.what} did not arrive within {self.idle_s:g} s "
+                                   f"({self.setting}), so the stream was dropped; a sender this slow needs a "
+                                   "faster link or a less loaded machine")
                 self._cv.wait(remaining)
             if self._cut is not None:
                 raise self._cut
@@ -181,6 +182,34 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         finally:
             inbound.close()
         return fpb.SubmitReply(accepted=True, message=message)
+
+    @guarded(kind="site")
+    def Split(self, request_iterator, context, *, who):
+        """A split task's session: SplitOpen first, then batches (and u-shaped gradients) in lock-step, each
+        answered before the next is read, each within split.batch_timeout_s; SplitDone last."""
+        inbound = Inbound(request_iterator, idle_s=self.idle_s, what="the Split session")
+        session = None
+        try:
+            first = inbound.next()
+            if first is None or first.WhichOneof("body") != "open":
+                raise IntegrityError("a Split session must start with SplitOpen")
+            session = self.engine.split_session(who.name, _binding(first.open), first.open.batches, inbound.cut)
+            inbound.idle_s, inbound.setting = session.timeout_s, "the job's split.batch_timeout_s"
+            yield fpb.SplitReply(message=f"session open for {first.open.batches} batch(es)")
+            for message in inbound:
+                yield session.take(message)
+                if session.finished:
+                    break
+            if not session.finished:
+                raise IntegrityError("the Split session ended before its SplitDone")
+        except BaseException as exc:
+            if session is not None:
+                session.ended(exc if isinstance(exc, Exception) else None)
+            raise
+        finally:
+            inbound.close()
+            if session is not None:
+                self.engine.split_ended(who.name)
 
     @guarded(kind=("site", "relay"))
     def SecAgg(self, request, context, *, who):

@@ -15,7 +15,8 @@ Operations (plexus.split's ServerStep, one batch at a time):
   `drop` forgets a forward whose gradient will not come;
 - `evaluate` (activations, labels) -> the summed loss and the correct count (vanilla); `infer` (activations,) ->
   (the middle's output,) (u-shaped); neither steps the optimizer;
-- `state` -> the server part's tensors, by the model's names (for checkpoints); `load_state` puts them back.
+- `state` -> the server part's tensors, by the model's names (for checkpoints); `load_state` puts them back;
+  `optimizer` -> SGD's momentum buffers ("momentum/<name>"); `load_optimizer` puts them back.
 
 Every reply also says how long the worker computed (`compute_s`), so the hop's own cost is measured apart.
 
@@ -258,6 +259,11 @@ class _Server:
                 "out_shape": list(self.out_shape) if self.out_shape is not None else None,
                 "classes": self.classes}, []
 
+    def _momentum(self) -> dict:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {f"momentum/{names[id(p)]}": s["momentum_buffer"] for p, s in self.step.optimizer.state.items()
+                if s.get("momentum_buffer") is not None}
+
     def _in(self, array: np.ndarray):
         import torch
 
@@ -311,6 +317,18 @@ class _Server:
         if op == "state":
             state = self.model.state_dict()
             return {"names": self.server_names}, [state[n].detach().cpu().numpy() for n in self.server_names]
+        if op == "optimizer":   # SGD's momentum buffers, by parameter name (for checkpoints)
+            buffers = self._momentum()
+            return {"names": sorted(buffers)}, [buffers[n].detach().cpu().numpy() for n in sorted(buffers)]
+        if op == "load_optimizer":
+            params = dict(self.model.named_parameters())
+            state = self.step.optimizer.state
+            for name, array in zip(header["names"], tensors):
+                param = params.get(name.removeprefix("momentum/"))
+                if not name.startswith("momentum/") or param is None or tuple(array.shape) != tuple(param.shape):
+                    raise IntegrityError(f"{name!r} {array.shape} is no momentum buffer of the server part")
+                state[param]["momentum_buffer"] = torch.from_numpy(array.copy()).to(self.device)
+            return {}, []
         if op == "load_state":
             state = self.model.state_dict()
             names = list(header["names"])
@@ -356,7 +374,9 @@ def main() -> int:
             reply, out = server.handle(header, tensors)
         except IntegrityError as exc:
             reply, out = {"error": str(exc), "kind": "integrity"}, []
-        except (ConfigError, ValueError, KeyError, TypeError) as exc:
+        except ConfigError as exc:
+            reply, out = {"error": str(exc)}, []
+        except (ValueError, KeyError, TypeError) as exc:
             reply, out = {"error": f"{type(exc).__name__}: {exc}"}, []
         reply["compute_s"] = time.perf_counter() - started
         shm = segments.current if header.get("shm") else None

@@ -376,6 +376,14 @@ SPLIT_VARIANTS = ("vanilla", "u-shaped")
 SPLIT_SCHEDULES = ("sequential", "splitfed")
 
 
+def _split_variants() -> dict:
+    def check(value: tuple[str, ...]) -> str | None:
+        bad = [v for v in value if v not in SPLIT_VARIANTS]
+        return f"{bad[0]!r} is not a split variant; list any of {', '.join(SPLIT_VARIANTS)}" if bad else None
+
+    return {"check": check}
+
+
 def _split_cuts() -> dict:
     def check(value: tuple[str, ...]) -> str | None:
         if not 1 <= len(value) <= 2 or any(not isinstance(c, str) or not c for c in value):
@@ -570,6 +578,9 @@ class PolicySpec:
     # Statistics jobs: decline to contribute any cell (a group, histogram bin or category) counting 1..k-1 of this
     # site's rows, naming the cells. None: every cell is sent.
     min_cell_count: int | None = field(default=None, metadata=in_range(1, 1_000_000))
+    # Split learning: the variants this site takes part in. A vanilla split sends the labels with the cut
+    # activations; a site whose labels must stay lists only u-shaped.
+    split_variants: tuple[str, ...] = field(default=SPLIT_VARIANTS, metadata=_split_variants())
 
 
 SITE_NAME = r"[a-z0-9][a-z0-9_-]{0,62}"
@@ -1009,8 +1020,8 @@ def _sites_problem(spec: SitesSpec) -> tuple[str, str] | None:
 
 
 def _round_problem(cfg: RoundConfig) -> tuple[str, str] | None:
-    problem = (_split_problem(cfg) or _statistics_job_problem(cfg) or _exact_problem(cfg) or _target_problem(cfg) or _async_problem(cfg)
-               or _compression_problem(cfg))
+    problem = (_split_problem(cfg) or _statistics_job_problem(cfg) or _exact_problem(cfg) or _target_problem(cfg)
+               or _async_problem(cfg) or _compression_problem(cfg))
     if problem:
         return problem
     if cfg.train.steps is not None and cfg.privacy.dp_sgd is not None:

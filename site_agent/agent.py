@@ -55,6 +55,7 @@ from site_agent.local import (
 )
 from site_agent.policy import policy_digest, refusal
 from site_agent.secure import Pending, check_sums_fit, masked_input_messages, secagg_phase
+from site_agent.split import SiteSplit, Stream as SplitStream, evaluate_session, train_session
 from site_agent.state import JobState, ServedChain, job_id_refusal
 from site_agent.team import Team, spreads
 from site_agent.training import TrainResult, evaluate, train_local_dp_sgd
@@ -80,8 +81,11 @@ class SiteAgent:
     through and the row counts `advertised_rows` sends at Join. Every task ends with an update, a
     secure-aggregation message or a `report` (declined, failed, evaluated).
     Subclasses may override `handle`, `local_update`, `evaluate`, `to_report`, `load_data` and
-    `advertised_rows` (the benchmarks and the adversarial tests do).
+    `advertised_rows` (the benchmarks and the adversarial tests do), and `split_stream`, the class of a split
+    task's Split stream.
     """
+
+    split_stream = SplitStream
 
     def __init__(self, config: SiteConfig, *, stop: threading.Event | None = None,
                  backoff_cap_s: float = BACKOFF_CAP_S, refused_retry_s: float = REFUSED_RETRY_S,
@@ -174,7 +178,7 @@ class SiteAgent:
         state = JobState(self.config.state_dir, task.job_id)
         # An asynchronous secure job trains on its TRAIN task; its cohort's advert masks the update kept then.
         cohorts = in_cohorts(job)
-        trains = task.kind == fpb.TASK_TRAIN if cohorts else task.kind in TRAINING_KINDS
+        trains = task.kind == fpb.TASK_TRAIN if cohorts else task.kind in TRAINING_KINDS + (fpb.TASK_SPLIT_TRAIN,)
         try:
             reason = self._refusal(job, state, trains)
             if not reason:
@@ -187,6 +191,8 @@ class SiteAgent:
             return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         if reason:
             return self._decline(stub, task, reason)
+        if task.kind in (fpb.TASK_SPLIT_TRAIN, fpb.TASK_SPLIT_EVALUATE):
+            return self._split(stub, task, job, state)
         try:
             if task.kind in SECAGG_LATER_PHASES or (cohorts and task.kind == fpb.TASK_SECAGG_ADVERTISE):
                 return self._secagg_phase(stub, task, job)
@@ -251,6 +257,41 @@ class SiteAgent:
             local.commit()   # e.g. SCAFFOLD's control variate: kept only once the coordinator took the update
             if coded is not None and upload.residual is not None:
                 self._keep_residual(state, task, upload.residual)
+
+    def _split(self, stub, task, job: RoundConfig, state: JobState) -> None:
+        """A split-learning task: fetch this site's parts, then one Split session (site_agent/split.py)."""
+        training = task.kind == fpb.TASK_SPLIT_TRAIN
+        try:
+            site = SiteSplit(job)
+            data = self.job_data(job)
+            site.load(self._fetch(stub, task, site.layout, job))
+            if training:
+                state.count_round()
+            self.audit.ran(task.job_id, task.round, job.data.dataset, job.model.name,
+                           "split_train" if training else "split_evaluate")
+        except grpc.RpcError:
+            raise
+        except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:   # IntegrityError too
+            log.exception("task %s failed", task.task_id)
+            return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
+        stream = self.split_stream(stub)
+        try:
+            metrics = (train_session if training else evaluate_session)(stream, site, data, task)
+        except grpc.RpcError as exc:
+            if exc.code() in _RETRY:
+                raise
+            log.warning("job %s epoch %d: the Split session was refused: %s", task.job_id, task.round, exc.details())
+            return None
+        except (ValueError, RuntimeError, LookupError) as exc:   # a malformed reply (IntegrityError) among them
+            log.exception("task %s failed", task.task_id)
+            self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
+            return None
+        finally:
+            stream.close()
+        log.info("job %s epoch %d: split %s done (%s; %d bytes up, %d down)", task.job_id, task.round,
+                 "training" if training else "evaluation",
+                 ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())), stream.bytes_up, stream.bytes_down)
+        return None
 
     @staticmethod
     def _code(codec, job: RoundConfig, task, model, incoming: dict, clipped: dict | None, residual: dict | None,

@@ -52,6 +52,9 @@ def refusal(policy: PolicySpec, job: RoundConfig, installed_models: set[str], *,
     if policy.max_rounds is not None and round_ is not None and round_ > policy.max_rounds:
         return (f"this would be round {round_} this site trains for the job; its policy.max_rounds allows at most "
                 f"{policy.max_rounds}")
+    if job.mode == "split" and job.split.variant not in policy.split_variants:
+        return (f"the job is a {job.split.variant} split, which sends this site's labels with its cut activations; "
+                f"this site's policy.split_variants allows {', '.join(policy.split_variants) or 'none'}")
     if policy.require_secure_aggregation and not job.privacy.secure_aggregation:
         return "this site's policy requires secure aggregation (privacy.secure_aggregation: true)"
     if job.privacy.secure_aggregation and job.sites.min < policy.min_secure_cohort:

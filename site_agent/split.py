@@ -1,0 +1,172 @@
+"""The site's half of split learning: one Split session per task (plexus.split_wire says what travels).
+
+A training task fetches the site's parts (the bottom, and u-shaped the head) as the coordinator holds them, trains
+them over one epoch of this site's rows in seeded batches, the server part answering each batch, and sends the
+parts back at the session's end. An evaluation task runs the joined model over the held-out rows. Raw rows never
+leave the site; labels leave only in a vanilla split, which the site's policy.split_variants may refuse. Every
+reply from the coordinator is checked (dtype, shape, finite) before it touches the model.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from plexus.config import RoundConfig
+from plexus.datasets import Split
+from plexus.errors import IntegrityError
+from plexus.models import build_job_model, load_numpy_state
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
+from plexus.split import SiteOptions, SiteStep, SplitParts, cut_shapes, part_names, split
+from plexus.split_wire import array_of, tensor_message
+from plexus.wire import Layout
+
+EVAL_ROWS = 256   # rows per evaluation batch (the coordinator takes at most 256)
+
+
+class Stream:
+    """A Split call in lock-step: `ask` sends one message and returns the coordinator's reply to it. The call has
+    no deadline of its own (an epoch takes as long as it takes): the coordinator bounds every message by
+    split.batch_timeout_s, and the call ends when either side goes away."""
+
+    def __init__(self, stub):
+        self._out: queue.Queue = queue.Queue()
+        self._replies = stub.Split(iter(self._out.get, None))
+        self.bytes_up = self.bytes_down = 0
+
+    def ask(self, message: fpb.SplitMessage) -> fpb.SplitReply:
+        self.bytes_up += message.ByteSize()
+        self._out.put(message)
+        reply = next(self._replies)
+        self.bytes_down += reply.ByteSize()
+        return reply
+
+    def close(self) -> None:
+        self._out.put(None)
+        self._replies.cancel()
+
+
+class SiteSplit:
+    """The job's model cut as the job says, the site's parts loaded from what the coordinator served."""
+
+    def __init__(self, job: RoundConfig):
+        self.job, spec = job, job.split
+        self.model = build_job_model(job)
+        self.parts: SplitParts = split(self.model, spec.variant, list(spec.cuts))
+        self.site_names, _ = part_names(self.model, self.parts)
+        self.row_shape, self.out_shape = cut_shapes(self.model, self.parts)
+        state = self.model.state_dict()
+        self.layout = Layout.of({n: state[n].detach().numpy() for n in self.site_names})
+
+    def load(self, served: dict[str, np.ndarray]) -> None:
+        state = self.model.state_dict()
+        full = {n: t.detach().numpy() for n, t in state.items()}
+        full.update({n: served[n] for n in self.site_names})
+        load_numpy_state(self.model, full)
+
+    def weights(self) -> list[fpb.TensorData]:
+        state = self.model.state_dict()
+        return [tensor_message(state[n].detach().numpy(), n) for n in self.site_names]
+
+
+def train_session(stream: Stream, site: SiteSplit, data: Split, task) -> dict[str, float]:
+    """One epoch of this site's rows through the server; the parts go back at the end. Returns the train metrics."""
+    job, parts = site.job, site.parts
+    opt = job.train.optimizer
+    params = [p for m in parts.site_modules for p in m.parameters()]
+    generator = torch.Generator().manual_seed(task.seed)
+    step = SiteStep(parts, torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay),
+                    SiteOptions(job.split.nopeek, job.split.noise_std), generator=generator)
+    x, y = _tensors(data.x_train, data.y_train)
+    order = torch.randperm(len(x), generator=generator)
+    batches = [order[k:k + job.train.batch_size] for k in range(0, len(x), job.train.batch_size)]
+    _open(stream, task, len(batches))
+    vanilla = parts.head is None
+    compute, losses = 0.0, []
+    for seq, rows in enumerate(batches):
+        started = time.perf_counter()
+        a = step.forward(x[rows])
+        compute += time.perf_counter() - started
+        sent = fpb.SplitBatch(seq=seq, activations=tensor_message(a.numpy()))
+        if vanilla:
+            sent.labels.CopyFrom(tensor_message(y[rows].numpy()))
+        reply = _reply(stream.ask(fpb.SplitMessage(batch=sent)), seq)
+        if vanilla:
+            grad, loss = _tensor(reply, "the gradient at the cut", tuple(a.shape)), reply.loss
+        else:
+            out = _tensor(reply, "the server part's output", (len(rows), *site.out_shape))
+            started = time.perf_counter()
+            grad_out, loss = step.loss(out, y[rows])
+            compute += time.perf_counter() - started
+            reply = _reply(stream.ask(fpb.SplitMessage(grad=fpb.SplitGrad(seq=seq, grad=tensor_message(
+                grad_out.numpy())))), seq)
+            grad = _tensor(reply, "the gradient at the cut", tuple(a.shape))
+        started = time.perf_counter()
+        step.backward(grad)
+        compute += time.perf_counter() - started
+        losses.append(float(loss) * len(rows))
+    metrics = {"train_loss": sum(losses) / max(1, len(x)), "site_compute_s": compute, "batches": float(len(batches))}
+    stream.ask(fpb.SplitMessage(done=fpb.SplitDone(num_samples=len(x), metrics=metrics, weights=site.weights())))
+    return metrics
+
+
+def evaluate_session(stream: Stream, site: SiteSplit, data: Split, task) -> dict[str, float]:
+    """The joined model on the held-out rows: the site's parts here, the server's part there."""
+    parts, spec = site.parts, site.job.split
+    x, y = _tensors(data.x_test, data.y_test)
+    if len(x) == 0:
+        raise ValueError("no held-out rows to evaluate the joined model on")
+    starts = list(range(0, len(x), EVAL_ROWS))
+    _open(stream, task, len(starts))
+    generator = torch.Generator().manual_seed(task.seed)
+    loss_sum, correct = 0.0, 0
+    for module in parts.site_modules:
+        module.eval()
+    with torch.no_grad():
+        for seq, k in enumerate(starts):
+            xb, yb = x[k:k + EVAL_ROWS], y[k:k + EVAL_ROWS]
+            a = parts.bottom(xb)
+            if spec.noise_std:   # activations that leave the site are noised in evaluation too
+                a = a + spec.noise_std * torch.randn(a.shape, generator=generator, dtype=a.dtype)
+            sent = fpb.SplitBatch(seq=seq, activations=tensor_message(a.numpy()))
+            if parts.head is None:
+                sent.labels.CopyFrom(tensor_message(yb.numpy()))
+                reply = _reply(stream.ask(fpb.SplitMessage(batch=sent)), seq)
+                loss_sum += reply.loss
+                correct += reply.correct
+                continue
+            out = _tensor(_reply(stream.ask(fpb.SplitMessage(batch=sent)), seq), "the server part's output",
+                          (len(xb), *site.out_shape))
+            logits = parts.head(out)
+            loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+            correct += int((logits.argmax(1) == yb).sum())
+    metrics = {"loss": loss_sum / len(x), "accuracy": correct / len(x), "num_samples": float(len(x))}
+    stream.ask(fpb.SplitMessage(done=fpb.SplitDone(num_samples=len(x), metrics=metrics)))
+    return metrics
+
+
+def _open(stream: Stream, task, batches: int) -> None:
+    stream.ask(fpb.SplitMessage(open=fpb.SplitOpen(task_id=task.task_id, job_id=task.job_id, round=task.round,
+                                                   nonce=task.nonce, batches=batches)))
+
+
+def _reply(reply: fpb.SplitReply, seq: int) -> fpb.SplitReply:
+    if reply.seq != seq:
+        raise IntegrityError(f"the coordinator answered batch {reply.seq}; this site sent batch {seq}")
+    return reply
+
+
+def _tensor(reply: fpb.SplitReply, what: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A reply's tensor, refused unless float32 of exactly `shape` and finite."""
+    if not reply.HasField("tensor"):
+        raise IntegrityError(f"the coordinator's reply to batch {reply.seq} carries no tensor ({what})")
+    return torch.from_numpy(array_of(reply.tensor, dtype="F32", what=f"{what} for batch {reply.seq}",
+                                     shape=shape).copy())
+
+
+def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.as_tensor(np.asarray(x, dtype=np.float32)), torch.as_tensor(np.asarray(y, dtype=np.int64))

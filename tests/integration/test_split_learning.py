@@ -1,0 +1,328 @@
+"""Split learning over mTLS on loopback: sites train the parts of one model cut in two (vanilla) or three (u-shaped)
+against the server part in the coordinator's compute worker, in turn (sequential) or side by side (SplitFed).
+
+The federated job ends with the model an in-process reference of the same schedule gives; a malformed message is
+refused; a site that drops mid-epoch is recorded and the epoch goes on; labels never reach the coordinator in a
+u-shaped split; the joined model shows in `job show` and comes whole from `job download`."""
+
+from __future__ import annotations
+
+import copy
+import signal
+import sqlite3
+import threading
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from coordinator.drivers import split as split_driver
+from coordinator.tasks import site_seed
+from plexus import pki
+from plexus.admin_client import AdminClient
+from plexus.cli import main as cli
+from plexus.config import DatasetSpec, parse_round_config
+from plexus.datasets import load_for_job
+from plexus.models import build_job_model, state_to_numpy
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
+from plexus.split import ServerStep, SiteStep, split, train_batch
+from plexus.split_wire import tensor_message
+from site_agent import split as site_split
+from site_agent.agent import SiteAgent
+
+from integration.harness import HOSPITAL_OF, Federation, free_port, scaled, wait_until
+
+SITES = ("a", "b", "c")
+CUTS = {"vanilla": "[hidden1]", "u-shaped": "[hidden1, hidden2]"}
+
+
+def split_job(variant: str, schedule: str, *, rounds: int = 2, min_sites: int = 3, seed: int = 5, name: str = "sl",
+              timeout: float = 30.0) -> str:
+    return f"""\
+name: {name}
+model: {{name: mlp, args: {{in_features: 13, hidden: [32, 16], num_classes: 2}}}}
+data: {{dataset: heart-disease}}
+rounds: {rounds}
+mode: split
+split: {{variant: {variant}, cuts: {CUTS[variant]}, schedule: {schedule}, batch_timeout_s: {timeout}}}
+sites: {{min: {min_sites}, deadline_s: {scaled(60)}}}
+train: {{batch_size: 32, optimizer: {{name: sgd, lr: 0.1, momentum: 0.5}}}}
+seed: {seed}
+"""
+
+
+def reference(job: str, sites: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The same schedule in process: each site's seeded batches (site_seed of the job seed, epoch and site) through
+    plexus.split's steps; sequential hands the site-side weights on in name order, SplitFed takes batch t of every
+    site in name order before batch t+1 and averages the site-side copies by rows (float64) each epoch."""
+    cfg = parse_round_config(job)
+    spec, opt = cfg.split, cfg.train.optimizer
+    data = {s: load_for_job(DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[s]), cfg.data) for s in sites}
+    model = build_job_model(cfg)
+    parts = split(model, spec.variant, list(spec.cuts))
+    server = ServerStep(parts, torch.optim.SGD(parts.middle.parameters(), lr=opt.lr, momentum=opt.momentum))
+
+    def site_step(p, epoch, site):
+        generator = torch.Generator().manual_seed(site_seed(cfg.seed, epoch, site))
+        params = [q for m in p.site_modules for q in m.parameters()]
+        step = SiteStep(p, torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum), generator=generator)
+        x = torch.as_tensor(data[site].x_train, dtype=torch.float32)
+        y = torch.as_tensor(data[site].y_train, dtype=torch.int64)
+        order = torch.randperm(len(x), generator=generator)
+        return step, [(x[r], y[r]) for r in (order[k:k + 32] for k in range(0, len(x), 32))]
+
+    for epoch in range(1, cfg.rounds + 1):
+        if spec.schedule == "sequential":
+            for site in sorted(sites):
+                step, batches = site_step(parts, epoch, site)
+                for x, y in batches:
+                    train_batch(step, server, x, y)
+            continue
+        copies, plans = {}, {}
+        for site in sorted(sites):
+            mine = copy.deepcopy(model)
+            p = split(mine, spec.variant, list(spec.cuts))
+            p.middle = parts.middle
+            copies[site] = mine
+            plans[site] = site_step(p, epoch, site)
+        for t in range(max(len(b) for _, b in plans.values())):
+            for site in sorted(sites):
+                step, batches = plans[site]
+                if t < len(batches):
+                    train_batch(step, server, *batches[t])
+        rows = {s: len(data[s].y_train) for s in sites}
+        total = sum(rows.values())
+        states = {s: state_to_numpy(c) for s, c in copies.items()}
+        merged = state_to_numpy(model)
+        for name in merged:
+            if not any(name.startswith(f"layers.{i}.") for i in _server_layers(spec.variant)):
+                acc = np.zeros(merged[name].shape, np.float64)
+                for s in sorted(sites):
+                    acc += rows[s] / total * states[s][name].astype(np.float64)
+                merged[name] = acc.astype(np.float32)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in merged.items()})
+    return state_to_numpy(model)
+
+
+def _server_layers(variant: str) -> tuple[int, ...]:
+    # mlp 13-32-16-2 as layers 0 (Linear) 1 (ReLU) 2 (Linear) 3 (ReLU) 4 (Linear); hidden1 cuts after 1, hidden2 after 3
+    return (2, 4) if variant == "vanilla" else (2,)
+
+
+def run_job(fed: Federation, job: str, timeout: float = 120) -> str:
+    job_id = fed.admin().submit(job).job_id
+    status = fed.wait_job(job_id, scaled(timeout))
+    assert status == "completed", fed.store.job(job_id).message
+    return job_id
+
+
+@pytest.fixture
+def three_sites(federation):
+    for name in SITES:
+        federation.start_site(name)
+    federation.wait_online(*SITES)
+    return federation
+
+
+@pytest.mark.parametrize("variant,schedule", [("u-shaped", "sequential"), ("vanilla", "splitfed"),
+                                              ("u-shaped", "splitfed")])
+def test_a_split_job_ends_with_the_in_process_schedule_s_model(three_sites, variant, schedule):
+    """Sequential hands the site-side weights on site by site; SplitFed averages the sites' copies by rows."""
+    job = split_job(variant, schedule)
+    job_id = run_job(three_sites, job)
+    store = three_sites.store
+    final = store.load_checkpoint(job_id, 2)
+    expected = reference(job, SITES)
+    assert sorted(final) == sorted(expected)   # the whole model: the sites' parts and the server's
+    for name in expected:
+        np.testing.assert_allclose(final[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    rounds = store.rounds(job_id)
+    assert [r.status for r in rounds] == ["closed", "closed"]
+    events = {(e.round, e.site): e.status for e in store.site_events(job_id)}
+    assert all(events[(r, s)] in ("submitted", "evaluated") for r in (1, 2) for s in SITES)
+    evaluated = {(m.round, m.site) for m in store.metrics(job_id) if m.kind == "eval" and m.name == "accuracy"}
+    assert evaluated == {(r, s) for r in (1, 2) for s in SITES}   # every site evaluates the joined model each epoch
+
+
+def test_job_show_download_and_a_seeded_rerun(three_sites, tmp_path, capsys):
+    job = split_job("u-shaped", "splitfed", seed=11)
+    first, second = run_job(three_sites, job), run_job(three_sites, job)
+    a, b = three_sites.store.load_checkpoint(first, 2), three_sites.store.load_checkpoint(second, 2)
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a)   # the server's turns are fixed: bit for bit
+
+    out = tmp_path / "model.safetensors"
+    assert cli(["job", "download", first, "-o", str(out), *three_sites.cli_args()]) == 0
+    downloaded = load_file(str(out))
+    assert sorted(downloaded) == sorted(a) and all(downloaded[k].tobytes() == a[k].tobytes() for k in a)
+    capsys.readouterr()
+    assert cli(["job", "show", first, *three_sites.cli_args()]) == 0
+    shown = capsys.readouterr().out
+    assert "accuracy" in shown and "completed" in shown
+    wire = {m.name for m in three_sites.store.metrics(first) if m.kind == "wire"}
+    assert wire == {"train_bytes_up", "train_bytes_down", "eval_bytes_up", "eval_bytes_down"}
+
+
+def test_labels_never_reach_the_coordinator_in_a_u_shaped_split(three_sites, monkeypatch):
+    seen: list[tuple[str, fpb.SplitMessage]] = []
+    take = split_driver.Session.take
+
+    def recording(self, message):
+        seen.append((self.driver.cfg.split.variant, fpb.SplitMessage.FromString(message.SerializeToString())))
+        return take(self, message)
+
+    monkeypatch.setattr(split_driver.Session, "take", recording)
+    run_job(three_sites, split_job("u-shaped", "splitfed", rounds=1))
+    run_job(three_sites, split_job("vanilla", "splitfed", rounds=1))
+    batches = {v: [m.batch for k, m in seen if k == v and m.WhichOneof("body") == "batch"] for v in CUTS}
+    assert batches["u-shaped"] and batches["vanilla"]
+    assert not any(b.HasField("labels") for b in batches["u-shaped"])
+    assert all(list(b.activations.shape)[1:] == [32] for b in batches["u-shaped"])   # the cut, never the 13 inputs
+    grads = [m.grad for k, m in seen if k == "u-shaped" and m.WhichOneof("body") == "grad"]
+    assert grads and all(list(g.grad.shape)[1:] == [16] for g in grads)   # the loss's gradient at hidden2 only
+    assert all(b.HasField("labels") for b in batches["vanilla"])   # the control: vanilla sends them
+
+
+class DropsMidEpoch(SiteAgent):
+    """A site whose epoch-1 training session ends at its third batch: `how` "vanish" closes the stream; "stall"
+    goes silent past split.batch_timeout_s after the server's forward (the server holding its turn meanwhile).
+    Gone, it reports nothing."""
+
+    how = "vanish"
+
+    def report(self, stub, task, status, reason="", eval_metrics=None):
+        if task.kind == fpb.TASK_SPLIT_TRAIN and task.round == 1:
+            return None
+        return super().report(stub, task, status, reason, eval_metrics)
+
+    def split_stream(self, stub):
+        stream, how = site_split.Stream(stub), self.how
+        ask = stream.ask
+
+        def failing(message):
+            body = message.WhichOneof("body")
+            if body == "open":
+                stream.epoch = message.open.round
+            if body == "batch" and message.batch.seq == 2 and stream.epoch == 1:   # evaluation: one batch
+                if how == "stall":
+                    ask(message)   # the forward: the server now holds its turn for this batch
+                    threading.Event().wait(scaled(4))
+                raise RuntimeError(f"the site {how}ed (test)")
+            return ask(message)
+
+        stream.epoch = 0
+        stream.ask = failing
+        return stream
+
+
+@pytest.mark.parametrize("how", ["vanish", "stall"])
+def test_a_site_dropping_mid_epoch_is_recorded_and_the_epoch_goes_on(federation, how):
+    agent = type("Drops", (DropsMidEpoch,), {"how": how})
+    for name in SITES:
+        federation.start_site(name, agent_cls=agent if name == "b" else SiteAgent)
+    federation.wait_online(*SITES)
+    job_id = run_job(federation, split_job("u-shaped", "splitfed", timeout=2.0, min_sites=3))
+    events = federation.store.site_events(job_id)
+    outcomes = {(r, s): sorted(e.status for e in events if (e.round, e.site) == (r, s)) for r in (1, 2) for s in SITES}
+    (dropped,) = [e for e in events if (e.round, e.site, e.status) == (1, "b", "failed")]
+    if how == "vanish":
+        assert "the Split session ended after 2 batch(es)" in dropped.reason, dropped
+    else:   # silent after batch 2's forward, the server holding its turn: the others went on after the timeout
+        assert "ended after 3 batch(es)" in dropped.reason and "did not arrive within 2 s" in dropped.reason
+        assert "split.batch_timeout_s" in dropped.reason
+    assert outcomes[(1, "a")] == outcomes[(1, "c")] == ["evaluated", "submitted"]
+    assert outcomes[(1, "b")] == ["evaluated", "failed"]   # it still evaluates the epoch's joined model
+    assert outcomes[(2, "b")] == ["evaluated", "submitted"]   # and is back for the next epoch
+    round1 = next(r for r in federation.store.rounds(job_id) if r.round == 1)
+    assert sorted(__import__("json").loads(round1.contributors)) == ["a", "c"]
+
+
+def test_a_malformed_message_is_refused(federation):
+    """A raw site answers its split task with labels in a u-shaped split: refused, recorded, and with no other
+    site the epoch fails with that reason."""
+    site = federation.raw_site("d")
+    site.join({"heart-disease": 200})
+    job_id = federation.admin().submit(split_job("u-shaped", "splitfed", min_sites=1, rounds=1)).job_id
+    task = site.next_task()
+    assert task.kind == fpb.TASK_SPLIT_TRAIN
+    _, served = site.fetch(task)
+    assert sorted(served) == ["layers.0.bias", "layers.0.weight", "layers.4.bias", "layers.4.weight"]
+
+    def messages():
+        yield fpb.SplitMessage(open=fpb.SplitOpen(task_id=task.task_id, job_id=task.job_id, round=task.round,
+                                                  nonce=task.nonce, batches=1))
+        yield fpb.SplitMessage(batch=fpb.SplitBatch(seq=0, activations=tensor_message(np.ones((4, 32), np.float32)),
+                                                    labels=tensor_message(np.zeros(4, np.int64))))
+
+    with pytest.raises(Exception) as info:
+        list(site.stub.Split(messages(), timeout=scaled(20)))
+    assert "keeps the labels at the site" in info.value.details()
+    assert federation.wait_job(job_id, scaled(60)) == "failed"
+    (event,) = [e for e in federation.store.site_events(job_id) if e.site == "d"]
+    assert event.status == "rejected" and "labels" in event.reason
+    assert "no site completed" in federation.store.job(job_id).message
+
+
+def test_a_site_whose_policy_keeps_its_labels_declines_a_vanilla_split(federation):
+    federation.start_site("a", split_variants=("u-shaped",))
+    federation.start_site("b")
+    federation.wait_online("a", "b")
+    job_id = run_job(federation, split_job("vanilla", "sequential", min_sites=1, rounds=1))
+    assert "split_variants allows u-shaped" in federation.store.declines(job_id)["a"]
+
+
+def test_cuts_the_model_lacks_are_refused_at_submit(federation):
+    with pytest.raises(grpc.RpcError) as info:
+        federation.admin().submit(split_job("vanilla", "splitfed").replace("[hidden1]", "[hidden7]"))
+    assert info.value.details() == "split: cut(s) ['hidden7'] are not among this model's: hidden1, hidden2"
+
+
+def test_sigkill_mid_epoch_resumes_and_ends_bit_for_bit(tmp_path, procs):
+    root = tmp_path / "pki"
+    port = free_port()
+    pki.init_federation(root, "split-resume", hosts=["127.0.0.1"], port=port)
+    admin_kit = pki.add_admin(root, "ops", role="operator")
+    coord_cfg = root / "coordinator" / "coordinator.yaml"
+    coord_cfg.write_text(coord_cfg.read_text() + "poll_timeout_s: 1\n")
+    for name in ("a", "b"):
+        kit = pki.add_site(root, name)
+        (kit / "site.yaml").write_text(
+            f'site: "{name}"\ncoordinator: "127.0.0.1:{port}"\nkit: "."\n'
+            f"datasets:\n  heart-disease: {{kind: heart-disease, hospital: {HOSPITAL_OF[name]}}}\n"
+            "policy: {allowed_models: [mlp]}\n")
+    addr = root / "coordinator" / "state" / "coordinator.addr"
+    coordinator = procs.start("coordinator", "coordinator", "run", "--config", str(coord_cfg))
+    wait_until(addr.exists, 60, "the coordinator to listen")
+    for name in ("a", "b"):
+        procs.start(f"site-{name}", "site", "run", "--config", str(root / "sites" / name / "site.yaml"),
+                    "--threads", "1")
+    address, epochs = f"127.0.0.1:{port}", 8
+    job = split_job("u-shaped", "sequential", rounds=epochs, min_sites=2, seed=3)
+    with AdminClient(address, admin_kit) as client:
+        wait_until(lambda: {s.site for s in client.sites() if s.online} == {"a", "b"}, 60, "both sites online")
+        job_id = client.submit(job).job_id
+        wait_until(lambda: client.job(job_id).summary.current_round >= 2, scaled(90), "epoch 2 to close")
+    coordinator.send_signal(signal.SIGKILL)
+    coordinator.wait(timeout=10)
+    with sqlite3.connect(root / "coordinator" / "state" / "plexus.db") as db:
+        open_ = db.execute("SELECT round FROM rounds WHERE job_id = ? AND status = 'open'", (job_id,)).fetchall()
+    assert open_ and open_[0][0] < epochs, "no epoch was in progress at the kill; the test did not test resuming"
+    addr.unlink()
+    procs.start("coordinator-2", "coordinator", "run", "--config", str(coord_cfg))
+    wait_until(addr.exists, 60, "the restarted coordinator to listen")
+    with AdminClient(address, admin_kit) as client:
+        wait_until(lambda: client.job(job_id).summary.status in ("completed", "failed"), scaled(180), "the job")
+        detail = client.job(job_id)
+        assert detail.summary.status == "completed", detail.summary.message
+        assert detail.summary.current_round == epochs
+        assert "job_resumed" in [e.kind for e in client.watch(job_id)]
+        again = client.submit(job).job_id
+        wait_until(lambda: client.job(again).summary.status == "completed", scaled(180), "the reference job")
+        models = {}
+        for which in (job_id, again):
+            path = tmp_path / f"{which}.safetensors"
+            assert cli(["job", "download", which, "-o", str(path), "--kit", str(admin_kit),
+                        "--coordinator", address]) == 0
+            models[which] = {k: v.tobytes() for k, v in load_file(str(path)).items()}
+    assert models[job_id] == models[again]
