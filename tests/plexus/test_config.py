@@ -246,8 +246,8 @@ def test_dump_parse_round_trip_property(cfg):
     [
         # unknown keys, top level and nested, list the allowed keys
         (MINIMAL + "roundz: 4\n", "job.yaml:5: roundz: unknown key",
-         "allowed keys: asynchronous, compression, data, kind, model, name, privacy, rounds, seed, sites, statistics, "
-         "strategy, train"),
+         "allowed keys: asynchronous, compression, data, kind, mode, model, name, privacy, rounds, seed, sites, split, "
+         "statistics, strategy, train"),
         (MINIMAL + "train:\n  optimizer:\n    lr: 0.1\n    nesterov: true\n",
          "job.yaml:8: train.optimizer.nesterov: unknown key",
          "allowed keys: lr, momentum, name, weight_decay"),
@@ -323,7 +323,7 @@ def test_dump_parse_round_trip_property(cfg):
          "job.yaml:2: model.args: expected a mapping, got a list", ""),
         # document shape and syntax
         ("", "job.yaml:1: (top level): the document is empty",
-         "write a mapping with keys: asynchronous, compression, data, kind, model"),
+         "write a mapping with keys: asynchronous, compression, data, kind, mode, model"),
         ("# only a comment\n", "job.yaml:1: (top level): the document is empty", ""),
         ("- name: job\n", "job.yaml:1: (top level): expected a mapping, got a list", ""),
         ("name: job\nmodel: {name: mlp\n", "job.yaml:3: (yaml):", "fix the YAML syntax"),

@@ -69,7 +69,7 @@ def test_epsilon_accumulates_across_rounds_and_equals_the_policy_estimate(data):
     assert result.steps == 2 * 5 and result.num_samples == 100
     job = SimpleNamespace(model=SimpleNamespace(name="mlp"), data=SimpleNamespace(dataset="d"), rounds=3,
                           train=TRAIN, privacy=SimpleNamespace(secure_aggregation=False, dp=None, dp_sgd=DP_SGD),
-                          statistics=None)
+                          statistics=None, mode="federated")
     policy = SimpleNamespace(allowed_models=("mlp",), allowed_datasets=None, max_rounds=None,
                              require_secure_aggregation=False, min_dp_noise=None, max_epsilon=result.metrics["epsilon"])
     assert refusal(policy, job, {"mlp"}, train_size=100) is None
