@@ -301,10 +301,10 @@ class _Server:
             return {}, [out.cpu().numpy()]
         if op == "backward":
             grad = tensors[0]
-            if self.step._out is None:
+            expected = self.step.waiting
+            if expected is None:
                 raise IntegrityError("a gradient for a batch the server did not run forward; send its activations "
                                      "first", reason=Reason.LAYOUT)
-            expected = tuple(self.step._out.shape)
             if grad.dtype != np.float32 or grad.shape != expected:
                 raise IntegrityError(f"the gradient of the server part's output must be float32 {expected}; got "
                                      f"{grad.dtype} {grad.shape}", reason=Reason.LAYOUT)
@@ -312,7 +312,7 @@ class _Server:
                 raise IntegrityError("the gradient contains NaN or Inf; refusing it", reason=Reason.NON_FINITE)
             return {}, [self.step.backward(self._in(grad)).cpu().numpy()]
         if op == "drop":   # a u-shaped batch whose gradient will not come (its site dropped): forget its forward
-            self.step._a = self.step._out = None
+            self.step.forget()
             return {}, []
         if op == "state":
             state = self.model.state_dict()

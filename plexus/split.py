@@ -195,6 +195,15 @@ class ServerStep:
         self._out = self.parts.middle(self._a)
         return self._out.detach()
 
+    @property
+    def waiting(self) -> tuple[int, ...] | None:
+        """U-shaped: the shape of the output whose gradient `backward` awaits (None: no forward is pending)."""
+        return tuple(self._out.shape) if self._out is not None else None
+
+    def forget(self) -> None:
+        """Drop a pending forward whose gradient will not come (its site dropped)."""
+        self._a = self._out = None
+
     def backward(self, grad_out: torch.Tensor) -> torch.Tensor:
         if grad_out.shape != self._out.shape:
             raise ValueError(f"the gradient of the server's output has shape {tuple(grad_out.shape)}; the output "
