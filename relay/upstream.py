@@ -109,6 +109,9 @@ class Upstream:
             cfg = parse_round_config(task.config_yaml, source=f"job {task.job_id}")
         except ConfigError as exc:
             return self._report(stub, task, fpb.RESULT_FAILED, f"the relay cannot read the job's round config: {exc}")
+        if cfg.mode == "split":
+            return self._report(stub, task, fpb.RESULT_DECLINED, "a relay cannot run a split-learning job: each site's "
+                                "session talks to the server part itself; connect these sites directly for this job")
         if task.kind in _LATER_PHASES:
             return self._secure_phase(stub, task, cfg)
         if task.kind not in (fpb.TASK_TRAIN, fpb.TASK_EVALUATE, fpb.TASK_SECAGG_ADVERTISE):
