@@ -8,6 +8,7 @@ u-shaped split; the joined model shows in `job show` and comes whole from `job d
 from __future__ import annotations
 
 import copy
+import json
 import signal
 import sqlite3
 import threading
@@ -160,6 +161,12 @@ def test_job_show_download_and_a_seeded_rerun(three_sites, tmp_path, capsys):
     assert cli(["job", "show", first, *three_sites.cli_args()]) == 0
     shown = capsys.readouterr().out
     assert "accuracy" in shown and "completed" in shown
+    assert cli(["job", "metrics", first, "--format", "json", *three_sites.cli_args()]) == 0
+    text = str(json.loads(capsys.readouterr().out))
+    assert "site_compute_s" in text and "accuracy" in text and "hop_s_per_batch" in text
+    png = tmp_path / "plot.png"
+    assert cli(["job", "plot", first, "-o", str(png), *three_sites.cli_args()]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     wire = {m.name for m in three_sites.store.metrics(first) if m.kind == "wire"}
     assert wire == {"train_bytes_up", "train_bytes_down", "eval_bytes_up", "eval_bytes_down"}
 
@@ -235,7 +242,7 @@ def test_a_site_dropping_mid_epoch_is_recorded_and_the_epoch_goes_on(federation,
     assert outcomes[(1, "b")] == ["evaluated", "failed"]   # it still evaluates the epoch's joined model
     assert outcomes[(2, "b")] == ["evaluated", "submitted"]   # and is back for the next epoch
     round1 = next(r for r in federation.store.rounds(job_id) if r.round == 1)
-    assert sorted(__import__("json").loads(round1.contributors)) == ["a", "c"]
+    assert sorted(json.loads(round1.contributors)) == ["a", "c"]
 
 
 def test_a_malformed_message_is_refused(federation):
