@@ -298,6 +298,13 @@ class SplitRounds:
             raise FailedPrecondition(f"task {grant.task_id} has a Split session open already")
         if not 0 <= batches <= 1_000_000:
             raise IntegrityError(f"SplitOpen.batches {batches} is out of range", reason=Reason.LAYOUT)
+        if grant.kind == TaskKind.SPLIT_TRAIN:   # the plan its reported rows allow: at most ⌈rows / batch_size⌉
+            rows = self.ctx.presence.rows(self.cfg.data.dataset).get(site, 0)
+            most = -(-rows // self.cfg.train.batch_size)
+            if not 1 <= batches <= most:
+                raise IntegrityError(f"SplitOpen.batches {batches}: this site reported {rows} training rows at Join, "
+                                     f"which make 1 to {most} batches of train.batch_size "
+                                     f"{self.cfg.train.batch_size}", reason=Reason.NUM_SAMPLES)
         self._lock = lock
         session = Session(self, site, grant, batches, cut)
         ph.sessions[site] = session
