@@ -20,8 +20,8 @@ from plexus.split import ServerStep, split
 MLP = {"in_features": 13, "hidden": [32, 16]}
 
 
-@pytest.fixture(params=[True, False], ids=["shared-memory", "pipe"])
-def worker(request):
+@pytest.fixture(scope="module", params=[True, False], ids=["shared-memory", "pipe"])
+def worker(request):   # one process per transport; every test `load`s its own model into it
     w = SplitWorker(shared_memory=request.param)
     yield w
     w.close()
@@ -137,6 +137,30 @@ def test_a_gradient_of_the_wrong_shape_or_without_a_forward_is_refused(worker):
         worker.call("backward", [np.zeros((16, 15), np.float32)])
     _, (grad,) = worker.call("backward", [np.ones_like(out)])
     assert grad.shape == a.shape
+
+
+def test_the_server_optimizer_s_momentum_round_trips(worker):
+    def fresh():
+        worker.call("load", model="mlp", args=MLP, seed=3, variant="vanilla", cuts=["hidden1"], lr=0.1, momentum=0.9)
+
+    fresh()
+    worker.call("vanilla", list(batch(seed=0)))
+    header, buffers = worker.call("optimizer")
+    assert header["names"] == ["momentum/layers.2.bias", "momentum/layers.2.weight", "momentum/layers.4.bias",
+                               "momentum/layers.4.weight"]
+    names, state = worker.call("state")
+    worker.call("vanilla", list(batch(seed=1)))
+    _, expected = worker.call("state")   # after a step that used the momentum of the first
+    for momentum in (False, True):   # as after a restart: the checkpointed part (and its momentum) put back
+        fresh()
+        worker.call("load_state", state, names=names["names"])
+        if momentum:
+            worker.call("load_optimizer", buffers, names=header["names"])
+        worker.call("vanilla", list(batch(seed=1)))
+        _, again = worker.call("state")
+        assert all(np.array_equal(a, b) for a, b in zip(again, expected)) == momentum
+    with pytest.raises(IntegrityError, match="no momentum buffer"):
+        worker.call("load_optimizer", buffers[:1], names=["momentum/layers.0.weight"])
 
 
 def test_the_coordinator_side_never_imports_torch():
