@@ -25,7 +25,7 @@ import numpy as np
 
 from coordinator.drivers import Context, Driver
 from coordinator.drivers.async_ import AsyncRounds
-from coordinator.drivers.split import Session, SplitRounds, check_split
+from coordinator.drivers.split import Session, SplitRounds
 from coordinator.drivers.sync import SyncRounds, strategy_at
 from coordinator.events import admin_actor
 from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
@@ -89,13 +89,13 @@ def validate_job(cfg: RoundConfig, *, build: Path, models: ModelWorker | None = 
     """
     strategy = make_strategy(cfg)   # refuses unknown strategies, bad args and combinations that cannot work
     try:
+        split = {"variant": cfg.split.variant, "cuts": list(cfg.split.cuts)} if cfg.mode == "split" else None
         state = (models or shared_worker()).build(cfg.model.name, dict(cfg.model.args), seed=cfg.seed, out=build,
-                                                  members=ensemble_members(cfg), limits=limits)
+                                                  members=ensemble_members(cfg), split=split, limits=limits)
     except ConfigError as exc:
-        raise ConfigError(f"model: {exc}") from None
+        text = str(exc)
+        raise ConfigError(text if text.startswith("split: ") else f"model: {text}") from None
     state = strategy.rule.initial_model(state)
-    if cfg.mode == "split":
-        check_split(cfg)   # the cuts, in a compute worker: the coordinator never imports torch
     float_only = all(t.dtype in FLOAT_DTYPES for t in Layout.of(state).tensors)
     if cfg.privacy.secure_aggregation:   # make_strategy has refused strategies it cannot compute
         if not float_only:

@@ -72,12 +72,14 @@ class ModelWorker:
         proc = self._proc
         return None if proc is None else proc.pid
 
-    def build(self, name: str, args: dict, *, seed: int, out: Path, members: int = 0,
+    def build(self, name: str, args: dict, *, seed: int, out: Path, members: int = 0, split: dict | None = None,
               limits: ModelLimits = ModelLimits()) -> dict[str, np.ndarray]:
         """Initial weights of model `name` (an ensemble of `members` copies when ≥ 2) written to `out`
-        (safetensors) and returned; ConfigError if invalid, too slow to build or too large for the cap."""
-        self._call({"op": "build", "name": name, "args": args, "seed": seed, "out": str(out), "members": members},
-                   what=f"building model {name!r}", limits=limits)
+        (safetensors) and returned; ConfigError if invalid, too slow to build or too large for the cap. `split`
+        ({variant, cuts}: a split-learning job's) is checked on the built model: the cuts exist and lie in order,
+        and the model declares its input shape."""
+        self._call({"op": "build", "name": name, "args": args, "seed": seed, "out": str(out), "members": members,
+                    "split": split}, what=f"building model {name!r}", limits=limits)
         return load_file(str(out))
 
     def _call(self, message: dict, *, what: str, limits: ModelLimits) -> dict:
@@ -192,8 +194,16 @@ def _answer(request: dict) -> dict:
     out = Path(request["out"])
     tmp = out.with_suffix(".building")
     try:
-        state = state_to_numpy(build_model(request["name"], request["args"], seed=request["seed"],
-                                           members=request.get("members", 0)))
+        model = build_model(request["name"], request["args"], seed=request["seed"], members=request.get("members", 0))
+        if request.get("split"):
+            from plexus.errors import ConfigError
+            from plexus.split import cut_shapes, split
+
+            try:
+                cut_shapes(model, split(model, request["split"]["variant"], list(request["split"]["cuts"])))
+            except ConfigError as exc:
+                raise ConfigError(f"split: {exc}") from None
+        state = state_to_numpy(model)
         save_file(state, str(tmp))
         os.replace(tmp, out)
     finally:

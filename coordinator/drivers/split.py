@@ -514,19 +514,6 @@ class SplitRounds:
             worker.close()
 
 
-def check_split(cfg: RoundConfig) -> None:
-    """Refuse at submit time a split the model cannot make (unknown cuts, cuts out of order, no input_shape):
-    the compute worker builds the model and splits it."""
-    worker = SplitWorker()
-    try:
-        worker.call("load", model=cfg.model.name, args=dict(cfg.model.args), seed=cfg.seed, variant=cfg.split.variant,
-                    cuts=list(cfg.split.cuts), device="cpu")
-    except ConfigError as exc:
-        raise ConfigError(f"split: {exc}") from None
-    finally:
-        worker.close()
-
-
 def average_parts(trained: dict[str, tuple[int, dict[str, np.ndarray]]], names: list[str]) -> dict[str, np.ndarray]:
     """SplitFed's site-side model: the sites' parts averaged, weighted by the rows each trained on (float64, cast
     back to float32), summed in site-name order."""
