@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from coordinator.server import Coordinator
-from plexus import identity, transport
+from plexus import identity, pki, transport
 from plexus.admin_client import AdminClient
 from plexus.config import CoordinatorConfig, DatasetSpec, PolicySpec, SiteConfig, TrainingSpec
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
@@ -214,6 +214,25 @@ class DropsOut(SiteAgent):
             self.stop.set()
             return None
         return super().handle(stub, task)
+
+
+def cli_kits(root: Path, federation: str, sites: tuple[str, ...], *, allowed_models: tuple[str, ...]
+             ) -> tuple[int, Path, Path]:
+    """A federation for `plexus` processes: its CA, an operator kit, a coordinator.yaml (1 s polls) on a free port,
+    and each site's kit with a site.yaml mapping its hospital's heart-disease rows. (port, admin kit, coordinator
+    config)."""
+    port = free_port()
+    pki.init_federation(root, federation, hosts=["127.0.0.1"], port=port)
+    admin_kit = pki.add_admin(root, "ops", role="operator")
+    coord_cfg = root / "coordinator" / "coordinator.yaml"
+    coord_cfg.write_text(coord_cfg.read_text() + "poll_timeout_s: 1\n")
+    for name in sites:
+        kit = pki.add_site(root, name)
+        (kit / "site.yaml").write_text(
+            f'site: "{name}"\ncoordinator: "127.0.0.1:{port}"\nkit: "."\n'
+            f"datasets:\n  heart-disease: {{kind: heart-disease, hospital: {HOSPITAL_OF[name]}}}\n"
+            f"policy: {{allowed_models: [{', '.join(allowed_models)}]}}\n")
+    return port, admin_kit, coord_cfg
 
 
 def free_port() -> int:

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from plexus import pki
 from plexus.admin_client import AdminClient
 from plexus.cli import main as cli
 
-from integration.harness import HOSPITAL_OF, free_port, heart_job, wait_until
+from integration.harness import cli_kits, heart_job, wait_until
 
 # The strategy's own state (FedAdam's moments, CWT's shuffled schedule) must survive the kill too.
 STRATEGIES = {"fedavg": ("", 2), "fedadam": ("strategy: {name: fedadam, args: {eta: 0.05}}\n", 2),
@@ -22,17 +21,7 @@ STRATEGIES = {"fedavg": ("", 2), "fedadam": ("strategy: {name: fedadam, args: {e
 def test_sigkill_mid_job_resumes_from_last_closed_round(tmp_path, procs, strategy):
     extra, min_sites = STRATEGIES[strategy]
     root = tmp_path / "pki"
-    port = free_port()
-    pki.init_federation(root, "resume-test", hosts=["127.0.0.1"], port=port)
-    admin_kit = pki.add_admin(root, "ops", role="operator")
-    coord_cfg = root / "coordinator" / "coordinator.yaml"
-    coord_cfg.write_text(coord_cfg.read_text() + "poll_timeout_s: 1\n")
-    for name in ("a", "b"):
-        kit = pki.add_site(root, name)
-        (kit / "site.yaml").write_text(
-            f'site: "{name}"\ncoordinator: "127.0.0.1:{port}"\nkit: "."\n'
-            f"datasets:\n  heart-disease: {{kind: heart-disease, hospital: {HOSPITAL_OF[name]}}}\n"
-            "policy: {allowed_models: [logistic]}\n")
+    port, admin_kit, coord_cfg = cli_kits(root, "resume-test", ("a", "b"), allowed_models=("logistic",))
     state = root / "coordinator" / "state"
     addr = state / "coordinator.addr"
 

@@ -21,7 +21,6 @@ from safetensors.numpy import load_file
 
 from coordinator.drivers import split as split_driver
 from coordinator.tasks import site_seed
-from plexus import pki
 from plexus.admin_client import AdminClient
 from plexus.cli import main as cli
 from plexus.config import DatasetSpec, parse_round_config
@@ -33,7 +32,7 @@ from plexus.split_wire import tensor_message
 from site_agent import split as site_split
 from site_agent.agent import SiteAgent
 
-from integration.harness import HOSPITAL_OF, Federation, free_port, scaled, wait_until
+from integration.harness import HOSPITAL_OF, Federation, cli_kits, scaled, wait_until
 
 SITES = ("a", "b", "c")
 CUTS = {"vanilla": "[hidden1]", "u-shaped": "[hidden1, hidden2]"}
@@ -287,17 +286,7 @@ def test_cuts_the_model_lacks_are_refused_at_submit(federation):
 
 def test_sigkill_mid_epoch_resumes_and_ends_bit_for_bit(tmp_path, procs):
     root = tmp_path / "pki"
-    port = free_port()
-    pki.init_federation(root, "split-resume", hosts=["127.0.0.1"], port=port)
-    admin_kit = pki.add_admin(root, "ops", role="operator")
-    coord_cfg = root / "coordinator" / "coordinator.yaml"
-    coord_cfg.write_text(coord_cfg.read_text() + "poll_timeout_s: 1\n")
-    for name in ("a", "b"):
-        kit = pki.add_site(root, name)
-        (kit / "site.yaml").write_text(
-            f'site: "{name}"\ncoordinator: "127.0.0.1:{port}"\nkit: "."\n'
-            f"datasets:\n  heart-disease: {{kind: heart-disease, hospital: {HOSPITAL_OF[name]}}}\n"
-            "policy: {allowed_models: [mlp]}\n")
+    port, admin_kit, coord_cfg = cli_kits(root, "split-resume", ("a", "b"), allowed_models=("mlp",))
     addr = root / "coordinator" / "state" / "coordinator.addr"
     coordinator = procs.start("coordinator", "coordinator", "run", "--config", str(coord_cfg))
     wait_until(addr.exists, 60, "the coordinator to listen")
