@@ -16,7 +16,7 @@ from plexus.datasets import Split
 from plexus.errors import IntegrityError
 from plexus.models import state_to_numpy
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.split import ServerStep, SiteStep, split, train_batch
+from plexus.split import ServerStep, SiteOptions, SiteStep, split, train_batch
 from plexus.split_wire import array_of, tensor_message
 from site_agent.split import SiteSplit, evaluate_session, train_session
 
@@ -26,7 +26,7 @@ model: {{name: mlp, args: {{in_features: 6, hidden: [8, 4], num_classes: 3}}}}
 data: {{dataset: d}}
 rounds: 1
 mode: split
-split: {{variant: {variant}, cuts: {cuts}}}
+split: {{variant: {variant}, cuts: {cuts}, nopeek: {nopeek}, noise_std: {noise}}}
 train: {{batch_size: 5, optimizer: {{name: sgd, lr: 0.2}}}}
 seed: 4
 """
@@ -74,8 +74,10 @@ def server_for(site: SiteSplit) -> ServerStep:
 
 
 @pytest.mark.parametrize("variant", ["vanilla", "u-shaped"])
-def test_one_epoch_through_the_session_trains_as_in_process(variant):
-    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant]))
+@pytest.mark.parametrize("nopeek,noise", [(0.0, 0.0), (0.5, 0.1)], ids=["plain", "nopeek-and-noise"])
+def test_one_epoch_through_the_session_trains_as_in_process(variant, nopeek, noise):
+    """With NoPeek and noise on, the session still does what plexus.split's SiteStep does with those options."""
+    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant], nopeek=nopeek, noise=noise))
     site, d = SiteSplit(job), data()
     reference = SiteSplit(job)
     stream = InProcess(server_for(site))
@@ -86,7 +88,7 @@ def test_one_epoch_through_the_session_trains_as_in_process(variant):
     parts, server = reference.parts, server_for(reference)
     generator = torch.Generator().manual_seed(TASK.seed)
     step = SiteStep(parts, torch.optim.SGD([p for m in parts.site_modules for p in m.parameters()], lr=0.2),
-                    generator=generator)
+                    SiteOptions(nopeek, noise), generator=generator)
     x, y = torch.from_numpy(d.x_train), torch.from_numpy(d.y_train)
     order = torch.randperm(len(x), generator=generator)
     for k in range(0, len(x), 5):
@@ -98,6 +100,12 @@ def test_one_epoch_through_the_session_trains_as_in_process(variant):
     assert done.num_samples == 13 and sorted(w.name for w in done.weights) == site.site_names
     labels_sent = any(m.WhichOneof("body") == "batch" and m.batch.HasField("labels") for m in stream.sent)
     assert labels_sent == (variant == "vanilla")   # u-shaped: the labels stay
+    if noise:   # what left the site is not the bottom part's output
+        first = stream.sent[1].batch
+        sent = array_of(first.activations, dtype="F32", what="a")
+        with torch.no_grad():
+            clean = SiteSplit(job).parts.bottom(x[order[:5]]).numpy()
+        assert not np.allclose(sent, clean, atol=1e-3)
 
 
 def _wrong_shape(reply, n):
@@ -120,7 +128,7 @@ def _nan(reply, n):
     (lambda r, n: fpb.SplitReply(seq=r.seq), "carries no tensor"),
 ])
 def test_a_malformed_reply_is_refused_before_it_touches_the_site_s_parts(variant, spoil, error):
-    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant]))
+    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant], nopeek=0, noise=0))
     site = SiteSplit(job)
     before = state_to_numpy(site.model)
     with pytest.raises(IntegrityError, match=error):
@@ -131,7 +139,7 @@ def test_a_malformed_reply_is_refused_before_it_touches_the_site_s_parts(variant
 
 @pytest.mark.parametrize("variant", ["vanilla", "u-shaped"])
 def test_evaluation_runs_the_joined_model(variant):
-    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant]))
+    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant], nopeek=0, noise=0))
     site, d = SiteSplit(job), data()
 
     class Evaluator(InProcess):   # the coordinator's evaluate/infer: no step
