@@ -124,6 +124,10 @@ class Simulator:
         self.jobs = list(jobs)
         for index, text in enumerate(self.jobs):
             job = parse_round_config(text, source=f"job {index + 1}")
+            if job.mode == "split":
+                raise ConfigError(f"job {job.name!r} is split learning (mode: split), which `plexus simulate` does not "
+                                  "run yet: its sessions stream batch by batch to the server part; run it on a "
+                                  "federation (`plexus demo` starts one on this machine)")
             if job.sites.min > len(sites):
                 raise ConfigError(f"job {job.name!r} needs sites.min = {job.sites.min} sites and the simulation has "
                                   f"{len(sites)}; simulate more sites or lower sites.min")

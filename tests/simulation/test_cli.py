@@ -121,3 +121,13 @@ def _exit_code(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as exc:   # argparse's usage errors
         return exc.code
+
+
+def test_a_split_learning_job_is_refused_with_where_to_run_it(tmp_path, capsys):
+    split = HEART.replace("name: logistic, args: {in_features: 13,", "name: mlp, args: {in_features: 13, hidden: [8],")
+    split = split.replace("train: {epochs: 1, ", "train: {")
+    split += "mode: split\nsplit: {variant: vanilla, cuts: [hidden1]}\n"
+    job = write(tmp_path / "job.yaml", split)
+    assert _exit_code(["simulate", str(job), "--state", str(tmp_path / "state"), "--data", "heart-disease"]) == 1
+    assert "is split learning (mode: split), which `plexus simulate` does not run yet" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()
