@@ -70,8 +70,9 @@ def write_frame(stream, header: dict, tensors: list[np.ndarray] = (), shm=None) 
     stream.flush()
 
 
-def read_frame(stream, attach=None) -> tuple[dict, list[np.ndarray]]:
-    """Read a frame; tensors in a shared segment are copied out of it (`attach(name)` gives the segment)."""
+def read_frame(stream, attach=None, *, copy: bool = True) -> tuple[dict, list[np.ndarray]]:
+    """Read a frame; tensors in a shared segment are copied out of it (`attach(name)` gives the segment), or with
+    `copy=False` are views into it, valid until the segment is written again."""
     head = _read_exactly(stream, 4)
     (size,) = struct.unpack(">I", head)
     if size > MAX_HEADER:
@@ -94,7 +95,8 @@ def read_frame(stream, attach=None) -> tuple[dict, list[np.ndarray]]:
             offset = int(spec.get("offset", -1))
             if not 0 <= offset <= shm.size - nbytes:
                 raise IntegrityError(f"a split-worker tensor at offset {offset} overruns the shared segment")
-            tensors.append(np.frombuffer(shm.buf, dtype=dtype, count=count, offset=offset).reshape(shape).copy())
+            view = np.frombuffer(shm.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+            tensors.append(view.copy() if copy else view)
         else:
             tensors.append(np.frombuffer(bytearray(_read_exactly(stream, nbytes)), dtype=dtype).reshape(shape))
     return header, tensors   # each its own writable memory
@@ -193,20 +195,23 @@ class SplitWorker:
     def pid(self) -> int:
         return self._proc.pid
 
-    def call(self, op: str, tensors: list[np.ndarray] = (), **fields) -> tuple[dict, list[np.ndarray]]:
+    def call(self, op: str, tensors: list[np.ndarray] = (), *, consume=None, **fields):
+        """Run `op` on `tensors`: (the reply's header, its tensors). With `consume(header, tensors)`, the tensors are
+        views into the shared segment instead of copies, and what `consume` returns (while the call still holds the
+        worker, so nothing overwrites them) is the call's result: one copy fewer where the caller copies anyway."""
         with self._lock:
             try:
                 shm = self._segment(tensors) if self._shared else None
                 write_frame(self._proc.stdin, {"op": op, **fields}, tensors, shm)
                 header, out = read_frame(self._proc.stdout, lambda name: shm if shm is not None and name == shm.name
-                                         else None)
+                                         else None, copy=consume is None)
             except (BrokenPipeError, EOFError) as exc:
                 raise ConfigError(f"the split compute worker (PID {self._proc.pid}) ended: {exc}; see the "
                                   "coordinator's log") from None
-        if header.get("error"):
-            raise (IntegrityError if header.get("kind") == "integrity" else ConfigError)(header["error"])
-        self.compute_s = float(header.get("compute_s", 0.0))
-        return header, out
+            if header.get("error"):
+                raise (IntegrityError if header.get("kind") == "integrity" else ConfigError)(header["error"])
+            self.compute_s = float(header.get("compute_s", 0.0))
+            return consume(header, out) if consume is not None else (header, out)
 
     def close(self) -> None:
         if self._shm is not None:
@@ -292,8 +297,8 @@ class _Server:
                 return {"loss": loss, "correct": int((logits.argmax(1) == y).sum())}, []
         if op in ("forward", "infer"):
             check_batch(tensors[0], self.row_shape, max_rows=self.max_rows)
-            if op == "forward":
-                return {}, [self.step.forward(self._in(tensors[0])).cpu().numpy()]
+            if op == "forward":   # its activations outlive the call (backward needs them): out of the segment
+                return {}, [self.step.forward(self._in(np.array(tensors[0]))).cpu().numpy()]
             with torch.no_grad():
                 self.parts.middle.eval()
                 out = self.parts.middle(self._in(tensors[0]))
@@ -366,7 +371,9 @@ def main() -> int:
     os.dup2(2, 1)
     while True:
         try:
-            header, tensors = read_frame(stdin, segments.attach)
+            # Views into the segment: each operation uses its tensors before the reply overwrites them (forward,
+            # whose activations outlive the call, copies them).
+            header, tensors = read_frame(stdin, segments.attach, copy=False)
         except EOFError:
             return 0
         started = time.perf_counter()

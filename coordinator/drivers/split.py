@@ -605,21 +605,21 @@ class Session:
                 header, _ = self._call("evaluate", [activations, labels])
                 return fpb.SplitReply(seq=batch.seq, loss=header["loss"], correct=header["correct"])
             _, (out,) = self._call("infer", [activations])
-            return fpb.SplitReply(seq=batch.seq, tensor=tensor_message(out))
+            return fpb.SplitReply(seq=batch.seq, tensor=out)
         self._turn(batch.seq)
         if self.vanilla:
             try:
                 header, (grad,) = self._call("vanilla", [activations, labels])
             finally:
                 self._turns().done(self.site, batch.seq)
-            return fpb.SplitReply(seq=batch.seq, tensor=tensor_message(grad), loss=header["loss"])
+            return fpb.SplitReply(seq=batch.seq, tensor=grad, loss=header["loss"])
         try:
             _, (out,) = self._call("forward", [activations])
         except BaseException:
             self._turns().done(self.site, batch.seq)
             raise
         self.pending = batch.seq       # the server's turn is held until this batch's gradient comes
-        return fpb.SplitReply(seq=batch.seq, tensor=tensor_message(out))
+        return fpb.SplitReply(seq=batch.seq, tensor=out)
 
     def _grad(self, message: fpb.SplitGrad) -> fpb.SplitReply:
         if self.pending is None or message.seq != self.pending:
@@ -633,7 +633,7 @@ class Session:
         finally:
             self.pending = None
             self._turns().done(self.site, seq)
-        return fpb.SplitReply(seq=seq, tensor=tensor_message(back))
+        return fpb.SplitReply(seq=seq, tensor=back)
 
     def _done(self, done: fpb.SplitDone) -> fpb.SplitReply:
         driver = self.driver
@@ -678,12 +678,14 @@ class Session:
     def _turn(self, seq: int) -> None:
         self._turns().wait(self.site, seq, lambda: self._cut)
 
-    def _call(self, op: str, tensors: list[np.ndarray]):
+    def _call(self, op: str, tensors: list[np.ndarray]) -> tuple[dict, list[fpb.TensorData]]:
+        """The worker's reply to `op`: its header, and its tensors as wire messages, made straight from the shared
+        segment (one copy)."""
         worker = self.driver.worker
         if worker is None or self._cut is not None:
             raise self._cut or RoundClosed(f"job {self.driver.job_id} is no longer active")
         started = time.perf_counter()
-        header, out = worker.call(op, tensors)
+        header, out = worker.call(op, tensors, consume=lambda h, views: (h, [tensor_message(v) for v in views]))
         ph, compute = self.driver.phase, float(header.get("compute_s", 0.0))
         if ph is not None and self.training:   # training calls take turns: one at a time
             ph.server_s += compute
