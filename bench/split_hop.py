@@ -5,7 +5,9 @@ batch's compute there.
     python -m bench.split_hop --out bench/results/split_hop.json
 
 Per case, 50 batches after 5 of warm-up: the worker's own compute time per batch (what it reports), the round trip
-seen by the caller, and the hop = round trip - compute, as a share of compute. The goal (#16): hop <= 10 % of the
+seen by the caller as the coordinator's Split sessions make it (each reply's tensors turned into wire messages
+straight from the shared segment: a copy an in-process server part would make too, counted here in the hop), and
+the hop = round trip - compute, as a share of compute. The goal (#16): hop <= 10 % of the
 batch's compute at the server.
 """
 
@@ -24,6 +26,7 @@ import torch
 from coordinator.split_worker import SplitWorker
 from plexus.models import build_model
 from plexus.split import split
+from plexus.split_wire import tensor_message
 
 CASES = [("cnn", {"width": 16}, "vanilla", ["block1"], (1, 28, 28), 10, 64),
          ("cnn", {"width": 16}, "u-shaped", ["block1", "features"], (1, 28, 28), 10, 64),
@@ -32,11 +35,17 @@ CASES = [("cnn", {"width": 16}, "vanilla", ["block1"], (1, 28, 28), 10, 64),
           64)]
 
 
+def _wire(header: dict, views: list) -> tuple[dict, list]:
+    """What the coordinator does with a reply: wire tensors made straight from the shared segment."""
+    return header, [tensor_message(v) for v in views]
+
+
 def run_case(name, args, variant, cuts, row_in, classes, rows, *, batches=50, warmup=5, threads=1,
              shared_memory=True) -> dict:
     parts = split(build_model(name, args, seed=0), variant, cuts)
     with torch.no_grad():
         cut = parts.bottom(torch.zeros(1, *row_in))
+        out_shape = list(parts.middle(cut).shape[1:]) if variant == "u-shaped" else None
     row_shape = list(cut.shape[1:])
     worker = SplitWorker(shared_memory=shared_memory)
     try:
@@ -47,15 +56,16 @@ def run_case(name, args, variant, cuts, row_in, classes, rows, *, batches=50, wa
         for k in range(warmup + batches):
             a = rng.normal(size=(rows, *row_shape)).astype(np.float32)
             y = rng.integers(0, classes, rows)
+            g = np.full((rows, *out_shape), 1 / (rows * np.prod(out_shape)), np.float32) if out_shape else None
             started = time.perf_counter()
             if variant == "vanilla":
-                worker.call("vanilla", [a, y])
-                spent = worker.compute_s
+                header, _ = worker.call("vanilla", [a, y], consume=_wire)
+                spent = header["compute_s"]
             else:
-                _, (out,) = worker.call("forward", [a])
-                spent = worker.compute_s
-                worker.call("backward", [np.ones_like(out) / out.size])
-                spent += worker.compute_s
+                header, _ = worker.call("forward", [a], consume=_wire)
+                spent = header["compute_s"]
+                header, _ = worker.call("backward", [g], consume=_wire)
+                spent += header["compute_s"]
             trip = time.perf_counter() - started
             if k >= warmup:
                 compute.append(spent)
