@@ -164,10 +164,15 @@ class Segment:
         return cls(path, fd, os.fstat(fd).st_size)
 
     def close(self, *, unlink: bool = False) -> None:
-        self.buf.release()
-        self._map.close()
+        """Unmap (and with `unlink`, remove) the segment. Should a view of it still be alive (a tensor read with
+        copy=False), the mapping stays until that view goes: numpy keeps it alive, and unmaps it then."""
         if unlink:
             self.path.unlink(missing_ok=True)
+        try:
+            self.buf.release()
+            self._map.close()
+        except BufferError:
+            pass
 
 
 class SplitWorker:
@@ -390,6 +395,7 @@ def main() -> int:
         if shm is not None and sum(np.asarray(t).size * 8 for t in out) > shm.size:
             shm = None   # a reply larger than the segment (a model's state) goes through the pipe
         write_frame(stdout, reply, out, shm)
+        tensors = out = None   # the request's views into the segment go before the next request may replace it
 
 
 if __name__ == "__main__":

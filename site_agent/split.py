@@ -169,4 +169,5 @@ def _tensor(reply: fpb.SplitReply, what: str, shape: tuple[int, ...]) -> torch.T
 
 
 def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.as_tensor(np.asarray(x, dtype=np.float32)), torch.as_tensor(np.asarray(y, dtype=np.int64))
+    """The rows as tensors of their own (the loaded dataset's arrays are read-only, which torch warns about)."""
+    return torch.from_numpy(np.array(x, dtype=np.float32)), torch.from_numpy(np.array(y, dtype=np.int64))

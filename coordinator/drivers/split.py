@@ -137,7 +137,7 @@ class Phase:
     trained: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)   # splitfed: rows, parts
     server_s: float = 0.0                           # the worker's compute time this phase
     hop_s: float = 0.0                              # the hop's own time (call time less compute)
-    calls: int = 0
+    batches: int = 0                                # training batches through the server (u-shaped: 2 calls each)
 
 
 class SplitRounds:
@@ -394,8 +394,8 @@ class SplitRounds:
         if self.cfg.split.schedule == "splitfed":
             self.site_state = average_parts({s: ph.trained[s] for s in done}, self.site_names)
         metrics = {(ph.round, "", "split", "server_compute_s"): ph.server_s,
-                   (ph.round, "", "split", "hop_s_per_batch"): ph.hop_s / max(1, ph.calls),
-                   (ph.round, "", "split", "server_batches"): float(ph.calls)}
+                   (ph.round, "", "split", "hop_s_per_batch"): ph.hop_s / max(1, ph.batches),
+                   (ph.round, "", "split", "server_batches"): float(ph.batches)}
         self.ctx.store.record_metrics(self.job_id, metrics)
         self._trained = (done, sum(ph.trained[s][0] for s in done))
         self._open_phase("evaluate", ph.round, self._present(), now)
@@ -612,6 +612,7 @@ class Session:
                 header, (grad,) = self._call("vanilla", [activations, labels])
             finally:
                 self._turns().done(self.site, batch.seq)
+            self._through()
             return fpb.SplitReply(seq=batch.seq, tensor=grad, loss=header["loss"])
         try:
             _, (out,) = self._call("forward", [activations])
@@ -633,7 +634,14 @@ class Session:
         finally:
             self.pending = None
             self._turns().done(self.site, seq)
+        self._through()
         return fpb.SplitReply(seq=seq, tensor=back)
+
+    def _through(self) -> None:
+        """A training batch is through the server part (its calls take turns: one batch at a time)."""
+        ph = self.driver.phase
+        if ph is not None:
+            ph.batches += 1
 
     def _done(self, done: fpb.SplitDone) -> fpb.SplitReply:
         driver = self.driver
@@ -690,7 +698,6 @@ class Session:
         if ph is not None and self.training:   # training calls take turns: one at a time
             ph.server_s += compute
             ph.hop_s += time.perf_counter() - started - compute
-            ph.calls += 1
         return header, out
 
 

@@ -163,6 +163,16 @@ def test_the_server_optimizer_s_momentum_round_trips(worker):
         worker.call("load_optimizer", buffers[:1], names=["momentum/layers.0.weight"])
 
 
+def test_the_shared_segment_grows_for_a_larger_batch(worker):
+    """The request's views into the segment are gone by the time a larger batch replaces it (a 2-row batch, then a
+    32-row one of Fashion-MNIST-sized activations: 1.6 MB, beyond the first 1 MiB segment)."""
+    header, _ = worker.call("load", model="cnn", args={"width": 16}, seed=0, variant="vanilla", cuts=["block1"])
+    for rows in (2, 32, 64, 8):
+        _, (grad,) = worker.call("vanilla", [np.zeros((rows, *header["row_shape"]), np.float32),
+                                             np.zeros(rows, np.int64)])
+        assert grad.shape == (rows, *header["row_shape"])
+
+
 def test_the_coordinator_side_never_imports_torch():
     code = "import sys, coordinator.split_worker; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \

@@ -166,7 +166,12 @@ def test_job_show_download_and_a_seeded_rerun(three_sites, tmp_path, capsys):
     png = tmp_path / "plot.png"
     assert cli(["job", "plot", first, "-o", str(png), *three_sites.cli_args()]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    wire = {m.name for m in three_sites.store.metrics(first) if m.kind == "wire"}
+    metrics = three_sites.store.metrics(first)
+    for epoch in (1, 2):   # a u-shaped batch is two calls to the worker, and one batch
+        batches = sum(m.value for m in metrics if (m.round, m.kind, m.name) == (epoch, "train", "batches"))
+        (counted,) = [m.value for m in metrics if (m.round, m.site, m.name) == (epoch, "", "server_batches")]
+        assert counted == batches > 0
+    wire = {m.name for m in metrics if m.kind == "wire"}
     assert wire == {"train_bytes_up", "train_bytes_down", "eval_bytes_up", "eval_bytes_down"}
 
 
