@@ -362,14 +362,9 @@ def summarize(job: dict, store: dict, idle: dict, sites: int, site_names: list[s
     }
     if split:
         out["server_compute_s_per_epoch"] = mean([sum(v) for v in per_round("split", "server_compute_s").values()])
-        out["hop_s_per_call"] = mean([v[0] for v in per_round("split", "hop_s_per_batch").values()])
-        out["server_calls_per_epoch"] = mean([v[0] for v in per_round("split", "server_batches").values()])
-        # The driver's "server_batches" counts worker calls (u-shaped: forward and backward, 2 per batch) and
-        # "hop_s_per_batch" divides by them; per batch is the hop of every call a batch makes.
+        out["hop_s_per_batch"] = mean([v[0] for v in per_round("split", "hop_s_per_batch").values()])
+        out["server_batches_per_epoch"] = mean([v[0] for v in per_round("split", "server_batches").values()])
         out["site_batches_per_epoch"] = sum(sum(v) for v in per_round("train", "batches").values()) / epochs
-        if out["hop_s_per_call"] is not None and out["site_batches_per_epoch"]:
-            calls_per_batch = out["server_calls_per_epoch"] / out["site_batches_per_epoch"]
-            out["hop_s_per_batch"] = out["hop_s_per_call"] * calls_per_batch
     out["metrics"] = [list(x) for x in m]
     out["tasks"] = [list(x) for x in store["tasks"]]
     out["rounds"] = [list(x) for x in store["rounds"]]
