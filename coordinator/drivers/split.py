@@ -160,6 +160,7 @@ class SplitRounds:
         self._served: ServedModel | None = None
         self._lock: threading.RLock | None = None    # the engine lock, lent with the first session
         self._failed = ""
+        self._starting = threading.Lock()   # prepare's new worker against stop(): one of them closes it
         self._trained: tuple[list[str], int] = ([], 0)   # the last training phase's sites and rows
 
     @classmethod
@@ -203,15 +204,16 @@ class SplitRounds:
             worker.close()
             self._failed = f"the server part cannot be loaded: {exc}"
             return
-        if self.ended:   # stopped while the worker started
-            worker.close()
-            return
         self.site_names, self.server_names = header["site"], header["server"]
         self.site_state = {n: state[n] for n in self.site_names}
         self.shapes = {n: tuple(state[n].shape) for n in self.site_names}
         self.row_shape = tuple(header["row_shape"])
         self.out_shape = tuple(header["out_shape"]) if header["out_shape"] is not None else None
-        self.worker = worker
+        with self._starting:
+            if not self.ended:
+                self.worker, worker = worker, None
+        if worker is not None:   # stopped while the worker started
+            worker.close()
 
     # the engine's questions ---------------------------------------------------------------
     def tick(self, now: float) -> float:
@@ -509,7 +511,8 @@ class SplitRounds:
         self._close_worker()
 
     def _close_worker(self) -> None:
-        worker, self.worker = self.worker, None
+        with self._starting:
+            worker, self.worker = self.worker, None
         if worker is not None:
             worker.close()
 
