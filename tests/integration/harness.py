@@ -93,6 +93,13 @@ class Federation:
         self.agents.append((agent, thread))
         return agent
 
+    def start_sites(self, *names: str) -> Federation:
+        """Start these sites (start_site's defaults) and wait until all are online; the federation, for fixtures."""
+        for name in names:
+            self.start_site(name)
+        self.wait_online(*names)
+        return self
+
     def cli_args(self, name: str = "ops") -> list[str]:
         """The flags that point a `plexus` admin command at this federation with admin `name`'s kit."""
         return ["--kit", str(self.root / "admins" / name), "--coordinator", self.address]

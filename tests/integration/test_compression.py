@@ -55,10 +55,7 @@ def run(federation, codec: str, **kw) -> tuple[str, float]:
 
 @pytest.fixture
 def four(federation):
-    for name in FOUR:
-        federation.start_site(name)
-    federation.wait_online(*FOUR)
-    return federation
+    return federation.start_sites(*FOUR)
 
 
 def test_every_uplink_codec_trains_and_sends_fewer_bytes_than_dense_updates(four):

@@ -120,10 +120,7 @@ def run_job(fed: Federation, job: str, timeout: float = 120) -> str:
 
 @pytest.fixture
 def three_sites(federation):
-    for name in SITES:
-        federation.start_site(name)
-    federation.wait_online(*SITES)
-    return federation
+    return federation.start_sites(*SITES)
 
 
 @pytest.mark.parametrize("variant,schedule", [("u-shaped", "sequential"), ("vanilla", "splitfed"),
