@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import signal
 import sqlite3
 import threading
@@ -251,6 +252,28 @@ def test_a_site_dropping_mid_epoch_is_recorded_and_the_epoch_goes_on(federation,
     assert outcomes[(2, "b")] == ["evaluated", "submitted"]   # and is back for the next epoch
     round1 = next(r for r in federation.store.rounds(job_id) if r.round == 1)
     assert sorted(json.loads(round1.contributors)) == ["a", "c"]
+
+
+def test_aborting_a_split_job_mid_epoch_cuts_its_sessions_and_ends_its_compute_worker(three_sites):
+    job_id = three_sites.admin().submit(split_job("u-shaped", "splitfed", rounds=500)).job_id
+    engine = three_sites.coordinator.engine
+
+    def training():
+        driver = engine.driver
+        phase = driver.phase if driver is not None else None
+        return phase is not None and phase.kind == "train" and len(phase.sessions) == 3 and driver
+    driver = wait_until(training, scaled(60), "the sites' sessions to open")
+    pid = driver.worker.pid
+    three_sites.admin().abort(job_id)
+    assert three_sites.store.job(job_id).status == "aborted"
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), scaled(20), "the compute worker to end")
+    # The sites are free at once for the next job, which runs to its end.
+    run_job(three_sites, split_job("vanilla", "sequential", rounds=1))
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(")")[-1].split()[0] == "Z"
 
 
 def test_a_malformed_message_is_refused(federation):
