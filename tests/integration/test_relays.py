@@ -198,6 +198,15 @@ def test_a_relay_declines_what_it_cannot_run_and_the_job_goes_on(relay_kits, tmp
         declines = fed.store.declines(job_id)
         assert set(declines) == set(RELAYS)
         assert "strategy median does not run through relays yet" in declines["relay-1"]
+        split = ("name: split\nmodel: {name: mlp, args: {in_features: 13, hidden: [8, 4]}}\n"
+                 "data: {dataset: heart-disease}\nrounds: 1\nmode: split\n"
+                 "split: {variant: u-shaped, cuts: [hidden1, hidden2], schedule: sequential}\nsites: {min: 1}\n")
+        job_id = fed.admin().submit(split).job_id
+        assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
+        declines = fed.store.declines(job_id)
+        assert set(declines) == set(RELAYS)   # d, dialling the coordinator itself, trained
+        assert "a relay cannot run a split-learning job" in declines["relay-2"]
+        assert json.loads(fed.store.rounds(job_id)[0].contributors) == ["d"]
     finally:
         for relay in relays:
             relay.stop()
