@@ -58,8 +58,8 @@ def run_case(name, args, variant, cuts, row_in, classes, rows, *, batches=50, wa
     row_shape = list(cut.shape[1:])
     worker = SplitWorker(shared_memory=shared_memory)
     try:
-        worker.call("load", model=name, args=args, seed=0, variant=variant, cuts=cuts, row_shape=row_shape,
-                    classes=classes, max_rows=rows, lr=0.01, threads=threads)
+        worker.call("load", model=name, args=args, seed=0, variant=variant, cuts=cuts, max_rows=rows, lr=0.01,
+                    threads=threads)
         rng = np.random.default_rng(0)
         compute, trips = [], []
         for k in range(warmup + batches):

@@ -506,7 +506,7 @@ class Engine:
         with self._cv:
             self._presence.touch(site)
             driver, grant = self._current(site, task.task_id)
-            check_binding(grant, task.job_id, task.round, task.nonce, None)
+            _bind(grant, task, None)   # either split kind: the driver tells them apart
             if not isinstance(driver, SplitRounds):
                 raise FailedPrecondition(f"job {grant.job_id} is not a split-learning job; its tasks take no Split "
                                          "session")

@@ -231,7 +231,6 @@ class _Server:
     def __init__(self):
         self.step = None
         self.row_shape: tuple[int, ...] = ()
-        self.out_shape: tuple[int, ...] | None = None
         self.classes = 0
         self.max_rows = 0
         self.device = "cpu"
@@ -245,13 +244,10 @@ class _Server:
         torch.set_num_threads(int(header.get("threads", 1)))
         model = build_model(header["model"], header.get("args", {}), seed=int(header.get("seed", 0)))
         parts = split(model, header["variant"], list(header["cuts"]))
-        self.row_shape, self.out_shape = cut_shapes(model, parts)
-        if header.get("row_shape") is not None:
-            self.row_shape = tuple(int(n) for n in header["row_shape"])
+        self.row_shape, out_shape = cut_shapes(model, parts)   # ConfigError without input_shape()
         with torch.no_grad():
             model.eval()
-            self.classes = int(model(torch.zeros((1, *model.input_shape()))).shape[1]) \
-                if hasattr(model, "input_shape") else int(header.get("classes", 0))
+            self.classes = int(model(torch.zeros((1, *model.input_shape()))).shape[1])
             model.train()
         self.max_rows = int(header.get("max_rows", 4096))
         self.device = str(header.get("device", "cpu"))
@@ -266,7 +262,7 @@ class _Server:
                                     weight_decay=float(header.get("weight_decay", 0.0)))
         self.step = ServerStep(parts, optimizer)
         return {"site": self.site_names, "server": self.server_names, "row_shape": list(self.row_shape),
-                "out_shape": list(self.out_shape) if self.out_shape is not None else None,
+                "out_shape": list(out_shape) if out_shape is not None else None,
                 "classes": self.classes}, []
 
     def _momentum(self) -> dict:

@@ -35,9 +35,10 @@ def tensor_message(array: np.ndarray, name: str = "") -> fpb.TensorData:
 
 
 def array_of(message: fpb.TensorData, *, dtype: str, what: str, shape: tuple[int, ...] | None = None,
-             rows: tuple[int, int] | None = None) -> np.ndarray:
+             rows: tuple[int, int] | None = None, finite: bool = True) -> np.ndarray:
     """The array a TensorData carries, checked: `dtype` ("F32" or "I64"), the whole `shape` if given, else a first
-    dimension within `rows` (lo, hi); its bytes exactly those; float values finite. IntegrityError otherwise."""
+    dimension within `rows` (lo, hi); its bytes exactly those; float values finite (unless `finite` is False: a
+    reader that checks the values itself, as the coordinator's compute worker does). IntegrityError otherwise."""
     if message.dtype != dtype:
         raise IntegrityError(f"{what}: dtype {message.dtype or 'unset'!r}, expected {dtype}", reason=Reason.LAYOUT)
     dims = tuple(int(n) for n in message.shape)
@@ -53,7 +54,7 @@ def array_of(message: fpb.TensorData, *, dtype: str, what: str, shape: tuple[int
         raise IntegrityError(f"{what}: {len(message.data)} bytes of data for shape {list(dims)} {dtype}",
                              reason=Reason.LAYOUT)
     array = np.frombuffer(message.data, dtype=_DTYPES[dtype]).reshape(dims)
-    if dtype == "F32" and not np.isfinite(array).all():
+    if finite and dtype == "F32" and not np.isfinite(array).all():
         raise IntegrityError(f"{what} contains NaN or Inf; refusing it", reason=Reason.NON_FINITE)
     return array
 

@@ -69,7 +69,9 @@ BACKOFF_CAP_S = SITE_BACKOFF_CAP_S   # a coordinator's rejoin_grace_s is validat
 REFUSED_RETRY_S = 60.0
 _REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 SECAGG_LATER_PHASES = (fpb.TASK_SECAGG_SHARE, fpb.TASK_SECAGG_MASKED_INPUT, fpb.TASK_SECAGG_UNMASK)
-TRAINING_KINDS = (fpb.TASK_TRAIN, fpb.TASK_SECAGG_ADVERTISE)   # the tasks that train on local data (synchronous)
+# the tasks that train on local data (synchronous)
+TRAINING_KINDS = (fpb.TASK_TRAIN, fpb.TASK_SECAGG_ADVERTISE, fpb.TASK_SPLIT_TRAIN)
+SPLIT_KINDS = (fpb.TASK_SPLIT_TRAIN, fpb.TASK_SPLIT_EVALUATE)
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
@@ -178,7 +180,7 @@ class SiteAgent:
         state = JobState(self.config.state_dir, task.job_id)
         # An asynchronous secure job trains on its TRAIN task; its cohort's advert masks the update kept then.
         cohorts = in_cohorts(job)
-        trains = task.kind == fpb.TASK_TRAIN if cohorts else task.kind in TRAINING_KINDS + (fpb.TASK_SPLIT_TRAIN,)
+        trains = task.kind == fpb.TASK_TRAIN if cohorts else task.kind in TRAINING_KINDS
         try:
             reason = self._refusal(job, state, trains)
             if not reason:
@@ -191,7 +193,7 @@ class SiteAgent:
             return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         if reason:
             return self._decline(stub, task, reason)
-        if task.kind in (fpb.TASK_SPLIT_TRAIN, fpb.TASK_SPLIT_EVALUATE):
+        if task.kind in SPLIT_KINDS:
             return self._split(stub, task, job, state)
         try:
             if task.kind in SECAGG_LATER_PHASES or (cohorts and task.kind == fpb.TASK_SECAGG_ADVERTISE):

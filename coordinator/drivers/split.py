@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.drivers import Context
-from coordinator.drivers.sync import MAX_METRICS, check_rows
+from coordinator.drivers.sync import check_rows, checked_metrics
 from coordinator.served import Held, ServedModel
 from coordinator.split_worker import SplitWorker
 from coordinator.store import JobRow
@@ -151,11 +151,8 @@ class SplitRounds:
         self.ended = False
         self.worker: SplitWorker | None = None
         self.site_names: list[str] = []
-        self.server_names: list[str] = []
         self.site_state: dict[str, np.ndarray] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
         self.row_shape: tuple[int, ...] = ()
-        self.out_shape: tuple[int, ...] | None = None
         self.phase: Phase | None = None
         self._served: ServedModel | None = None
         self._lock: threading.RLock | None = None    # the engine lock, lent with the first session
@@ -204,11 +201,9 @@ class SplitRounds:
             worker.close()
             self._failed = f"the server part cannot be loaded: {exc}"
             return
-        self.site_names, self.server_names = header["site"], header["server"]
+        self.site_names = header["site"]
         self.site_state = {n: state[n] for n in self.site_names}
-        self.shapes = {n: tuple(state[n].shape) for n in self.site_names}
         self.row_shape = tuple(header["row_shape"])
-        self.out_shape = tuple(header["out_shape"]) if header["out_shape"] is not None else None
         with self._starting:
             if not self.ended:
                 self.worker, worker = worker, None
@@ -281,10 +276,10 @@ class SplitRounds:
         reason = bounded(answer.reason)
         if answer.status == TaskStatus.DECLINED:
             self.ctx.store.decline(self.job_id, site, reason or "declined by site policy")
-            self._record(grant, site, TaskStatus.DECLINED, reason or "declined by site policy")
+            self._settle(self.phase, site, TaskStatus.DECLINED, reason or "declined by site policy")
             return "decline recorded; this site will not be asked again for this job"
         if answer.status == TaskStatus.FAILED:
-            self._record(grant, site, TaskStatus.FAILED, reason or "the site reported a failure")
+            self._settle(self.phase, site, TaskStatus.FAILED, reason or "the site reported a failure")
             return "failure recorded"
         raise FailedPrecondition("a split task is answered by its Split session's end (SplitDone), or reported "
                                  "declined or failed")
@@ -308,7 +303,7 @@ class SplitRounds:
                                      f"which make 1 to {most} batches of train.batch_size "
                                      f"{self.cfg.train.batch_size}", reason=Reason.NUM_SAMPLES)
         self._lock = lock
-        session = Session(self, site, grant, batches, cut)
+        session = Session(self, site, grant, batches, cut, ph.turns)
         ph.sessions[site] = session
         if ph.turns is not None:
             ph.turns.open(site, batches)
@@ -433,7 +428,7 @@ class SplitRounds:
         self.ctx.notify()
 
     # sessions' ends (under the engine lock) ----------------------------------------------------
-    def finished(self, session: Session, num_samples: int, metrics: dict[str, float],
+    def completed(self, session: Session, num_samples: int, metrics: dict[str, float],
                  weights: dict[str, np.ndarray] | None) -> str:
         ph, site = self.phase, session.site
         self._check_live(session)
@@ -484,9 +479,6 @@ class SplitRounds:
             ph.turns.leave(site)
         self.ctx.notify()
 
-    def _record(self, grant: TaskGrant, site: str, status: TaskStatus, reason: str) -> None:
-        self._settle(self.phase, site, status, reason)
-
     def _cut_sessions(self, ph: Phase, exc: BaseException) -> None:
         for session in ph.sessions.values():
             session.cut(exc)
@@ -536,8 +528,9 @@ class Session:
     reply built. Runs on the RPC's thread without the engine lock; its end is recorded under it."""
 
     def __init__(self, driver: SplitRounds, site: str, grant: TaskGrant, batches: int,
-                 cut: Callable[[BaseException], None]):
-        self.driver, self.site, self.grant, self.batches = driver, site, grant, batches
+                 cut: Callable[[BaseException], None], turns: Turns | None):
+        """`turns`: the server's order over the training phase's batches (None for an evaluation session)."""
+        self.driver, self.site, self.grant, self.batches, self.turns = driver, site, grant, batches, turns
         self._cut_stream = cut
         self._cut: BaseException | None = None
         self.seq = 0                      # the next batch expected
@@ -588,8 +581,9 @@ class Session:
         if batch.seq != self.seq or (self.training and self.seq >= self.batches):
             raise IntegrityError(f"batch {batch.seq} is out of order: expected batch {self.seq} of the "
                                  f"{self.batches} the session announced", reason=Reason.LAYOUT)
+        # Its values (finite, labels in range) are checked by the compute worker, once: the structure here.
         activations = array_of(batch.activations, dtype="F32", what=f"batch {batch.seq}'s activations",
-                               rows=(1, self.max_rows))
+                               rows=(1, self.max_rows), finite=False)
         if tuple(activations.shape[1:]) != driver.row_shape:
             raise IntegrityError(f"batch {batch.seq}'s activations have shape {list(activations.shape)}; the cut "
                                  f"takes (n, {', '.join(map(str, driver.row_shape))})", reason=Reason.LAYOUT)
@@ -609,18 +603,18 @@ class Session:
                 return fpb.SplitReply(seq=batch.seq, loss=header["loss"], correct=header["correct"])
             _, (out,) = self._call("infer", [activations])
             return fpb.SplitReply(seq=batch.seq, tensor=out)
-        self._turn(batch.seq)
+        self.turns.wait(self.site, batch.seq, lambda: self._cut)
         if self.vanilla:
             try:
                 header, (grad,) = self._call("vanilla", [activations, labels])
             finally:
-                self._turns().done(self.site, batch.seq)
+                self.turns.done(self.site, batch.seq)
             self._through()
             return fpb.SplitReply(seq=batch.seq, tensor=grad, loss=header["loss"])
         try:
             _, (out,) = self._call("forward", [activations])
         except BaseException:
-            self._turns().done(self.site, batch.seq)
+            self.turns.done(self.site, batch.seq)
             raise
         self.pending = batch.seq       # the server's turn is held until this batch's gradient comes
         return fpb.SplitReply(seq=batch.seq, tensor=out)
@@ -632,11 +626,11 @@ class Session:
                                  reason=Reason.LAYOUT)
         seq = self.pending
         try:
-            grad = array_of(message.grad, dtype="F32", what=f"batch {seq}'s gradient")
+            grad = array_of(message.grad, dtype="F32", what=f"batch {seq}'s gradient", finite=False)
             _, (back,) = self._call("backward", [grad])
         finally:
             self.pending = None
-            self._turns().done(self.site, seq)
+            self.turns.done(self.site, seq)
         self._through()
         return fpb.SplitReply(seq=seq, tensor=back)
 
@@ -657,12 +651,13 @@ class Session:
         if done.num_samples != self.rows:
             raise IntegrityError(f"num_samples {done.num_samples}, and the session's batches held {self.rows} rows",
                                  reason=Reason.NUM_SAMPLES)
-        metrics = check_metrics(dict(done.metrics))
-        weights = weights_of(done.weights, driver.shapes, what="the site's parts") if self.training else None
+        metrics = checked_metrics(dict(done.metrics))
+        weights = weights_of(done.weights, {n: a.shape for n, a in driver.site_state.items()},
+                             what="the site's parts") if self.training else None
         if not self.training and done.weights:
             raise IntegrityError("an evaluation session sends no weights", reason=Reason.LAYOUT)
         with driver._lock:
-            message = driver.finished(self, self.rows, metrics, weights)
+            message = driver.completed(self, self.rows, metrics, weights)
         self.finished = True
         return fpb.SplitReply(seq=self.seq, message=message)
 
@@ -677,17 +672,10 @@ class Session:
             except (ConfigError, IntegrityError):
                 pass
             finally:
-                self._turns().done(self.site, self.pending)
+                self.turns.done(self.site, self.pending)
             self.pending = None
         with driver._lock:
             driver.broke(self, exc or RoundClosed("the site closed its Split session before its end"))
-
-    def _turns(self) -> Turns:
-        ph = self.driver.phase
-        return ph.turns if ph is not None and ph.turns is not None else _NO_TURNS
-
-    def _turn(self, seq: int) -> None:
-        self._turns().wait(self.site, seq, lambda: self._cut)
 
     def _call(self, op: str, tensors: list[np.ndarray]) -> tuple[dict, list[fpb.TensorData]]:
         """The worker's reply to `op`: its header, and its tensors as wire messages, made straight from the shared
@@ -702,25 +690,3 @@ class Session:
             ph.server_s += compute
             ph.hop_s += time.perf_counter() - started - compute
         return header, out
-
-
-class _NoTurns:
-    def wait(self, site, seq, cut):
-        raise RoundClosed("the epoch's training phase is over")
-
-    def done(self, site, seq):
-        pass
-
-
-_NO_TURNS = _NoTurns()
-
-
-def check_metrics(values: dict[str, float]) -> dict[str, float]:
-    if len(values) > MAX_METRICS:
-        raise IntegrityError(f"metrics has {len(values)} entries; at most {MAX_METRICS} are allowed",
-                             reason=Reason.METRICS)
-    for name, value in values.items():
-        if not name or len(name) > 64 or not np.isfinite(value):
-            raise IntegrityError(f"metrics[{name[:64]!r}] must have a 1-64 character name and a finite value",
-                                 reason=Reason.METRICS)
-    return {k: float(v) for k, v in values.items()}

@@ -1039,6 +1039,19 @@ def kept_metrics(job: ActiveJob, metrics: dict) -> dict:
     return {} if job.cfg.privacy.dp is not None else metrics
 
 
+def checked_metrics(values, field_name: str = "metrics") -> dict[str, float]:
+    """A site's reported metrics as floats: at most MAX_METRICS, each with a 1-64 character name and a finite value
+    (IntegrityError otherwise)."""
+    if len(values) > MAX_METRICS:
+        raise IntegrityError(f"{field_name} has {len(values)} entries; at most {MAX_METRICS} are allowed",
+                             reason=Reason.METRICS)
+    for name, value in values.items():
+        if not name or len(name) > 64 or not np.isfinite(value):
+            raise IntegrityError(f"{field_name}[{name[:64]!r}] must have a 1-64 character name and a finite value",
+                                 reason=Reason.METRICS)
+    return {name: float(value) for name, value in values.items()}
+
+
 def site_metrics(rs: RoundState, site: str, eval_metrics, train_metrics=None,
                   num_samples: int | None = None) -> dict:
     """A site's reported metrics, validated, keyed for the store: (round, kind, name) -> value.
@@ -1050,13 +1063,7 @@ def site_metrics(rs: RoundState, site: str, eval_metrics, train_metrics=None,
     out = {}
     for field_name, values, key in (("eval_metrics", eval_metrics, (rs.model_round, "eval")),
                                     ("metrics", train_metrics or {}, (rs.round, "train"))):
-        if len(values) > MAX_METRICS:
-            raise IntegrityError(f"{field_name} has {len(values)} entries; at most {MAX_METRICS} are allowed",
-                                 reason=Reason.METRICS)
-        for name, value in values.items():
-            if not name or len(name) > 64 or not np.isfinite(value):
-                raise IntegrityError(f"{field_name}[{name[:64]!r}] must have a 1-64 character name and a finite value",
-                                     reason=Reason.METRICS)
+        for name, value in checked_metrics(values, field_name).items():
             if key[1] == "eval" and name == "num_samples":
                 if value < 1:
                     raise IntegrityError(f"eval_metrics['num_samples'] must be at least 1; got {value}",

@@ -28,7 +28,7 @@ def worker(request):   # one process per transport; every test `load`s its own m
 
 
 def load(worker, variant, cuts, row_shape):
-    worker.call("load", model="mlp", args=MLP, seed=3, variant=variant, cuts=cuts, row_shape=row_shape, classes=2,
+    worker.call("load", model="mlp", args=MLP, seed=3, variant=variant, cuts=cuts,
                 max_rows=256, lr=0.1)
     parts = split(build_model("mlp", MLP, seed=3), variant, cuts)
     return parts, ServerStep(parts, torch.optim.SGD(parts.middle.parameters(), lr=0.1))
@@ -94,7 +94,7 @@ def test_a_state_larger_than_the_shared_segment_comes_back_through_the_pipe():
     w = SplitWorker()
     try:
         w.call("load", model="mlp", args={"in_features": 13, "hidden": [8, 100_000]}, seed=0, variant="vanilla",
-               cuts=["hidden1"], row_shape=[8], classes=2)
+               cuts=["hidden1"])
         header, tensors = w.call("state")   # 1.1M floats: beyond the 1 MiB segment, so through the pipe
         assert sum(t.nbytes for t in tensors) == 4 * (8 * 100_000 + 100_000 + 100_000 * 2 + 2)
         assert header["names"] == ["layers.2.bias", "layers.2.weight", "layers.4.bias", "layers.4.weight"]
