@@ -18,7 +18,8 @@ Operations (plexus.split's ServerStep, one batch at a time):
 - `state` -> the server part's tensors, by the model's names (for checkpoints); `load_state` puts them back;
   `optimizer` -> SGD's momentum buffers ("momentum/<name>"); `load_optimizer` puts them back.
 
-Every reply also says how long the worker computed (`compute_s`), so the hop's own cost is measured apart.
+Every reply also says how long the worker computed (`compute_s`: the batch's checks and the server part's compute,
+not the copy a forward's activations take out of the segment), so the hop's own cost is measured apart.
 
     python -m coordinator.split_worker        (started by SplitWorker; not run by hand)
 """
@@ -298,8 +299,8 @@ class _Server:
                 return {"loss": loss, "correct": int((logits.argmax(1) == y).sum())}, []
         if op in ("forward", "infer"):
             check_batch(tensors[0], self.row_shape, max_rows=self.max_rows)
-            if op == "forward":   # its activations outlive the call (backward needs them): out of the segment
-                return {}, [self.step.forward(self._in(np.array(tensors[0]))).cpu().numpy()]
+            if op == "forward":   # its activations, copied out of the segment as they came (main), outlive the call
+                return {}, [self.step.forward(self._in(tensors[0])).cpu().numpy()]
             with torch.no_grad():
                 self.parts.middle.eval()
                 out = self.parts.middle(self._in(tensors[0]))
@@ -377,6 +378,8 @@ def main() -> int:
             header, tensors = read_frame(stdin, segments.attach, copy=False)
         except EOFError:
             return 0
+        if header.get("op") == "forward":   # its activations outlive the call (backward needs them): a copy out of
+            tensors = [np.array(t) for t in tensors]   # the segment, the hop's cost, so before the clock starts
         started = time.perf_counter()
         try:
             reply, out = server.handle(header, tensors)
