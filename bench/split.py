@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from plexus.models import build_model
-from plexus.split import ServerStep, message_bytes, sequential_epoch, split, splitfed_epoch
+from plexus.split import ServerStep, SiteOptions, message_bytes, sequential_epoch, split, splitfed_epoch
 
 CUTS = {"cnn": {"vanilla": ["block1"], "u-shaped": ["block1", "features"]},
         "mlp": {"vanilla": ["hidden1"], "u-shaped": ["hidden1", "hidden2"]}}
-METHODS = ("pooled", "fedavg", "splitfed u-shaped", "splitfed vanilla", "sequential u-shaped", "sequential vanilla")
+METHODS = ("pooled", "fedavg", "splitfed u-shaped", "splitfed vanilla", "sequential u-shaped", "sequential vanilla",
+           "splitfed u-shaped logit-adjusted")
 
 
 def load(data: str, sites: int, seed: int):
@@ -91,7 +92,8 @@ def run(method: str, name: str, args: dict, sites, test, *, epochs: int, seed: i
             model.load_state_dict({n: sum(w / total * s[n].double() for w, s in zip(weights, states)).float()
                                    for n in states[0]})
     else:
-        schedule, variant = method.split()
+        schedule, variant, *adjusted = method.split()
+        options = SiteOptions(logit_adjustment=1.0 if adjusted else 0.0)   # τ = 1 (split.logit_adjustment)
         cuts = CUTS[name][variant]
         parts = split(model, variant, cuts)
         server = ServerStep(parts, make(parts.middle.parameters()))
@@ -103,9 +105,11 @@ def run(method: str, name: str, args: dict, sites, test, *, epochs: int, seed: i
         per_site_bytes += 2.0 * site_bytes
         for epoch in range(epochs):
             if schedule == "sequential":
-                sequential_epoch(model, parts, server, tensors, make, batch_size=batch, seed=seed * 101 + epoch)
+                sequential_epoch(model, parts, server, tensors, make, batch_size=batch, seed=seed * 101 + epoch,
+                                 options=options)
             else:
-                splitfed_epoch(model, variant, cuts, server, tensors, make, batch_size=batch, seed=seed * 101 + epoch)
+                splitfed_epoch(model, variant, cuts, server, tensors, make, batch_size=batch, seed=seed * 101 + epoch,
+                               options=options)
     return {"method": method, "seed": seed, "accuracy": accuracy(model, test),
             "bytes_per_epoch_per_site": per_site_bytes, "seconds": time.perf_counter() - started}
 

@@ -240,16 +240,13 @@ class _Server:
         import torch
 
         from plexus.models import build_model
-        from plexus.split import ServerStep, cut_shapes, part_names, split
+        from plexus.split import ServerStep, cut_shapes, num_classes, part_names, split
 
         torch.set_num_threads(int(header.get("threads", 1)))
         model = build_model(header["model"], header.get("args", {}), seed=int(header.get("seed", 0)))
         parts = split(model, header["variant"], list(header["cuts"]))
         self.row_shape, out_shape = cut_shapes(model, parts)   # ConfigError without input_shape()
-        with torch.no_grad():
-            model.eval()
-            self.classes = int(model(torch.zeros((1, *model.input_shape()))).shape[1])
-            model.train()
+        self.classes = num_classes(model)
         self.max_rows = int(header.get("max_rows", 4096))
         self.device = str(header.get("device", "cpu"))
         if self.device == "cuda" and not torch.cuda.is_available():

@@ -406,6 +406,9 @@ class SplitSpec:
     schedule: str = field(default="splitfed", metadata=one_of(*SPLIT_SCHEDULES))
     nopeek: float = field(default=0.0, metadata=in_range(0, 100))        # λ of NoPeek's distance correlation
     noise_std: float = field(default=0.0, metadata=in_range(0, 100))     # Gaussian noise on sent activations
+    # u-shaped: τ of logit adjustment for label skew (plexus.split; 0: off): each site trains its head on logits +
+    # τ · log(its own label frequencies), which never leave it.
+    logit_adjustment: float = field(default=0.0, metadata=in_range(0, 10))
     # The longest the coordinator waits for a site's next message in a session (and for a site whose turn it is
     # at the server): past it the site is recorded as dropped and the schedule goes on without it.
     batch_timeout_s: float = field(default=60.0, metadata=in_range(0, 3600, lo_open=True))
@@ -1140,6 +1143,10 @@ def _split_problem(cfg: RoundConfig) -> tuple[str, str] | None:
         return "split.cuts", (f"lists {len(spec.cuts)} cut(s), and a {spec.variant} split takes {want}: "
                               + ("the site's layers end at the one cut" if want == 1 else
                                  "the server's part lies between the two, the site keeps the layers after the second"))
+    if spec.logit_adjustment and spec.variant == "vanilla":
+        return "split.logit_adjustment", ("applies to u-shaped splits, whose sites compute the loss from their own "
+                                          "labels; a vanilla split's loss is computed at the server. Use `variant: "
+                                          "u-shaped` with two cuts, or remove split.logit_adjustment")
     if cfg.kind != "train":
         return "kind", "is statistics, which sends sums, not activations; a split job trains: remove `kind:`"
     if cfg.strategy.name != "fedavg" or cfg.strategy.args:

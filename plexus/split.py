@@ -16,6 +16,10 @@ tensors; the wire, the server's compute worker and the schedules across sites bu
 Privacy options at the site: NoPeek (Vepakomma et al. 2019), λ · distance correlation between a batch's inputs and
 its cut activations added to the site's loss; and Gaussian noise on the activations it sends. Neither is covered by
 a DP accountant.
+
+Label skew (u-shaped, where the site computes the loss): logit adjustment (Menon et al. 2021; in federated learning,
+FedLC, Zhang et al. 2022) trains the site's head on logits + τ · log(the site's own label frequencies), so that each
+site's head learns the class-balanced rule rather than its own label mix; evaluation uses the plain logits.
 """
 
 from __future__ import annotations
@@ -121,10 +125,29 @@ def _centred_distances(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SiteOptions:
-    """The site's privacy options: NoPeek weight λ (0: off) and the std of Gaussian noise on sent activations."""
+    """The site's options: NoPeek weight λ (0: off), the std of Gaussian noise on sent activations, and (u-shaped)
+    the logit adjustment τ (0: off), which needs the site's label_log_prior."""
 
     nopeek: float = 0.0
     noise_std: float = 0.0
+    logit_adjustment: float = 0.0
+
+
+def num_classes(model: nn.Module) -> int:
+    """The width of a splittable model's output (one probe row of its input_shape())."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return int(model(torch.zeros((1, *model.input_shape()), dtype=next(model.parameters()).dtype)).shape[1])
+    finally:
+        model.train(was)
+
+
+def label_log_prior(y: torch.Tensor, classes: int) -> torch.Tensor:
+    """log of a site's label frequencies, add-one smoothed (a class the site lacks gets a finite, low prior)."""
+    counts = torch.bincount(torch.as_tensor(y, dtype=torch.int64), minlength=classes)[:classes].double() + 1.0
+    return torch.log(counts / counts.sum()).float()
 
 
 class SiteStep:
@@ -133,8 +156,12 @@ class SiteStep:
     `backward(grad at the cut)`. The site's optimizer steps once, at `backward`."""
 
     def __init__(self, parts: SplitParts, optimizer: torch.optim.Optimizer, options: SiteOptions = SiteOptions(),
-                 *, generator: torch.Generator | None = None):
+                 *, generator: torch.Generator | None = None, log_prior: torch.Tensor | None = None):
+        if options.logit_adjustment and (parts.head is None or log_prior is None):
+            raise ValueError("logit adjustment needs a u-shaped split (the site's head computes the loss) and the "
+                             "site's label_log_prior")
         self.parts, self.optimizer, self.options, self.generator = parts, optimizer, options, generator
+        self._shift = options.logit_adjustment * log_prior if options.logit_adjustment else None
         self._cut: torch.Tensor | None = None
         self._nopeek: torch.Tensor | None = None
         self._rows = 0
@@ -154,7 +181,8 @@ class SiteStep:
     def loss(self, server_out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
         """U-shaped: the head's loss on the server's output; (its gradient to send back, the loss)."""
         h = server_out.detach().requires_grad_(True)
-        loss = F.cross_entropy(self.parts.head(h), y)
+        logits = self.parts.head(h)
+        loss = F.cross_entropy(logits if self._shift is None else logits + self._shift, y)
         loss.backward()
         return h.grad, float(loss.detach())
 
@@ -254,10 +282,11 @@ def sequential_epoch(model: nn.Module, parts: SplitParts, server: ServerStep, si
     weights the previous one left; the server's part carries on throughout. `model` holds those weights (the
     parts share its modules); each turn's site optimizer is new (its state never leaves a site). Mean loss."""
     losses = []
+    classes = num_classes(model) if options.logit_adjustment else 0
     for k, (x, y) in enumerate(sites):
         generator = torch.Generator().manual_seed(seed * 1_000_003 + k)
         site = SiteStep(parts, make_optimizer([p for m in parts.site_modules for p in m.parameters()]), options,
-                        generator=generator)
+                        generator=generator, log_prior=label_log_prior(y, classes) if classes else None)
         for rows in _batches(len(x), batch_size, generator):
             losses.append(train_batch(site, server, x[rows], y[rows]))
     return sum(losses) / max(1, len(losses))
@@ -271,14 +300,16 @@ def splitfed_epoch(model: nn.Module, variant: str, cuts: list[str], server: Serv
     import copy
 
     copies, steps, plans = [], [], []
-    for k, (x, _) in enumerate(sites):
+    classes = num_classes(model) if options.logit_adjustment else 0
+    for k, (x, y) in enumerate(sites):
         mine = copy.deepcopy(model)
         parts = split(mine, variant, cuts)
         parts.middle = server.parts.middle   # one server part for all
         generator = torch.Generator().manual_seed(seed * 1_000_003 + k)
         copies.append(mine)
         steps.append(SiteStep(parts, make_optimizer([p for m in parts.site_modules for p in m.parameters()]),
-                              options, generator=generator))
+                              options, generator=generator,
+                              log_prior=label_log_prior(y, classes) if classes else None))
         plans.append(_batches(len(x), batch_size, generator))
     losses = []
     for turn in range(max(len(p) for p in plans)):

@@ -28,7 +28,7 @@ from plexus.config import DatasetSpec, parse_round_config
 from plexus.datasets import load_for_job
 from plexus.models import build_job_model, state_to_numpy
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.split import ServerStep, SiteStep, split, train_batch
+from plexus.split import ServerStep, SiteOptions, SiteStep, label_log_prior, split, train_batch
 from plexus.split_wire import tensor_message
 from site_agent import split as site_split
 from site_agent.agent import SiteAgent
@@ -40,14 +40,15 @@ CUTS = {"vanilla": "[hidden1]", "u-shaped": "[hidden1, hidden2]"}
 
 
 def split_job(variant: str, schedule: str, *, rounds: int = 2, min_sites: int = 3, seed: int = 5, name: str = "sl",
-              timeout: float = 30.0) -> str:
+              timeout: float = 30.0, tau: float = 0.0) -> str:
     return f"""\
 name: {name}
 model: {{name: mlp, args: {{in_features: 13, hidden: [32, 16], num_classes: 2}}}}
 data: {{dataset: heart-disease}}
 rounds: {rounds}
 mode: split
-split: {{variant: {variant}, cuts: {CUTS[variant]}, schedule: {schedule}, batch_timeout_s: {timeout}}}
+split: {{variant: {variant}, cuts: {CUTS[variant]}, schedule: {schedule}, batch_timeout_s: {timeout}, \
+logit_adjustment: {tau}}}
 sites: {{min: {min_sites}, deadline_s: {scaled(60)}}}
 train: {{batch_size: 32, optimizer: {{name: sgd, lr: 0.1, momentum: 0.5}}}}
 seed: {seed}
@@ -68,9 +69,11 @@ def reference(job: str, sites: tuple[str, ...]) -> dict[str, np.ndarray]:
     def site_step(p, epoch, site):
         generator = torch.Generator().manual_seed(site_seed(cfg.seed, epoch, site))
         params = [q for m in p.site_modules for q in m.parameters()]
-        step = SiteStep(p, torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum), generator=generator)
         x = torch.as_tensor(data[site].x_train, dtype=torch.float32)
         y = torch.as_tensor(data[site].y_train, dtype=torch.int64)
+        step = SiteStep(p, torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum),
+                        SiteOptions(logit_adjustment=spec.logit_adjustment), generator=generator,
+                        log_prior=label_log_prior(y, 2) if spec.logit_adjustment else None)
         order = torch.randperm(len(x), generator=generator)
         return step, [(x[r], y[r]) for r in (order[k:k + 32] for k in range(0, len(x), 32))]
 
@@ -124,11 +127,12 @@ def three_sites(federation):
     return federation.start_sites(*SITES)
 
 
-@pytest.mark.parametrize("variant,schedule", [("u-shaped", "sequential"), ("vanilla", "splitfed"),
-                                              ("u-shaped", "splitfed")])
-def test_a_split_job_ends_with_the_in_process_schedule_s_model(three_sites, variant, schedule):
-    """Sequential hands the site-side weights on site by site; SplitFed averages the sites' copies by rows."""
-    job = split_job(variant, schedule)
+@pytest.mark.parametrize("variant,schedule,tau", [("u-shaped", "sequential", 0.0), ("vanilla", "splitfed", 0.0),
+                                                  ("u-shaped", "splitfed", 1.0)])
+def test_a_split_job_ends_with_the_in_process_schedule_s_model(three_sites, variant, schedule, tau):
+    """Sequential hands the site-side weights on site by site; SplitFed averages the sites' copies by rows (here
+    with each site's head trained logit-adjusted to its own labels)."""
+    job = split_job(variant, schedule, tau=tau)
     job_id = run_job(three_sites, job)
     store = three_sites.store
     final = store.load_checkpoint(job_id, 2)

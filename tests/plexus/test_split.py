@@ -16,7 +16,9 @@ from plexus.split import (
     SiteOptions,
     SiteStep,
     distance_correlation,
+    label_log_prior,
     message_bytes,
+    num_classes,
     sequential_epoch,
     split,
     splitfed_epoch,
@@ -120,6 +122,30 @@ def test_noise_on_the_activations_is_seeded_and_only_on_what_is_sent():
     clean = parts.bottom(x).detach()
     assert torch.equal(sent[0], sent[1]) and not torch.allclose(sent[0], clean)
     assert float((sent[0] - clean).std()) == pytest.approx(0.5, rel=0.2)
+
+
+def test_logit_adjustment_trains_the_head_on_logits_plus_tau_log_prior():
+    """u-shaped with τ: the site's loss is the cross-entropy of logits + τ·log(its label frequencies, add-one
+    smoothed), so the gradients are those of that loss on the whole model; τ needs a head and a prior."""
+    model = build_model("mlp", {"in_features": 13, "hidden": [32, 16], "num_classes": 3}, seed=1)
+    whole = copy.deepcopy(model)
+    x, _ = batch((64, 13))
+    y = torch.tensor([0] * 50 + [1] * 14)   # a skewed site that never saw class 2
+    prior = label_log_prior(y, num_classes(model))
+    counts = torch.tensor([51.0, 15.0, 1.0])
+    assert torch.allclose(prior, torch.log(counts / counts.sum())) and torch.isfinite(prior).all()
+    F.cross_entropy(whole(x) + 0.7 * prior, y).backward()
+    parts = split(model, "u-shaped", ["hidden1", "hidden2"])
+    site = SiteStep(parts, sgd(0.0)([p for m in parts.site_modules for p in m.parameters()]),
+                    SiteOptions(logit_adjustment=0.7), log_prior=prior)
+    train_batch(site, ServerStep(parts, sgd(0.0)(parts.middle.parameters())), x, y)
+    for (n, a), (_, b) in zip(model.named_parameters(), whole.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), n
+    with pytest.raises(ValueError, match="u-shaped split"):
+        SiteStep(split(model, "vanilla", ["hidden1"]), sgd(0.0)(model.parameters()),
+                 SiteOptions(logit_adjustment=1.0), log_prior=prior)
+    with pytest.raises(ValueError, match="label_log_prior"):
+        SiteStep(parts, sgd(0.0)(model.parameters()), SiteOptions(logit_adjustment=1.0))
 
 
 def by_hand(model, opt, x, y, *, seed: int, batch_size: int = 16) -> None:

@@ -71,6 +71,10 @@ rounds: 2
      "step with SGD"),
     ("mode: split\nsplit: {variant: vanilla, cuts: [hidden1]}\nsites: {fraction: 0.5}\n",
      "every online site takes part"),
+    ("mode: split\nsplit: {variant: vanilla, cuts: [hidden1], logit_adjustment: 1}\n",
+     "split.logit_adjustment: applies to u-shaped splits"),
+    ("mode: split\nsplit: {variant: u-shaped, cuts: [hidden1, hidden2], logit_adjustment: -1}\n",
+     "logit_adjustment"),
 ])
 def test_split_configs_that_cannot_work_are_refused_with_the_fix(extra, error):
     with pytest.raises(ConfigError, match=re.escape(error)):

@@ -16,7 +16,7 @@ from plexus.datasets import Split
 from plexus.errors import IntegrityError
 from plexus.models import state_to_numpy
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.split import ServerStep, SiteOptions, SiteStep, split, train_batch
+from plexus.split import ServerStep, SiteOptions, SiteStep, label_log_prior, split, train_batch
 from plexus.split_wire import array_of, tensor_message
 from site_agent.split import SiteSplit, evaluate_session, train_session
 
@@ -26,7 +26,7 @@ model: {{name: mlp, args: {{in_features: 6, hidden: [8, 4], num_classes: 3}}}}
 data: {{dataset: d}}
 rounds: 1
 mode: split
-split: {{variant: {variant}, cuts: {cuts}, nopeek: {nopeek}, noise_std: {noise}}}
+split: {{variant: {variant}, cuts: {cuts}, nopeek: {nopeek}, noise_std: {noise}, logit_adjustment: {tau}}}
 train: {{batch_size: 5, optimizer: {{name: sgd, lr: 0.2}}}}
 seed: 4
 """
@@ -73,11 +73,14 @@ def server_for(site: SiteSplit) -> ServerStep:
     return ServerStep(parts, torch.optim.SGD(parts.middle.parameters(), lr=0.2))
 
 
-@pytest.mark.parametrize("variant", ["vanilla", "u-shaped"])
-@pytest.mark.parametrize("nopeek,noise", [(0.0, 0.0), (0.5, 0.1)], ids=["plain", "nopeek-and-noise"])
-def test_one_epoch_through_the_session_trains_as_in_process(variant, nopeek, noise):
-    """With NoPeek and noise on, the session still does what plexus.split's SiteStep does with those options."""
-    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant], nopeek=nopeek, noise=noise))
+@pytest.mark.parametrize("variant,nopeek,noise,tau", [
+    ("vanilla", 0.0, 0.0, 0.0), ("u-shaped", 0.0, 0.0, 0.0), ("vanilla", 0.5, 0.1, 0.0), ("u-shaped", 0.5, 0.1, 0.0),
+    ("u-shaped", 0.0, 0.0, 1.0)], ids=["vanilla", "u-shaped", "vanilla-nopeek-noise", "u-shaped-nopeek-noise",
+                                       "u-shaped-logit-adjustment"])
+def test_one_epoch_through_the_session_trains_as_in_process(variant, nopeek, noise, tau):
+    """With NoPeek and noise on, or logit adjustment (from the site's own labels), the session still does what
+    plexus.split's SiteStep does with those options."""
+    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant], nopeek=nopeek, noise=noise, tau=tau))
     site, d = SiteSplit(job), data()
     reference = SiteSplit(job)
     stream = InProcess(server_for(site))
@@ -87,9 +90,10 @@ def test_one_epoch_through_the_session_trains_as_in_process(variant, nopeek, noi
     # The same batches in process: the same seed orders them, one server part answers.
     parts, server = reference.parts, server_for(reference)
     generator = torch.Generator().manual_seed(TASK.seed)
-    step = SiteStep(parts, torch.optim.SGD([p for m in parts.site_modules for p in m.parameters()], lr=0.2),
-                    SiteOptions(nopeek, noise), generator=generator)
     x, y = torch.from_numpy(d.x_train), torch.from_numpy(d.y_train)
+    step = SiteStep(parts, torch.optim.SGD([p for m in parts.site_modules for p in m.parameters()], lr=0.2),
+                    SiteOptions(nopeek, noise, tau), generator=generator,
+                    log_prior=label_log_prior(y, 3) if tau else None)
     order = torch.randperm(len(x), generator=generator)
     for k in range(0, len(x), 5):
         train_batch(step, server, x[order[k:k + 5]], y[order[k:k + 5]])
@@ -128,7 +132,7 @@ def _nan(reply, n):
     (lambda r, n: fpb.SplitReply(seq=r.seq), "carries no tensor"),
 ])
 def test_a_malformed_reply_is_refused_before_it_touches_the_site_s_parts(variant, spoil, error):
-    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant], nopeek=0, noise=0))
+    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant], nopeek=0, noise=0, tau=0))
     site = SiteSplit(job)
     before = state_to_numpy(site.model)
     with pytest.raises(IntegrityError, match=error):
@@ -139,7 +143,7 @@ def test_a_malformed_reply_is_refused_before_it_touches_the_site_s_parts(variant
 
 @pytest.mark.parametrize("variant", ["vanilla", "u-shaped"])
 def test_evaluation_runs_the_joined_model(variant):
-    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant], nopeek=0, noise=0))
+    job = parse_round_config(JOB.format(variant=variant, cuts=CUTS[variant], nopeek=0, noise=0, tau=0))
     site, d = SiteSplit(job), data()
 
     class Evaluator(InProcess):   # the coordinator's evaluate/infer: no step
