@@ -200,8 +200,8 @@ class FederationService(federation_pb2_grpc.FederationServicer):
                 yield session.take(message)
                 if session.finished:
                     break
-            if not session.finished:
-                raise IntegrityError("the Split session ended before its SplitDone")
+            if not session.finished:   # the site closed its stream early: it dropped (recorded failed, not rejected)
+                raise FailedPrecondition("the site closed its Split session before its SplitDone")
         except BaseException as exc:
             if session is not None:
                 session.ended(exc if isinstance(exc, Exception) else None)

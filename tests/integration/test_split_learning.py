@@ -7,6 +7,7 @@ u-shaped split; the joined model shows in `job show` and comes whole from `job d
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -201,9 +202,10 @@ STALL_TIMEOUT_S = 3.0
 
 
 class DropsMidEpoch(SiteAgent):
-    """A site whose epoch-1 training session ends at its third batch: `how` "vanish" closes the stream; "stall"
-    goes silent past split.batch_timeout_s after the server's forward (the server holding its turn meanwhile).
-    Gone, it reports nothing."""
+    """A site whose epoch-1 training session ends at its third batch: `how` "vanish" closes the stream (its end and
+    a cancel, racing); "hang up" only ends its side of the stream, cleanly, without SplitDone; "stall" goes silent
+    past split.batch_timeout_s after the server's forward (the server holding its turn meanwhile). Gone, it reports
+    nothing."""
 
     how = "vanish"
 
@@ -224,7 +226,11 @@ class DropsMidEpoch(SiteAgent):
                 if how == "stall":
                     ask(message)   # the forward: the server now holds its turn for this batch
                     threading.Event().wait(scaled(STALL_TIMEOUT_S + 2))
-                raise RuntimeError(f"the site {how}ed (test)")
+                if how == "hang up":   # the end of its requests, and no cancel: the coordinator sees the stream end
+                    stream._out.put(None)
+                    with contextlib.suppress(StopIteration, grpc.RpcError):
+                        next(stream._replies)
+                raise RuntimeError(f"the site {how.replace(' ', 's ')} (test)")
             return ask(message)
 
         stream.epoch = 0
@@ -232,7 +238,7 @@ class DropsMidEpoch(SiteAgent):
         return stream
 
 
-@pytest.mark.parametrize("how", ["vanish", "stall"])
+@pytest.mark.parametrize("how", ["vanish", "hang up", "stall"])
 def test_a_site_dropping_mid_epoch_is_recorded_and_the_epoch_goes_on(federation, how):
     agent = type("Drops", (DropsMidEpoch,), {"how": how})
     for name in SITES:
@@ -245,7 +251,7 @@ def test_a_site_dropping_mid_epoch_is_recorded_and_the_epoch_goes_on(federation,
     events = federation.store.site_events(job_id)
     outcomes = {(r, s): sorted(e.status for e in events if (e.round, e.site) == (r, s)) for r in (1, 2) for s in SITES}
     (dropped,) = [e for e in events if (e.round, e.site, e.status) == (1, "b", "failed")]
-    if how == "vanish":
+    if how != "stall":   # recorded failed (a drop), not rejected, however the stream ended
         assert "the Split session ended after 2 batch(es)" in dropped.reason, dropped
     else:   # silent after batch 2's forward, the server holding its turn: the others went on after the timeout
         assert "ended after 3 batch(es)" in dropped.reason
