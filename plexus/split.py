@@ -150,6 +150,12 @@ def label_log_prior(y: torch.Tensor, classes: int) -> torch.Tensor:
     return torch.log(counts / counts.sum()).float()
 
 
+def site_log_prior(options: SiteOptions, y: torch.Tensor, classes: int) -> torch.Tensor | None:
+    """What SiteStep's `log_prior` takes for a site with labels `y`: its label_log_prior under logit adjustment,
+    else None."""
+    return label_log_prior(y, classes) if options.logit_adjustment else None
+
+
 class SiteStep:
     """One batch at the site, in the order the messages flow. Vanilla: `forward` (send activations and labels),
     then `backward(grad at the cut)`. U-shaped: `forward`, then `loss(server output)` (send its gradient), then
@@ -282,11 +288,11 @@ def sequential_epoch(model: nn.Module, parts: SplitParts, server: ServerStep, si
     weights the previous one left; the server's part carries on throughout. `model` holds those weights (the
     parts share its modules); each turn's site optimizer is new (its state never leaves a site). Mean loss."""
     losses = []
-    classes = num_classes(model) if options.logit_adjustment else 0
+    classes = num_classes(model)
     for k, (x, y) in enumerate(sites):
         generator = torch.Generator().manual_seed(seed * 1_000_003 + k)
         site = SiteStep(parts, make_optimizer([p for m in parts.site_modules for p in m.parameters()]), options,
-                        generator=generator, log_prior=label_log_prior(y, classes) if classes else None)
+                        generator=generator, log_prior=site_log_prior(options, y, classes))
         for rows in _batches(len(x), batch_size, generator):
             losses.append(train_batch(site, server, x[rows], y[rows]))
     return sum(losses) / max(1, len(losses))
@@ -300,7 +306,7 @@ def splitfed_epoch(model: nn.Module, variant: str, cuts: list[str], server: Serv
     import copy
 
     copies, steps, plans = [], [], []
-    classes = num_classes(model) if options.logit_adjustment else 0
+    classes = num_classes(model)
     for k, (x, y) in enumerate(sites):
         mine = copy.deepcopy(model)
         parts = split(mine, variant, cuts)
@@ -308,8 +314,7 @@ def splitfed_epoch(model: nn.Module, variant: str, cuts: list[str], server: Serv
         generator = torch.Generator().manual_seed(seed * 1_000_003 + k)
         copies.append(mine)
         steps.append(SiteStep(parts, make_optimizer([p for m in parts.site_modules for p in m.parameters()]),
-                              options, generator=generator,
-                              log_prior=label_log_prior(y, classes) if classes else None))
+                              options, generator=generator, log_prior=site_log_prior(options, y, classes)))
         plans.append(_batches(len(x), batch_size, generator))
     losses = []
     for turn in range(max(len(p) for p in plans)):

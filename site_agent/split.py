@@ -21,7 +21,7 @@ from plexus.datasets import Split
 from plexus.errors import IntegrityError
 from plexus.models import build_job_model, load_numpy_state
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.split import SiteOptions, SiteStep, SplitParts, cut_shapes, label_log_prior, num_classes, part_names, split
+from plexus.split import SiteOptions, SiteStep, SplitParts, cut_shapes, num_classes, part_names, site_log_prior, split
 from plexus.split_wire import array_of, tensor_message
 from plexus.wire import Layout
 
@@ -59,6 +59,7 @@ class SiteSplit:
         self.parts: SplitParts = split(self.model, spec.variant, list(spec.cuts))
         self.site_names, _ = part_names(self.model, self.parts)
         self.row_shape, self.out_shape = cut_shapes(self.model, self.parts)
+        self.classes = num_classes(self.model)
         state = self.model.state_dict()
         self.layout = Layout.of({n: state[n].detach().numpy() for n in self.site_names})
 
@@ -80,10 +81,10 @@ def train_session(stream: Stream, site: SiteSplit, data: Split, task) -> dict[st
     params = [p for m in parts.site_modules for p in m.parameters()]
     generator = torch.Generator().manual_seed(task.seed)
     spec = job.split
+    options = SiteOptions(spec.nopeek, spec.noise_std, spec.logit_adjustment)
     x, y = _tensors(data.x_train, data.y_train)
     step = SiteStep(parts, torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay),
-                    SiteOptions(spec.nopeek, spec.noise_std, spec.logit_adjustment), generator=generator,
-                    log_prior=label_log_prior(y, num_classes(site.model)) if spec.logit_adjustment else None)
+                    options, generator=generator, log_prior=site_log_prior(options, y, site.classes))
     order = torch.randperm(len(x), generator=generator)
     batches = [order[k:k + job.train.batch_size] for k in range(0, len(x), job.train.batch_size)]
     _open(stream, task, len(batches))

@@ -496,11 +496,7 @@ class SplitRounds:
         self._end()
 
     def _end(self) -> None:
-        self.ended = True
-        if self.phase is not None:
-            self._cut_sessions(self.phase, RoundClosed(f"job {self.job_id} has ended"))
-        self.phase = None
-        self._close_worker()
+        self.stop(f"job {self.job_id} has ended")
 
     def _close_worker(self) -> None:
         with self._starting:
