@@ -83,26 +83,47 @@ def fed(tmp_path):
     federation.close()
 
 
+def _threads(pid: int, sig: int) -> set[int]:
+    """The process's threads other than the main one that do not block `sig` now."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue   # ended while we looked
+        blocked = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+        if int(tid) != pid and not blocked & (1 << (sig - 1)):
+            found.add(int(tid))
+    return found
+
+
 def _signal(proc: subprocess.Popen, sig: int, target: str) -> None:
-    """Send `sig` to the process, or to one of its threads other than the main one."""
+    """Send `sig` to the process, or to one of its long-lived threads other than the main one.
+
+    gRPC starts and ends a set of threads with each channel (a site redialling a coordinator that
+    is down makes a new set every back-off). A thread being created or ending blocks every signal
+    (glibc), and a signal sent to that one thread dies with it, which the kernel never does to a
+    process-directed signal, the case this emulates. So the signal goes to a thread that was there
+    a moment ago too and does not block it.
+    """
     if target == "process":
         proc.send_signal(sig)
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if not hasattr(libc, "tgkill"):
         pytest.skip("this libc has no tgkill() to send a signal to one thread")
-    tasks = Path(f"/proc/{proc.pid}/task")
 
     def sent() -> bool:
-        # A short-lived thread listed here may have ended before the signal reaches it (ESRCH): try the next.
-        for tid in sorted((int(t) for t in os.listdir(tasks) if int(t) != proc.pid), reverse=True):
+        before = _threads(proc.pid, sig)
+        time.sleep(0.5)
+        for tid in sorted(before & _threads(proc.pid, sig)):
             if libc.tgkill(proc.pid, tid, sig) == 0:
                 return True
             if ctypes.get_errno() != errno.ESRCH:
                 raise OSError(ctypes.get_errno(), "tgkill failed")
         return False
 
-    wait_until(sent, 10, "a thread besides the main one to take the signal")
+    wait_until(sent, 10, "a long-lived thread besides the main one to take the signal")
 
 
 def _stops(proc: subprocess.Popen, name: str, target: str) -> float:
