@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import sqlite3
-import threading
 
 import grpc
 import numpy as np
@@ -225,7 +224,8 @@ class DropsMidEpoch(SiteAgent):
             if body == "batch" and message.batch.seq == 2 and stream.epoch == 1:   # evaluation: one batch
                 if how == "stall":
                     ask(message)   # the forward: the server now holds its turn for this batch
-                    threading.Event().wait(scaled(STALL_TIMEOUT_S + 2))
+                    with contextlib.suppress(StopIteration, grpc.RpcError):   # silent until the coordinator gives
+                        next(stream._replies)   # up on it (split.batch_timeout_s) and ends the call
                 if how == "hang up":   # the end of its requests, and no cancel: the coordinator sees the stream end
                     stream._out.put(None)
                     with contextlib.suppress(StopIteration, grpc.RpcError):
