@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from bench.split import CUTS, accuracy, load, run as bench_run
 from plexus.models import build_model
-from plexus.split import ServerStep, SiteStep, _average_site_parts, _batches, split, splitfed_epoch, train_batch
+from plexus.split import ServerStep, SiteStep, average_site_parts, epoch_batches, split, splitfed_epoch, train_batch
 
 METHODS = ("pooled", "splitfed", "interleaved", "splitfed-equal-turns", "synchronous")
 EPOCH_SEED = 101         # as bench.split: epoch e of seed s shuffles with s * 101 + e
@@ -44,7 +44,7 @@ def _plans(sites, seed: int, batch: int, equal_turns: bool) -> list[list[torch.T
     turn of `batch` rows from every site takes."""
     generators = [torch.Generator().manual_seed(seed * SITE_SEED + k) for k in range(len(sites))]
     if not equal_turns:
-        return [_batches(len(x), batch, g) for (x, _), g in zip(sites, generators)]
+        return [epoch_batches(len(x), batch, g) for (x, _), g in zip(sites, generators)]
     turns = -(-sum(len(x) for x, _ in sites) // batch)
     plans = []
     for (x, _), g in zip(sites, generators):
@@ -99,7 +99,7 @@ def run(method: str, sites_n: int, seed: int, *, epochs: int, lr: float, batch: 
                 if turn < len(plans[k]) and len(plans[k][turn]):
                     rows = plans[k][turn]
                     train_batch(steps[k], server, x[rows], y[rows])
-        _average_site_parts(model, "u-shaped", cuts, copies, [len(x) for x, _ in sites])
+        average_site_parts(model, "u-shaped", cuts, copies, [len(x) for x, _ in sites])
     return accuracy(model, test)
 
 

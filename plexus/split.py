@@ -277,7 +277,8 @@ def message_bytes(parts: SplitParts, x: torch.Tensor) -> dict[str, int]:
 
 
 # Schedules across sites, in process: the reference the federated schedules follow ---------------------------------
-def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
+def epoch_batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """One epoch's batches over n rows: row indices in the generator's order, batch_size at a time."""
     order = torch.randperm(n, generator=generator)
     return [order[k:k + batch_size] for k in range(0, n, batch_size)]
 
@@ -293,7 +294,7 @@ def sequential_epoch(model: nn.Module, parts: SplitParts, server: ServerStep, si
         generator = torch.Generator().manual_seed(seed * 1_000_003 + k)
         site = SiteStep(parts, make_optimizer([p for m in parts.site_modules for p in m.parameters()]), options,
                         generator=generator, log_prior=site_log_prior(options, y, classes))
-        for rows in _batches(len(x), batch_size, generator):
+        for rows in epoch_batches(len(x), batch_size, generator):
             losses.append(train_batch(site, server, x[rows], y[rows]))
     return sum(losses) / max(1, len(losses))
 
@@ -315,19 +316,20 @@ def splitfed_epoch(model: nn.Module, variant: str, cuts: list[str], server: Serv
         copies.append(mine)
         steps.append(SiteStep(parts, make_optimizer([p for m in parts.site_modules for p in m.parameters()]),
                               options, generator=generator, log_prior=site_log_prior(options, y, classes)))
-        plans.append(_batches(len(x), batch_size, generator))
+        plans.append(epoch_batches(len(x), batch_size, generator))
     losses = []
     for turn in range(max(len(p) for p in plans)):
         for k, (x, y) in enumerate(sites):
             if turn < len(plans[k]):
                 rows = plans[k][turn]
                 losses.append(train_batch(steps[k], server, x[rows], y[rows]))
-    _average_site_parts(model, variant, cuts, copies, [len(x) for x, _ in sites])
+    average_site_parts(model, variant, cuts, copies, [len(x) for x, _ in sites])
     return sum(losses) / max(1, len(losses))
 
 
-def _average_site_parts(model: nn.Module, variant: str, cuts: list[str], copies: list[nn.Module],
-                        weights: list[int]) -> None:
+def average_site_parts(model: nn.Module, variant: str, cuts: list[str], copies: list[nn.Module],
+                       weights: list[int]) -> None:
+    """Set `model`'s site-side parts to the copies' weighted mean (in float64, then the parameter's dtype)."""
     target = split(model, variant, cuts)
     total = float(sum(weights))
     sources = [split(c, variant, cuts) for c in copies]
