@@ -13,10 +13,10 @@ order; u-shaped cuts block1 and features):
   batch from one site): what the label skew of the batches alone costs.
 - `splitfed-equal-turns`: SplitFed with every site cutting its rows into the same number of batches (the
   turns of 64 × sites rows), so that no site trains alone at an epoch's end.
-- `synchronous`: one step a turn over every site's share of the turn, 64 rows in all, each site's share
-  proportional to its rows. A U-shaped split whose sites keep their parts equal (each applying the row-weighted
-  sum of the sites' site-part gradients every turn) and whose server steps once on the turn's activations would
-  take this same step, up to the order of float sums; here it runs on the unsplit model.
+- `synchronous`: U-shaped synchronous SplitFed (plexus.split.synchronous_epoch, in process only): every turn
+  takes each site's share of 64 rows, proportional to its rows; the server steps once on the turn's
+  activations from all sites, and every site applies the sum of the sites' gradients of their parts, so the
+  site parts stay equal. That is one unsplit model's step on the turn's rows, up to the order of float sums.
 """
 
 from __future__ import annotations
@@ -32,7 +32,17 @@ import torch.nn.functional as F
 
 from bench.split import CUTS, accuracy, load, run as bench_run
 from plexus.models import build_model
-from plexus.split import ServerStep, SiteStep, average_site_parts, epoch_batches, split, splitfed_epoch, train_batch
+from plexus.split import (
+    ServerStep,
+    SiteStep,
+    average_site_parts,
+    epoch_batches,
+    split,
+    splitfed_epoch,
+    synchronous_epoch,
+    train_batch,
+    turn_shares,
+)
 
 METHODS = ("pooled", "splitfed", "interleaved", "splitfed-equal-turns", "synchronous")
 EPOCH_SEED = 101         # as bench.split: epoch e of seed s shuffles with s * 101 + e
@@ -46,11 +56,7 @@ def _plans(sites, seed: int, batch: int, equal_turns: bool) -> list[list[torch.T
     if not equal_turns:
         return [epoch_batches(len(x), batch, g) for (x, _), g in zip(sites, generators)]
     turns = -(-sum(len(x) for x, _ in sites) // batch)
-    plans = []
-    for (x, _), g in zip(sites, generators):
-        order = torch.randperm(len(x), generator=g)
-        plans.append([order[t * len(x) // turns:(t + 1) * len(x) // turns] for t in range(turns)])
-    return plans
+    return [turn_shares(len(x), turns, g) for (x, _), g in zip(sites, generators)]
 
 
 def run(method: str, sites_n: int, seed: int, *, epochs: int, lr: float, batch: int) -> float:
@@ -62,28 +68,25 @@ def run(method: str, sites_n: int, seed: int, *, epochs: int, lr: float, batch: 
     sites = [(torch.as_tensor(x), torch.as_tensor(y)) for x, y in data]
     make = lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)   # noqa: E731
     cuts = CUTS[name]["u-shaped"]
-    if method in ("interleaved", "synchronous"):
+    if method == "interleaved":
         opt = make(model.parameters())
         for epoch in range(epochs):
-            seed_e = seed * EPOCH_SEED + epoch
-            synchronous = method == "synchronous"
-            plans = _plans(sites, seed_e, batch, equal_turns=synchronous)
+            plans = _plans(sites, seed * EPOCH_SEED + epoch, batch, equal_turns=False)
             for turn in range(max(map(len, plans))):
-                here = [k for k in range(len(sites)) if turn < len(plans[k]) and len(plans[k][turn])]
-                groups = [here] if synchronous else [[k] for k in here]
-                for group in groups:
-                    x = torch.cat([sites[k][0][plans[k][turn]] for k in group])
-                    y = torch.cat([sites[k][1][plans[k][turn]] for k in group])
-                    opt.zero_grad()
-                    F.cross_entropy(model(x), y).backward()
-                    opt.step()
+                for k, (x, y) in enumerate(sites):
+                    if turn < len(plans[k]):
+                        rows = plans[k][turn]
+                        opt.zero_grad()
+                        F.cross_entropy(model(x[rows]), y[rows]).backward()
+                        opt.step()
         return accuracy(model, test)
     parts = split(model, "u-shaped", cuts)
     server = ServerStep(parts, make(parts.middle.parameters()))
     for epoch in range(epochs):
         seed_e = seed * EPOCH_SEED + epoch
-        if method == "splitfed":
-            splitfed_epoch(model, "u-shaped", cuts, server, sites, make, batch_size=batch, seed=seed_e)
+        if method in ("splitfed", "synchronous"):
+            epoch_of = splitfed_epoch if method == "splitfed" else synchronous_epoch
+            epoch_of(model, "u-shaped", cuts, server, sites, make, batch_size=batch, seed=seed_e)
             continue
         plans = _plans(sites, seed_e, batch * len(sites), equal_turns=True)   # splitfed-equal-turns
         copies, steps = [], []

@@ -327,6 +327,79 @@ def splitfed_epoch(model: nn.Module, variant: str, cuts: list[str], server: Serv
     return sum(losses) / max(1, len(losses))
 
 
+def turn_shares(n: int, turns: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """A site's n rows, in the generator's order, cut into `turns` consecutive shares as even as rows allow (so
+    every site's rows last the same number of turns, each share proportional to the site's rows)."""
+    order = torch.randperm(n, generator=generator)
+    return [order[t * n // turns:(t + 1) * n // turns] for t in range(turns)]
+
+
+def synchronous_epoch(model: nn.Module, variant: str, cuts: list[str], server: ServerStep, sites: list[tuple],
+                      make_optimizer, *, batch_size: int, seed: int) -> float:
+    """Synchronous SplitFed, in process only (no federated schedule runs it yet): each of ⌈rows / batch_size⌉
+    turns takes every site's share of batch_size rows (`turn_shares`), the server steps once on the turn's
+    activations from all sites, and every site applies the sum of the sites' gradients of their parts (each
+    site's loss weighted by its share of the turn's rows), so the site parts stay equal. That is the step one
+    unsplit model takes on the turn's rows, up to the order of float sums (tests/plexus/test_split.py). Each
+    site's copy has its own optimizer for the epoch; `model` gets their (equal) site parts at its end. Mean loss
+    over turns."""
+    import copy
+
+    total = sum(len(x) for x, _ in sites)
+    turns = -(-total // batch_size)
+    parts, optimizers, plans = [], [], []
+    for k, (x, _) in enumerate(sites):
+        mine_parts = split(copy.deepcopy(model), variant, cuts)
+        mine_parts.middle = server.parts.middle
+        parts.append(mine_parts)
+        optimizers.append(make_optimizer([p for m in mine_parts.site_modules for p in m.parameters()]))
+        plans.append(turn_shares(len(x), turns, torch.Generator().manual_seed(seed * 1_000_003 + k)))
+    losses = []
+    for turn in range(turns):
+        here = [k for k in range(len(sites)) if len(plans[k][turn])]
+        if not here:   # shares are whole rows: with very small sites a turn can have none
+            continue
+        sizes = [len(plans[k][turn]) for k in here]
+        rows = sum(sizes)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        server.optimizer.zero_grad(set_to_none=True)
+        cuts_k = [parts[k].bottom(sites[k][0][plans[k][turn]]) for k in here]
+        a = torch.cat([c.detach() for c in cuts_k]).requires_grad_(True)
+        labels = [sites[k][1][plans[k][turn]] for k in here]
+        if variant == "vanilla":
+            loss = F.cross_entropy(server.parts.middle(a), torch.cat(labels))
+            loss.backward()
+            losses.append(float(loss.detach()))
+        else:
+            out = server.parts.middle(a)
+            grads, loss = [], 0.0
+            for k, o, y in zip(here, out.detach().split(sizes), labels):
+                h = o.clone().requires_grad_(True)
+                share = F.cross_entropy(parts[k].head(h), y) * (len(y) / rows)   # the turn's mean, site by site
+                share.backward()
+                grads.append(h.grad)
+                loss += float(share.detach())
+            out.backward(torch.cat(grads))
+            losses.append(loss)
+        server.optimizer.step()
+        for k, c, g in zip(here, cuts_k, a.grad.split(sizes)):
+            c.backward(g)
+        # every site, with rows this turn or not, applies the same sum: the copies and their momentum stay equal
+        mine = [[p for m in site.site_modules for p in m.parameters()] for site in parts]
+        summed = [sum(mine[k][i].grad for k in here) for i in range(len(mine[0]))]
+        for params, optimizer in zip(mine, optimizers):
+            for p, g in zip(params, summed):
+                p.grad = g.clone()
+            optimizer.step()
+    with torch.no_grad():   # every copy's site parts are the same: take the first's
+        target = split(model, variant, cuts)
+        for which in ("bottom", "head"):
+            if getattr(target, which) is not None:
+                getattr(target, which).load_state_dict(getattr(parts[0], which).state_dict())
+    return sum(losses) / max(1, len(losses))
+
+
 def average_site_parts(model: nn.Module, variant: str, cuts: list[str], copies: list[nn.Module],
                        weights: list[int]) -> None:
     """Set `model`'s site-side parts to the copies' weighted mean (in float64, then the parameter's dtype)."""

@@ -1,5 +1,5 @@
 """Split learning's core (plexus.split): the parts of a model give the unsplit model's gradients and steps, for
-both variants; NoPeek's distance correlation; the two schedules across sites."""
+both variants; NoPeek's distance correlation; the schedules across sites."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from plexus.split import (
     sequential_epoch,
     split,
     splitfed_epoch,
+    synchronous_epoch,
     train_batch,
+    turn_shares,
 )
 
 CASES = [("mlp", {"in_features": 13, "hidden": [32, 16]}, (64, 13), ["hidden1"], ["hidden1", "hidden2"]),
@@ -205,3 +207,34 @@ def test_splitfed_averages_the_site_parts_by_rows_and_keeps_one_server_part():
             continue
         expected = (40 * trained[0][n].double() + 80 * trained[1][n].double()) / 120
         assert torch.allclose(p.double(), expected, atol=1e-6), n
+
+
+@pytest.mark.parametrize("variant,cuts", [("vanilla", ["hidden1"]), ("u-shaped", ["hidden1", "hidden2"])])
+def test_synchronous_splitfed_takes_the_unsplit_model_s_step_on_each_turn_s_rows(variant, cuts):
+    """One server step a turn on every site's share, and the sites' summed gradients of their parts: with momentum,
+    and a 3-row site that has no rows in some turns, the joined model is the unsplit model's after the same turns."""
+    args = {"in_features": 13, "hidden": [16, 8]}
+    sites = [_sites(1, rows=40)[0], _sites(1, rows=10, seed=5)[0], _sites(1, rows=3, seed=7)[0]]
+    momentum = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)   # noqa: E731
+    model = build_model("mlp", args, seed=2)
+    parts = split(model, variant, cuts)
+    loss = synchronous_epoch(model, variant, cuts, ServerStep(parts, momentum(parts.middle.parameters())), sites,
+                             momentum, batch_size=16, seed=4)
+    whole = build_model("mlp", args, seed=2)
+    opt = momentum(whole.parameters())
+    turns = 4   # ⌈53 rows / 16⌉
+    shares = [turn_shares(len(x), turns, torch.Generator().manual_seed(4 * 1_000_003 + k))
+              for k, (x, _) in enumerate(sites)]
+    assert [len(s) for s in shares[2]] == [0, 1, 1, 1]   # the small site sits out the first turn
+    losses = []
+    for t in range(turns):
+        x = torch.cat([x[shares[k][t]] for k, (x, _) in enumerate(sites)])
+        y = torch.cat([y[shares[k][t]] for k, (_, y) in enumerate(sites)])
+        opt.zero_grad()
+        turn_loss = F.cross_entropy(whole(x), y)
+        turn_loss.backward()
+        opt.step()
+        losses.append(float(turn_loss.detach()))
+    for (n, a), (_, b) in zip(model.named_parameters(), whole.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-5), n
+    assert loss == pytest.approx(sum(losses) / turns, abs=1e-5)
