@@ -172,13 +172,18 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"data": args.data, "sites": sites, "epochs": args.epochs,
                        **run(method, name, margs, data, test, epochs=args.epochs, seed=seed, lr=args.lr,
                              batch=args.batch)}
-                rows.append(row)
-                print(f"{args.data} {sites} sites seed {seed} {method:>20}: accuracy {row['accuracy']:.4f}, "
-                      f"{row['bytes_per_epoch_per_site'] / 1e6:8.2f} MB/epoch/site, {row['seconds']:.0f} s",
-                      flush=True)
-                if args.out:
-                    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+                keep(rows, row, args.out, f"{args.data} {sites} sites seed {seed} {method:>20}: accuracy "
+                     f"{row['accuracy']:.4f}, {row['bytes_per_epoch_per_site'] / 1e6:8.2f} MB/epoch/site, "
+                     f"{row['seconds']:.0f} s")
     return 0
+
+
+def keep(rows: list[dict], row: dict, out: Path | None, line: str) -> None:
+    """Print a result's line and add it to `rows`, written whole to `out` after each (a long run keeps its part)."""
+    rows.append(row)
+    print(line, flush=True)
+    if out:
+        out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

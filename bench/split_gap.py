@@ -22,7 +22,6 @@ order; u-shaped cuts block1 and features):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,48 +29,36 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.split import CUTS, accuracy, load, run as bench_run
+from bench.split import CUTS, accuracy, keep, load, run as bench_run
 from plexus.models import build_model
 from plexus.split import (
     ServerStep,
-    SiteStep,
-    average_site_parts,
     epoch_batches,
+    site_generator,
     split,
     splitfed_epoch,
     synchronous_epoch,
-    train_batch,
     turn_shares,
 )
 
 METHODS = ("pooled", "splitfed", "interleaved", "splitfed-equal-turns", "synchronous")
-EPOCH_SEED = 101         # as bench.split: epoch e of seed s shuffles with s * 101 + e
-SITE_SEED = 1_000_003    # and site k with that * 1_000_003 + k (plexus.split's schedules)
+EPOCH_SEED = 101   # as bench.split: epoch e of seed s shuffles with s * 101 + e
 
 
-def _plans(sites, seed: int, batch: int, equal_turns: bool) -> list[list[torch.Tensor]]:
-    """Each site's batches for one epoch: of `batch` rows, or (equal_turns) its rows in as many batches as a
-    turn of `batch` rows from every site takes."""
-    generators = [torch.Generator().manual_seed(seed * SITE_SEED + k) for k in range(len(sites))]
-    if not equal_turns:
-        return [epoch_batches(len(x), batch, g) for (x, _), g in zip(sites, generators)]
-    turns = -(-sum(len(x) for x, _ in sites) // batch)
-    return [turn_shares(len(x), turns, g) for (x, _), g in zip(sites, generators)]
-
-
-def run(method: str, sites_n: int, seed: int, *, epochs: int, lr: float, batch: int) -> float:
-    name, args, data, test = load("fashion-mnist", sites_n, seed)
+def run(method: str, loaded, seed: int, *, epochs: int, lr: float, batch: int) -> float:
+    """One method's test accuracy; `loaded` is bench.split.load's (model name, args, sites, test rows)."""
+    name, args, data, test = loaded
     if method == "pooled":
         return bench_run("pooled", name, args, data, test, epochs=epochs, seed=seed, lr=lr, batch=batch)["accuracy"]
     torch.manual_seed(seed)
     model = build_model(name, args, seed=seed)
     sites = [(torch.as_tensor(x), torch.as_tensor(y)) for x, y in data]
     make = lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)   # noqa: E731
-    cuts = CUTS[name]["u-shaped"]
     if method == "interleaved":
         opt = make(model.parameters())
         for epoch in range(epochs):
-            plans = _plans(sites, seed * EPOCH_SEED + epoch, batch, equal_turns=False)
+            seed_e = seed * EPOCH_SEED + epoch
+            plans = [epoch_batches(len(x), batch, site_generator(seed_e, k)) for k, (x, _) in enumerate(sites)]
             for turn in range(max(map(len, plans))):
                 for k, (x, y) in enumerate(sites):
                     if turn < len(plans[k]):
@@ -80,29 +67,16 @@ def run(method: str, sites_n: int, seed: int, *, epochs: int, lr: float, batch: 
                         F.cross_entropy(model(x[rows]), y[rows]).backward()
                         opt.step()
         return accuracy(model, test)
+    cuts = CUTS[name]["u-shaped"]
     parts = split(model, "u-shaped", cuts)
     server = ServerStep(parts, make(parts.middle.parameters()))
+    # equal turns: each site's rows in as many batches as turns of batch × sites rows take
+    turns = -(-sum(len(x) for x, _ in sites) // (batch * len(sites)))
+    equal = {"plan": lambda n, generator: turn_shares(n, turns, generator)} if method == "splitfed-equal-turns" else {}
+    epoch_of = synchronous_epoch if method == "synchronous" else splitfed_epoch
     for epoch in range(epochs):
-        seed_e = seed * EPOCH_SEED + epoch
-        if method in ("splitfed", "synchronous"):
-            epoch_of = splitfed_epoch if method == "splitfed" else synchronous_epoch
-            epoch_of(model, "u-shaped", cuts, server, sites, make, batch_size=batch, seed=seed_e)
-            continue
-        plans = _plans(sites, seed_e, batch * len(sites), equal_turns=True)   # splitfed-equal-turns
-        copies, steps = [], []
-        for k in range(len(sites)):
-            mine = build_model(name, args, seed=seed)
-            mine.load_state_dict(model.state_dict())
-            mine_parts = split(mine, "u-shaped", cuts)
-            mine_parts.middle = parts.middle
-            copies.append(mine)
-            steps.append(SiteStep(mine_parts, make([p for m in mine_parts.site_modules for p in m.parameters()])))
-        for turn in range(max(map(len, plans))):
-            for k, (x, y) in enumerate(sites):
-                if turn < len(plans[k]) and len(plans[k][turn]):
-                    rows = plans[k][turn]
-                    train_batch(steps[k], server, x[rows], y[rows])
-        average_site_parts(model, "u-shaped", cuts, copies, [len(x) for x, _ in sites])
+        epoch_of(model, "u-shaped", cuts, server, sites, make, batch_size=batch, seed=seed * EPOCH_SEED + epoch,
+                 **equal)
     return accuracy(model, test)
 
 
@@ -120,15 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for sites in (int(n) for n in args.sites.split(",")):
         for seed in (int(s) for s in args.seeds.split(",")):
+            loaded = load("fashion-mnist", sites, seed)   # once for every method
             for method in args.methods.split(","):
                 started = time.perf_counter()
-                acc = run(method, sites, seed, epochs=args.epochs, lr=args.lr, batch=args.batch)
-                rows.append({"sites": sites, "seed": seed, "method": method, "accuracy": acc,
-                             "seconds": time.perf_counter() - started})
-                print(f"{sites} sites seed {seed} {method:>21}: accuracy {acc:.4f}, {rows[-1]['seconds']:.0f} s",
-                      flush=True)
-                if args.out:
-                    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+                acc = run(method, loaded, seed, epochs=args.epochs, lr=args.lr, batch=args.batch)
+                seconds = time.perf_counter() - started
+                keep(rows, {"sites": sites, "seed": seed, "method": method, "accuracy": acc, "seconds": seconds},
+                     args.out, f"{sites} sites seed {seed} {method:>21}: accuracy {acc:.4f}, {seconds:.0f} s")
     return 0
 
 

@@ -24,6 +24,7 @@ site's head learns the class-balanced rule rather than its own label mix; evalua
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -283,6 +284,11 @@ def epoch_batches(n: int, batch_size: int, generator: torch.Generator) -> list[t
     return [order[k:k + batch_size] for k in range(0, n, batch_size)]
 
 
+def site_generator(seed: int, k: int) -> torch.Generator:
+    """Site k's generator for an epoch seeded `seed` (its batch order, and its activation noise)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + k)
+
+
 def sequential_epoch(model: nn.Module, parts: SplitParts, server: ServerStep, sites: list[tuple], make_optimizer,
                      *, batch_size: int, seed: int, options: SiteOptions = SiteOptions()) -> float:
     """Gupta & Raskar's schedule: the sites take turns, each training on all its rows (x, y) from the site-side
@@ -291,7 +297,7 @@ def sequential_epoch(model: nn.Module, parts: SplitParts, server: ServerStep, si
     losses = []
     classes = num_classes(model)
     for k, (x, y) in enumerate(sites):
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + k)
+        generator = site_generator(seed, k)
         site = SiteStep(parts, make_optimizer([p for m in parts.site_modules for p in m.parameters()]), options,
                         generator=generator, log_prior=site_log_prior(options, y, classes))
         for rows in epoch_batches(len(x), batch_size, generator):
@@ -300,10 +306,12 @@ def sequential_epoch(model: nn.Module, parts: SplitParts, server: ServerStep, si
 
 
 def splitfed_epoch(model: nn.Module, variant: str, cuts: list[str], server: ServerStep, sites: list[tuple],
-                   make_optimizer, *, batch_size: int, seed: int, options: SiteOptions = SiteOptions()) -> float:
+                   make_optimizer, *, batch_size: int, seed: int, options: SiteOptions = SiteOptions(),
+                   plan: Callable[[int, torch.Generator], list[torch.Tensor]] | None = None) -> float:
     """SplitFed (Thapa et al. 2022): every site starts the epoch from the same site-side weights (the model's) and
     trains its own copy against the one server part, the sites' batches taking turns; at the epoch's end the
-    site-side parts are averaged, weighted by rows, into the model. Mean loss."""
+    site-side parts are averaged, weighted by rows, into the model. `plan(rows, generator)` cuts a site's rows
+    into its batches (default: `epoch_batches` of batch_size; an empty batch is skipped). Mean loss."""
     import copy
 
     copies, steps, plans = [], [], []
@@ -312,15 +320,15 @@ def splitfed_epoch(model: nn.Module, variant: str, cuts: list[str], server: Serv
         mine = copy.deepcopy(model)
         parts = split(mine, variant, cuts)
         parts.middle = server.parts.middle   # one server part for all
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + k)
+        generator = site_generator(seed, k)
         copies.append(mine)
         steps.append(SiteStep(parts, make_optimizer([p for m in parts.site_modules for p in m.parameters()]),
                               options, generator=generator, log_prior=site_log_prior(options, y, classes)))
-        plans.append(epoch_batches(len(x), batch_size, generator))
+        plans.append(plan(len(x), generator) if plan else epoch_batches(len(x), batch_size, generator))
     losses = []
     for turn in range(max(len(p) for p in plans)):
         for k, (x, y) in enumerate(sites):
-            if turn < len(plans[k]):
+            if turn < len(plans[k]) and len(plans[k][turn]):
                 rows = plans[k][turn]
                 losses.append(train_batch(steps[k], server, x[rows], y[rows]))
     average_site_parts(model, variant, cuts, copies, [len(x) for x, _ in sites])
@@ -347,13 +355,14 @@ def synchronous_epoch(model: nn.Module, variant: str, cuts: list[str], server: S
 
     total = sum(len(x) for x, _ in sites)
     turns = -(-total // batch_size)
-    parts, optimizers, plans = [], [], []
+    parts, params, optimizers, plans = [], [], [], []
     for k, (x, _) in enumerate(sites):
         mine_parts = split(copy.deepcopy(model), variant, cuts)
         mine_parts.middle = server.parts.middle
         parts.append(mine_parts)
-        optimizers.append(make_optimizer([p for m in mine_parts.site_modules for p in m.parameters()]))
-        plans.append(turn_shares(len(x), turns, torch.Generator().manual_seed(seed * 1_000_003 + k)))
+        params.append([p for m in mine_parts.site_modules for p in m.parameters()])
+        optimizers.append(make_optimizer(params[-1]))
+        plans.append(turn_shares(len(x), turns, site_generator(seed, k)))
     losses = []
     for turn in range(turns):
         here = [k for k in range(len(sites)) if len(plans[k][turn])]
@@ -386,10 +395,9 @@ def synchronous_epoch(model: nn.Module, variant: str, cuts: list[str], server: S
         for k, c, g in zip(here, cuts_k, a.grad.split(sizes)):
             c.backward(g)
         # every site, with rows this turn or not, applies the same sum: the copies and their momentum stay equal
-        mine = [[p for m in site.site_modules for p in m.parameters()] for site in parts]
-        summed = [sum(mine[k][i].grad for k in here) for i in range(len(mine[0]))]
-        for params, optimizer in zip(mine, optimizers):
-            for p, g in zip(params, summed):
+        summed = [sum(params[k][i].grad for k in here) for i in range(len(params[0]))]
+        for mine, optimizer in zip(params, optimizers):
+            for p, g in zip(mine, summed):
                 p.grad = g.clone()
             optimizer.step()
     with torch.no_grad():   # every copy's site parts are the same: take the first's
