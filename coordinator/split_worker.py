@@ -9,7 +9,8 @@ three through a pipe. No tensor is ever written as JSON, and nothing is pickled.
 
 Operations (plexus.split's ServerStep, one batch at a time):
 - `load`: the job's model (a registry name and its arguments, built from the job seed), the variant, the cuts,
-  the optimizer; replies with the model's state names each side holds and the shapes at the cuts;
+  the optimizer; replies with the model's state names each side holds, the site parts' parameters (name -> shape)
+  and the shapes at the cuts;
 - `vanilla` (activations, labels) -> (gradient at the cut,) and the loss;
 - `forward` (activations,) -> (the middle's output,), then `backward` (its gradient,) -> (gradient at the cut,);
   `drop` forgets a forward whose gradient will not come;
@@ -259,7 +260,9 @@ class _Server:
                                     momentum=float(header.get("momentum", 0.0)),
                                     weight_decay=float(header.get("weight_decay", 0.0)))
         self.step = ServerStep(parts, optimizer)
+        site_params = {parts.names[id(p)]: list(p.shape) for m in parts.site_modules for p in m.parameters()}
         return {"site": self.site_names, "server": self.server_names, "row_shape": list(self.row_shape),
+                "site_params": site_params,
                 "out_shape": list(out_shape) if out_shape is not None else None,
                 "classes": self.classes}, []
 

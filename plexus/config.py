@@ -373,7 +373,7 @@ class CompressionSpec:
 
 
 SPLIT_VARIANTS = ("vanilla", "u-shaped")
-SPLIT_SCHEDULES = ("sequential", "splitfed")
+SPLIT_SCHEDULES = ("sequential", "splitfed", "synchronous")
 
 
 def _split_variants() -> dict:

@@ -25,7 +25,7 @@ site's head learns the class-balanced rule rather than its own label mix; evalua
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ class SplitParts:
     bottom: nn.Sequential
     middle: nn.Sequential
     head: nn.Sequential | None
+    names: dict[int, str] = field(default_factory=dict, repr=False)   # id(parameter) -> the model's name for it
 
     @property
     def site_modules(self) -> list[nn.Module]:
@@ -71,14 +72,15 @@ def split(model: nn.Module, variant: str, cuts: list[str]) -> SplitParts:
     if unknown:
         raise ConfigError(f"cut(s) {unknown} are not among this model's: {', '.join(points)}")
     stages = list(model.split_stages())
+    names = {id(p): n for n, p in model.named_parameters()}
     at = [points[c] for c in cuts]
     if not all(0 < a < len(stages) for a in at) or at != sorted(set(at)):
         raise ConfigError(f"cuts {cuts} must lie strictly inside the model and in order (stages {at} of "
                           f"{len(stages)})")
     if variant == "vanilla":
-        return SplitParts(nn.Sequential(*stages[:at[0]]), nn.Sequential(*stages[at[0]:]), None)
+        return SplitParts(nn.Sequential(*stages[:at[0]]), nn.Sequential(*stages[at[0]:]), None, names)
     return SplitParts(nn.Sequential(*stages[:at[0]]), nn.Sequential(*stages[at[0]:at[1]]),
-                      nn.Sequential(*stages[at[1]:]))
+                      nn.Sequential(*stages[at[1]:]), names)
 
 
 def part_names(model: nn.Module, parts: SplitParts) -> tuple[list[str], list[str]]:
@@ -172,6 +174,7 @@ class SiteStep:
         self._cut: torch.Tensor | None = None
         self._nopeek: torch.Tensor | None = None
         self._rows = 0
+        self._named: list[tuple[str, nn.Parameter]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The activations to send (detached; noised if asked)."""
@@ -185,16 +188,18 @@ class SiteStep:
                                                                dtype=sent.dtype)
         return sent
 
-    def loss(self, server_out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """U-shaped: the head's loss on the server's output; (its gradient to send back, the loss)."""
+    def loss(self, server_out: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> tuple[torch.Tensor, float]:
+        """U-shaped: the head's loss on the server's output, times `weight` (synchronous SplitFed: this site's share
+        of the turn's rows); (the weighted loss's gradient to send back, the unweighted loss)."""
         h = server_out.detach().requires_grad_(True)
         logits = self.parts.head(h)
         loss = F.cross_entropy(logits if self._shift is None else logits + self._shift, y)
-        loss.backward()
+        (loss * weight if weight != 1.0 else loss).backward()
         return h.grad, float(loss.detach())
 
-    def backward(self, grad_at_cut: torch.Tensor) -> None:
-        """Finish the batch: the gradient at the cut (and NoPeek's own) through the bottom part; one step."""
+    def backward(self, grad_at_cut: torch.Tensor, *, step: bool = True) -> None:
+        """Finish the batch: the gradient at the cut (and NoPeek's own) through the bottom part; one step, or with
+        `step=False` the gradients left in place (synchronous SplitFed sums them over the sites first: `apply`)."""
         if grad_at_cut.shape != self._cut.shape:
             raise ValueError(f"the gradient at the cut has shape {tuple(grad_at_cut.shape)}; the activations had "
                              f"{tuple(self._cut.shape)}")
@@ -202,8 +207,28 @@ class SiteStep:
             torch.autograd.backward([self._cut, self._nopeek], [grad_at_cut, torch.ones_like(self._nopeek)])
         else:
             self._cut.backward(grad_at_cut)
-        self.optimizer.step()
+        if step:
+            self.optimizer.step()
         self._cut = self._nopeek = None
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The site parts' gradients by the model's parameter names (a parameter the batch did not reach: zeros)."""
+        return {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in self.named_parameters()}
+
+    def apply(self, summed: dict[str, torch.Tensor] | None) -> None:
+        """Synchronous SplitFed: step on the sum of every site's gradients of its parts (None: no site had rows this
+        turn, and nothing steps)."""
+        if summed is None:
+            return
+        for name, p in self.named_parameters():
+            p.grad = summed[name].clone()
+        self.optimizer.step()
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The site parts' parameters under the model's names, in a fixed order."""
+        if self._named is None:
+            self._named = [(self.parts.names[id(p)], p) for m in self.parts.site_modules for p in m.parameters()]
+        return self._named
 
 
 class ServerStep:
@@ -343,68 +368,60 @@ def turn_shares(n: int, turns: int, generator: torch.Generator) -> list[torch.Te
 
 
 def synchronous_epoch(model: nn.Module, variant: str, cuts: list[str], server: ServerStep, sites: list[tuple],
-                      make_optimizer, *, batch_size: int, seed: int) -> float:
-    """Synchronous SplitFed, in process only (no federated schedule runs it yet): each of ⌈rows / batch_size⌉
-    turns takes every site's share of batch_size rows (`turn_shares`), the server steps once on the turn's
-    activations from all sites, and every site applies the sum of the sites' gradients of their parts (each
-    site's loss weighted by its share of the turn's rows), so the site parts stay equal. That is the step one
-    unsplit model takes on the turn's rows, up to the order of float sums (tests/plexus/test_split.py). Each
-    site's copy has its own optimizer for the epoch; `model` gets their (equal) site parts at its end. Mean loss
+                      make_optimizer, *, batch_size: int, seed: int, options: SiteOptions = SiteOptions(),
+                      generators: list[torch.Generator] | None = None) -> float:
+    """Synchronous SplitFed (`split.schedule: synchronous`, coordinator/drivers/split_sync.py runs it federated):
+    each of ⌈rows / batch_size⌉ turns takes every site's share of batch_size rows (`turn_shares`), the server steps
+    once on the turn's activations from all sites, and every site applies the sum of the sites' gradients of their
+    parts (each site's loss weighted by its share of the turn's rows), so the site parts stay equal. That is the
+    step one unsplit model takes on the turn's rows, up to the order of float sums (tests/plexus/test_split.py).
+    Each site's copy has its own optimizer for the epoch; `model` gets their (equal) site parts at its end. Site k
+    draws its shares (and its activation noise) from generators[k] (default: site_generator(seed, k)). Mean loss
     over turns."""
     import copy
 
     total = sum(len(x) for x, _ in sites)
     turns = -(-total // batch_size)
-    parts, params, optimizers, plans = [], [], [], []
-    for k, (x, _) in enumerate(sites):
-        mine_parts = split(copy.deepcopy(model), variant, cuts)
-        mine_parts.middle = server.parts.middle
-        parts.append(mine_parts)
-        params.append([p for m in mine_parts.site_modules for p in m.parameters()])
-        optimizers.append(make_optimizer(params[-1]))
-        plans.append(turn_shares(len(x), turns, site_generator(seed, k)))
+    classes = num_classes(model)
+    steps, plans = [], []
+    for k, (x, y) in enumerate(sites):
+        mine = split(copy.deepcopy(model), variant, cuts)
+        mine.middle = server.parts.middle
+        generator = generators[k] if generators is not None else site_generator(seed, k)
+        steps.append(SiteStep(mine, make_optimizer([p for m in mine.site_modules for p in m.parameters()]), options,
+                              generator=generator, log_prior=site_log_prior(options, y, classes)))
+        plans.append(turn_shares(len(x), turns, generator))
     losses = []
     for turn in range(turns):
         here = [k for k in range(len(sites)) if len(plans[k][turn])]
         if not here:   # shares are whole rows: with very small sites a turn can have none
             continue
-        sizes = [len(plans[k][turn]) for k in here]
-        rows = sum(sizes)
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        server.optimizer.zero_grad(set_to_none=True)
-        cuts_k = [parts[k].bottom(sites[k][0][plans[k][turn]]) for k in here]
-        a = torch.cat([c.detach() for c in cuts_k]).requires_grad_(True)
-        labels = [sites[k][1][plans[k][turn]] for k in here]
+        xs = [sites[k][0][plans[k][turn]] for k in here]
+        ys = [sites[k][1][plans[k][turn]] for k in here]
+        sizes, rows = [len(y) for y in ys], sum(len(y) for y in ys)
+        a = torch.cat([steps[k].forward(x) for k, x in zip(here, xs)])
         if variant == "vanilla":
-            loss = F.cross_entropy(server.parts.middle(a), torch.cat(labels))
-            loss.backward()
-            losses.append(float(loss.detach()))
+            grad, loss = server.vanilla(a, torch.cat(ys))
         else:
-            out = server.parts.middle(a)
-            grads, loss = [], 0.0
-            for k, o, y in zip(here, out.detach().split(sizes), labels):
-                h = o.clone().requires_grad_(True)
-                share = F.cross_entropy(parts[k].head(h), y) * (len(y) / rows)   # the turn's mean, site by site
-                share.backward()
-                grads.append(h.grad)
-                loss += float(share.detach())
-            out.backward(torch.cat(grads))
-            losses.append(loss)
-        server.optimizer.step()
-        for k, c, g in zip(here, cuts_k, a.grad.split(sizes)):
-            c.backward(g)
+            out, grads, loss = server.forward(a), [], 0.0
+            for k, o, y in zip(here, out.split(sizes), ys):
+                g, share_loss = steps[k].loss(o, y, len(y) / rows)
+                grads.append(g)
+                loss += share_loss * len(y) / rows
+            grad = server.backward(torch.cat(grads))
+        losses.append(loss)
+        for k, g in zip(here, grad.split(sizes)):
+            steps[k].backward(g, step=False)
         # every site, with rows this turn or not, applies the same sum: the copies and their momentum stay equal
-        summed = [sum(params[k][i].grad for k in here) for i in range(len(params[0]))]
-        for mine, optimizer in zip(params, optimizers):
-            for p, g in zip(mine, summed):
-                p.grad = g.clone()
-            optimizer.step()
+        gradients = [steps[k].gradients() for k in here]
+        summed = {name: sum(g[name] for g in gradients) for name in gradients[0]}
+        for step in steps:
+            step.apply(summed)
     with torch.no_grad():   # every copy's site parts are the same: take the first's
         target = split(model, variant, cuts)
         for which in ("bottom", "head"):
             if getattr(target, which) is not None:
-                getattr(target, which).load_state_dict(getattr(parts[0], which).state_dict())
+                getattr(target, which).load_state_dict(getattr(steps[0].parts, which).state_dict())
     return sum(losses) / max(1, len(losses))
 
 

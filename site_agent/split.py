@@ -21,8 +21,18 @@ from plexus.datasets import Split
 from plexus.errors import IntegrityError
 from plexus.models import build_job_model, load_numpy_state
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.split import SiteOptions, SiteStep, SplitParts, cut_shapes, num_classes, part_names, site_log_prior, split
-from plexus.split_wire import array_of, tensor_message
+from plexus.split import (
+    SiteOptions,
+    SiteStep,
+    SplitParts,
+    cut_shapes,
+    num_classes,
+    part_names,
+    site_log_prior,
+    split,
+    turn_shares,
+)
+from plexus.split_wire import array_of, tensor_message, weights_of
 from plexus.wire import Layout
 
 EVAL_ROWS = 256   # rows per evaluation batch (the coordinator takes at most 256)
@@ -76,19 +86,16 @@ class SiteSplit:
 
 def train_session(stream: Stream, site: SiteSplit, data: Split, task) -> dict[str, float]:
     """One epoch of this site's rows through the server; the parts go back at the end. Returns the train metrics."""
-    job, parts = site.job, site.parts
-    opt = job.train.optimizer
-    params = [p for m in parts.site_modules for p in m.parameters()]
-    generator = torch.Generator().manual_seed(task.seed)
-    spec = job.split
-    options = SiteOptions(spec.nopeek, spec.noise_std, spec.logit_adjustment)
+    if site.job.split.schedule == "synchronous":
+        return synchronous_session(stream, site, data, task)
+    job = site.job
     x, y = _tensors(data.x_train, data.y_train)
-    step = SiteStep(parts, torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay),
-                    options, generator=generator, log_prior=site_log_prior(options, y, site.classes))
+    generator = torch.Generator().manual_seed(task.seed)
+    step = _site_step(site, y, generator)
     order = torch.randperm(len(x), generator=generator)
     batches = [order[k:k + job.train.batch_size] for k in range(0, len(x), job.train.batch_size)]
     _open(stream, task, len(batches))
-    vanilla = parts.head is None
+    vanilla = site.parts.head is None
     compute, losses = 0.0, []
     for seq, rows in enumerate(batches):
         started = time.perf_counter()
@@ -115,6 +122,70 @@ def train_session(stream: Stream, site: SiteSplit, data: Split, task) -> dict[st
     metrics = {"train_loss": sum(losses) / max(1, len(x)), "site_compute_s": compute, "batches": float(len(batches))}
     stream.ask(fpb.SplitMessage(done=fpb.SplitDone(num_samples=len(x), metrics=metrics, weights=site.weights())))
     return metrics
+
+
+def synchronous_session(stream: Stream, site: SiteSplit, data: Split, task) -> dict[str, float]:
+    """Synchronous SplitFed (coordinator/drivers/split_sync.py): the epoch's turns (the task's local_steps), each
+    over this site's share of its rows; the site steps on every site's summed gradients of their parts, as
+    plexus.split.synchronous_epoch does in process."""
+    turns = task.local_steps
+    if turns < 1:
+        raise IntegrityError("a synchronous split task names its epoch's turns in local_steps; this one names none")
+    x, y = _tensors(data.x_train, data.y_train)
+    generator = torch.Generator().manual_seed(task.seed)
+    step = _site_step(site, y, generator)
+    shapes = {name: tuple(p.shape) for name, p in step.named_parameters()}
+    _open(stream, task, turns)
+    vanilla = site.parts.head is None
+    compute, losses, active = 0.0, 0.0, 0
+    for seq, rows in enumerate(turn_shares(len(x), turns, generator)):
+        sent = fpb.SplitSum(seq=seq)
+        if len(rows):
+            active += 1
+            started = time.perf_counter()
+            a = step.forward(x[rows])
+            compute += time.perf_counter() - started
+            batch = fpb.SplitBatch(seq=seq, activations=tensor_message(a.numpy()))
+            if vanilla:
+                batch.labels.CopyFrom(tensor_message(y[rows].numpy()))
+            reply = _reply(stream.ask(fpb.SplitMessage(batch=batch)), seq)
+            if vanilla:
+                grad, loss = _tensor(reply, "the gradient at the cut", tuple(a.shape)), reply.loss
+            else:
+                out = _tensor(reply, "the server part's output", (len(rows), *site.out_shape))
+                if reply.turn_rows < len(rows):
+                    raise IntegrityError(f"the coordinator says turn {seq} holds {reply.turn_rows} rows, fewer than "
+                                         f"this site's {len(rows)}")
+                started = time.perf_counter()
+                grad_out, loss = step.loss(out, y[rows], len(rows) / reply.turn_rows)
+                compute += time.perf_counter() - started
+                reply = _reply(stream.ask(fpb.SplitMessage(grad=fpb.SplitGrad(seq=seq, grad=tensor_message(
+                    grad_out.numpy())))), seq)
+                grad = _tensor(reply, "the gradient at the cut", tuple(a.shape))
+            started = time.perf_counter()
+            step.backward(grad, step=False)
+            compute += time.perf_counter() - started
+            sent.grads.extend(tensor_message(g.numpy(), name) for name, g in step.gradients().items())
+            losses += float(loss) * len(rows)
+        reply = _reply(stream.ask(fpb.SplitMessage(sum=sent)), seq)
+        summed = weights_of(reply.grads, shapes, what=f"turn {seq}'s summed gradients") if reply.grads else None
+        started = time.perf_counter()
+        step.apply({n: torch.from_numpy(g.copy()) for n, g in summed.items()} if summed is not None else None)
+        compute += time.perf_counter() - started
+    metrics = {"train_loss": losses / max(1, len(x)), "site_compute_s": compute, "batches": float(active)}
+    stream.ask(fpb.SplitMessage(done=fpb.SplitDone(num_samples=len(x), metrics=metrics, weights=site.weights())))
+    return metrics
+
+
+def _site_step(site: SiteSplit, y: torch.Tensor, generator: torch.Generator) -> SiteStep:
+    """This task's SiteStep: a new SGD over the site's parts (its state never leaves the site), the job's privacy
+    options, and the generator of its batches and its activation noise."""
+    job, parts = site.job, site.parts
+    opt, spec = job.train.optimizer, job.split
+    params = [p for m in parts.site_modules for p in m.parameters()]
+    options = SiteOptions(spec.nopeek, spec.noise_std, spec.logit_adjustment)
+    return SiteStep(parts, torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay),
+                    options, generator=generator, log_prior=site_log_prior(options, y, site.classes))
 
 
 def evaluate_session(stream: Stream, site: SiteSplit, data: Split, task) -> dict[str, float]:

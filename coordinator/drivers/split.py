@@ -7,6 +7,8 @@ which computes in a compute worker process (coordinator/split_worker.py; this pr
 - `splitfed`: every site trains a copy of the same site-side weights at once; the server part takes their batches
   in a fixed order (batch t of every site, in name order, before batch t+1 of any: `Turns`), so a seeded run gives
   the same model bit for bit; the copies are averaged by rows at the end.
+- `synchronous`: each server step takes every site's share of the turn's rows, and the sites step on the sum of
+  their gradients, so their parts stay equal (coordinator/drivers/split_sync.py).
 Then every site evaluates the joined model on its held-out rows (the site runs its parts, the server its part),
 the joined model (the site's parts and the server's, under the model's own names) is checkpointed and the round
 closes. A site that drops mid-epoch (its stream breaks, or no message within split.batch_timeout_s) is recorded
@@ -134,6 +136,7 @@ class Phase:
     turn: int = 0                                   # sequential: the participant whose turn it is
     turn_opened: float = 0.0
     turns: Turns | None = None                      # splitfed: the server's order over the sites' batches
+    rendezvous: split_sync.Rendezvous | None = None            # synchronous: the epoch's turns across the sites
     trained: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)   # splitfed: rows, parts
     server_s: float = 0.0                           # the worker's compute time this phase
     hop_s: float = 0.0                              # the hop's own time (call time less compute)
@@ -153,6 +156,9 @@ class SplitRounds:
         self.site_names: list[str] = []
         self.site_state: dict[str, np.ndarray] = {}
         self.row_shape: tuple[int, ...] = ()
+        self.out_shape: tuple[int, ...] = ()                 # u-shaped: one row of the server part's output
+        self.site_params: dict[str, tuple[int, ...]] = {}    # the site parts' parameters (synchronous sums them)
+        self.classes = 0
         self.phase: Phase | None = None
         self._served: ServedModel | None = None
         self._lock: threading.RLock | None = None    # the engine lock, lent with the first session
@@ -186,12 +192,13 @@ class SplitRounds:
             return
         cfg, spec = self.cfg, self.cfg.split
         worker = SplitWorker()
+        most = cfg.train.batch_size + (split_sync.MAX_SITES if self.synchronous else 0)   # rows in one call
         try:
             header, _ = worker.call("load", model=cfg.model.name, args=dict(cfg.model.args), seed=cfg.seed,
                                     variant=spec.variant, cuts=list(spec.cuts), lr=cfg.train.optimizer.lr,
                                     momentum=cfg.train.optimizer.momentum,
                                     weight_decay=cfg.train.optimizer.weight_decay, device=spec.device,
-                                    max_rows=max(cfg.train.batch_size, MAX_EVAL_ROWS))
+                                    max_rows=max(most, MAX_EVAL_ROWS))
             state = self.ctx.store.load_checkpoint(self.job_id, self.model_round)
             worker.call("load_state", [state[n] for n in header["server"]], names=header["server"])
             if self.model_round > 0:   # the server optimizer's momentum, as the epoch left it
@@ -204,6 +211,9 @@ class SplitRounds:
         self.site_names = header["site"]
         self.site_state = {n: state[n] for n in self.site_names}
         self.row_shape = tuple(header["row_shape"])
+        self.out_shape = tuple(header["out_shape"] or ())
+        self.site_params = {n: tuple(shape) for n, shape in header["site_params"].items()}
+        self.classes = int(header["classes"])
         with self._starting:
             if not self.ended:
                 self.worker, worker = worker, None
@@ -239,7 +249,8 @@ class SplitRounds:
             grant = new_grant(kind=kind, job_id=self.job_id, round_=ph.round, model_round=self.model_round,
                               config_yaml=self.row.config_yaml,
                               deadline_unix_s=self.ctx.clock() + self.cfg.sites.deadline_s,
-                              seed=site_seed(self.cfg.seed, ph.round, site))
+                              seed=site_seed(self.cfg.seed, ph.round, site),
+                              local_steps=ph.rendezvous.turns if ph.rendezvous is not None else 0)
             self.ctx.store.add_task(grant.task_id, self.job_id, ph.round, site, kind, grant.nonce)
             ph.grants[site] = grant
         return ph.grants[site]
@@ -295,6 +306,13 @@ class SplitRounds:
             raise FailedPrecondition(f"task {grant.task_id} has a Split session open already")
         if not 0 <= batches <= 1_000_000:
             raise IntegrityError(f"SplitOpen.batches {batches} is out of range", reason=Reason.LAYOUT)
+        if grant.kind == TaskKind.SPLIT_TRAIN and ph.rendezvous is not None:   # synchronous: the epoch's turns
+            if batches != ph.rendezvous.turns:
+                raise IntegrityError(f"SplitOpen.batches {batches}: this synchronous epoch has "
+                                     f"{ph.rendezvous.turns} turns (the task's local_steps)", reason=Reason.LAYOUT)
+            self._lock = lock
+            ph.sessions[site] = session = split_sync.SyncSession(self, site, grant, batches, cut, ph.rendezvous)
+            return session
         if grant.kind == TaskKind.SPLIT_TRAIN:   # the plan its reported rows allow: at most ⌈rows / batch_size⌉
             rows = self.ctx.presence.rows(self.cfg.data.dataset).get(site, 0)
             most = -(-rows // self.cfg.train.batch_size)
@@ -336,6 +354,9 @@ class SplitRounds:
         if len(online) < cfg.sites.min:
             self._waiting(f"waiting for sites: {len(online)} of {cfg.sites.min} needed are online")
             return 0.5
+        if self.synchronous and (problem := self._synchronous_problem(online)):
+            self._fail_job(problem)
+            return 0.0
         round_ = self.model_round + 1
         store.open_round(self.job_id, round_, "train")
         store.set_job(self.job_id, message="")
@@ -345,9 +366,28 @@ class SplitRounds:
                  ", ".join(online))
         return 0.2
 
+    def _synchronous_problem(self, sites: list[str]) -> str:
+        """Why a synchronous epoch cannot run over `sites` ("" if it can)."""
+        if len(sites) > split_sync.MAX_SITES:
+            return (f"{len(sites)} sites are online, and a synchronous split epoch takes at most "
+                    f"{split_sync.MAX_SITES}; use `schedule: splitfed`")
+        rows = self.ctx.presence.rows(self.cfg.data.dataset)
+        if not any(rows.get(s, 0) for s in sites):
+            return (f"the online sites ({', '.join(sites)}) reported no training rows of {self.cfg.data.dataset} at "
+                    "Join, so a synchronous epoch has no turns; check each site's dataset mapping (`plexus site "
+                    "check`)")
+        return ""
+
     def _open_phase(self, kind: str, round_: int, sites: list[str], now: float) -> None:
         ph = Phase(kind=kind, round=round_, participants=sites, opened=now, turn_opened=now)
-        if kind == "train":
+        if kind == "train" and self.synchronous:
+            rows = self.ctx.presence.rows(self.cfg.data.dataset)
+            rows = {s: rows.get(s, 0) for s in sites}
+            turns = -(-sum(rows.values()) // self.cfg.train.batch_size)
+            ph.rendezvous = split_sync.Rendezvous(rows, turns, split_sync.STAGES[self.cfg.split.variant],
+                                                  lambda stage, inputs, fed: split_sync.run_stage(self, stage, inputs,
+                                                                                                  fed))
+        elif kind == "train":
             ph.turns = Turns(sites if self.cfg.split.schedule == "splitfed" else sites[:1], self.ctx.monotonic)
         self.phase, self._served = ph, None
         self.ctx.notify()
@@ -388,7 +428,7 @@ class SplitRounds:
                                        event=("job_failed", message))
             self._end()
             return
-        if self.cfg.split.schedule == "splitfed":
+        if self.cfg.split.schedule != "sequential":   # synchronous: equal parts, whose average is themselves
             self.site_state = average_parts({s: ph.trained[s] for s in done}, self.site_names)
         metrics = {(ph.round, "", "split", "server_compute_s"): ph.server_s,
                    (ph.round, "", "split", "hop_s_per_batch"): ph.hop_s / max(1, ph.batches),
@@ -455,8 +495,27 @@ class SplitRounds:
             return
         reason = bounded(f"{type(exc).__name__}: {exc}")
         status = TaskStatus.REJECTED if isinstance(exc, IntegrityError) else TaskStatus.FAILED
-        self._settle(ph, session.site, status, f"the Split session ended after {session.seq} batch(es): {reason}",
+        self._settle(ph, session.site, status, f"the Split session ended after {session.seq} {session.unit}: {reason}",
                      code=getattr(exc, "reason", None))
+
+    @property
+    def synchronous(self) -> bool:
+        return self.cfg.split.schedule == "synchronous"
+
+    def server_call(self, op: str, tensors: list[np.ndarray], consume=None):
+        """A training call to the compute worker, its compute and the hop's own time counted for the epoch (the
+        calls take turns: one at a time)."""
+        worker = self.worker
+        if worker is None:
+            raise RoundClosed(f"job {self.job_id} is no longer active")
+        started = time.perf_counter()
+        result = worker.call(op, tensors, consume=consume)
+        ph, compute = self.phase, worker.compute_s   # the calls take turns: no other call came in between
+        if ph is not None:
+            ph.server_s += compute
+            ph.hop_s += time.perf_counter() - started - compute
+            ph.batches += op in ("vanilla", "backward")
+        return result
 
     def _check_live(self, session: Session) -> None:
         ph = self.phase
@@ -477,6 +536,8 @@ class SplitRounds:
             session.cut(RoundClosed(f"site {site} is out of epoch {ph.round}: {reason}"))
         if ph.turns is not None:
             ph.turns.leave(site)
+        if ph.rendezvous is not None:
+            ph.rendezvous.leave(site)
         self.ctx.notify()
 
     def _cut_sessions(self, ph: Phase, exc: BaseException) -> None:
@@ -484,6 +545,8 @@ class SplitRounds:
             session.cut(exc)
         if ph.turns is not None:
             ph.turns.wake()
+        if ph.rendezvous is not None:
+            ph.rendezvous.wake()
 
     def _waiting(self, message: str) -> None:
         if self.row.message != message:
@@ -530,6 +593,7 @@ class Session:
         self._cut_stream = cut
         self._cut: BaseException | None = None
         self.seq = 0                      # the next batch expected
+        self.unit = "batch(es)"           # what seq counts, for the record of a session that broke
         self.pending: int | None = None   # u-shaped training: the batch whose gradient the server waits for
         self.bytes_up = 0
         self.bytes_down = 0
@@ -605,7 +669,6 @@ class Session:
                 header, (grad,) = self._call("vanilla", [activations, labels])
             finally:
                 self.turns.done(self.site, batch.seq)
-            self._through()
             return fpb.SplitReply(seq=batch.seq, tensor=grad, loss=header["loss"])
         try:
             _, (out,) = self._call("forward", [activations])
@@ -627,14 +690,7 @@ class Session:
         finally:
             self.pending = None
             self.turns.done(self.site, seq)
-        self._through()
         return fpb.SplitReply(seq=seq, tensor=back)
-
-    def _through(self) -> None:
-        """A training batch is through the server part (its calls take turns: one batch at a time)."""
-        ph = self.driver.phase
-        if ph is not None:
-            ph.batches += 1
 
     def _done(self, done: fpb.SplitDone) -> fpb.SplitReply:
         driver = self.driver
@@ -679,10 +735,10 @@ class Session:
         worker = self.driver.worker
         if worker is None or self._cut is not None:
             raise self._cut or RoundClosed(f"job {self.driver.job_id} is no longer active")
-        started = time.perf_counter()
-        header, out = worker.call(op, tensors, consume=lambda h, views: (h, [tensor_message(v) for v in views]))
-        ph, compute = self.driver.phase, float(header.get("compute_s", 0.0))
-        if ph is not None and self.training:   # training calls take turns: one at a time
-            ph.server_s += compute
-            ph.hop_s += time.perf_counter() - started - compute
-        return header, out
+        consume = lambda h, views: (h, [tensor_message(v) for v in views])   # noqa: E731
+        if self.training:   # counted for the epoch
+            return self.driver.server_call(op, tensors, consume)
+        return worker.call(op, tensors, consume=consume)
+
+
+from coordinator.drivers import split_sync  # noqa: E402  (after Session, which its SyncSession extends)

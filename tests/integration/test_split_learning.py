@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -25,10 +26,10 @@ from coordinator.tasks import site_seed
 from plexus.admin_client import AdminClient
 from plexus.cli import main as cli
 from plexus.config import DatasetSpec, parse_round_config
-from plexus.datasets import load_for_job
+from plexus.datasets import Split, load_for_job
 from plexus.models import build_job_model, state_to_numpy
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.split import ServerStep, SiteOptions, SiteStep, label_log_prior, split, train_batch
+from plexus.split import ServerStep, SiteOptions, SiteStep, label_log_prior, split, synchronous_epoch, train_batch
 from plexus.split_wire import tensor_message
 from site_agent import split as site_split
 from site_agent.agent import SiteAgent
@@ -55,13 +56,17 @@ seed: {seed}
 """
 
 
-def reference(job: str, sites: tuple[str, ...]) -> dict[str, np.ndarray]:
+def reference(job: str, sites: tuple[str, ...], *, few: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """The same schedule in process: each site's seeded batches (site_seed of the job seed, epoch and site) through
     plexus.split's steps; sequential hands the site-side weights on in name order, SplitFed takes batch t of every
-    site in name order before batch t+1 and averages the site-side copies by rows (float64) each epoch."""
+    site in name order before batch t+1 and averages the site-side copies by rows (float64) each epoch, synchronous
+    is plexus.split.synchronous_epoch over the sites in name order. `few`: sites that keep only their first N
+    training rows (FewRows)."""
     cfg = parse_round_config(job)
     spec, opt = cfg.split, cfg.train.optimizer
     data = {s: load_for_job(DatasetSpec(kind="heart-disease", hospital=HOSPITAL_OF[s]), cfg.data) for s in sites}
+    for site, n in (few or {}).items():
+        data[site] = FewRows.first(data[site], n)
     model = build_job_model(cfg)
     parts = split(model, spec.variant, list(spec.cuts))
     server = ServerStep(parts, torch.optim.SGD(parts.middle.parameters(), lr=opt.lr, momentum=opt.momentum))
@@ -78,6 +83,17 @@ def reference(job: str, sites: tuple[str, ...]) -> dict[str, np.ndarray]:
         return step, [(x[r], y[r]) for r in (order[k:k + 32] for k in range(0, len(x), 32))]
 
     for epoch in range(1, cfg.rounds + 1):
+        if spec.schedule == "synchronous":
+            ordered = sorted(sites)
+            synchronous_epoch(model, spec.variant, list(spec.cuts), server,
+                              [(torch.as_tensor(data[s].x_train, dtype=torch.float32),
+                                torch.as_tensor(data[s].y_train, dtype=torch.int64)) for s in ordered],
+                              lambda params: torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum),
+                              batch_size=cfg.train.batch_size, seed=cfg.seed,
+                              options=SiteOptions(logit_adjustment=spec.logit_adjustment),
+                              generators=[torch.Generator().manual_seed(site_seed(cfg.seed, epoch, s))
+                                          for s in ordered])
+            continue
         if spec.schedule == "sequential":
             for site in sorted(sites):
                 step, batches = site_step(parts, epoch, site)
@@ -115,6 +131,22 @@ def _server_layers(variant: str) -> tuple[int, ...]:
     return (2, 4) if variant == "vanilla" else (2,)
 
 
+class FewRows(SiteAgent):
+    """A site that trains on its first `rows` training rows only (and says so at Join)."""
+
+    rows = 5
+
+    @staticmethod
+    def first(data: Split, n: int) -> Split:
+        return dataclasses.replace(data, x_train=data.x_train[:n], y_train=data.y_train[:n])
+
+    def load_data(self, data):
+        return self.first(super().load_data(data), self.rows)
+
+    def advertised_rows(self):
+        return {name: min(n, self.rows) for name, n in super().advertised_rows().items()}
+
+
 def run_job(fed: Federation, job: str, timeout: float = 120) -> str:
     job_id = fed.admin().submit(job).job_id
     status = fed.wait_job(job_id, scaled(timeout))
@@ -128,7 +160,8 @@ def three_sites(federation):
 
 
 @pytest.mark.parametrize("variant,schedule,tau", [("u-shaped", "sequential", 0.0), ("vanilla", "splitfed", 0.0),
-                                                  ("u-shaped", "splitfed", 1.0)])
+                                                  ("u-shaped", "splitfed", 1.0), ("vanilla", "synchronous", 0.0),
+                                                  ("u-shaped", "synchronous", 1.0)])
 def test_a_split_job_ends_with_the_in_process_schedule_s_model(three_sites, variant, schedule, tau):
     """Sequential hands the site-side weights on site by site; SplitFed averages the sites' copies by rows (here
     with each site's head trained logit-adjusted to its own labels)."""
@@ -140,12 +173,64 @@ def test_a_split_job_ends_with_the_in_process_schedule_s_model(three_sites, vari
     assert sorted(final) == sorted(expected)   # the whole model: the sites' parts and the server's
     for name in expected:
         np.testing.assert_allclose(final[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        if schedule == "synchronous":   # the same float operations in the same order: bit for bit
+            assert final[name].tobytes() == expected[name].tobytes(), name
     rounds = store.rounds(job_id)
     assert [r.status for r in rounds] == ["closed", "closed"]
     events = {(e.round, e.site): e.status for e in store.site_events(job_id)}
     assert all(events[(r, s)] in ("submitted", "evaluated") for r in (1, 2) for s in SITES)
     evaluated = {(m.round, m.site) for m in store.metrics(job_id) if m.kind == "eval" and m.name == "accuracy"}
     assert evaluated == {(r, s) for r in (1, 2) for s in SITES}   # every site evaluates the joined model each epoch
+
+
+def test_a_synchronous_site_with_fewer_rows_than_turns_steps_on_every_turn_s_sum(federation):
+    """Site c keeps 5 rows, so in most of the epoch's turns its share is empty: it sends only its (empty) part of
+    the sum, and steps on the others' sum as they do; the model is the in-process reference's, bit for bit."""
+    federation.start_site("a")
+    federation.start_site("b")
+    federation.start_site("c", agent_cls=FewRows)
+    federation.wait_online(*SITES)
+    job = split_job("u-shaped", "synchronous")
+    job_id = run_job(federation, job)
+    final, expected = federation.store.load_checkpoint(job_id, 2), reference(job, SITES, few={"c": FewRows.rows})
+    assert sorted(final) == sorted(expected)
+    assert all(final[n].tobytes() == expected[n].tobytes() for n in expected)
+    turns = {(m.round, m.site): m.value for m in federation.store.metrics(job_id)
+             if m.kind == "train" and m.name == "batches"}   # the turns in which the site had rows
+    assert turns[(1, "c")] == turns[(2, "c")] == 5 and turns[(1, "a")] > 5
+
+
+@pytest.mark.parametrize("case", ["turns", "share", "order"])
+def test_a_malformed_synchronous_message_is_refused(federation, case):
+    """A synchronous epoch over one raw site of 200 rows has 7 turns of 28 or 29 rows: an open that announces
+    another number of turns, a batch that is not the site's share, and a sum before the turn's batch are refused."""
+    site = federation.raw_site("d")
+    site.join({"heart-disease": 200})
+    job_id = federation.admin().submit(split_job("u-shaped", "synchronous", min_sites=1, rounds=1)).job_id
+    task = site.next_task()
+    assert task.kind == fpb.TASK_SPLIT_TRAIN and task.local_steps == 7   # ⌈200 / 32⌉
+    site.fetch(task)
+
+    def messages():
+        yield fpb.SplitMessage(open=fpb.SplitOpen(task_id=task.task_id, job_id=task.job_id, round=task.round,
+                                                  nonce=task.nonce, batches=8 if case == "turns" else 7))
+        if case == "order":
+            yield fpb.SplitMessage(sum=fpb.SplitSum(seq=0))
+        yield fpb.SplitMessage(batch=fpb.SplitBatch(seq=0, activations=tensor_message(np.ones((32, 32), np.float32))))
+
+    with pytest.raises(grpc.RpcError) as info:
+        list(site.stub.Split(messages(), timeout=scaled(20)))
+    expected = {"turns": "SplitOpen.batches 8: this synchronous epoch has 7 turns",
+                "share": "turn 0's activations: shape [32, 32], expected [28, 32]",
+                "order": "turn 0 takes a batch from this site next (28 row(s) its share this turn), not a sum"}[case]
+    assert expected in info.value.details()
+    if case == "turns":   # refused before the session opened: the task stands, and the site may open it again
+        assert not federation.store.site_events(job_id)
+        federation.admin().abort(job_id)
+        return
+    assert federation.wait_job(job_id, scaled(60)) == "failed"
+    (event,) = [e for e in federation.store.site_events(job_id) if e.site == "d"]
+    assert event.status == "rejected" and expected in event.reason
 
 
 def test_job_show_download_and_a_seeded_rerun(three_sites, tmp_path, capsys):
@@ -238,8 +323,11 @@ class DropsMidEpoch(SiteAgent):
         return stream
 
 
-@pytest.mark.parametrize("how", ["vanish", "hang up", "stall"])
-def test_a_site_dropping_mid_epoch_is_recorded_and_the_epoch_goes_on(federation, how):
+@pytest.mark.parametrize("schedule,how", [("splitfed", "vanish"), ("splitfed", "hang up"), ("splitfed", "stall"),
+                                          ("synchronous", "vanish"), ("synchronous", "stall")])
+def test_a_site_dropping_mid_epoch_is_recorded_and_the_epoch_goes_on(federation, schedule, how):
+    """Synchronous: the others' turns wait for the dropped site only until it is out (a stalled site's gradient,
+    owed for rows already through the server's forward, counts as zero)."""
     agent = type("Drops", (DropsMidEpoch,), {"how": how})
     for name in SITES:
         federation.start_site(name, agent_cls=agent if name == "b" else SiteAgent)
@@ -247,14 +335,15 @@ def test_a_site_dropping_mid_epoch_is_recorded_and_the_epoch_goes_on(federation,
     # Only the stalling run needs a short split.batch_timeout_s; the others keep the default, so a loaded machine
     # cannot make a healthy site look silent.
     timeout = STALL_TIMEOUT_S if how == "stall" else 60.0
-    job_id = run_job(federation, split_job("u-shaped", "splitfed", timeout=timeout, min_sites=3))
+    job_id = run_job(federation, split_job("u-shaped", schedule, timeout=timeout, min_sites=3))
     events = federation.store.site_events(job_id)
     outcomes = {(r, s): sorted(e.status for e in events if (e.round, e.site) == (r, s)) for r in (1, 2) for s in SITES}
     (dropped,) = [e for e in events if (e.round, e.site, e.status) == (1, "b", "failed")]
+    unit = "batch(es)" if schedule == "splitfed" else "turn(s)"
     if how != "stall":   # recorded failed (a drop), not rejected, however the stream ended
-        assert "the Split session ended after 2 batch(es)" in dropped.reason, dropped
+        assert f"the Split session ended after 2 {unit}" in dropped.reason, dropped
     else:   # silent after batch 2's forward, the server holding its turn: the others went on after the timeout
-        assert "ended after 3 batch(es)" in dropped.reason
+        assert f"ended after {3 if schedule == 'splitfed' else 2} {unit}" in dropped.reason
         assert f"did not arrive within {STALL_TIMEOUT_S:g} s" in dropped.reason
         assert "split.batch_timeout_s" in dropped.reason
     assert outcomes[(1, "a")] == outcomes[(1, "c")] == ["evaluated", "submitted"]

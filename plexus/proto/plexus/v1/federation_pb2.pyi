@@ -422,28 +422,42 @@ class SplitDone(_message.Message):
     weights: _containers.RepeatedCompositeFieldContainer[TensorData]
     def __init__(self, num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., weights: _Optional[_Iterable[_Union[TensorData, _Mapping]]] = ...) -> None: ...
 
+class SplitSum(_message.Message):
+    __slots__ = ("seq", "grads")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    grads: _containers.RepeatedCompositeFieldContainer[TensorData]
+    def __init__(self, seq: _Optional[int] = ..., grads: _Optional[_Iterable[_Union[TensorData, _Mapping]]] = ...) -> None: ...
+
 class SplitMessage(_message.Message):
-    __slots__ = ("open", "batch", "grad", "done")
+    __slots__ = ("open", "batch", "grad", "done", "sum")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     GRAD_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
     open: SplitOpen
     batch: SplitBatch
     grad: SplitGrad
     done: SplitDone
-    def __init__(self, open: _Optional[_Union[SplitOpen, _Mapping]] = ..., batch: _Optional[_Union[SplitBatch, _Mapping]] = ..., grad: _Optional[_Union[SplitGrad, _Mapping]] = ..., done: _Optional[_Union[SplitDone, _Mapping]] = ...) -> None: ...
+    sum: SplitSum
+    def __init__(self, open: _Optional[_Union[SplitOpen, _Mapping]] = ..., batch: _Optional[_Union[SplitBatch, _Mapping]] = ..., grad: _Optional[_Union[SplitGrad, _Mapping]] = ..., done: _Optional[_Union[SplitDone, _Mapping]] = ..., sum: _Optional[_Union[SplitSum, _Mapping]] = ...) -> None: ...
 
 class SplitReply(_message.Message):
-    __slots__ = ("seq", "tensor", "loss", "correct", "message")
+    __slots__ = ("seq", "tensor", "loss", "correct", "message", "turn_rows", "grads")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     CORRECT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TURN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     tensor: TensorData
     loss: float
     correct: int
     message: str
-    def __init__(self, seq: _Optional[int] = ..., tensor: _Optional[_Union[TensorData, _Mapping]] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    turn_rows: int
+    grads: _containers.RepeatedCompositeFieldContainer[TensorData]
+    def __init__(self, seq: _Optional[int] = ..., tensor: _Optional[_Union[TensorData, _Mapping]] = ..., loss: _Optional[float] = ..., correct: _Optional[int] = ..., message: _Optional[str] = ..., turn_rows: _Optional[int] = ..., grads: _Optional[_Iterable[_Union[TensorData, _Mapping]]] = ...) -> None: ...
