@@ -45,12 +45,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-MODES = ("fedavg", "splitfed-u-shaped", "splitfed-vanilla", "sequential-u-shaped", "sequential-vanilla")
+MODES = ("fedavg", "splitfed-u-shaped", "splitfed-vanilla", "sequential-u-shaped", "sequential-vanilla",
+         "synchronous-u-shaped", "synchronous-vanilla")
 CUTS = {"cnn": {"vanilla": ["block1"], "u-shaped": ["block1", "features"]},
         "mlp": {"vanilla": ["hidden1"], "u-shaped": ["hidden1", "hidden2"]}}
 HOSPITALS = ("cleveland", "hungary", "switzerland", "va")
 COORD_NS = "plxb-coord"
-LR, MOMENTUM, BATCH = 0.02, 0.9, 32   # bench/split.py's SGD (lr 0.02, momentum 0.9); batch 32 for every mode
+LR, MOMENTUM, BATCH = 0.02, 0.9, 32   # bench/split.py's SGD (lr 0.02, momentum 0.9); batch 32 (--batch) for every mode
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -146,18 +147,18 @@ class Procs:
 # ---------------------------------------------------------------------------------------------- jobs
 
 
-def job_yaml(mode: str, data: str, epochs: int, sites: int, seed: int) -> str:
+def job_yaml(mode: str, data: str, epochs: int, sites: int, seed: int, batch: int = BATCH) -> str:
     model = ("{name: cnn, args: {width: 16}}" if data == "fashion-mnist" else
              "{name: mlp, args: {in_features: 13, hidden: [32, 16], num_classes: 2}}")
     head = (f"name: wire-{mode}\nmodel: {model}\ndata: {{dataset: {data}}}\nrounds: {epochs}\n"
             f"sites: {{min: {sites}, deadline_s: 3600}}\nseed: {seed}\n")
     opt = f"optimizer: {{name: sgd, lr: {LR}, momentum: {MOMENTUM}}}"
     if mode == "fedavg":
-        return head + f"strategy: {{name: fedavg}}\ntrain: {{epochs: 1, batch_size: {BATCH}, {opt}}}\n"
+        return head + f"strategy: {{name: fedavg}}\ntrain: {{epochs: 1, batch_size: {batch}, {opt}}}\n"
     schedule, variant = mode.split("-", 1)
     cuts = CUTS["cnn" if data == "fashion-mnist" else "mlp"][variant]
     return head + (f"mode: split\nsplit: {{variant: {variant}, cuts: [{', '.join(cuts)}], schedule: {schedule}, "
-                   f"batch_timeout_s: 600}}\ntrain: {{batch_size: {BATCH}, {opt}}}\n")
+                   f"batch_timeout_s: 600}}\ntrain: {{batch_size: {batch}, {opt}}}\n")
 
 
 def dataset_entry(data: str, k: int, sites: int, limit: int | None) -> dict:
@@ -480,7 +481,8 @@ def run(args) -> int:
         spec = {"address": f"127.0.0.1:{args.port}", "kit": str(admin), "sites": sites, "site_names": site_names,
                 "idle_s": args.idle_s, "metrics_port": args.metrics_port, "result": str(result_path),
                 "job_timeout_s": args.job_timeout_s,
-                "jobs": [{"mode": m, "yaml": job_yaml(m, args.data, args.epochs, sites, args.seed)} for m in modes]}
+                "jobs": [{"mode": m, "yaml": job_yaml(m, args.data, args.epochs, sites, args.seed, args.batch)}
+                         for m in modes]}
         (work / "helper-spec.json").write_text(json.dumps(spec, indent=1))
         helper_proc = subprocess.run(["ip", "netns", "exec", COORD_NS, sys.executable, "-m", "bench.split_wire",
                                       "--_helper", str(work / "helper-spec.json")], env=child_env(), cwd=REPO)
@@ -513,7 +515,7 @@ def run(args) -> int:
     entry = {"command": " ".join([os.path.basename(sys.executable), "-m", "bench.split_wire", *sys.argv[1:]]),
              "machine": info, "data": args.data, "sites": sites, "site_names": site_names, "epochs": args.epochs,
              "limit": args.limit, "seed": args.seed, "gso_max_segs_1": not args.gso, "lr": LR, "momentum": MOMENTUM,
-             "batch_size": BATCH,
+             "batch_size": args.batch,
              "idle": {"seconds": idle["seconds"], "bytes_per_s_per_site": idle_rate,
                       "by_site": {site_names[i]: {d: idle["after"][d][i] - idle["before"][d][i]
                                                   for d in ("up", "down", "up_packets", "down_packets")}
@@ -540,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="")
     p.add_argument("--limit", type=int, default=None, help="fashion-mnist: the first N training images only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=BATCH, help=f"train.batch_size of every job (default {BATCH})")
     p.add_argument("--idle-s", type=float, default=60.0, help="idle baseline window (default 60 s)")
     p.add_argument("--port", type=int, default=18443)
     p.add_argument("--metrics-port", type=int, default=18444)

@@ -376,10 +376,11 @@ SPLIT_VARIANTS = ("vanilla", "u-shaped")
 SPLIT_SCHEDULES = ("sequential", "splitfed", "synchronous")
 
 
-def _split_variants() -> dict:
+def _listed(choices: tuple[str, ...], what: str) -> dict:
+    """A list whose every item is one of `choices`."""
     def check(value: tuple[str, ...]) -> str | None:
-        bad = [v for v in value if v not in SPLIT_VARIANTS]
-        return f"{bad[0]!r} is not a split variant; list any of {', '.join(SPLIT_VARIANTS)}" if bad else None
+        bad = [v for v in value if v not in choices]
+        return f"{bad[0]!r} is not a {what}; list any of {', '.join(choices)}" if bad else None
 
     return {"check": check}
 
@@ -583,7 +584,11 @@ class PolicySpec:
     min_cell_count: int | None = field(default=None, metadata=in_range(1, 1_000_000))
     # Split learning: the variants this site takes part in. A vanilla split sends the labels with the cut
     # activations; a site whose labels must stay lists only u-shaped.
-    split_variants: tuple[str, ...] = field(default=SPLIT_VARIANTS, metadata=_split_variants())
+    split_variants: tuple[str, ...] = field(default=SPLIT_VARIANTS, metadata=_listed(SPLIT_VARIANTS, "split variant"))
+    # ... and the schedules. `synchronous` shows the coordinator this site's gradients of its parts every turn,
+    # over a share of a few rows (docs/split-learning.md); a site that must not show them leaves it out.
+    split_schedules: tuple[str, ...] = field(default=SPLIT_SCHEDULES,
+                                             metadata=_listed(SPLIT_SCHEDULES, "split schedule"))
 
 
 SITE_NAME = r"[a-z0-9][a-z0-9_-]{0,62}"

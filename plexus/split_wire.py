@@ -10,6 +10,11 @@ A session (site → coordinator, one message in flight each way):
     SplitDone (rows, metrics[, the site's parts])   → message
 An evaluation session sends its batches the same way; the server steps nothing and answers a vanilla batch with
 its summed loss and correct count, a u-shaped one with the server part's output.
+
+Synchronous SplitFed (coordinator/drivers/split_sync.py) numbers its messages by turn, answers each once every
+site's part of the turn is in, and ends each turn with
+    SplitSum (seq, the gradients of the site's parts)   → their sum over the sites (the forward's reply also
+                                                          carries the turn's rows, which weigh the site's loss)
 """
 
 from __future__ import annotations

@@ -55,6 +55,11 @@ def refusal(policy: PolicySpec, job: RoundConfig, installed_models: set[str], *,
     if job.mode == "split" and job.split.variant not in policy.split_variants:
         return (f"the job is a {job.split.variant} split, which sends this site's labels with its cut activations; "
                 f"this site's policy.split_variants allows {', '.join(policy.split_variants) or 'none'}")
+    if job.mode == "split" and job.split.schedule not in policy.split_schedules:
+        return (f"the job's split schedule is {job.split.schedule}"
+                + (", which shows the coordinator this site's gradients of its parts every turn"
+                   if job.split.schedule == "synchronous" else "")
+                + f"; this site's policy.split_schedules allows {', '.join(policy.split_schedules) or 'none'}")
     if policy.require_secure_aggregation and not job.privacy.secure_aggregation:
         return "this site's policy requires secure aggregation (privacy.secure_aggregation: true)"
     if job.privacy.secure_aggregation and job.sites.min < policy.min_secure_cohort:

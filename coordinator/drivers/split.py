@@ -17,6 +17,7 @@ failed and the schedule goes on without it; a SIGKILL of the coordinator resumes
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -136,7 +137,7 @@ class Phase:
     turn: int = 0                                   # sequential: the participant whose turn it is
     turn_opened: float = 0.0
     turns: Turns | None = None                      # splitfed: the server's order over the sites' batches
-    rendezvous: split_sync.Rendezvous | None = None            # synchronous: the epoch's turns across the sites
+    rendezvous: split_sync.Rendezvous | None = None   # synchronous: the epoch's turns across the sites
     trained: dict[str, tuple[int, dict[str, np.ndarray]]] = field(default_factory=dict)   # splitfed: rows, parts
     server_s: float = 0.0                           # the worker's compute time this phase
     hop_s: float = 0.0                              # the hop's own time (call time less compute)
@@ -381,12 +382,11 @@ class SplitRounds:
     def _open_phase(self, kind: str, round_: int, sites: list[str], now: float) -> None:
         ph = Phase(kind=kind, round=round_, participants=sites, opened=now, turn_opened=now)
         if kind == "train" and self.synchronous:
-            rows = self.ctx.presence.rows(self.cfg.data.dataset)
-            rows = {s: rows.get(s, 0) for s in sites}
+            reported = self.ctx.presence.rows(self.cfg.data.dataset)
+            rows = {s: reported.get(s, 0) for s in sites}
             turns = -(-sum(rows.values()) // self.cfg.train.batch_size)
             ph.rendezvous = split_sync.Rendezvous(rows, turns, split_sync.STAGES[self.cfg.split.variant],
-                                                  lambda stage, inputs, fed: split_sync.run_stage(self, stage, inputs,
-                                                                                                  fed))
+                                                  functools.partial(split_sync.run_stage, self))
         elif kind == "train":
             ph.turns = Turns(sites if self.cfg.split.schedule == "splitfed" else sites[:1], self.ctx.monotonic)
         self.phase, self._served = ph, None
@@ -472,6 +472,9 @@ class SplitRounds:
                  weights: dict[str, np.ndarray] | None) -> str:
         ph, site = self.phase, session.site
         self._check_live(session)
+        # A session can outlast the online window (an epoch of a minute or more): its end is the site's presence,
+        # so the evaluation that opens next asks it too.
+        self.ctx.presence.seen(site)
         if session.grant.kind == TaskKind.SPLIT_TRAIN:
             check_rows(num_samples, self.ctx.presence.rows(self.cfg.data.dataset).get(site, 0))
             if self.cfg.split.schedule == "sequential":

@@ -75,7 +75,7 @@ class Rendezvous:
             if site in self.gone:
                 raise RoundClosed(f"site {site} is out of this epoch's turns")
             current = self.stage
-            if seq != self.t or current is None or self.stages.index(stage) < self._s \
+            if seq != self.t or current is None or stage not in self.stages or self.stages.index(stage) < self._s \
                     or site not in self._eligible(stage) or site in self._inbox[stage]:
                 raise IntegrityError(f"turn {seq} {stage} from site {site} is out of order: the turns are at turn "
                                      f"{self.t} {current or '(all done)'}", reason=Reason.LAYOUT)

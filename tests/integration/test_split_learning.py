@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sqlite3
+import time
 
 import grpc
 import numpy as np
@@ -198,6 +199,37 @@ def test_a_synchronous_site_with_fewer_rows_than_turns_steps_on_every_turn_s_sum
     turns = {(m.round, m.site): m.value for m in federation.store.metrics(job_id)
              if m.kind == "train" and m.name == "batches"}   # the turns in which the site had rows
     assert turns[(1, "c")] == turns[(2, "c")] == 5 and turns[(1, "a")] > 5
+
+
+class SlowToFinish(SiteAgent):
+    """A site whose training session waits `wait_s` before its SplitDone: a session longer than the online window."""
+
+    wait_s = 0.0
+
+    def split_stream(self, stub):
+        stream = site_split.Stream(stub)
+        ask = stream.ask
+
+        def slow(message):
+            if message.WhichOneof("body") == "done" and message.done.weights:
+                time.sleep(self.wait_s)
+            return ask(message)
+
+        stream.ask = slow
+        return stream
+
+
+def test_a_training_session_longer_than_the_online_window_still_evaluates(federation):
+    """The sites' only calls during an epoch are their sessions' messages: its end counts as their presence, so
+    the evaluation that follows asks every site (it asked only the sites that had polled again since)."""
+    federation.coordinator.engine.online_window_s = 1.5
+    agent = type("Slow", (SlowToFinish,), {"wait_s": 2.0})
+    for name in ("a", "b"):
+        federation.start_site(name, agent_cls=agent)
+    federation.wait_online("a", "b")
+    job_id = run_job(federation, split_job("u-shaped", "synchronous", rounds=1, min_sites=2))
+    evaluated = {m.site for m in federation.store.metrics(job_id) if m.kind == "eval" and m.name == "accuracy"}
+    assert evaluated == {"a", "b"}
 
 
 @pytest.mark.parametrize("case", ["turns", "share", "order"])
@@ -415,7 +447,8 @@ def test_cuts_the_model_lacks_are_refused_at_submit(federation):
     assert info.value.details() == "split: cut(s) ['hidden7'] are not among this model's: hidden1, hidden2"
 
 
-def test_sigkill_mid_epoch_resumes_and_ends_bit_for_bit(tmp_path, procs):
+@pytest.mark.parametrize("schedule", ["sequential", "synchronous"])
+def test_sigkill_mid_epoch_resumes_and_ends_bit_for_bit(tmp_path, procs, schedule):
     root = tmp_path / "pki"
     port, admin_kit, coord_cfg = cli_kits(root, "split-resume", ("a", "b"), allowed_models=("mlp",))
     addr = root / "coordinator" / "state" / "coordinator.addr"
@@ -425,7 +458,7 @@ def test_sigkill_mid_epoch_resumes_and_ends_bit_for_bit(tmp_path, procs):
         procs.start(f"site-{name}", "site", "run", "--config", str(root / "sites" / name / "site.yaml"),
                     "--threads", "1")
     address, epochs = f"127.0.0.1:{port}", 6
-    job = split_job("u-shaped", "sequential", rounds=epochs, min_sites=2, seed=3)
+    job = split_job("u-shaped", schedule, rounds=epochs, min_sites=2, seed=3)
     with AdminClient(address, admin_kit) as client:
         wait_until(lambda: {s.site for s in client.sites() if s.online} == {"a", "b"}, 60, "both sites online")
         job_id = client.submit(job).job_id

@@ -38,6 +38,12 @@ def test_allowed_job_passes():
     assert refusal(policy, job("{secure_aggregation: true, " + DP[1:]), INSTALLED, train_size=untouched()) is None
 
 
+SYNCHRONOUS_SPLIT = parse_round_config(
+    "name: s\nmodel: {name: mlp, args: {in_features: 13, hidden: [32, 16]}}\ndata: {dataset: heart-disease}\n"
+    "rounds: 2\nmode: split\nsplit: {variant: u-shaped, cuts: [hidden1, hidden2], schedule: synchronous}\n"
+    "train: {batch_size: 32}\n")
+
+
 @pytest.mark.parametrize(("policy", "the_job", "reason"), [
     (PolicySpec(allowed_models=("logistic",)), job(),
      "model 'mlp' is not in this site's policy.allowed_models ['logistic']"),
@@ -56,6 +62,9 @@ def test_allowed_job_passes():
      "this site's policy caps ε at 8.0, and the job has no differential privacy (its ε is unbounded)"),
     (PolicySpec(allowed_models=("mlp",), max_epsilon=8.0), job(DP, rounds=10),
      f"the job's accounted ε after its 10 rounds would be client-level ε {epsilon_after(10, 1.0, 1.0, 1e-5):.3g}"),
+    (PolicySpec(allowed_models=("mlp",), split_schedules=("sequential", "splitfed")), SYNCHRONOUS_SPLIT,
+     "the job's split schedule is synchronous, which shows the coordinator this site's gradients of its parts every "
+     "turn; this site's policy.split_schedules allows sequential, splitfed"),
 ])
 def test_every_rule_declines_with_its_reason_before_touching_data(policy, the_job, reason):
     got = refusal(policy, the_job, INSTALLED, train_size=untouched())
@@ -119,9 +128,10 @@ def test_policy_digest_changes_with_every_field():
     variants = [PolicySpec(allowed_models=("mlp",), min_dp_noise=1.0),
                 PolicySpec(allowed_models=("mlp",), max_rounds=3),
                 PolicySpec(allowed_models=("mlp",), allowed_datasets=("x",)),
-                PolicySpec(allowed_models=("mlp",), plugin_sha256={"p": "0" * 64})]
+                PolicySpec(allowed_models=("mlp",), plugin_sha256={"p": "0" * 64}),
+                PolicySpec(allowed_models=("mlp",), split_schedules=("splitfed",))]
     digests = {policy_digest(p) for p in [base, *variants]}
-    assert len(digests) == 5 and policy_digest(base) == policy_digest(PolicySpec(allowed_models=("mlp",)))
+    assert len(digests) == 6 and policy_digest(base) == policy_digest(PolicySpec(allowed_models=("mlp",)))
 
 
 # plug-in pinning ----------------------------------------------------------------------------
