@@ -23,6 +23,7 @@ zero. The coordinator sees each site's per-turn gradient of its parts, besides w
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -32,6 +33,8 @@ from coordinator.drivers.split import Session
 from plexus.errors import IntegrityError, Reason, RoundClosed
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.split_wire import array_of, tensor_message, weights_of
+
+log = logging.getLogger("plexus.coordinator")
 
 STAGES = {"u-shaped": ("forward", "backward", "sum"), "vanilla": ("vanilla", "sum")}
 MAX_SITES = 4096   # the compute worker takes train.batch_size + this many rows at once (a turn's shares round up)
@@ -132,8 +135,10 @@ class Rendezvous:
         self._cv.release()
         try:
             results, fed = self._run(stage, inputs, list(self._fed))
-        except Exception as exc:   # every site waiting on the stage gets its error
-            results, fed = {s: exc for s in inputs}, []
+        except Exception as exc:   # every site waiting on the stage gets an error of its own (its session ends)
+            log.warning("synchronous split turn %d: the %s at the server failed: %s", t, stage, exc)
+            results = {s: RoundClosed(f"turn {t}'s {stage} at the server failed: {exc}") for s in inputs}
+            fed = []
         finally:
             self._cv.acquire()
             self._running = False
@@ -142,14 +147,14 @@ class Rendezvous:
                 self._out[site] = (t, stage, result)
         self._fed = fed
         self._advance()
+        self._skip()
+        self._cv.notify_all()
 
     def _advance(self) -> None:
         self._inbox[self.stage].clear()
         self._s += 1
         if self._s == len(self.stages):
             self.t, self._s, self._fed = self.t + 1, 0, []
-        self._skip()
-        self._cv.notify_all()
 
     def _skip(self) -> None:
         """Move past stages no site is left to take part in (a turn whose live sites have no rows runs no forward;

@@ -89,7 +89,9 @@ def test_a_failing_stage_fails_every_site_waiting_on_it():
 
     rv = Rendezvous({"a": 1, "b": 1}, 1, ("forward", "backward", "sum"), run)
     out = run_sites(rv, ["a", "b"])
-    assert all(isinstance(out[s][0], IntegrityError) for s in ("a", "b"))
+    assert all(isinstance(out[s][0], RoundClosed) for s in ("a", "b"))
+    assert str(out["a"][0]) == "turn 0's forward at the server failed: the worker refused the batch"
+    assert out["a"][0] is not out["b"][0]
 
 
 def test_a_part_for_another_turn_or_stage_is_refused():
@@ -105,3 +107,11 @@ def test_a_part_for_another_turn_or_stage_is_refused():
         rv.put("a", 0, "forward", np.zeros(1), lambda: cut)
     with pytest.raises(IntegrityError, match="out of order"):   # a's forward part is in already
         rv.put("a", 0, "forward", np.zeros(1), lambda: None)
+
+
+def test_the_turns_end_when_every_site_has_left():
+    rv = Rendezvous({"a": 5000, "b": 5000}, 3000, ("forward", "backward", "sum"), Recorder())
+    rv.leave("a")
+    assert (rv.t, rv.stage) == (0, "forward")
+    rv.leave("b")   # thousands of stages with no one left: skipped, none run
+    assert rv.stage is None
