@@ -95,29 +95,12 @@ def train_session(stream: Stream, site: SiteSplit, data: Split, task) -> dict[st
     order = torch.randperm(len(x), generator=generator)
     batches = [order[k:k + job.train.batch_size] for k in range(0, len(x), job.train.batch_size)]
     _open(stream, task, len(batches))
-    vanilla = site.parts.head is None
     compute, losses = 0.0, []
     for seq, rows in enumerate(batches):
-        started = time.perf_counter()
-        a = step.forward(x[rows])
-        compute += time.perf_counter() - started
-        sent = fpb.SplitBatch(seq=seq, activations=tensor_message(a.numpy()))
-        if vanilla:
-            sent.labels.CopyFrom(tensor_message(y[rows].numpy()))
-        reply = _reply(stream.ask(fpb.SplitMessage(batch=sent)), seq)
-        if vanilla:
-            grad, loss = _tensor(reply, "the gradient at the cut", tuple(a.shape)), reply.loss
-        else:
-            out = _tensor(reply, "the server part's output", (len(rows), *site.out_shape))
-            started = time.perf_counter()
-            grad_out, loss = step.loss(out, y[rows])
-            compute += time.perf_counter() - started
-            reply = _reply(stream.ask(fpb.SplitMessage(grad=fpb.SplitGrad(seq=seq, grad=tensor_message(
-                grad_out.numpy())))), seq)
-            grad = _tensor(reply, "the gradient at the cut", tuple(a.shape))
+        grad, loss, spent = _through_server(stream, site, step, x[rows], y[rows], seq)
         started = time.perf_counter()
         step.backward(grad)
-        compute += time.perf_counter() - started
+        compute += spent + time.perf_counter() - started
         losses.append(float(loss) * len(rows))
     metrics = {"train_loss": sum(losses) / max(1, len(x)), "site_compute_s": compute, "batches": float(len(batches))}
     stream.ask(fpb.SplitMessage(done=fpb.SplitDone(num_samples=len(x), metrics=metrics, weights=site.weights())))
@@ -136,35 +119,15 @@ def synchronous_session(stream: Stream, site: SiteSplit, data: Split, task) -> d
     step = _site_step(site, y, generator)
     shapes = {name: tuple(p.shape) for name, p in step.named_parameters()}
     _open(stream, task, turns)
-    vanilla = site.parts.head is None
     compute, losses, active = 0.0, 0.0, 0
     for seq, rows in enumerate(turn_shares(len(x), turns, generator)):
         sent = fpb.SplitSum(seq=seq)
         if len(rows):
             active += 1
-            started = time.perf_counter()
-            a = step.forward(x[rows])
-            compute += time.perf_counter() - started
-            batch = fpb.SplitBatch(seq=seq, activations=tensor_message(a.numpy()))
-            if vanilla:
-                batch.labels.CopyFrom(tensor_message(y[rows].numpy()))
-            reply = _reply(stream.ask(fpb.SplitMessage(batch=batch)), seq)
-            if vanilla:
-                grad, loss = _tensor(reply, "the gradient at the cut", tuple(a.shape)), reply.loss
-            else:
-                out = _tensor(reply, "the server part's output", (len(rows), *site.out_shape))
-                if reply.turn_rows < len(rows):
-                    raise IntegrityError(f"the coordinator says turn {seq} holds {reply.turn_rows} rows, fewer than "
-                                         f"this site's {len(rows)}")
-                started = time.perf_counter()
-                grad_out, loss = step.loss(out, y[rows], len(rows) / reply.turn_rows)
-                compute += time.perf_counter() - started
-                reply = _reply(stream.ask(fpb.SplitMessage(grad=fpb.SplitGrad(seq=seq, grad=tensor_message(
-                    grad_out.numpy())))), seq)
-                grad = _tensor(reply, "the gradient at the cut", tuple(a.shape))
+            grad, loss, spent = _through_server(stream, site, step, x[rows], y[rows], seq, synchronous=True)
             started = time.perf_counter()
             step.backward(grad, step=False)
-            compute += time.perf_counter() - started
+            compute += spent + time.perf_counter() - started
             sent.grads.extend(tensor_message(g.numpy(), name) for name, g in step.gradients().items())
             losses += float(loss) * len(rows)
         reply = _reply(stream.ask(fpb.SplitMessage(sum=sent)), seq)
@@ -175,6 +138,35 @@ def synchronous_session(stream: Stream, site: SiteSplit, data: Split, task) -> d
     metrics = {"train_loss": losses / max(1, len(x)), "site_compute_s": compute, "batches": float(active)}
     stream.ask(fpb.SplitMessage(done=fpb.SplitDone(num_samples=len(x), metrics=metrics, weights=site.weights())))
     return metrics
+
+
+def _through_server(stream: Stream, site: SiteSplit, step: SiteStep, x: torch.Tensor, y: torch.Tensor, seq: int, *,
+                    synchronous: bool = False) -> tuple[torch.Tensor, float, float]:
+    """One batch's exchange with the server part: the activations (vanilla: and labels) up, and u-shaped the head's
+    loss on the server's output, whose gradient goes up next (synchronous: the loss weighted by this site's share
+    of the turn's rows, which the reply says). (The gradient at the cut, the loss, the site's compute seconds.)"""
+    started = time.perf_counter()
+    a = step.forward(x)
+    compute = time.perf_counter() - started
+    batch = fpb.SplitBatch(seq=seq, activations=tensor_message(a.numpy()))
+    if site.parts.head is None:   # vanilla
+        batch.labels.CopyFrom(tensor_message(y.numpy()))
+        reply = _reply(stream.ask(fpb.SplitMessage(batch=batch)), seq)
+        return _tensor(reply, "the gradient at the cut", tuple(a.shape)), reply.loss, compute
+    reply = _reply(stream.ask(fpb.SplitMessage(batch=batch)), seq)
+    out = _tensor(reply, "the server part's output", (len(x), *site.out_shape))
+    weight = 1.0
+    if synchronous:
+        if reply.turn_rows < len(x):
+            raise IntegrityError(f"the coordinator says turn {seq} holds {reply.turn_rows} rows, fewer than this "
+                                 f"site's {len(x)}")
+        weight = len(x) / reply.turn_rows
+    started = time.perf_counter()
+    grad_out, loss = step.loss(out, y, weight)
+    compute += time.perf_counter() - started
+    reply = _reply(stream.ask(fpb.SplitMessage(grad=fpb.SplitGrad(seq=seq, grad=tensor_message(grad_out.numpy())))),
+                   seq)
+    return _tensor(reply, "the gradient at the cut", tuple(a.shape)), loss, compute
 
 
 def _site_step(site: SiteSplit, y: torch.Tensor, generator: torch.Generator) -> SiteStep:
