@@ -738,10 +738,14 @@ class Session:
         worker = self.driver.worker
         if worker is None or self._cut is not None:
             raise self._cut or RoundClosed(f"job {self.driver.job_id} is no longer active")
-        consume = lambda h, views: (h, [tensor_message(v) for v in views])   # noqa: E731
         if self.training:   # counted for the epoch
-            return self.driver.server_call(op, tensors, consume)
-        return worker.call(op, tensors, consume=consume)
+            return self.driver.server_call(op, tensors, _as_messages)
+        return worker.call(op, tensors, consume=_as_messages)
+
+
+def _as_messages(header: dict, views: list[np.ndarray]) -> tuple[dict, list[fpb.TensorData]]:
+    """A worker reply's tensors as wire messages, made straight from the shared segment (one copy)."""
+    return header, [tensor_message(v) for v in views]
 
 
 from coordinator.drivers import split_sync  # noqa: E402  (after Session, which its SyncSession extends)

@@ -53,9 +53,17 @@ def run_sites(rv: Rendezvous, sites: list[str], **stops) -> dict:
 
 
 def test_shares_are_the_site_s_rows_cut_into_the_turns():
+    """The coordinator's share sizes (it cannot import torch) are those of the shares a site cuts its rows into."""
+    import torch
+
+    from plexus.split import turn_shares
+
     assert [share(10, 4, t) for t in range(4)] == [2, 3, 2, 3]
     assert [share(2, 4, t) for t in range(4)] == [0, 1, 0, 1]
     assert sum(share(937, 15, t) for t in range(15)) == 937
+    for rows, turns in ((10, 4), (2, 4), (937, 15), (5, 12), (0, 3)):
+        shares = turn_shares(rows, turns, torch.Generator().manual_seed(1))
+        assert [len(s) for s in shares] == [share(rows, turns, t) for t in range(turns)]
 
 
 def test_each_stage_runs_once_over_the_sites_it_expects():
