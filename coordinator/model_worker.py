@@ -32,6 +32,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from plexus.errors import ConfigError, PlexusError
+from plexus.shutdown import exit_now
 from plexus.text import bounded
 
 
@@ -242,4 +243,4 @@ def _serve() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve())
+    exit_now(_serve())   # not sys.exit: torch's teardown would keep the parent waiting

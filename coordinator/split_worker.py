@@ -43,6 +43,7 @@ import numpy as np
 
 from coordinator.model_worker import end_child
 from plexus.errors import ConfigError, IntegrityError, Reason
+from plexus.shutdown import exit_now
 
 _DTYPES = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -398,4 +399,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())   # not sys.exit: torch's teardown would keep the parent waiting

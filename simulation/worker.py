@@ -27,6 +27,7 @@ import grpc
 from plexus.config import load_site_config
 from plexus.inproc import LocalRpcError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
+from plexus.shutdown import exit_now
 from simulation.frames import read_frame, write_frame
 
 log = logging.getLogger("plexus.simulation")
@@ -274,4 +275,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())   # not sys.exit: torch's teardown would keep the parent waiting
