@@ -44,7 +44,7 @@ from coordinator.tasks import (
     owned_task,
 )
 from plexus.config import MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_config, ensemble_members, parse_round_config
-from plexus.errors import ConfigError, FailedPrecondition, IntegrityError, NotFound, RoundClosed
+from plexus.errors import ConfigError, FailedPrecondition, IntegrityError, NotFound, PlexusError, RoundClosed
 from plexus.text import bounded
 from plexus.vocab import TERMINAL, JobStatus, TaskKind
 from plexus.wire import FLOAT_DTYPES, Layout
@@ -436,8 +436,10 @@ class Engine:
                                    children=info.children if info.relay else None)
             self._cv.notify_all()
 
-    def next_task(self, site: str, wait_s: float) -> TaskGrant | None:
-        """The site's task, waiting up to wait_s (at most poll_timeout_s) for one to appear."""
+    def next_task(self, site: str, wait_s: float, valid: Callable[[], None] = lambda: None) -> TaskGrant | None:
+        """The site's task, waiting up to wait_s (at most poll_timeout_s) for one to appear. `valid()` raises once
+        the caller's certificate is revoked: checked before anything is granted, and again on every wake-up
+        (`recheck_polls` wakes every poll), so a site revoked while it waits is refused at once and is offline."""
         end = self._mono() + max(0.0, min(wait_s, self.poll_timeout_s))
         with self._cv:
             self.store.site_seen(site)
@@ -445,6 +447,11 @@ class Engine:
                 self._cv.notify_all()   # back online: the round loop may now have its quorum
             polls = self._presence.poll(site)
             while True:
+                try:
+                    valid()
+                except PlexusError:
+                    self._presence.leave(site)   # no round counts on it from now on
+                    raise
                 grant = self._driver.grant(site) if self._driver is not None else None
                 remaining = end - self._mono()
                 if grant or remaining <= 0 or self._stopping:
@@ -452,6 +459,11 @@ class Engine:
                     return grant
                 if polls.wait(remaining):
                     self._wakeups += 1
+
+    def recheck_polls(self) -> None:
+        """Certificates were revoked: every waiting long-poll checks its caller's again now (next_task's `valid`)."""
+        with self._cv:
+            self._presence.wake()
 
     def model_for(self, site: str, task_id: str, held: Held | None = None, *, zero_base: bool = False
                   ) -> tuple[ServedModel, str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent import futures
 from pathlib import Path
 
@@ -48,9 +49,12 @@ class Coordinator:
         # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used. It is
         # checked before anything serves, so a rolled-back or expired CRL stops the start cleanly;
         # the highest CRL number seen is kept in the state dir, so a restart cannot roll it back.
-        crl = RevocationList(config.crl or Path(config.kit) / "crl.pem", kit.ca_pem, on_revoked=lambda serials: [
-            self.audit.certificate_revoked(f"serial {n}", serial=n, by="crl") for n in serials],
-            floor_file=Path(config.state_dir) / "crl-number")
+        # A new crl.pem is noticed within a second (the watch, from start()): its revocations are audited, and the
+        # long-polls of revoked sites are refused then, not when they next call.
+        crl = RevocationList(config.crl or Path(config.kit) / "crl.pem", kit.ca_pem, on_revoked=self._revoked,
+                             floor_file=Path(config.state_dir) / "crl-number")
+        self._crl_stop = threading.Event()
+        self._crl_watch = threading.Thread(target=crl.watch, args=(self._crl_stop,), name="crl-watch", daemon=True)
         # The audit trail: append-only, hash-chained, beside plexus.db (`plexus audit --verify`).
         # Its head is signed with the coordinator's key (`plexus audit --export-head`, `--against`).
         self.audit_log = AuditLog(Path(config.state_dir) / "audit.db", signer=(kit.key_pem, kit.cert_pem))
@@ -105,9 +109,15 @@ class Coordinator:
         self.metrics_port: int | None = None
         self.address_file = Path(config.state_dir) / "coordinator.addr"
 
+    def _revoked(self, serials: list[int]) -> None:
+        for n in serials:
+            self.audit.certificate_revoked(f"serial {n}", serial=n, by="crl")
+        self.engine.recheck_polls()
+
     def start(self) -> None:
         self.engine.start()
         self.server.start()
+        self._crl_watch.start()
         if self.health_server is not None:
             self.health_server.start()
         if self._metrics_listen:
@@ -137,6 +147,9 @@ class Coordinator:
         # period and then its worker thread (and so this shutdown). The engine's stop answers every one now.
         self.engine.stop()
         stopped.wait()
+        self._crl_stop.set()
+        if self._crl_watch.is_alive():
+            self._crl_watch.join()
         self.watchdog.stop()
         for executor in self._executors:
             executor.shutdown(wait=True, cancel_futures=True)

@@ -157,7 +157,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
 
     @guarded(kind=("site", "relay"))
     def NextTask(self, request, context, *, who):
-        grant = self.engine.next_task(who.name, request.wait_s)
+        grant = self.engine.next_task(who.name, request.wait_s, valid=lambda: self.auth.still_valid(who))
         if grant is None:
             return fpb.Task(kind=fpb.TASK_NONE)
         return task_message(grant)

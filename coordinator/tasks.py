@@ -106,6 +106,10 @@ class Presence:
     def seen(self, site: str) -> None:
         self._seen[site] = self._mono()
 
+    def leave(self, site: str) -> None:
+        """The site is offline from now on (its certificate was revoked), whenever it was last seen."""
+        self._seen.pop(site, None)
+
     def online(self) -> set[str]:
         """Sites seen (any call) within the online window."""
         now = self._mono()

@@ -30,6 +30,7 @@ _REISSUE = {"coordinator": "`plexus pki init`", "relay": "`plexus pki add-relay`
 COORDINATOR_NAME = "coordinator"   # the CN of the coordinator's certificate
 ROLES = ("admin", "operator", "viewer")
 CRL_RENEW_BEFORE = dt.timedelta(days=7)   # a loaded CRL this close to its nextUpdate is logged as a warning
+CRL_WATCH_S = 1.0   # how often a coordinator looks at its CRL file for changes (RevocationList.watch)
 
 _KIT_FILES = ("ca.pem", "cert.pem", "key.pem")
 
@@ -134,6 +135,12 @@ def federation_of(cert_pem: bytes) -> str:
     return _single_attr(_parse_cert(cert_pem).subject, NameOID.ORGANIZATION_NAME, "O")
 
 
+def revoked_error(who: str, serial: int) -> errors.Unauthenticated:
+    """The refusal of a revoked certificate (`who`: "site 'b'")."""
+    return errors.Unauthenticated(f"certificate of {who} (serial {serial}) has been revoked; ask the federation "
+                                  "operator for a new kit")
+
+
 class RevocationList:
     """A CA-verified CRL that reloads itself when its file changes; `check` raises on revoked certs,
     `revoked` answers for a serial.
@@ -173,10 +180,21 @@ class RevocationList:
                 who = f"{ident.kind} {ident.name!r}"
             except errors.Unauthenticated:
                 who = "an unknown participant"
-            raise errors.Unauthenticated(
-                f"certificate of {who} (serial {cert.serial_number}) has been revoked; "
-                "ask the federation operator for a new kit"
-            )
+            raise revoked_error(who, cert.serial_number)
+
+    def watch(self, stop: threading.Event, every_s: float = CRL_WATCH_S) -> None:
+        """Reload the file whenever it changes (on_revoked then hears of new revocations at once, not at the next
+        call that checks a certificate), until `stop` is set. A CRL that cannot be trusted is logged when it
+        turns so; the calls' checks refuse everything meanwhile (fail closed)."""
+        problem = ""
+        while not stop.wait(every_s):
+            try:
+                self._current()
+                problem = ""
+            except errors.PlexusError as exc:
+                if str(exc) != problem:
+                    log.error("%s", exc)
+                problem = str(exc)
 
     def revoked(self, serial: int) -> bool:
         """Whether `serial` is on the CRL, reloading a changed file first. Fails closed as `check` does: a
@@ -188,12 +206,14 @@ class RevocationList:
         # One tuple, swapped in one assignment, so a reader never pairs a new stat key with old serials.
         key, revoked, expires = self._state
         if self._stat() != key:
+            newly: list[int] = []
             with self._lock:
                 if self._stat() != self._state[0]:
                     before = self._state[1]
                     self._state = self._load()
-                    if self._on_revoked is not None and self._state[1] - before:
-                        self._on_revoked(sorted(self._state[1] - before))
+                    newly = sorted(self._state[1] - before)
+            if newly and self._on_revoked is not None:
+                self._on_revoked(newly)   # outside the lock: the callback may take others' (the engine's)
             key, revoked, expires = self._state
         if self._clock() >= expires:
             raise errors.IntegrityError(self._expired_message(expires))

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import grpc
 
 from plexus import errors
-from plexus.identity import KINDS, Identity, RevocationList, check_leaf, identity_from_cert
+from plexus.identity import KINDS, Identity, RevocationList, check_leaf, identity_from_cert, revoked_error
 from plexus.text import bounded
 
 log = logging.getLogger("plexus.rpc")
@@ -118,6 +118,11 @@ class Authenticator:
     def revoked(self, serial: int) -> bool:
         """Whether a certificate serial is on the CRL the calls are checked against (RevocationList.revoked)."""
         return self._crl.revoked(serial)
+
+    def still_valid(self, who: Identity) -> None:
+        """Raise errors.Unauthenticated if `who`'s certificate was revoked since its call began (a long poll)."""
+        if self._crl.revoked(who.serial):
+            raise revoked_error(f"{who.kind} {who.name!r}", who.serial)
 
 
 def authorize(ident: Identity, *, kind: str | tuple[str, ...], min_role: str | None = None) -> None:

@@ -57,10 +57,10 @@ class Federation:
     def __init__(self, root: Path, state_dir: Path, *, models=None, **options):
         """options: CoordinatorConfig keys; models: a ModelWorker of the test's own (default: the shared one)."""
         self.root = root
-        self.coordinator = Coordinator(CoordinatorConfig(
-            listen="127.0.0.1:0", kit=root / "coordinator", state_dir=state_dir,
-            crl=root / "coordinator" / "crl.pem", poll_timeout_s=1.0, chunk_bytes=65536, max_workers=64,
-            rejoin_grace_s=2.0, **options), models=models)
+        self.coordinator = Coordinator(CoordinatorConfig(**{
+            "listen": "127.0.0.1:0", "kit": root / "coordinator", "state_dir": state_dir,
+            "crl": root / "coordinator" / "crl.pem", "poll_timeout_s": 1.0, "chunk_bytes": 65536, "max_workers": 64,
+            "rejoin_grace_s": 2.0, **options}), models=models)
         self.coordinator.start()
         self.address = f"127.0.0.1:{self.coordinator.port}"
         self.agents: list[tuple[SiteAgent, threading.Thread]] = []

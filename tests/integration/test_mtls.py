@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 
 from plexus import identity, pki
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 
-from integration.harness import Federation, heart_job
+from integration.harness import Federation, heart_job, wait_until
 
 
 def _admin_stub(channel):
@@ -58,6 +61,45 @@ def test_revoked_site_is_refused_on_its_next_call(tmp_path):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "revoked" in err.value.details()
         assert a.join().site == "a"  # others are untouched
+    finally:
+        fed.close()
+
+
+def test_a_site_revoked_while_it_long_polls_is_refused_at_once_and_counts_offline(tmp_path):
+    """Its poll, 30 s long, ends with the refusal within a couple of the coordinator's CRL looks (1 s apart), and
+    the site is out of the online set a round's quorum counts, though its last call was a moment ago."""
+    root = tmp_path / "pki"
+    pki.init_federation(root, "revocation-test", hosts=["127.0.0.1"])
+    pki.add_site(root, "a")
+    pki.add_site(root, "b")
+    fed = Federation(root, tmp_path / "state", poll_timeout_s=30.0)
+    try:
+        a, b = fed.raw_site("a"), fed.raw_site("b")
+        a.join()
+        b.join()
+        engine = fed.coordinator.engine
+        outcome: dict = {}
+
+        def poll():
+            started = time.monotonic()
+            try:
+                outcome["task"] = b.stub.NextTask(fpb.NextTaskRequest(wait_s=30.0), timeout=60)
+            except grpc.RpcError as exc:
+                outcome["error"] = exc
+            outcome["after_s"] = time.monotonic() - started
+
+        polling = threading.Thread(target=poll)
+        polling.start()
+        wait_until(lambda: engine._presence.polling == 1, 10, "site b's long-poll")
+        assert engine.online_sites() == {"a", "b"}
+        pki.revoke(root, "b")
+        polling.join(timeout=20)
+        assert not polling.is_alive() and "task" not in outcome, outcome
+        assert outcome["error"].code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "certificate of site 'b'" in outcome["error"].details() and "revoked" in outcome["error"].details()
+        assert outcome["after_s"] < 10, outcome   # the poll would have waited 30 s
+        assert engine.online_sites() == {"a"}
+        assert a.join().site == "a"   # others are untouched
     finally:
         fed.close()
 
