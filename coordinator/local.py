@@ -95,6 +95,9 @@ class LocalAuth:
     def identify(self, context) -> Identity:
         return self._identity
 
+    def still_valid(self, who: Identity) -> None:
+        """The local user's calls stay theirs for as long as they run (no certificate to revoke)."""
+
     def revoked(self, serial: int) -> bool:
         if self._crl_dir is None:
             return False

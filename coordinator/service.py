@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from coordinator.engine import Engine
@@ -178,7 +179,8 @@ class FederationService(federation_pb2_grpc.FederationServicer):
                 raise IntegrityError("an update stream must start with its header")
             with self.transfers.slot(context, who.name):
                 message = self.engine.submit_update(who.name, update_header(first.header, relay=who.kind == "relay"),
-                                                    _chunks(inbound), cut=inbound.cut)
+                                                    _chunks(inbound, lambda: self.auth.still_valid(who)),
+                                                    cut=inbound.cut)
         finally:
             inbound.close()
         return fpb.SubmitReply(accepted=True, message=message)
@@ -197,6 +199,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
             inbound.idle_s, inbound.setting = session.timeout_s, "the job's split.batch_timeout_s"
             yield fpb.SplitReply(message=f"session open for {first.open.batches} batch(es)")
             for message in inbound:
+                self.auth.still_valid(who)   # revoked mid-session: the session ends with that reason
                 yield session.take(message)
                 if session.finished:
                     break
@@ -330,9 +333,11 @@ def _payload_proto(p: dict) -> fpb.SecAggPayload:
                              version=p.get("version", 0))
 
 
-def _chunks(messages):
-    """(offset, data) of each chunk message; anything else in the stream is refused."""
+def _chunks(messages, valid: Callable[[], None]):
+    """(offset, data) of each chunk message; anything else in the stream is refused, and so is the rest of it once
+    `valid()` raises (the sender's certificate was revoked while it streamed: its update never counts)."""
     for message in messages:
+        valid()
         if message.WhichOneof("body") != "chunk":
             raise IntegrityError("an update stream carries one header, then only chunks")
         yield message.chunk.offset, message.chunk.data
@@ -393,6 +398,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         while context.is_active():
             for event in self.engine.wait_events(row.id, last, 1.0):
                 last = event.id
+                self.auth.still_valid(who)   # an admin revoked while it watches sees nothing more
                 yield job_event(event, job_summary(self.store.job(row.id)))
             if self.store.job(row.id).status in TERMINAL and not self.store.events_after(row.id, last):
                 return

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 
+from coordinator.aggregate import WeightedSum
 from plexus import identity, pki
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
+from plexus.wire import encode
 
-from integration.harness import Federation, heart_job, wait_until
+from integration.harness import Federation, heart_job, scaled, wait_until
 
 
 def _admin_stub(channel):
@@ -100,6 +104,78 @@ def test_a_site_revoked_while_it_long_polls_is_refused_at_once_and_counts_offlin
         assert outcome["after_s"] < 10, outcome   # the poll would have waited 30 s
         assert engine.online_sites() == {"a"}
         assert a.join().site == "a"   # others are untouched
+    finally:
+        fed.close()
+
+
+def test_an_update_streaming_when_its_site_is_revoked_is_cut_and_never_counts(tmp_path):
+    """b's update is half in the round's sum when b is revoked: the rest of its stream is refused, its half comes
+    out of the sum again, and the round (closing at its deadline: b's task stays open) makes the mean of a's and
+    c's updates alone."""
+    root = tmp_path / "pki"
+    pki.init_federation(root, "revocation-test", hosts=["127.0.0.1"])
+    for name in ("a", "b", "c"):
+        pki.add_site(root, name)
+    pki.add_admin(root, "ops", role="operator")
+    fed = Federation(root, tmp_path / "state")
+    try:
+        sites = {name: fed.raw_site(name) for name in ("a", "b", "c")}
+        for site in sites.values():
+            site.join()
+        fed.wait_online("a", "b", "c")
+        job_id = fed.admin().submit(heart_job(rounds=1, min=2, deadline=scaled(3))).job_id
+        tasks = {name: site.next_task() for name, site in sites.items()}
+        layout, state = sites["a"].fetch(tasks["a"])
+        release, outcome = threading.Event(), {}
+
+        def revoked_midway():
+            try:
+                sites["b"].submit(tasks["b"], {k: v * 100 for k, v in state.items()}, num_samples=1000, chunk=24,
+                                  pause=(layout.total_bytes // 2, release), timeout=30)
+            except grpc.RpcError as exc:
+                outcome["error"] = exc
+        streaming = threading.Thread(target=revoked_midway)
+        streaming.start()
+        wait_until(lambda: "b" in fed.coordinator.engine.driver.round.folding, 10, "b's update to be arriving")
+        pki.revoke(root, "b")
+        release.set()
+        streaming.join(timeout=20)
+        assert outcome["error"].code() == grpc.StatusCode.UNAUTHENTICATED, outcome
+        assert "certificate of site 'b'" in outcome["error"].details()
+        sent = {"a": ({k: v + 0.25 for k, v in state.items()}, 10), "c": ({k: v * -0.5 for k, v in state.items()}, 30)}
+        for name, (update, samples) in sent.items():
+            sites[name].submit(tasks[name], update, num_samples=samples)
+        wait_until(lambda: fed.store.job(job_id).current_round == 1, 20, "round 1 to close at its deadline")
+        closed = next(r for r in fed.store.rounds(job_id) if r.round == 1)
+        assert sorted(json.loads(closed.contributors)) == ["a", "c"]
+        expected = WeightedSum(layout)
+        for update, samples in sent.values():
+            blob = encode(update)[1]
+            expected.fold([blob], samples, max(float(np.abs(v).max()) for v in update.values()), nbytes=len(blob))
+        got = fed.store.load_checkpoint(job_id, 1)
+        assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in expected.mean().items()}
+    finally:
+        fed.close()
+
+
+def test_an_admin_revoked_while_it_watches_a_job_gets_no_further_event(tmp_path):
+    root = tmp_path / "pki"
+    pki.init_federation(root, "revocation-test", hosts=["127.0.0.1"])
+    pki.add_admin(root, "ops", role="operator")
+    pki.add_admin(root, "watcher", role="viewer")
+    fed = Federation(root, tmp_path / "state")
+    try:
+        job_id = fed.admin("ops").submit(heart_job()).job_id   # waits for sites that never come
+        events = fed.admin("watcher").watch(job_id)
+        assert next(events).kind == "job_submitted"
+        pki.revoke(root, "watcher")
+        fed.admin("ops").abort(job_id)   # an event the watch would send next
+        seen = []
+        with pytest.raises(grpc.RpcError) as err:
+            seen.extend(event.kind for event in events)   # what was on its way before the revocation, then the end
+        assert "job_aborted" not in seen, seen
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "certificate of admin 'watcher'" in err.value.details()
     finally:
         fed.close()
 
