@@ -191,7 +191,7 @@ class RevocationList:
             try:
                 self._current()
                 problem = ""
-            except errors.PlexusError as exc:
+            except (errors.PlexusError, OSError) as exc:   # the watch goes on: a fixed file is noticed too
                 if str(exc) != problem:
                     log.error("%s", exc)
                 problem = str(exc)

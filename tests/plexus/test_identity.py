@@ -5,6 +5,8 @@ import base64
 import datetime as dt
 import os
 import ssl
+import threading
+import time
 
 import pytest
 from cryptography import x509
@@ -142,6 +144,30 @@ def test_revoked_answers_for_a_serial_and_reloads_a_changed_crl(fed):
     assert pki.revoke(fed, "mallory", now=NOW) == gone
     assert crl.revoked(gone) and not crl.revoked(kept)   # the new file, without a call to check() first
     assert heard == [[gone]]
+
+
+def test_the_watch_hears_of_revocations_without_a_call_and_logs_a_broken_crl_once(fed, caplog):
+    gone = _serial(pki.add_site(fed, "mallory", now=NOW))
+    crl_path = fed / "coordinator" / "crl.pem"
+    heard, stop = [], threading.Event()
+    crl = identity.RevocationList(crl_path, (fed / "ca" / "ca.pem").read_bytes(), clock=NOW.timestamp,
+                                  on_revoked=lambda serials: (heard.append(serials), stop.set()))
+    good = crl_path.read_bytes()
+    crl_path.write_bytes(good[:100])   # broken for a few looks: logged once, and the watch goes on
+    watching = threading.Thread(target=crl.watch, args=(stop, 0.01))
+    watching.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "CRL" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert pki.revoke(fed, "mallory", now=NOW) == gone   # a good CRL again, with mallory on it
+        watching.join(timeout=10)
+    finally:
+        stop.set()
+        watching.join()
+    assert heard == [[gone]]
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1, caplog.text
 
 
 def test_revoked_fails_closed_as_check_does(fed):
