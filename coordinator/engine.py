@@ -46,7 +46,7 @@ from coordinator.tasks import (
 from plexus.config import MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_config, ensemble_members, parse_round_config
 from plexus.errors import ConfigError, FailedPrecondition, IntegrityError, NotFound, PlexusError, RoundClosed
 from plexus.text import bounded
-from plexus.vocab import TERMINAL, JobStatus, TaskKind
+from plexus.vocab import TERMINAL, JobStatus, TaskKind, TaskStatus
 from plexus.wire import FLOAT_DTYPES, Layout
 
 log = logging.getLogger("plexus.coordinator")
@@ -439,7 +439,7 @@ class Engine:
     def next_task(self, site: str, wait_s: float, valid: Callable[[], None] = lambda: None) -> TaskGrant | None:
         """The site's task, waiting up to wait_s (at most poll_timeout_s) for one to appear. `valid()` raises once
         the caller's certificate is revoked: checked before anything is granted, and again on every wake-up
-        (`recheck_polls` wakes every poll), so a site revoked while it waits is refused at once and is offline."""
+        (`revoked` wakes every poll), so a site revoked while it waits is refused at once and is offline."""
         end = self._mono() + max(0.0, min(wait_s, self.poll_timeout_s))
         with self._cv:
             self.store.site_seen(site)
@@ -460,10 +460,27 @@ class Engine:
                 if polls.wait(remaining):
                     self._wakeups += 1
 
-    def recheck_polls(self) -> None:
-        """Certificates were revoked: every waiting long-poll checks its caller's again now (next_task's `valid`)."""
+    def revoked(self, sites: Iterable[str]) -> None:
+        """Certificates were revoked (`sites`: the sites whose last Join was with one of them). Each of these
+        sites is offline, and a task it holds is failed now, so its round waits for it no longer; every waiting
+        long-poll checks its caller's certificate again (next_task's `valid`)."""
         with self._cv:
+            driver = self._driver
+            for site in sorted(set(sites)):
+                self._presence.leave(site)
+                if driver is None or site not in set(driver.busy()):
+                    continue
+                grant = driver.grant(site)   # the task it holds
+                if grant is None:
+                    continue
+                result = TaskResult(task=Binding(grant.task_id, grant.job_id, grant.round, grant.nonce),
+                                    status=TaskStatus.FAILED, reason="the site's certificate has been revoked")
+                try:
+                    driver.answered(site, grant, result)
+                except PlexusError as exc:   # e.g. answered already: the round has what it needs of it
+                    log.info("site %s, revoked: its task %s stays as it is (%s)", site, grant.task_id, exc)
             self._presence.wake()
+            self._cv.notify_all()
 
     def model_for(self, site: str, task_id: str, held: Held | None = None, *, zero_base: bool = False
                   ) -> tuple[ServedModel, str, int]:

@@ -112,7 +112,8 @@ class Coordinator:
     def _revoked(self, serials: list[int]) -> None:
         for n in serials:
             self.audit.certificate_revoked(f"serial {n}", serial=n, by="crl")
-        self.engine.recheck_polls()
+        gone = {str(n) for n in serials}
+        self.engine.revoked(row.name for row in self.store.sites() if row.serial in gone)
 
     def start(self) -> None:
         self.engine.start()

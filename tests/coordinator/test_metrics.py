@@ -20,7 +20,7 @@ from plexus.errors import Reason
 from plexus.health import check
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc
 
-from integration.harness import heart_job
+from integration.harness import heart_job, wait_until
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -163,7 +163,10 @@ def test_a_real_job_scraped_over_http(federation):
             attacker.submit(task, state)
         attacker.answer_everything_with_failure(stop)
         assert federation.wait_job(job_id) == "completed"
-        got = scrape(server.port)
+        # The metrics hear of an event just after the store commits it (Store.subscribe), so the job's status can
+        # be read a moment before its last event is counted.
+        got = wait_until(lambda: (m := scrape(server.port)).get(
+            ("plexus_rounds_closed_total", (("kind", "evaluate"),))) == 1 and m, 10, "the final evaluation counted")
     finally:
         stop.set()
         server.stop()
