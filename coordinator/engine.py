@@ -541,8 +541,14 @@ class Engine:
                                          "session")
             return driver.session(site, grant, batches, cut, self._cv)
 
-    def split_ended(self, site: str) -> None:
+    def split_ended(self, site: str, valid: Callable[[], None] = lambda: None) -> None:
+        """A Split session's end counts as the site's presence, unless `valid()` raises: its certificate was
+        revoked meanwhile (the site is offline for good, Engine.revoked)."""
         with self._cv:
+            try:
+                valid()
+            except PlexusError:
+                return
             self._presence.touch(site)
 
     def report(self, site: str, result: TaskResult) -> str:

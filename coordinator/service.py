@@ -212,7 +212,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         finally:
             inbound.close()
             if session is not None:
-                self.engine.split_ended(who.name)
+                self.engine.split_ended(who.name, valid=lambda: self.auth.still_valid(who))
 
     @guarded(kind=("site", "relay"))
     def SecAgg(self, request, context, *, who):

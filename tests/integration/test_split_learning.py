@@ -15,6 +15,7 @@ import os
 import signal
 import sqlite3
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -24,6 +25,7 @@ from safetensors.numpy import load_file
 
 from coordinator.drivers import split as split_driver
 from coordinator.tasks import site_seed
+from plexus import pki
 from plexus.admin_client import AdminClient
 from plexus.cli import main as cli
 from plexus.config import DatasetSpec, parse_round_config
@@ -383,6 +385,50 @@ def test_a_site_dropping_mid_epoch_is_recorded_and_the_epoch_goes_on(federation,
     assert outcomes[(2, "b")] == ["evaluated", "submitted"]   # and is back for the next epoch
     round1 = next(r for r in federation.store.rounds(job_id) if r.round == 1)
     assert sorted(json.loads(round1.contributors)) == ["a", "c"]
+
+
+class RevokedMidEpoch(SiteAgent):
+    """A site whose certificate is revoked (by the federation's operator, on the coordinator's CRL) just before its
+    epoch-1 session sends batch 2."""
+
+    pki_root: Path
+
+    def split_stream(self, stub):
+        stream = site_split.Stream(stub)
+        ask = stream.ask
+
+        def revoked_first(message):
+            if message.WhichOneof("body") == "batch" and message.batch.seq == 2 and self.epoch == 1:
+                pki.revoke(self.pki_root, "b")
+            if message.WhichOneof("body") == "open":
+                self.epoch = message.open.round
+            return ask(message)
+
+        self.epoch = 0
+        stream.ask = revoked_first
+        return stream
+
+
+def test_a_site_revoked_mid_session_ends_it_and_the_epoch_goes_on(tmp_path):
+    root = tmp_path / "pki"
+    pki.init_federation(root, "split-revocation", hosts=["127.0.0.1"])
+    for name in SITES:
+        pki.add_site(root, name)
+    pki.add_admin(root, "ops", role="operator")
+    fed = Federation(root, tmp_path / "state")
+    try:
+        agent = type("Revoked", (RevokedMidEpoch,), {"pki_root": root})
+        for name in SITES:
+            fed.start_site(name, agent_cls=agent if name == "b" else SiteAgent)
+        fed.wait_online(*SITES)
+        job_id = run_job(fed, split_job("u-shaped", "splitfed", rounds=1, min_sites=2))
+        events = fed.store.site_events(job_id)
+        (dropped,) = [e for e in events if (e.round, e.site, e.status) == (1, "b", "failed")]
+        assert "revoked" in dropped.reason, dropped
+        assert sorted(e.site for e in events if e.round == 1 and e.status == "submitted") == ["a", "c"]
+        assert "b" not in {e.site for e in events if e.status == "evaluated"}   # offline since: no evaluation
+    finally:
+        fed.close()
 
 
 def test_aborting_a_split_job_mid_epoch_cuts_its_sessions_and_ends_its_compute_worker(three_sites):
