@@ -113,7 +113,11 @@ class Coordinator:
         for n in serials:
             self.audit.certificate_revoked(f"serial {n}", serial=n, by="crl")
         gone = {str(n) for n in serials}
-        self.engine.revoked(row.name for row in self.store.sites() if row.serial in gone)
+        try:   # called in whichever call reloaded the CRL: a failure here must not become that call's
+            self.engine.revoked(row.name for row in self.store.sites() if row.serial in gone)
+        except Exception:
+            log.exception("failing the tasks of the sites just revoked (serials %s) failed; their calls are refused "
+                          "all the same, and their rounds wait for them until their deadlines", serials)
 
     def start(self) -> None:
         self.engine.start()
