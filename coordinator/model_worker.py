@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,34 @@ def end_child(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+_ending: set[threading.Thread] = set()   # end_child_later's threads still waiting for their child
+_ending_lock = threading.Lock()
+
+
+def end_child_later(proc: subprocess.Popen, then: Callable[[], None] = lambda: None) -> None:
+    """end_child (then `then()`) on a thread of its own, for a caller that holds a lock others wait on: a worker
+    finishes the operation it is in before it reads the end of its stdin. `wait_ended` joins these threads."""
+    def run() -> None:
+        try:
+            end_child(proc)
+            then()
+        finally:
+            with _ending_lock:
+                _ending.discard(thread)
+    thread = threading.Thread(target=run, name=f"end-child-{proc.pid}", daemon=True)
+    with _ending_lock:
+        _ending.add(thread)
+    thread.start()
+
+
+def wait_ended() -> None:
+    """Wait for every child end_child_later is ending (each at most end_child's timeout, then killed)."""
+    with _ending_lock:
+        threads = list(_ending)
+    for thread in threads:
+        thread.join()
 
 
 class ModelWorker:

@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator.audit import CoordinatorAudit
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.model_worker import ModelLimits, ModelWorker
+from coordinator.model_worker import ModelLimits, ModelWorker, wait_ended
 from coordinator.service import AdminService, FederationService
 from coordinator.store import Store
 from plexus import transport
@@ -152,6 +152,7 @@ class Coordinator:
         # period and then its worker thread (and so this shutdown). The engine's stop answers every one now.
         self.engine.stop()
         stopped.wait()
+        wait_ended()   # compute workers of jobs that ended, still finishing their last operation
         self._crl_stop.set()
         if self._crl_watch.is_alive():
             self._crl_watch.join()

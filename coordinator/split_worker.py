@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.model_worker import end_child
+from coordinator.model_worker import end_child, end_child_later
 from plexus.errors import ConfigError, IntegrityError, Reason
 from plexus.shutdown import exit_now
 
@@ -221,12 +221,17 @@ class SplitWorker:
             self.compute_s = float(header.get("compute_s", 0.0))
             return consume(header, out) if consume is not None else (header, out)
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """End the worker; with wait=False its end (which waits for the operation it is in) runs on a thread of its
+        own (model_worker.end_child_later): for a caller holding the engine lock."""
         if self._shm is not None:
             self._shm.close(unlink=True)
             self._shm = None
-        end_child(self._proc)
-        self._proc.stdout.close()
+        if wait:
+            end_child(self._proc)
+            self._proc.stdout.close()
+        else:
+            end_child_later(self._proc, then=self._proc.stdout.close)
 
 
 # The worker process --------------------------------------------------------------------------------------------

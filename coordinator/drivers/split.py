@@ -567,8 +567,8 @@ class SplitRounds:
     def _close_worker(self) -> None:
         with self._starting:
             worker, self.worker = self.worker, None
-        if worker is not None:
-            worker.close()
+        if worker is not None:   # called under the engine lock: the worker may be in the middle of a long batch
+            worker.close(wait=False)
 
 
 def average_parts(trained: dict[str, tuple[int, dict[str, np.ndarray]]], names: list[str]) -> dict[str, np.ndarray]:

@@ -441,8 +441,18 @@ def test_aborting_a_split_job_mid_epoch_cuts_its_sessions_and_ends_its_compute_w
         return phase is not None and phase.kind == "train" and len(phase.sessions) == 3 and driver
     driver = wait_until(training, scaled(60), "the sites' sessions to open")
     pid = driver.worker.pid
-    three_sites.admin().abort(job_id)
-    assert three_sites.store.job(job_id).status == "aborted"
+    # Stopped, as a long batch would keep it: the abort ends its job at once, and the worker (told to end) once it
+    # is through, without the engine's lock held meanwhile (it was, up to end_child's 10 s, before).
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        three_sites.admin().abort(job_id)
+        assert time.monotonic() - started < 5
+        assert three_sites.store.job(job_id).status == "aborted"
+        assert three_sites.admin().jobs()   # the engine answers meanwhile
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
     wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), scaled(20), "the compute worker to end")
     # The sites are free at once for the next job, which runs to its end.
     run_job(three_sites, split_job("vanilla", "sequential", rounds=1))
