@@ -466,9 +466,10 @@ class Engine:
         long-poll checks its caller's certificate again (next_task's `valid`)."""
         with self._cv:
             driver = self._driver
+            busy = set(driver.busy()) if driver is not None else set()
             for site in sorted(set(sites)):
                 self._presence.leave(site)
-                if driver is None or site not in set(driver.busy()):
+                if site not in busy:
                     continue
                 grant = driver.grant(site)   # the task it holds
                 if grant is None:

@@ -10,7 +10,9 @@ import threading
 from pathlib import Path
 
 import grpc
+import numpy as np
 
+from coordinator.aggregate import WeightedSum
 from coordinator.server import Coordinator
 from plexus import identity, pki, transport
 from plexus.admin_client import AdminClient
@@ -39,6 +41,16 @@ seed: {seed}
 def heart_job(*, name="heart", model="logistic", rounds=2, min=2, deadline=scaled(30), seed=0, retries=0) -> str:
     return HEART_JOB.format(name=name, model=model, rounds=rounds, min=min, deadline=deadline, seed=seed,
                             retries=f", retries: {retries}" if retries else "")
+
+
+def expected_mean(layout: Layout, sent: dict) -> dict:
+    """The round's model the coordinator's exact sum makes of `sent` ({site: (update, samples)}), as WeightedSum
+    folds them."""
+    total = WeightedSum(layout)
+    for update, samples in sent.values():
+        blob = encode(update)[1]
+        total.fold([blob], samples, max(float(np.abs(v).max()) for v in update.values()), nbytes=len(blob))
+    return total.mean()
 
 
 def install_plugin(lib: Path, module: str, source: str, models: dict[str, str]) -> Path:

@@ -7,15 +7,12 @@ import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
 
-from coordinator.aggregate import WeightedSum
 from plexus import identity, pki
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
-from plexus.wire import encode
 
-from integration.harness import Federation, heart_job, wait_until
+from integration.harness import Federation, expected_mean, heart_job, wait_until
 
 
 def _admin_stub(channel):
@@ -150,12 +147,8 @@ def test_an_update_streaming_when_its_site_is_revoked_is_cut_and_never_counts(tm
         assert "revoked" in failed.reason, failed
         closed = next(r for r in fed.store.rounds(job_id) if r.round == 1)
         assert sorted(json.loads(closed.contributors)) == ["a", "c"]
-        expected = WeightedSum(layout)
-        for update, samples in sent.values():
-            blob = encode(update)[1]
-            expected.fold([blob], samples, max(float(np.abs(v).max()) for v in update.values()), nbytes=len(blob))
-        got = fed.store.load_checkpoint(job_id, 1)
-        assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in expected.mean().items()}
+        got, want = fed.store.load_checkpoint(job_id, 1), expected_mean(layout, sent)
+        assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in want.items()}
     finally:
         fed.close()
 

@@ -8,13 +8,11 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.aggregate import WeightedSum
 from plexus.cli import main as cli
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
-from plexus.wire import encode
 
 import state_db
-from integration.harness import heart_job, scaled, wait_until
+from integration.harness import expected_mean, heart_job, scaled, wait_until
 
 
 def _contributors(fed, job_id, round_=1):
@@ -246,14 +244,6 @@ def _honest_raw_round(federation, *, deadline: float):
     return job_id, sites, tasks, layout, state, sent
 
 
-def _expected_mean(layout, sent) -> dict:
-    total = WeightedSum(layout)
-    for update, samples in sent.values():
-        blob = encode(update)[1]
-        total.fold([blob], samples, max(float(np.abs(v).max()) for v in update.values()), nbytes=len(blob))
-    return total.mean()
-
-
 def _finish(federation, job_id, sites):
     stop = threading.Event()
     for site in sites.values():
@@ -280,7 +270,7 @@ def test_an_update_refused_part_way_is_taken_back_out_of_the_sum_exactly(federat
 
     got = federation.store.load_checkpoint(job_id, 1)
     assert list(_contributors(federation, job_id)) == ["a", "b"]
-    assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in _expected_mean(layout, sent).items()}
+    assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in expected_mean(layout, sent).items()}
 
 
 def test_an_update_still_arriving_at_the_deadline_is_taken_out_before_the_mean(federation):
@@ -308,4 +298,4 @@ def test_an_update_still_arriving_at_the_deadline_is_taken_out_before_the_mean(f
     assert "reached its deadline before the update was complete" in outcome["details"]
     assert list(_contributors(federation, job_id)) == ["a", "b"]
     got = federation.store.load_checkpoint(job_id, 1)
-    assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in _expected_mean(layout, sent).items()}
+    assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in expected_mean(layout, sent).items()}
