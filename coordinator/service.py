@@ -167,8 +167,10 @@ class FederationService(federation_pb2_grpc.FederationServicer):
     def FetchModel(self, request, context, *, who):
         served, job_id, model_round = self.engine.model_for(who.name, request.task_id, held_model(request),
                                                             zero_base=request.zero_base)
+        stream = _while_valid(model_stream(job_id, model_round, served, self.chunk_bytes),
+                              lambda: self.auth.still_valid(who))
         with self.transfers.slot(context, who.name):
-            yield from self.watchdog.paced(model_stream(job_id, model_round, served, self.chunk_bytes), context)
+            yield from self.watchdog.paced(stream, context)
 
     @guarded(kind=("site", "relay"))
     def SubmitUpdate(self, request_iterator, context, *, who):
@@ -343,6 +345,17 @@ def _chunks(messages, valid: Callable[[], None]):
         yield message.chunk.offset, message.chunk.data
 
 
+def _while_valid(messages, valid: Callable[[], None]):
+    """`messages`, each sent only while `valid()` does not raise: a model download whose caller's certificate is
+    revoked on the way ends there, with the refusal."""
+    try:
+        for message in messages:
+            valid()
+            yield message
+    finally:
+        messages.close()
+
+
 def job_summary(row: JobRow) -> admin_pb2.JobSummary:
     return admin_pb2.JobSummary(job_id=row.id, name=row.name, status=row.status, rounds=row.rounds,
                                 current_round=row.current_round, message=row.message, submitted_by=row.submitted_by,
@@ -422,8 +435,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         with self.store.reading(row.id, round_):   # checkpoint retention leaves it alone until the stream ends
             layout, path, start = self.store.checkpoint_source(row.id, round_)   # streamed from the file
             self.store.event(row.id, "model_downloaded", round_, "", f"by {who.name}", actor=admin_actor(who.name))
-            yield from self.watchdog.paced(
-                model_stream(row.id, round_, ServedModel.from_file(layout, path, start), self.chunk_bytes), context)
+            stream = model_stream(row.id, round_, ServedModel.from_file(layout, path, start), self.chunk_bytes)
+            yield from self.watchdog.paced(_while_valid(stream, lambda: self.auth.still_valid(who)), context)
 
     @guarded(kind="admin", min_role="viewer")
     def ListSites(self, request, context, *, who):

@@ -175,6 +175,64 @@ def test_an_admin_revoked_while_it_watches_a_job_gets_no_further_event(tmp_path)
         fed.close()
 
 
+# A model far larger than what gRPC's flow control lets the coordinator send ahead of a reader that has stopped.
+BIG_JOB = """\
+name: big
+model: {name: vector, args: {size: 8000000}}
+data: {dataset: heart-disease}
+rounds: 1
+sites: {min: 1, deadline_s: 60}
+train: {epochs: 1, batch_size: 32, optimizer: {name: sgd, lr: 0.1}}
+"""
+
+
+def _cut_when_revoked(stream, revoke, revoked) -> tuple[int, str]:
+    """Read `stream`'s header, revoke its caller (revoke()), wait until the coordinator has heard (revoked()),
+    then read on: the stream must end with the refusal, not with the model. Returns the chunk bytes that came and
+    the refusal's details."""
+    assert next(stream).WhichOneof("body") == "header"
+    revoke()
+    wait_until(revoked, 10, "the coordinator to hear of the revocation")
+    got = 0
+    with pytest.raises(grpc.RpcError) as err:
+        for message in stream:
+            got += len(message.chunk.data)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+    return got, err.value.details()
+
+
+def test_a_model_download_under_way_when_its_caller_is_revoked_is_cut(tmp_path):
+    """A site's FetchModel and an admin's DownloadModel, each stopped by its reader after the header, are refused
+    once their caller is revoked: the rest of the 32 MB model never goes out."""
+    root = tmp_path / "pki"
+    pki.init_federation(root, "revocation-test", hosts=["127.0.0.1"])
+    pki.add_site(root, "b")
+    pki.add_admin(root, "ops", role="operator")
+    pki.add_admin(root, "reader", role="operator")   # downloading a model takes an operator
+    fed = Federation(root, tmp_path / "state")
+    try:
+        b = fed.raw_site("b")
+        b.join({"heart-disease": 100})
+        job_id = fed.admin().submit(BIG_JOB).job_id
+        task = b.next_task()
+        total = 8_000_000 * 4
+
+        download = fed.admin("reader").stub.DownloadModel(admin_pb2.DownloadRequest(job_id=job_id, round=0),
+                                                          timeout=30)
+        got, details = _cut_when_revoked(download, lambda: pki.revoke(root, "reader"), lambda: any(
+            e.action == "certificate_revoked" for e in fed.coordinator.audit_log.entries()))
+        assert got < total // 2, got
+        assert "certificate of admin 'reader'" in details
+
+        fetch = b.stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=30)
+        got, details = _cut_when_revoked(fetch, lambda: pki.revoke(root, "b"),
+                                         lambda: "b" not in fed.coordinator.engine.online_sites())
+        assert got < total // 2, got
+        assert "certificate of site 'b'" in details
+    finally:
+        fed.close()
+
+
 def test_viewer_cannot_submit_or_abort_but_can_read(federation):
     viewer, ops = federation.admin("viewer"), federation.admin("ops")
     with pytest.raises(grpc.RpcError) as err:
