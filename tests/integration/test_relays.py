@@ -4,9 +4,12 @@ the job still ends with those bits."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import signal
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -235,6 +238,52 @@ def test_a_child_revoked_by_the_federation_crl_is_refused_by_its_relay(tmp_path)
         good.close()
         revoked.close()
     finally:
+        relay.stop()
+        fed.close()
+
+
+def test_a_child_revoked_while_it_long_polls_its_relay_is_refused_at_once(tmp_path):
+    """The relay's tier watches the CRL as the coordinator does: b's 30 s poll at the relay ends with the refusal
+    within a few of its looks, and b leaves the online set the relay's rounds count."""
+    root = tmp_path / "pki"
+    pki.init_federation(root, "revoking", hosts=["127.0.0.1"])
+    pki.add_site(root, "a")
+    pki.add_site(root, "b")
+    pki.add_relay(root, "relay-1", hosts=["127.0.0.1"])
+    fed = Federation(root, tmp_path / "coordinator")
+    relay = Relay(dataclasses.replace(relay_config(root, "relay-1", fed.address, tmp_path / "relay"),
+                                      poll_timeout_s=30.0))
+    relay.start()
+    address = f"127.0.0.1:{relay.port}"
+    a, b = RawSite(root / "sites" / "a", address), RawSite(root / "sites" / "b", address)
+    try:
+        a.join()
+        b.join()
+        tier = relay.tier.engine
+        wait_until(lambda: tier.online_sites() == {"a", "b"}, 10, "both children online at the relay")
+        outcome: dict = {}
+
+        def poll():
+            started = time.monotonic()
+            try:
+                outcome["task"] = b.stub.NextTask(fpb.NextTaskRequest(wait_s=30.0), timeout=60)
+            except grpc.RpcError as exc:
+                outcome["error"] = exc
+            outcome["after_s"] = time.monotonic() - started
+
+        polling = threading.Thread(target=poll)
+        polling.start()
+        wait_until(lambda: tier._presence.polling == 1, 10, "b's long poll at the relay")
+        pki.revoke(root, "b")
+        polling.join(timeout=20)
+        assert not polling.is_alive() and "task" not in outcome, outcome
+        assert outcome["error"].code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "certificate of site 'b'" in outcome["error"].details()
+        assert outcome["after_s"] < 10, outcome   # the poll would have waited 30 s
+        assert tier.online_sites() == {"a"}
+    finally:
+        a.close()
+        b.close()
         relay.stop()
         fed.close()
 
