@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from site_agent.local import gradient_correction, proximal_term
 from site_agent.team import Team, TeamError
 from site_agent.training import train_local
 
-from integration.harness import free_port
+from integration.harness import free_port, wait_until
 
 JOB = """\
 name: team
@@ -278,14 +279,24 @@ def test_a_worker_that_never_gets_ready_fails_the_task_at_its_timeout_or_death(j
         with pytest.raises(TeamError, match="no answer on the team's rendezvous for ready/2/1 within"):
             as_team(crew, job, rows)
         assert 2 <= time.monotonic() - started < 20
-        import threading
+        # Killed once the next task waits on the rendezvous (its work is posted): a kill before that task's start
+        # would only have the team start a new helper.
+        session = crew.store.add("sessions", 0) + 1
+        watcher = dist.TCPStore("127.0.0.1", crew.store.port, is_master=False,
+                                timeout=datetime.timedelta(seconds=30))
 
-        threading.Timer(1.0, os.kill, (helper.pid, signal.SIGKILL)).start()
+        def kill_once_waiting():
+            wait_until(lambda: watcher.check([f"work/{session}"]), 60, f"session {session}'s work to be posted")
+            os.kill(helper.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_waiting, daemon=True)
+        killer.start()
         crew.spec = dataclasses.replace(crew.spec, timeout_s=120)   # now its death, not the clock, ends the wait
         started = time.monotonic()
         with pytest.raises(TeamError, match=rf"worker rank 1 \(PID {helper.pid}\) ended with status -9 before"):
             as_team(crew, job, rows)
         assert time.monotonic() - started < 20
+        killer.join(timeout=10)
     finally:
         if helper.poll() is None:
             helper.kill()
