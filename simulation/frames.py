@@ -22,11 +22,19 @@ class FrameError(ValueError):
 def write_frame(out: BinaryIO, header: dict, messages: list[bytes] = ()) -> None:
     """Write one frame; a message is written as it is (a model-sized one is not copied into the frame)."""
     head = json.dumps(header, separators=(",", ":")).encode()
-    out.write(struct.pack(">I", len(head)) + head + struct.pack(">I", len(messages)))
+    _write_all(out, struct.pack(">I", len(head)) + head + struct.pack(">I", len(messages)))
     for message in messages:
-        out.write(struct.pack(">Q", len(message)))
-        out.write(message)
+        _write_all(out, struct.pack(">Q", len(message)))
+        _write_all(out, message)
     out.flush()
+
+
+def _write_all(out: BinaryIO, data) -> None:
+    """All of `data`: an unbuffered (raw) stream may take only part of it, when a signal lands mid-write (the
+    process stopped and continued: Ctrl-Z then fg, a profiler attaching), and says how much it took."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[out.write(view):]
 
 
 def read_frame(source: BinaryIO) -> tuple[dict, list[bytes]] | None:

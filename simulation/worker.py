@@ -254,8 +254,12 @@ def main() -> int:
     configure("text", os.environ.get("PLEXUS_LOG", "INFO"))
     limit_malloc_arenas()   # before the tasks' threads: freed model buffers go back, not to idle arenas
     set_threads(int(os.environ.get("PLEXUS_SIMULATION_THREADS", "1")))
-    frames_in, frames_out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr   # a stray print must not land among the frames
+    # Frames go to the original stdout, through a buffered writer of their own (sys.stdout.buffer is an unbuffered
+    # FileIO under PYTHONUNBUFFERED=1, as in the images); anything printed, by Python or a library's C code, goes
+    # to stderr (the worker's log), so it cannot land among the frames.
+    frames_in, frames_out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     host = SiteHost()
 
     def send():
