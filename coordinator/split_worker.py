@@ -28,6 +28,7 @@ not the copy a forward's activations take out of the segment), so the hop's own 
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import re
@@ -44,6 +45,8 @@ import numpy as np
 from coordinator.model_worker import end_child, end_child_later
 from plexus.errors import ConfigError, IntegrityError, Reason
 from plexus.shutdown import exit_now
+
+log = logging.getLogger("plexus.split")
 
 _DTYPES = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -140,13 +143,15 @@ def check_batch(activations: np.ndarray, row_shape: tuple[int, ...], *, max_rows
 
 class Segment:
     """A shared-memory segment: a file in /dev/shm (mode 0600) mapped by both processes. The coordinator creates
-    and unlinks it; the worker maps it by name. (multiprocessing.shared_memory would start a resource-tracker
-    process in the coordinator for it.)"""
+    it, the worker maps it by name, and the coordinator unlinks the name once the worker has answered a call made
+    with it (`forget_name`): the memory lives as long as either mapping, so a coordinator killed mid-job leaves no
+    file behind. (multiprocessing.shared_memory would start a resource-tracker process in the coordinator.)"""
 
     PREFIX = "plexus-split-"
 
     def __init__(self, path: Path, fd: int, size: int):
         self.path, self.name, self.size = path, path.name, size
+        self._named = True
         self._map = mmap.mmap(fd, size)
         os.close(fd)
         self.buf = memoryview(self._map)
@@ -155,7 +160,14 @@ class Segment:
     def create(cls, size: int) -> Segment:
         path = SHM_DIR / f"{cls.PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, size)
+        try:
+            # Its pages now: a /dev/shm too small for them fails here (ENOSPC), where a sparse file would let the
+            # first write past the space left kill the process with SIGBUS.
+            os.posix_fallocate(fd, 0, size)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
         return cls(path, fd, size)
 
     @classmethod
@@ -165,6 +177,12 @@ class Segment:
         path = SHM_DIR / name
         fd = os.open(path, os.O_RDWR)
         return cls(path, fd, os.fstat(fd).st_size)
+
+    def forget_name(self) -> None:
+        """Remove the segment's name from /dev/shm (once); both mappings stay valid."""
+        if self._named:
+            self.path.unlink(missing_ok=True)
+            self._named = False
 
     def close(self, *, unlink: bool = False) -> None:
         """Unmap (and with `unlink`, remove) the segment. Should a view of it still be alive (a tensor read with
@@ -190,13 +208,22 @@ class SplitWorker:
         self._shm = None
         self.compute_s = 0.0    # the worker's own time in the last call
 
-    def _segment(self, tensors) -> Segment:
-        """The shared segment, large enough for `tensors` and for a reply of at least as many bytes."""
+    def _segment(self, tensors) -> Segment | None:
+        """The shared segment, large enough for `tensors` and for a reply of at least as many bytes; None (and the
+        pipe from then on) where /dev/shm cannot hold one."""
         need = max(1 << 20, 2 * sum(np.asarray(t).size * 8 for t in tensors))
         if self._shm is None or self._shm.size < need:
             if self._shm is not None:
                 self._shm.close(unlink=True)
-            self._shm = Segment.create(need)
+                self._shm = None
+            try:
+                self._shm = Segment.create(need)
+            except OSError as exc:
+                log.warning("the split compute worker (PID %d) takes its tensors through its pipe from now on, not "
+                            "shared memory: a %d-byte segment in %s failed (%s). Give the coordinator a larger "
+                            "/dev/shm (docker run --shm-size, a memory-backed emptyDir on Kubernetes) for the faster "
+                            "path", self._proc.pid, need, SHM_DIR, exc.strerror or exc)
+                self._shared = False
         return self._shm
 
     @property
@@ -213,6 +240,8 @@ class SplitWorker:
                 write_frame(self._proc.stdin, {"op": op, **fields}, tensors, shm)
                 header, out = read_frame(self._proc.stdout, lambda name: shm if shm is not None and name == shm.name
                                          else None, copy=consume is None)
+                if shm is not None:
+                    shm.forget_name()   # the worker has it mapped
             except (BrokenPipeError, EOFError) as exc:
                 raise ConfigError(f"the split compute worker (PID {self._proc.pid}) ended: {exc}; see the "
                                   "coordinator's log") from None

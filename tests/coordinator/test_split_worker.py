@@ -5,8 +5,12 @@ refused and the worker goes on; the coordinator's side never imports torch."""
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +20,10 @@ from coordinator.split_worker import SHM_DIR, SplitWorker
 from plexus.errors import ConfigError, IntegrityError
 from plexus.models import build_model
 from plexus.split import ServerStep, split
+
+from integration.harness import wait_until
+
+ROOT = str(Path(__file__).resolve().parents[2])
 
 MLP = {"in_features": 13, "hidden": [32, 16]}
 
@@ -98,10 +106,78 @@ def test_a_state_larger_than_the_shared_segment_comes_back_through_the_pipe():
         header, tensors = w.call("state")   # 1.1M floats: beyond the 1 MiB segment, so through the pipe
         assert sum(t.nbytes for t in tensors) == 4 * (8 * 100_000 + 100_000 + 100_000 * 2 + 2)
         assert header["names"] == ["layers.2.bias", "layers.2.weight", "layers.4.bias", "layers.4.weight"]
-        assert list((SHM_DIR).glob(f"plexus-split-{os.getpid()}-*"))   # the coordinator's segment
     finally:
         w.close()
-    assert not list(SHM_DIR.glob(f"plexus-split-{os.getpid()}-*"))    # unlinked at close
+    assert not list(SHM_DIR.glob(f"plexus-split-{os.getpid()}-*"))
+
+
+def test_the_segment_has_no_name_once_the_worker_holds_it_so_a_killed_coordinator_leaves_none():
+    """A coordinator SIGKILLed mid-job (no close) leaves nothing in /dev/shm, and its worker ends on its own."""
+    code = (
+        "import os, sys, time\n"
+        "import numpy as np\n"
+        "from coordinator.split_worker import SHM_DIR, SplitWorker\n"
+        "w = SplitWorker()\n"
+        "header, _ = w.call('load', model='cnn', args={'width': 16}, seed=0, variant='vanilla', cuts=['block1'])\n"
+        "for rows in (2, 64):   # the second batch outgrows the first segment: a new one\n"
+        "    w.call('vanilla', [np.zeros((rows, *header['row_shape']), np.float32), np.zeros(rows, np.int64)])\n"
+        "print(w.pid, len(list(SHM_DIR.glob(f'plexus-split-{os.getpid()}-*'))), flush=True)\n"
+        "time.sleep(60)\n")
+    coordinator = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid, named = map(int, coordinator.stdout.readline().split())
+        assert named == 0   # in use by both processes, yet unlinked
+        os.kill(coordinator.pid, signal.SIGKILL)
+        coordinator.wait(timeout=10)
+        assert not list(SHM_DIR.glob(f"plexus-split-{coordinator.pid}-*"))
+        wait_until(lambda: not _alive(worker_pid), 10, "the orphaned worker to end")
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+        coordinator.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+SMALL_SHM = """
+import logging, sys
+import numpy as np
+from coordinator.split_worker import SplitWorker
+logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+batch = [np.random.default_rng(0).normal(size=(64, 16, 14, 14)).astype(np.float32), np.arange(64) % 10]
+grads = []
+for shared in (True, False):
+    w = SplitWorker(shared_memory=shared)
+    w.call('load', model='cnn', args={'width': 16}, seed=0, variant='vanilla', cuts=['block1'], lr=0.1)
+    _, (grad,) = w.call('vanilla', batch)
+    grads.append(grad)
+    if shared:
+        print('shared after the batch:', w._shared)
+    w.close()
+print('same gradient:', grads[0].tobytes() == grads[1].tobytes())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="mounts a small /dev/shm in a mount namespace of its own: needs root and unshare")
+def test_a_dev_shm_too_small_for_the_segment_falls_back_to_the_pipe_with_a_warning():
+    """As in a container with docker's default 64 MB /dev/shm and a large batch: here a 512 KiB /dev/shm, a 0.8 MB
+    batch and a 3.2 MB segment. Without the fallback the coordinator died of SIGBUS at its first write past the
+    space."""
+    python = f"{shlex.quote(sys.executable)} -c {shlex.quote(SMALL_SHM)}"
+    script = f"mount -t tmpfs -o size=512k tmpfs /dev/shm && exec {python}"
+    run = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "shared after the batch: False" in run.stdout and "same gradient: True" in run.stdout, run.stdout
+    assert "takes its tensors through its pipe from now on" in run.stderr and "No space left" in run.stderr, \
+        run.stderr[-2000:]
 
 
 def test_load_names_each_side_s_tensors_and_the_shapes_at_the_cuts():
