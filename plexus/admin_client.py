@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 import uuid
 from collections import defaultdict
@@ -14,6 +15,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from plexus import transport
+from plexus.errors import PlexusError
 from plexus.identity import load_kit
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc
 from plexus.wire import Layout, assemble, decode
@@ -116,11 +118,20 @@ class AdminClient:
         return header.round, decode(layout, assemble(layout, (message.chunk for message in stream)))
 
     def download_to(self, job_id: str, path: Path, round_: int = -1) -> int:
+        """Download into `path` as safetensors: written beside it under a name of its own, then renamed over it, so
+        `path` is either what it was or the whole model."""
         got, state = self.download(job_id, round_)
-        tmp = Path(f"{path}.tmp")
-        save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(tmp),
-                  metadata={"job": job_id, "round": str(got)})
-        os.replace(tmp, path)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")   # files.TMP_PATTERN
+        try:
+            save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(tmp),
+                      metadata={"job": job_id, "round": str(got)})
+            os.replace(tmp, path)
+        except Exception as exc:
+            tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise
+            raise PlexusError(f"cannot write {path}: {exc}") from None
         return got
 
 

@@ -193,16 +193,24 @@ class StrategySpec:
     typed: Any = field(default=None, compare=False, repr=False, metadata={"derived": True})
 
 
+# A round waits for its sites at most a day (as a relay's tier does): longer waits are a stalled job (use
+# sites.retries), and gRPC takes a call timeout of ~1e10 s as already expired.
+MAX_WAIT_S = 86400.0
+MAX_SITES = 100_000
+MAX_STEPS = 10_000_000   # local steps a round may ask of a site (train.steps, or a task's local_steps)
+MAX_TURNS = 1_000_000    # batches one Split session may have (a synchronous epoch's turns)
+
+
 @dataclass(frozen=True, slots=True)
 class SitesSpec:
     """How many sites a round needs and how long it waits for them."""
 
-    min: int = field(default=1, metadata=in_range(1))
-    deadline_s: float = field(default=300.0, metadata=in_range(0, lo_open=True))
+    min: int = field(default=1, metadata=in_range(1, MAX_SITES))
+    deadline_s: float = field(default=300.0, metadata=in_range(0, MAX_WAIT_S, lo_open=True))
     # Client sampling (seeded by the job seed and round): train on ceil(fraction × online) sites,
     # at most `count`, never fewer than `min`. Neither set: every online site trains.
     fraction: float | None = field(default=None, metadata=in_range(0, 1, lo_open=True))
-    count: int | None = field(default=None, metadata=in_range(1))
+    count: int | None = field(default=None, metadata=in_range(1, MAX_SITES))
     # Who evaluates the incoming global model each round: every online site ("all"), or only
     # the sites that train this round ("participants").
     evaluate: str = field(default="all", metadata=one_of("all", "participants"))
@@ -230,9 +238,9 @@ class OptimizerSpec:
 class TrainSpec:
     """Local training per round."""
 
-    epochs: int = field(default=1, metadata=in_range(1))
-    steps: int | None = field(default=None, metadata=in_range(1))   # set: exactly this many minibatch steps, not epochs
-    batch_size: int = field(default=32, metadata=in_range(1))
+    epochs: int = field(default=1, metadata=in_range(1, 10_000))
+    steps: int | None = field(default=None, metadata=in_range(1, MAX_STEPS))   # set: this many minibatch steps
+    batch_size: int = field(default=32, metadata=in_range(1, 1_000_000))
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
 
 
@@ -314,9 +322,9 @@ class AsyncSpec:
     evaluate_every: int | None = field(default=None, metadata={**in_range(1), "omit_none": True})   # M versions
     time_budget_s: float | None = field(default=None, metadata={**in_range(0, lo_open=True), "omit_none": True})
     target: TargetSpec | None = field(default=None, metadata={"omit_none": True})
-    idle_timeout_s: float = field(default=600.0, metadata=in_range(0, lo_open=True))   # no site answered: fail
+    idle_timeout_s: float = field(default=600.0, metadata=in_range(0, MAX_WAIT_S, lo_open=True))   # no answer: fail
     # Secure aggregation: how long the first sites to finish training wait for a cohort of `buffer` to fill.
-    cohort_timeout_s: float = field(default=60.0, metadata=in_range(0, lo_open=True))
+    cohort_timeout_s: float = field(default=60.0, metadata=in_range(0, MAX_WAIT_S, lo_open=True))
 
 
 UPLINK_CODECS = ("none", "fp16", "int8", "int4", "topk", "adacomp", "randk")

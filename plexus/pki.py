@@ -142,6 +142,8 @@ def add_sites(root: Path, sites: Mapping[str, Mapping[str, Mapping[str, str]]], 
         raise errors.ConfigError("a site name is given twice")
     ca_cert, ca_key = _load_ca(root)
     address = _coordinator_address(registry) if via is None else _relay_address(registry, via)
+    for name in sites:
+        _make_kit_dir(root / "sites" / name)
     issued = [(name, _certify(registry, ca_cert, ca_key, name, "site", None, [x509.DNSName(name)], now))
               for name in sites]
     _save_registry(root, registry)   # every certificate that exists on disk can be revoked
@@ -348,6 +350,17 @@ def _ip_version(host: str) -> int:
         return 0
 
 
+def _make_kit_dir(kit_dir: Path) -> None:
+    """The kit's folder, made before its certificate is issued and recorded: a name whose kit cannot be written
+    (a file in the way, no permission) is refused, not recorded as issued with no kit to show for it."""
+    try:
+        _make_dir(kit_dir.parent)
+        _make_dir(kit_dir)
+    except OSError as exc:
+        raise errors.ConfigError(f"cannot make the kit folder {kit_dir} ({exc.strerror or exc}); move what is in "
+                                 "the way, or fix its permissions, and run the command again") from None
+
+
 def _make_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
@@ -408,6 +421,7 @@ def _issue(
     extra: dict | None = None,
 ) -> None:
     """Issue a leaf cert, record it in federation.json (with `extra` in its entry), then write the kit."""
+    _make_kit_dir(kit_dir)
     key, cert = _certify(registry, ca_cert, ca_key, name, kind, role, san, now)
     registry["issued"][-1].update(extra or {})
     _save_registry(root, registry)   # before the kit: every certificate that exists on disk can be revoked

@@ -96,6 +96,9 @@ _SCALARS = {  # type -> (accepted YAML tags, name, fix)
 # PyYAML (YAML 1.1) reads an unquoted 1e-5 as a string; a float field accepts it anyway.
 PLAIN_EXP_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _CONSTRUCTOR = yaml.constructor.SafeConstructor()
+# Plain scalars YAML 1.1 reads as numbers in bases other than ten, or in base 60.
+YAML11_ONLY = re.compile(r"[-+]?(?:0b[01_]+|0x[0-9a-fA-F_]+|0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)")
+MAX_INT = 2**63 - 1   # what SQLite and int64 hold
 MAX_ITEMS = 4096   # entries of any one list or mapping (features, classes, categories, ...)
 
 
@@ -139,6 +142,10 @@ def _expected(tp: Any) -> str:
     if typing.get_origin(tp) in (types.UnionType, typing.Union):
         return _expected(_optional_inner(tp))
     return _SCALARS[tp][1]
+
+
+def _short(text: str, keep: int = 24) -> str:
+    return text if len(text) <= keep else f"{text[:keep]}... ({len(text)} characters)"
 
 
 def _optional_inner(tp: Any) -> Any:
@@ -279,6 +286,8 @@ class Reader:
         tags, name, fix = _SCALARS[tp]
         tag = node.tag.removeprefix(_TAG) if isinstance(node, ScalarNode) else None
         if tag in tags:
+            if tp in (int, float):
+                self.decimal(node, path)
             try:
                 value = _CONSTRUCTOR.yaml_constructors[node.tag](_CONSTRUCTOR, node)
             except ValueError:
@@ -290,8 +299,13 @@ class Reader:
             self.fail(node, path, f"expected {name}, got {_describe(node)}; {fix}")
         if tp is Cell:
             value = node.value   # the text as written: `007` stays "007", `yes` stays "yes"
+        if tp is int and abs(value) > MAX_INT:
+            self.fail(node, path, f"{_short(node.value)} is out of range; integers are at most {MAX_INT}")
         if tp is float:
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                self.fail(node, path, f"{_short(node.value)} is too large for a number; {fix}")
             if not math.isfinite(value):
                 self.fail(node, path, f"{value!r} is not a finite number; {fix}")
         if tp in (str, Path, Cell) and not value:
@@ -307,7 +321,18 @@ class Reader:
         if node.tag.removeprefix(_TAG) not in ("str", "int", "float", "bool", "null"):
             self.fail(node, path, f"unsupported value, {_describe(node)}; "
                                   "use a string, number, boolean, list or mapping (quote dates)")
+        self.decimal(node, path)
         return _CONSTRUCTOR.yaml_constructors[node.tag](_CONSTRUCTOR, node)
+
+    def decimal(self, node: Node, path: str) -> None:
+        """Refuse the number forms only YAML 1.1 has (1:30 is 90, 010 is 8, 0x10 is 16): a config means them
+        as written, if at all."""
+        if node.tag in (_TAG + "int", _TAG + "float") and YAML11_ONLY.fullmatch(node.value):
+            digits = node.value.lstrip("+-")
+            kind = ("a base-60" if ":" in digits else "a binary" if digits.startswith("0b")
+                    else "a hexadecimal" if digits.startswith("0x") else "an octal")
+            self.fail(node, path, f"{node.value} is {kind} number in YAML 1.1; write it in decimal (or quote it, "
+                                  "for a string)")
 
     def path(self, value: str | Path) -> Path:
         path = Path(value).expanduser()

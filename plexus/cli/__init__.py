@@ -20,6 +20,8 @@ from plexus.errors import PlexusError
 from plexus.text import printable
 
 COMMANDS_GROUP = "plexus.commands"
+LOG_FORMATS = ["text", "json"]
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from plexus.logs import configure
 
+    level = os.environ.get("PLEXUS_LOG", "INFO")
+    if args.log_format not in LOG_FORMATS:   # argparse checks a flag's value, not a default from the environment
+        top.error(f"--log-format (or PLEXUS_LOG_FORMAT) is {args.log_format!r}; use one of: {', '.join(LOG_FORMATS)}")
+    if level.upper() not in LOG_LEVELS:
+        top.error(f"PLEXUS_LOG is {level!r}; use one of: {', '.join(LOG_LEVELS)}")
     os.environ["PLEXUS_LOG_FORMAT"] = args.log_format   # processes this one starts (the demo's) log alike
-    configure(args.log_format, os.environ.get("PLEXUS_LOG", "INFO"))
+    configure(args.log_format, level)
     try:
         code = args.run(args) or 0
         sys.stdout.flush()   # here, not at exit, so that a reader that went away is handled below
@@ -52,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:   # a file or port the command needs and cannot have: say which, not a traceback
+        print(f"error: {printable(os_error_text(exc))}", file=sys.stderr)
+        return 1
     except Exception as exc:
         import grpc
 
@@ -61,11 +71,20 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def os_error_text(exc: OSError) -> str:
+    """`exc` as one line naming the file(s) it is about: "DIR/x: Is a directory"."""
+    what = exc.strerror or str(exc)
+    if exc.filename is None:
+        return what
+    names = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+    return f"{names}: {what}"
+
+
 def parser() -> argparse.ArgumentParser:
     """The whole command line: the kernel's groups and every installed `plexus.commands` group."""
     p = argparse.ArgumentParser(prog="plexus", description="Federated learning across hospitals.")
     p.add_argument("--version", action="version", version=f"plexus {_version()}")
-    p.add_argument("--log-format", choices=["text", "json"], default=os.environ.get("PLEXUS_LOG_FORMAT") or "text",
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get("PLEXUS_LOG_FORMAT") or "text",
                    help="log lines on stderr as text or JSON objects (or PLEXUS_LOG_FORMAT; default text)")
     sub = p.add_subparsers(metavar="COMMAND")
     demo.add_commands(sub)

@@ -14,7 +14,18 @@ import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from plexus.cli.common import UsageError, audit_flags, command, existing_file, print_audit, seconds, table
+from plexus.cli.common import (
+    MAX_COUNT,
+    UsageError,
+    audit_flags,
+    command,
+    existing_file,
+    int_in,
+    output_file,
+    print_audit,
+    seconds,
+    table,
+)
 from plexus.errors import PlexusError
 from plexus.text import csv_cell, printable
 
@@ -34,8 +45,9 @@ def add_commands(sub) -> None:
     dl = admin_flags(command(job, "download", _job_download,
                         help="download a global model as safetensors, or a statistics job's figures as CSV or JSON"))
     dl.add_argument("job_id")
-    dl.add_argument("--round", type=int, default=-1, help="round (default: the latest closed round)")
-    dl.add_argument("-o", "--output", type=Path, required=True)
+    dl.add_argument("--round", type=int_in(-1, MAX_COUNT, why=" (-1: the latest closed round)"), default=-1,
+                    help="round (default: the latest closed round)")
+    dl.add_argument("-o", "--output", type=output_file, required=True)
     dl.add_argument("--format", choices=DOWNLOAD_FORMATS,
                     help="what to write (default: from the file's suffix, .csv or .json for a statistics job's "
                          "figures, else safetensors)")
@@ -44,7 +56,7 @@ def add_commands(sub) -> None:
     met.add_argument("--format", choices=["table", "csv", "json"], default="table")
     plot = admin_flags(command(job, "plot", _job_plot, help="plot a job's metrics per round to a PNG"))
     plot.add_argument("job_id")
-    plot.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
+    plot.add_argument("-o", "--output", type=output_file, required=True, help="PNG file to write")
     exp = admin_flags(command(job, "export", _job_export,
                          help="log a job's config, metrics and final model as one MLflow run (docs/tracking.md)"))
     exp.add_argument("job_id")
@@ -160,9 +172,11 @@ def _summary_dict(s) -> dict:
 def _job_submit(args) -> int:
     needs_coordinator(args, "submit a job")
     try:
-        text = args.file.read_text()
+        text = args.file.read_text(encoding="utf-8")
     except OSError as exc:
         raise PlexusError(f"cannot read {args.file}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise PlexusError(f"{args.file}: a round config is UTF-8 text; save it as UTF-8") from None
     with connect(args) as client:
         summary = client.submit(text)
         print(json.dumps(_summary_dict(summary)) if args.json else f"submitted job {summary.job_id}")

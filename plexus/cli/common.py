@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,9 @@ from plexus.text import printable
 
 class UsageError(PlexusError):
     """A command line that cannot run as given (arguments that contradict each other): exit 2, like argparse."""
+
+
+MAX_COUNT = 2**62   # a round or entry count any store holds; larger ones are typos, refused before they overflow
 
 
 def command(actions, name: str, run, **kwargs) -> argparse.ArgumentParser:
@@ -32,6 +36,22 @@ def existing_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is a directory; give the file in it")
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"{text}: no such file; check the path")
+    return path
+
+
+def output_file(text: str) -> Path:
+    """An argparse type: a file to write, in a folder that is there and writable (what is at the path is replaced
+    only once the new file is whole)."""
+    path = Path(text)
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give the file to write, e.g. -o model.safetensors")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path in it, e.g. {path / 'out'}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: its folder {folder} does not exist; make it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: its folder {folder} is not writable by this user")
     return path
 
 
@@ -63,7 +83,7 @@ def seconds(text: str) -> float:
 def audit_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags every audit-log printout takes."""
     p.add_argument("--verify", action="store_true", help="check the hash chain; exit 1 if it was tampered with")
-    p.add_argument("--limit", type=int, default=0, help="only the last N entries (default: all)")
+    p.add_argument("--limit", type=int_in(0, MAX_COUNT), default=0, help="only the last N entries (default: all)")
     return p
 
 

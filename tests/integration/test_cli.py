@@ -228,6 +228,14 @@ def test_abort_and_role_errors_read_clearly(federation, tmp_path, capsys):
     (["audit", "--against", "HEAD", "--kit", "TMP", "--coordinator", "127.0.0.1:1"],
      "--against HEAD_FILE checks the log: use it with --verify"),
     (["health"], "no address: pass HOST:PORT or --site-config FILE"),
+    (["job", "download", "j", "-o", "TMP", "--kit", "TMP"], "argument -o/--output: TMP is a folder; give a file path"),
+    (["job", "download", "j", "-o", "", "--kit", "TMP"], "argument -o/--output: is empty"),
+    (["job", "download", "j", "-o", "no-such-folder/m.safetensors", "--kit", "TMP"],
+     "argument -o/--output: no-such-folder/m.safetensors: its folder no-such-folder does not exist; make it first"),
+    (["job", "download", "j", "-o", "m.safetensors", "--round", "-5"], "argument --round: -5 is out of range"),
+    (["job", "download", "j", "-o", "m.safetensors", "--round", "9" * 30], "argument --round: 999"),
+    (["job", "plot", "j", "-o", "TMP"], "argument -o/--output: TMP is a folder"),
+    (["audit", "--limit", "9" * 30], "argument --limit: 999"),
     (["bogus"], "argument COMMAND: invalid choice: 'bogus'"),
     (["job", "frobnicate"], "argument ACTION: invalid choice: 'frobnicate'"),
 ])
@@ -257,3 +265,42 @@ def test_demo_with_too_many_sites_ends_with_one_line_as_a_process(tmp_path):
         "plexus demo: error: argument --sites: 9 is out of range: it must be between 1 and 4 (one site per "
         "hospital in the data)"), done.stderr
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("variable, value, says", [
+    ("PLEXUS_LOG_FORMAT", "xml", "--log-format (or PLEXUS_LOG_FORMAT) is 'xml'; use one of: text, json"),
+    ("PLEXUS_LOG", "LOUD", "PLEXUS_LOG is 'LOUD'; use one of: DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+])
+def test_a_bad_log_setting_in_the_environment_is_a_usage_error(variable, value, says, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit_:
+        cli(["pki", "init", str(tmp_path / "fed"), "--federation", "f"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and says in err, err
+    assert not (tmp_path / "fed").exists()
+
+
+def test_a_file_where_a_folder_belongs_is_one_line_and_burns_no_name(tmp_path, capsys):
+    """An OSError a command meets is one line naming the path, not a traceback; a site whose kit folder cannot be
+    made is refused before its certificate is recorded, so the name can be issued once the way is clear."""
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    assert cli(["pki", "init", str(in_the_way / "fed"), "--federation", "f"]) == 1
+    assert capsys.readouterr().err == f"error: {in_the_way / 'fed'}: Not a directory\n"
+    root = tmp_path / "fed"
+    assert cli(["pki", "init", str(root), "--federation", "f"]) == 0
+    (root / "sites").mkdir(exist_ok=True)
+    (root / "sites" / "z").write_text("")
+    assert cli(["pki", "add-site", str(root), "z"]) == 1
+    assert "cannot make the kit folder" in capsys.readouterr().err
+    assert "z" not in (root / "federation.json").read_text()
+    (root / "sites" / "z").unlink()
+    assert cli(["pki", "add-site", str(root), "z"]) == 0
+    assert (root / "sites" / "z" / "key.pem").is_file()
+
+
+def test_a_round_config_that_is_not_utf8_is_refused_before_any_call(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_bytes(b"\xff\xfe")
+    assert cli(["job", "submit", str(job), "--coordinator", "127.0.0.1:1", "--kit", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"error: {job}: a round config is UTF-8 text; save it as UTF-8\n"

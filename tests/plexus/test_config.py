@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from plexus.config import (
+    MAX_WAIT_S,
     AdminConfig,
     CoordinatorConfig,
     DatasetSpec,
@@ -214,7 +215,8 @@ def round_configs(draw):
             st.text(alphabet="abc_-:1 ", min_size=1, max_size=6), arg_values, max_size=4))),
         data=DataSpec(dataset=draw(st.sampled_from(["heart", "yes", "123", "null"]))),
         rounds=draw(st.integers(1, 100_000)),
-        sites=SitesSpec(min=draw(st.integers(3 if secure else 1, 50)), deadline_s=draw(positive),
+        sites=SitesSpec(min=draw(st.integers(3 if secure else 1, 50)),
+                        deadline_s=draw(st.floats(min_value=0, max_value=MAX_WAIT_S, exclude_min=True)),
                         retries=draw(st.integers(0, 1000))),
         train=TrainSpec(optimizer=OptimizerSpec(
             name=draw(st.sampled_from(["sgd", "adam"])),
@@ -284,8 +286,8 @@ def test_dump_parse_round_trip_property(cfg):
          "job.yaml:4: rounds: 0 is out of range", "use a value in [1, 100000]"),
         ("name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 100001\n",
          "job.yaml:4: rounds: 100001 is out of range", ""),
-        (MINIMAL + "sites: {min: 0}\n", "job.yaml:5: sites.min: 0 is out of range", "use a value >= 1"),
-        (MINIMAL + "sites: {deadline_s: 0}\n", "job.yaml:5: sites.deadline_s: 0.0 is out of range", "> 0"),
+        (MINIMAL + "sites: {min: 0}\n", "job.yaml:5: sites.min: 0 is out of range", "use a value in [1, 100000]"),
+        (MINIMAL + "sites: {deadline_s: 0}\n", "job.yaml:5: sites.deadline_s: 0.0 is out of range", "(0, 86400.0]"),
         (MINIMAL + "train:\n  optimizer: {momentum: 1}\n",
          "job.yaml:6: train.optimizer.momentum: 1.0 is out of range", "use a value in [0, 1)"),
         (MINIMAL + "train: {optimizer: {name: rmsprop}}\n",
@@ -302,6 +304,20 @@ def test_dump_parse_round_trip_property(cfg):
         (MINIMAL + "sites: {retries: 1.5}\n", "job.yaml:5: sites.retries: expected an integer", ""),
         (MINIMAL + "seed: -1\n", "job.yaml:5: seed: -1 is out of range", ""),
         (MINIMAL + f"seed: {2**63}\n", "job.yaml:5: seed: 9223372036854775808 is out of range", ""),
+        (MINIMAL + f"seed: {10**40}\n", "job.yaml:5: seed: 100000000000000000000000... (41 characters) is out of "
+                                         "range", "at most 9223372036854775807"),
+        # numbers YAML 1.1 reads in other bases, and ones too large for a float
+        (MINIMAL + "seed: 1:30\n", "job.yaml:5: seed: 1:30 is a base-60 number in YAML 1.1", "write it in decimal"),
+        (MINIMAL + "seed: 010\n", "job.yaml:5: seed: 010 is an octal number in YAML 1.1", "write it in decimal"),
+        (MINIMAL + "seed: 0x10\n", "job.yaml:5: seed: 0x10 is a hexadecimal number in YAML 1.1", ""),
+        ("name: job\nmodel: {name: mlp, args: {hidden: [0b11]}}\ndata: {dataset: heart}\nrounds: 3\n",
+         "job.yaml:2: model.args.hidden[0]: 0b11 is a binary number in YAML 1.1", ""),
+        (MINIMAL + "sites: {deadline_s: 1" + "0" * 400 + "}\n",
+         "job.yaml:5: sites.deadline_s: 100000000000000000000000... (401 characters) is too large for a number", ""),
+        # waits and counts a federation cannot mean: gRPC takes a 1e10 s timeout as already expired
+        (MINIMAL + "sites: {deadline_s: 1e10}\n", "job.yaml:5: sites.deadline_s: 10000000000.0 is out of range",
+         "(0, 86400.0]"),
+        (MINIMAL + "train: {epochs: 100000}\n", "job.yaml:5: train.epochs: 100000 is out of range", "[1, 10000]"),
         # bad job names
         ("name: 'bad name'\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 3\n",
          "job.yaml:1: name: 'bad name' is not a valid name", "letters, digits"),
