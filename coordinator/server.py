@@ -21,7 +21,7 @@ from plexus import transport
 from plexus.audit import AuditLog
 from plexus.config import CoordinatorConfig
 from plexus.errors import FailedPrecondition
-from plexus.identity import RevocationList, federation_of, load_kit
+from plexus.identity import RevocationList, federation_of, kit_identity, load_kit
 from plexus.proto.plexus.v1 import admin_pb2_grpc, federation_pb2_grpc
 from plexus.rpc import Authenticator, SendWatchdog
 from plexus.shutdown import StopSignals
@@ -33,10 +33,13 @@ class Coordinator:
     """A running coordinator; `port` is the bound port (useful with listen port 0)."""
 
     def __init__(self, config: CoordinatorConfig, *, models: ModelWorker | None = None, take_up=None,
-                 refuse_jobs: str = ""):
-        """models: the model worker (default: the process's shared one); take_up, refuse_jobs: see Engine."""
+                 refuse_jobs: str = "", kit_kind: str = "coordinator"):
+        """models: the model worker (default: the process's shared one); take_up, refuse_jobs: see Engine;
+        kit_kind: whose kit serves (a relay's tier serves with the relay's)."""
         self._take_up, self._refuse_jobs = take_up, refuse_jobs
         kit = load_kit(config.kit)
+        kit_identity(kit, kit_kind, f"the {kit_kind}'s kit is the one `plexus pki init` (or add-relay) wrote, "
+                                    "with its key.pem, cert.pem and ca.pem")
         # Locks the state dir first: a second coordinator on it stops here, naming the first one's PID.
         self.store = Store(config.state_dir, retention=config.checkpoints)
         try:

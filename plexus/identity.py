@@ -113,6 +113,16 @@ def identity_from_cert(cert_pem: bytes) -> Identity:
     return Identity(name=name, kind=kind, role=role, serial=cert.serial_number)
 
 
+def kit_identity(kit: Kit, kind: str, fix: str) -> Identity:
+    """The identity of `kit`'s certificate, which must be of `kind`: errors.ConfigError (naming the kit, the kind it
+    holds and `fix`) for another's kit, which would otherwise fail only at its first peer, with a TLS error."""
+    ident = identity_from_cert(kit.cert_pem)
+    if ident.kind != kind:
+        raise errors.ConfigError(f"{kit.path}: the kit's certificate is {ident.kind} {ident.name!r}'s; this needs a "
+                                 f"{kind}'s kit: {fix}")
+    return ident
+
+
 def check_leaf(cert_pem: bytes, ca_pem: bytes) -> None:
     """Raise errors.Unauthenticated unless the certificate is a client leaf the federation CA issued directly.
 

@@ -9,8 +9,7 @@ import threading
 from coordinator.model_worker import ModelWorker
 from coordinator.server import Coordinator
 from plexus.config import RelayConfig
-from plexus.errors import ConfigError
-from plexus.identity import identity_from_cert, load_kit
+from plexus.identity import kit_identity, load_kit
 from plexus.shutdown import StopSignals
 from relay.driver import Mailbox, RelayRounds
 from relay.upstream import Upstream
@@ -26,14 +25,11 @@ class Relay:
 
     def __init__(self, config: RelayConfig, *, models: ModelWorker | None = None):
         kit = load_kit(config.kit)
-        ident = identity_from_cert(kit.cert_pem)
-        if ident.kind != "relay":
-            raise ConfigError(f"{config.kit}: the kit's certificate is {ident.kind} {ident.name!r}'s; a relay needs "
-                              "its own kit: `plexus pki add-relay DIR NAME --host HOST` where the federation's CA is")
-        self.name = ident.name
+        self.name = kit_identity(kit, "relay", "`plexus pki add-relay DIR NAME --host HOST` where the federation's "
+                                 "CA is").name
         self.mailbox = Mailbox()
         self.tier = Coordinator(config.serving(), models=models, take_up=RelayRounds.factory(self.mailbox, config.tier),
-                                refuse_jobs=REFUSE_JOBS)
+                                refuse_jobs=REFUSE_JOBS, kit_kind="relay")
         self.upstream = Upstream(config, kit, self.tier.engine, self.tier.store, self.mailbox)
         self._thread = threading.Thread(target=self.upstream.run, name="plexus-relay-upstream", daemon=True)
 

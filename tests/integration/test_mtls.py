@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -9,8 +10,12 @@ import time
 import grpc
 import pytest
 
+from coordinator.server import Coordinator
 from plexus import identity, pki
+from plexus.config import CoordinatorConfig, SiteConfig
+from plexus.errors import ConfigError
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
+from site_agent.agent import SiteAgent
 
 from integration.harness import Federation, expected_mean, heart_job, wait_until
 
@@ -275,3 +280,21 @@ def test_bad_round_config_is_rejected_with_key_and_line(federation):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "resnet9000" in err.value.details() and "logistic" in err.value.details()
     assert ops.jobs() == []
+
+
+def test_a_coordinator_or_site_given_someone_else_s_kit_refuses_to_start(tmp_path):
+    """Caught at start, with the fix, not at the first peer as a TLS error or a refusal retried forever."""
+    root = tmp_path / "pki"
+    pki.init_federation(root, "kits", hosts=["127.0.0.1"])
+    pki.add_site(root, "cleveland")
+    pki.add_admin(root, "ops", role="operator")
+    config = CoordinatorConfig(listen="127.0.0.1:0", kit=root / "admins" / "ops", state_dir=tmp_path / "state",
+                               crl=root / "coordinator" / "crl.pem")
+    with pytest.raises(ConfigError, match=r"the kit's certificate is admin 'ops''s; this needs a coordinator's kit"):
+        Coordinator(config)
+    site = SiteConfig(site="hungary", coordinator="127.0.0.1:1", kit=root / "sites" / "cleveland",
+                      state_dir=tmp_path / "site", datasets={})
+    with pytest.raises(ConfigError, match=r"the kit is site 'cleveland''s, but the config says `site: hungary`"):
+        SiteAgent(site)
+    with pytest.raises(ConfigError, match=r"is admin 'ops''s; this needs a site's kit"):
+        SiteAgent(dataclasses.replace(site, site="ops", kit=root / "admins" / "ops"))
