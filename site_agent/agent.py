@@ -35,8 +35,8 @@ from plexus.config import (
 )
 from plexus.datasets import DataError, Split, load_for_job, train_rows
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
-from plexus.errors import FailedPrecondition, IntegrityError
-from plexus.identity import load_kit
+from plexus.errors import ConfigError, FailedPrecondition, IntegrityError
+from plexus.identity import kit_identity, load_kit
 from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.secagg import SiteSession, advert_to_proto
@@ -72,6 +72,8 @@ SECAGG_LATER_PHASES = (fpb.TASK_SECAGG_SHARE, fpb.TASK_SECAGG_MASKED_INPUT, fpb.
 # the tasks that train on local data (synchronous)
 TRAINING_KINDS = (fpb.TASK_TRAIN, fpb.TASK_SECAGG_ADVERTISE, fpb.TASK_SPLIT_TRAIN)
 SPLIT_KINDS = (fpb.TASK_SPLIT_TRAIN, fpb.TASK_SPLIT_EVALUATE)
+SPLIT_REPLY_MARGIN_S = 60.0   # past split.batch_timeout_s, the coordinator's own bound on each message
+KNOWN_KINDS = (fpb.TASK_TRAIN, fpb.TASK_EVALUATE, fpb.TASK_SECAGG_ADVERTISE, *SECAGG_LATER_PHASES, *SPLIT_KINDS)
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
@@ -96,6 +98,11 @@ class SiteAgent:
         training for `emulation.slowdown`."""
         self.config = config
         self.kit = load_kit(config.kit)
+        me = kit_identity(self.kit, "site", "give the kit `plexus pki add-site DIR NAME` wrote for this site")
+        if me.name != config.site:
+            raise ConfigError(f"{config.kit}: the kit is site {me.name!r}'s, but the config says `site: "
+                              f"{config.site}`; the coordinator knows a site only by its certificate: use "
+                              f"{config.site!r}'s kit, or set site: {me.name}")
         self.stop = stop or threading.Event()
         self.backoff_cap_s = backoff_cap_s
         self.refused_retry_s = refused_retry_s
@@ -177,6 +184,8 @@ class SiteAgent:
             job = round_config(task.config_yaml, task.job_id)
         except ValueError as exc:
             return self.report(stub, task, fpb.RESULT_FAILED, f"cannot read the job's round config: {exc}")
+        if reason := kind_refusal(job, task.kind):
+            return self._decline(stub, task, reason)
         state = JobState(self.config.state_dir, task.job_id)
         # An asynchronous secure job trains on its TRAIN task; its cohort's advert masks the update kept then.
         cohorts = in_cohorts(job)
@@ -188,7 +197,7 @@ class SiteAgent:
         except DataError as exc:   # the local detail (file, rows, values) stays in this site's log
             log.warning("dataset %r cannot serve job %s: %s", job.data.dataset, task.job_id, exc)
             reason = exc.remote
-        except (ValueError, OSError) as exc:   # the site's own record cannot be read: nothing ran
+        except Exception as exc:   # the site's own record cannot be read, or the policy's sums fail: nothing ran
             log.exception("task %s failed", task.task_id)
             return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         if reason:
@@ -247,7 +256,7 @@ class SiteAgent:
             log.warning("dataset %r cannot serve job %s: %s", job.data.dataset, task.job_id, exc)
             self._secure.pop((task.job_id, task.round), None)
             return self._decline(stub, task, exc.remote)
-        except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:  # IntegrityError too
+        except Exception as exc:   # IntegrityError too: whatever the coordinator sent, reported, and the agent goes on
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
             return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
@@ -273,10 +282,11 @@ class SiteAgent:
                            "split_train" if training else "split_evaluate")
         except grpc.RpcError:
             raise
-        except (ValueError, RuntimeError, LookupError, FailedPrecondition, OSError) as exc:   # IntegrityError too
+        except Exception as exc:   # IntegrityError too: whatever the coordinator sent, reported, and the agent goes on
             log.exception("task %s failed", task.task_id)
             return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
         stream = self.split_stream(stub)
+        stream.reply_timeout_s = job.split.batch_timeout_s + SPLIT_REPLY_MARGIN_S
         try:
             metrics = (train_session if training else evaluate_session)(stream, site, data, task)
         except grpc.RpcError as exc:
@@ -284,7 +294,7 @@ class SiteAgent:
                 raise
             log.warning("job %s epoch %d: the Split session was refused: %s", task.job_id, task.round, exc.details())
             return None
-        except (ValueError, RuntimeError, LookupError) as exc:   # a malformed reply (IntegrityError) among them
+        except Exception as exc:   # a malformed reply (IntegrityError), or anything else: reported, the agent goes on
             log.exception("task %s failed", task.task_id)
             self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
             return None
@@ -378,8 +388,10 @@ class SiteAgent:
         advert = session.advertise(weight, self.kit.key_pem, self.kit.cert_pem)
         for key in [k for k in self._secure if k[0] == task.job_id]:
             del self._secure[key]  # an older round of this job can never resume
-        self._secure[(task.job_id, task.round)] = Pending(session, layout, delta | extras,
-                                                           extras=Layout.of({k: update[k] for k in extras}))
+        dp = job.privacy.dp   # distributed: this site's noise share was drawn for sites.min survivors (_clip_and_noise)
+        floor = job.sites.min if dp is not None and dp.mode == "distributed" else 0
+        self._secure[(task.job_id, task.round)] = Pending(
+            session, layout, delta | extras, extras=Layout.of({k: update[k] for k in extras}), floor=floor)
         stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                                       advert=advert_to_proto(advert), metrics=result.metrics,
                                       eval_metrics=eval_metrics), timeout=30)
@@ -594,6 +606,26 @@ def round_config(text: str, job_id: str) -> RoundConfig:
     return parse_round_config(text, source=f"job {job_id}")
 
 
+def kind_refusal(job: RoundConfig, kind: int) -> str:
+    """Why this site does not run a task of `kind` for `job` ('' if it does). The coordinator picks the kind; one the
+    job does not have would skip what the job's settings promise the site: a plain training task in a synchronous
+    secure-aggregation job would send its update unmasked, and a kind this agent does not know would train without
+    counting towards policy.max_rounds or the DP ledger."""
+    if kind not in KNOWN_KINDS:
+        return (f"task kind {kind} is not one this site agent runs; if the coordinator is newer, upgrade the site "
+                "agent")
+    name = fpb.TaskKind.Name(kind)
+    if (kind in SPLIT_KINDS) != (job.mode == "split"):
+        return f"a {name} task does not belong to a {job.mode} job"
+    secure = job.privacy.secure_aggregation
+    if kind == fpb.TASK_TRAIN and secure and not in_cohorts(job):
+        return ("this job's updates are masked (secure aggregation), so its training starts with an advert; a plain "
+                "TASK_TRAIN would send this site's update in the clear")
+    if (kind == fpb.TASK_SECAGG_ADVERTISE or kind in SECAGG_LATER_PHASES) and not secure:
+        return f"a {name} task does not belong to a job without secure aggregation"
+    return ""
+
+
 def in_cohorts(job: RoundConfig) -> bool:
     """An asynchronous job under secure aggregation: its updates are masked in cohorts, after training."""
     return job.asynchronous is not None and job.privacy.secure_aggregation
@@ -607,6 +639,10 @@ def _model_delta(model, incoming: dict) -> tuple[Layout, dict[str, np.ndarray]]:
                     for t in layout.tensors}
 
 
+MAX_CALL_S = 2 * 86400.0   # past a round's longest deadline (a day); gRPC takes ~1e10 s as already expired
+
+
 def call_timeout(task: fpb.Task) -> float:
-    """Seconds a call serving `task` may take: until the task's deadline plus 5 s, and at least 5 s."""
-    return max(5.0, task.deadline_unix_s - time.time() + 5.0)
+    """Seconds a call serving `task` may take: until the task's deadline plus 5 s, at least 5 s and at most
+    MAX_CALL_S, whatever deadline the coordinator sent."""
+    return min(MAX_CALL_S, max(5.0, task.deadline_unix_s - time.time() + 5.0))

@@ -103,7 +103,9 @@ def fetch_model(stub, task_id: str, expected: Layout, spec: DownlinkSpec, chain:
 
 def model_header(stream) -> fpb.ModelHeader:
     """The header that opens a FetchModel stream."""
-    first = next(stream)
+    first = next(stream, None)
+    if first is None:
+        raise ValueError("the model stream ended before its header")
     if first.WhichOneof("body") != "header":
         raise ValueError("the model stream did not start with a header")
     return first.header

@@ -10,13 +10,15 @@ reply from the coordinator is checked (dtype, shape, finite) before it touches t
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
+import grpc
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from plexus.config import RoundConfig
+from plexus.config import MAX_TURNS, RoundConfig
 from plexus.datasets import Split
 from plexus.errors import IntegrityError
 from plexus.models import build_job_model, load_numpy_state
@@ -36,28 +38,69 @@ from plexus.split_wire import array_of, tensor_message, weights_of
 from plexus.wire import Layout
 
 EVAL_ROWS = 256   # rows per evaluation batch (the coordinator takes at most 256)
+MAX_REPLY_S = 3660.0   # split.batch_timeout_s's largest value, and a minute
 
 
 class Stream:
     """A Split call in lock-step: `ask` sends one message and returns the coordinator's reply to it. The call has
     no deadline of its own (an epoch takes as long as it takes): the coordinator bounds every message by
-    split.batch_timeout_s, and the call ends when either side goes away."""
+    split.batch_timeout_s, and the call ends when either side goes away. A reply that does not come within
+    `reply_timeout_s` (the agent sets it from the job's batch_timeout_s) ends the call: a coordinator that stops
+    answering, while its connection stays up, does not hold the site for ever."""
 
-    def __init__(self, stub):
+    def __init__(self, stub, reply_timeout_s: float = MAX_REPLY_S):
         self._out: queue.Queue = queue.Queue()
         self._replies = stub.Split(iter(self._out.get, None))
         self.bytes_up = self.bytes_down = 0
+        self.reply_timeout_s = reply_timeout_s
+        self._cv = threading.Condition()
+        self._due: float | None = None
+        self._closed = self._timed_out = False
+        threading.Thread(target=self._watch, name="split-reply-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        with self._cv:
+            while not self._closed:
+                if self._due is None:
+                    self._cv.wait()
+                elif self._due <= time.monotonic():
+                    self._timed_out = True
+                    self._replies.cancel()
+                    return
+                else:
+                    self._cv.wait(self._due - time.monotonic())
+
+    def _next_reply(self) -> fpb.SplitReply:
+        with self._cv:
+            self._due = time.monotonic() + self.reply_timeout_s
+            self._cv.notify()
+        try:
+            reply = next(self._replies, None)
+        except grpc.RpcError:
+            if self._timed_out:
+                raise IntegrityError(f"the coordinator did not answer within {self.reply_timeout_s:.0f} s; the Split "
+                                     "session is given up") from None
+            raise
+        finally:
+            with self._cv:
+                self._due = None
+        if reply is None:
+            raise IntegrityError("the coordinator ended the Split session without answering")
+        return reply
 
     def ask(self, message: fpb.SplitMessage) -> fpb.SplitReply:
         self.bytes_up += message.ByteSize()
         self._out.put(message)
-        reply = next(self._replies)
+        reply = self._next_reply()
         self.bytes_down += reply.ByteSize()
         return reply
 
     def close(self) -> None:
         self._out.put(None)
         self._replies.cancel()
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
 
 
 class SiteSplit:
@@ -112,8 +155,9 @@ def synchronous_session(stream: Stream, site: SiteSplit, data: Split, task) -> d
     over this site's share of its rows; the site steps on every site's summed gradients of their parts, as
     plexus.split.synchronous_epoch does in process."""
     turns = task.local_steps
-    if turns < 1:
-        raise IntegrityError("a synchronous split task names its epoch's turns in local_steps; this one names none")
+    if not 1 <= turns <= MAX_TURNS:
+        raise IntegrityError(f"a synchronous split task names its epoch's turns (1 to {MAX_TURNS}) in local_steps; "
+                             f"this one names {turns}")
     x, y = _tensors(data.x_train, data.y_train)
     generator = torch.Generator().manual_seed(task.seed)
     step = _site_step(site, y, generator)

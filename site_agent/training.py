@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plexus.accounting import PrivacyLedger, dp_sgd_schedule
+from plexus.config import MAX_STEPS
 from plexus.errors import ConfigError
 from plexus.models import seeded
 from plexus.objectives import loss_name
@@ -165,6 +166,8 @@ def _step_budget(train: Any, steps: int | None) -> int | None:
         raise TypeError(f"steps must be an integer or None, got {steps!r}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1 (or None to use train.steps/epochs), got {steps}")
+    if steps > MAX_STEPS:   # the coordinator's number (a task's local_steps): a site takes no more than train.steps may
+        raise ValueError(f"{steps} local steps were asked for; a site takes at most {MAX_STEPS} in a round")
     return steps
 
 

@@ -54,6 +54,8 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
         self.outcomes: queue.Queue[Outcome] = queue.Queue()
         self.joins: list[fpb.JoinRequest] = []
         self._ids = itertools.count(1)
+        self.empty_models = False   # FetchModel ends before its header
+        self.split_opened = threading.Event()   # a Split call took its first message, and will never answer
         self.executor = futures.ThreadPoolExecutor(max_workers=16)
         self.server, self.port = transport.server(load_kit(kit_dir), "127.0.0.1:0", executor=self.executor)
         federation_pb2_grpc.add_FederationServicer_to_server(self, self.server)
@@ -65,13 +67,14 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
         self.executor.shutdown(wait=True)
 
     def ask(self, job_id: str, config_yaml: str, *, round_: int = 1, kind=fpb.TASK_TRAIN,
-            model_round: int | None = None, secagg: fpb.SecAggPayload | None = None,
+            model_round: int | None = None, secagg: fpb.SecAggPayload | None = None, local_steps: int = 0,
             timeout: float = 120.0) -> Outcome:
         """Hand the site one task (model_round: round_ - 1 unless given) and wait for its answer."""
         task_id = f"t{next(self._ids)}"
         task = fpb.Task(kind=kind, task_id=task_id, job_id=job_id, round=round_,
                         model_round=round_ - 1 if model_round is None else model_round, config_yaml=config_yaml,
-                        nonce=task_id.encode(), deadline_unix_s=time.time() + timeout, seed=round_, secagg=secagg)
+                        nonce=task_id.encode(), deadline_unix_s=time.time() + timeout, seed=round_, secagg=secagg,
+                        local_steps=local_steps)
         self._issued[task_id] = task
         self._tasks.put(task)
         return self.outcomes.get(timeout=timeout)
@@ -98,6 +101,8 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
         return fpb.Task(kind=fpb.TASK_NONE)
 
     def FetchModel(self, request, context):
+        if self.empty_models:
+            return
         task = self._issued[request.task_id]
         layout, blob = encode(state_views(build_job_model(parse_round_config(task.config_yaml))))
         yield fpb.ModelMessage(header=fpb.ModelHeader(job_id=task.job_id, round=task.model_round,
@@ -111,6 +116,13 @@ class RogueCoordinator(federation_pb2_grpc.FederationServicer):
             pass
         self.outcomes.put(Outcome("update", header.job_id, header.round))
         return fpb.SubmitReply(accepted=True, message="thank you")
+
+    def Split(self, request_iterator, context):
+        next(request_iterator)   # the site's SplitOpen, then nothing back for as long as the site waits
+        self.split_opened.set()
+        while context.is_active():
+            time.sleep(0.05)
+        yield from ()
 
     def SecAgg(self, request, context):
         self.outcomes.put(Outcome(request.WhichOneof("body"), request.job_id, request.round, message=request))

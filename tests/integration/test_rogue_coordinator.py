@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from plexus import identity, transport
 from plexus.accounting import PrivacyLedger, dp_sgd_epsilon
 from plexus.config import DatasetSpec, PolicySpec
 from plexus.datasets import load_dataset
+from plexus.errors import IntegrityError
+from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
+from site_agent import split as site_split
 
 from integration.harness import heart_job
 from integration.rogue import DP_SGD_JOB, rogue_federation, site_agents, stop_site
@@ -69,3 +75,56 @@ def test_max_rounds_counts_the_rounds_the_site_ran_across_restarts(rogue, site):
     site(PolicySpec(allowed_models=("logistic",), max_rounds=2))   # a restarted agent remembers
     assert rogue.ask("replayed-0123abcd", job, round_=2).what == "RESULT_DECLINED"
     assert rogue.ask("another-0123abcd", job, round_=1).what == "update"   # counted per job
+
+
+SECURE_JOB = heart_job(name="masked", rounds=3, min=3) + "privacy: {secure_aggregation: true}\n"
+SPLIT_JOB = """\
+name: cut
+model: {name: mlp, args: {in_features: 13, hidden: [16], num_classes: 2}}
+data: {dataset: heart-disease}
+mode: split
+rounds: 1
+split: {variant: vanilla, cuts: [hidden1], schedule: synchronous, batch_timeout_s: 1}
+"""
+
+
+@pytest.mark.parametrize("job, kind, says", [
+    (SECURE_JOB, fpb.TASK_TRAIN, "a plain TASK_TRAIN would send this site's update in the clear"),
+    (heart_job(name="plain"), 77, "task kind 77 is not one this site agent runs"),
+    (heart_job(name="plain"), fpb.TASK_SPLIT_TRAIN, "a TASK_SPLIT_TRAIN task does not belong to a federated job"),
+    (heart_job(name="plain"), fpb.TASK_SECAGG_UNMASK, "does not belong to a job without secure aggregation"),
+    (SPLIT_JOB, fpb.TASK_TRAIN, "a TASK_TRAIN task does not belong to a split job"),
+])
+def test_a_task_kind_the_job_does_not_have_is_declined_before_anything_runs(rogue, site, tmp_path, job, kind, says):
+    """The coordinator picks the kind: a plain training task in a secure job would have sent the update unmasked,
+    and a kind the agent does not know trained without counting towards max_rounds or the DP ledger."""
+    site(PolicySpec(allowed_models=("logistic", "mlp"), max_rounds=5))
+    got = rogue.ask("kinds-0123abcd", job, kind=kind)
+    assert got.what == "RESULT_DECLINED" and says in got.reason, got
+    assert not (tmp_path / "site" / "state" / "rounds").exists()   # no round counted: nothing trained
+    assert rogue.ask("kinds-0123abcd", heart_job(name="plain")).what == "update"   # and the site goes on
+
+
+def test_absurd_local_steps_and_an_empty_model_stream_fail_the_task_and_the_site_goes_on(rogue, site):
+    site(PolicySpec(allowed_models=("logistic",)))
+    got = rogue.ask("steps-0123abcd", heart_job(name="steps"), local_steps=2**32 - 1, timeout=30)
+    assert got.what == "RESULT_FAILED" and "4294967295 local steps were asked for" in got.reason, got
+    rogue.empty_models = True
+    got = rogue.ask("empty-0123abcd", heart_job(name="empty"), timeout=30)
+    assert got.what == "RESULT_FAILED" and "the model stream ended before its header" in got.reason, got
+    rogue.empty_models = False
+    assert rogue.ask("steps-0123abcd", heart_job(name="steps")).what == "update"
+
+
+def test_a_split_session_the_coordinator_stops_answering_ends_at_the_reply_timeout(rogue):
+    """The connection stays up (keepalives are answered), so only the site's own clock can end the wait."""
+    channel = transport.channel(identity.load_kit(rogue.root / "sites" / "a"), rogue.address)
+    try:
+        stream = site_split.Stream(federation_pb2_grpc.FederationStub(channel), reply_timeout_s=1.0)
+        started = time.monotonic()
+        with pytest.raises(IntegrityError, match="the coordinator did not answer within 1 s"):
+            stream.ask(fpb.SplitMessage(open=fpb.SplitOpen(task_id="t", batches=1)))
+        assert rogue.split_opened.is_set() and time.monotonic() - started < 10
+        stream.close()
+    finally:
+        channel.close()
