@@ -15,9 +15,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.aggregate import MaskedSum
+from plexus import crypto
 from plexus.config import SecAggSpec, UplinkSpec, max_secure_sites
 from plexus.errors import FailedPrecondition, IntegrityError, Reason
-from plexus.secagg import MAX_WEIGHT, NO_EXTRAS, PRIME, Advert, ServerSession, default_threshold, frac_bits, mask_plan
+from plexus.secagg import (
+    MAX_WEIGHT,
+    NO_EXTRAS,
+    PRIME,
+    Advert,
+    ServerSession,
+    advert_message,
+    default_threshold,
+    frac_bits,
+    mask_plan,
+)
 from plexus.vocab import SecaggPhase, TaskKind
 from plexus.wire import Layout
 
@@ -26,6 +37,7 @@ TASK_KIND = {SecaggPhase.ADVERTISE: TaskKind.SECAGG_ADVERTISE, SecaggPhase.SHARE
 NEXT = {SecaggPhase.ADVERTISE: SecaggPhase.SHARE, SecaggPhase.SHARE: SecaggPhase.MASK,
         SecaggPhase.MASK: SecaggPhase.UNMASK, SecaggPhase.UNMASK: SecaggPhase.DONE}
 MAX_CIPHERTEXT = 4096
+_PROBE_KEY = bytes(range(1, 33))   # an X25519 private key whose exchange with a small-order public key is all zeros
 
 
 class SecureRoundFailed(FailedPrecondition):
@@ -74,6 +86,19 @@ class SecureRound:
                                  f"{why}", reason=Reason.NUM_SAMPLES)
         if len(advert.c_pk) != 32 or len(advert.s_pk) != 32 or len(advert.b_commitment) != 32:
             raise IntegrityError("an advert carries two 32-byte X25519 public keys and a 32-byte commitment")
+        # What every other site checks of it before it shares (SiteSession.share): one advert that fails there
+        # would fail the whole round for all, so it is refused here, as this site's alone.
+        try:
+            crypto.verify(advert.cert_pem, advert_message(self.job_id, self.round, site, advert.c_pk, advert.s_pk,
+                                                          advert.num_samples, advert.b_commitment), advert.signature)
+            for key in (advert.c_pk, advert.s_pk):
+                crypto.x25519_shared(_PROBE_KEY, key)   # a small-order key: IntegrityError
+        except (IntegrityError, ValueError, TypeError) as exc:
+            raise IntegrityError(f"the advert fails verification: {exc}") from None
+        taken = {k for other, a in self.adverts.items() if other != site for k in (a.c_pk, a.s_pk)}
+        if advert.c_pk == advert.s_pk or {advert.c_pk, advert.s_pk} & taken:
+            raise IntegrityError("the advert reuses a public key (its own two, or another site's); every key of a "
+                                 "round is fresh")
         self.adverts[site] = advert
 
     def on_shares(self, site: str, ciphertexts: dict[str, bytes]) -> None:

@@ -8,6 +8,9 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
+from cryptography import x509
+
+from coordinator.aggregate import MAX_WEIGHT
 from coordinator.engine import Engine
 from coordinator.events import admin_actor
 from coordinator.served import Held, ServedModel
@@ -15,7 +18,7 @@ from coordinator.store import EventRow, JobRow, SiteRow
 from coordinator.tasks import Binding, JoinInfo, Partial, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader
 from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
-from plexus.rpc import Authenticator, SendWatchdog, guarded
+from plexus.rpc import Authenticator, SendWatchdog, caller_certificate, guarded
 from plexus.secagg import advert_from_proto, advert_to_proto
 from plexus.vocab import TERMINAL, TaskKind, TaskStatus
 from plexus.wire import Layout
@@ -152,7 +155,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         self.engine.join(who.name, join_info(request, serial=who.serial, relay=who.kind == "relay"))
         if self.audit is not None:
             self.audit.site_joined(who.name, policy_digest=request.policy_digest,
-                                   agent_version=request.agent_version)
+                                   agent_version=request.agent_version, serial=who.serial)
         return fpb.JoinReply(federation=self.engine.federation, site=who.name,
                              poll_timeout_s=self.engine.poll_timeout_s)
 
@@ -218,7 +221,10 @@ class FederationService(federation_pb2_grpc.FederationServicer):
 
     @guarded(kind=("site", "relay"))
     def SecAgg(self, request, context, *, who):
-        return fpb.ResultReply(message=self.engine.secagg(who.name, secagg_answer(request)))
+        answer = secagg_answer(request)
+        if answer.body == "advert":   # the certificate its peers check it by is the one this call came with
+            check_own_certificate(answer.value.cert_pem, caller_certificate(context), who)
+        return fpb.ResultReply(message=self.engine.secagg(who.name, answer))
 
     @guarded(kind=("site", "relay"))
     def ReportResult(self, request, context, *, who):
@@ -227,6 +233,17 @@ class FederationService(federation_pb2_grpc.FederationServicer):
         result = TaskResult(task=_binding(request), status=_RESULTS[request.status], reason=request.reason,
                             eval_metrics=dict(request.eval_metrics))
         return fpb.ResultReply(message=self.engine.report(who.name, result))
+
+
+def check_own_certificate(cert_pem: bytes, caller_pem: bytes, who) -> None:
+    """IntegrityError unless `cert_pem` (an advert's) is the caller's own certificate."""
+    try:
+        same = x509.load_pem_x509_certificate(cert_pem) == x509.load_pem_x509_certificate(caller_pem)
+    except ValueError:
+        same = False
+    if not same:
+        raise IntegrityError(f"the advert's certificate is not the one {who.kind} {who.name!r} called with; an advert "
+                             "carries its sender's own certificate")
 
 
 def held_model(request: fpb.FetchModelRequest) -> Held | None:
@@ -249,6 +266,10 @@ def check_join(request: fpb.JoinRequest) -> None:
                                  f"{MAX_JOIN_NAMES}: map fewer datasets or install fewer model plug-ins")
         for name in names:
             _check_join_text(f"{field_name} name", name, allow_empty=False)
+    for dataset, rows in request.dataset_rows.items():
+        if not 0 <= rows <= MAX_WEIGHT:   # a count the engine schedules by (a synchronous split epoch's turns)
+            raise IntegrityError(f"Join refused: {rows} training rows of {dataset[:64]!r}; a site reports at most "
+                                 f"{MAX_WEIGHT} rows of a dataset (the most an update may weigh)")
     _check_join_text("agent_version", request.agent_version, allow_empty=True)
     digest = request.policy_digest
     if len(digest) > 128 or digest.strip("0123456789abcdef"):

@@ -100,11 +100,7 @@ class Authenticator:
         self.calls = CallLimit(max_calls)
 
     def identify(self, context: grpc.ServicerContext) -> Identity:
-        certs = context.auth_context().get("x509_pem_cert")
-        if not certs:
-            raise errors.Unauthenticated("no client certificate was presented; connect with your kit's "
-                                         "cert.pem/key.pem")
-        pem = certs[0]
+        pem = caller_certificate(context)
         self._crl.check(pem)
         with self._lock:
             ident = self._cache.get(pem)
@@ -123,6 +119,14 @@ class Authenticator:
         """Raise errors.Unauthenticated if `who`'s certificate was revoked since its call began (a long poll)."""
         if self._crl.revoked(who.serial):
             raise revoked_error(f"{who.kind} {who.name!r}", who.serial)
+
+
+def caller_certificate(context: grpc.ServicerContext) -> bytes:
+    """The PEM certificate the caller presented (TLS verified it against the federation CA)."""
+    certs = context.auth_context().get("x509_pem_cert")
+    if not certs:
+        raise errors.Unauthenticated("no client certificate was presented; connect with your kit's cert.pem/key.pem")
+    return certs[0]
 
 
 def authorize(ident: Identity, *, kind: str | tuple[str, ...], min_role: str | None = None) -> None:

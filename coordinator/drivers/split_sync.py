@@ -159,6 +159,9 @@ class Rendezvous:
     def _skip(self) -> None:
         """Move past stages no site is left to take part in (a turn whose live sites have no rows runs no forward;
         a backward whose sites all dropped runs none, and the server does not step)."""
+        if not self._running and all(s in self.gone for s in self.order):
+            self.t, self._s, self._fed = self.turns, 0, []   # no one left: the epoch's turns are over, at once
+            return
         while not self._running and self.stage is not None and not self._eligible(self.stage):
             self._advance()
 

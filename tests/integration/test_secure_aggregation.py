@@ -162,6 +162,54 @@ def test_malformed_masked_input_is_excluded_with_a_reason(federation):
     assert rejected and rejected[0].reason == err.value.details()
 
 
+@pytest.mark.parametrize("flaw, says", [
+    ("signature", "the advert fails verification: signature verification failed"),
+    ("small-order key", "the advert fails verification: the peer's X25519 public key has small order"),
+    ("reused key", "the advert reuses a public key"),
+    ("another's certificate", "the advert's certificate is not the one site 'd' called with"),
+])
+def test_an_advert_every_peer_would_refuse_is_refused_at_the_coordinator_and_the_round_goes_on(federation, flaw, says):
+    """One such advert, relayed, made every honest site refuse the whole set: every secure round failed, retries too.
+    The coordinator now checks what the peers check (signature, keys, certificate), so it is d's problem alone."""
+    from plexus import crypto
+    from plexus.secagg import SiteSession, advert_message, advert_to_proto
+
+    for name in "abc":
+        start_agent(federation, name)
+    raw = federation.raw_site("d")
+    raw.join()
+    federation.wait_online(*"abcd")
+    job_id = federation.admin().submit(secure_job(rounds=1, min=3, seed=2)).job_id
+    kit = federation.root / "sites" / "d"
+    key, cert = (kit / "key.pem").read_bytes(), (kit / "cert.pem").read_bytes()
+    task = raw.next_task()
+    assert task.kind == fpb.TASK_SECAGG_ADVERTISE
+    advert = advert_to_proto(SiteSession(task.job_id, task.round, "d").advertise(50, key, cert))
+    if flaw == "signature":
+        advert.signature = bytes(len(advert.signature))
+    elif flaw == "another's certificate":
+        advert.cert_pem = (federation.root / "sites" / "a" / "cert.pem").read_bytes()
+    else:
+        if flaw == "small-order key":
+            advert.c_pk = bytes(32)
+        else:
+            advert.s_pk = advert.c_pk
+        advert.signature = crypto.sign(key, advert_message(task.job_id, task.round, "d", advert.c_pk, advert.s_pk,
+                                                           50, advert.b_commitment))
+    with pytest.raises(grpc.RpcError) as err:
+        raw.stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round,
+                                          nonce=task.nonce, advert=advert), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details(), err.value.details()
+    stop = threading.Event()
+    raw.answer_everything_with_failure(stop)
+    try:
+        assert federation.wait_job(job_id, scaled(120)) == "completed", federation.store.job(job_id).message
+    finally:
+        stop.set()
+    detail = federation.admin().job(job_id)
+    assert list(next(r for r in detail.rounds if r.round == 1).contributors) == ["a", "b", "c"]
+
+
 @pytest.mark.parametrize("strategy", ["median", "trimmed_mean", "krum", "multi_krum", "cwt", "swt",
                                       "ensemble", "scaffold"])
 def test_secure_aggregation_with_a_strategy_it_cannot_compute_is_refused_at_submit(federation, strategy):

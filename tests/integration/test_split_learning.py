@@ -267,6 +267,18 @@ def test_a_malformed_synchronous_message_is_refused(federation, case):
     assert event.status == "rejected" and expected in event.reason
 
 
+def test_a_synchronous_epoch_too_long_for_a_session_fails_the_job_naming_the_site(federation):
+    """A site reporting the most rows Join takes (2**31) would make 67,108,864 turns of 32 rows: more than a session
+    may have (and than a task's local_steps holds). The job fails at once, saying why; the engine stays free."""
+    site = federation.raw_site("d")
+    site.join({"heart-disease": 2**31})
+    job_id = federation.admin().submit(split_job("u-shaped", "synchronous", min_sites=1, rounds=1)).job_id
+    assert federation.wait_job(job_id, scaled(30)) == "failed"
+    message = federation.store.job(job_id).message
+    assert "would take 67108864 turns" in message and "site d reported 2147483648" in message, message
+    assert federation.admin().jobs()   # the engine answers
+
+
 def test_job_show_download_and_a_seeded_rerun(three_sites, tmp_path, capsys):
     job = split_job("u-shaped", "splitfed", seed=11)
     first, second = run_job(three_sites, job), run_job(three_sites, job)

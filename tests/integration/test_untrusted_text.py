@@ -74,6 +74,7 @@ def test_join_refuses_names_too_long_or_with_control_characters(federation, caps
             (fpb.JoinRequest(agent_version="v" * 65), "agent_version"),
             (fpb.JoinRequest(policy_digest="<script>"), "policy_digest"),
             (fpb.JoinRequest(dataset_rows={" padded": 3}), "dataset_rows name"),
+            (fpb.JoinRequest(dataset_rows={"heart-disease": 2**31 + 1}), "2147483649 training rows of 'heart-disease'"),
     ):
         with pytest.raises(grpc.RpcError) as err:
             site.stub.Join(request, timeout=5)
