@@ -19,6 +19,7 @@ site's part of the turn is in, and ends each turn with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -54,7 +55,7 @@ def array_of(message: fpb.TensorData, *, dtype: str, what: str, shape: tuple[int
         raise IntegrityError(f"{what}: shape {list(dims)}, expected {list(shape)}", reason=Reason.LAYOUT)
     if rows is not None and not rows[0] <= dims[0] <= rows[1]:
         raise IntegrityError(f"{what}: {dims[0]} rows, expected {rows[0]} to {rows[1]}", reason=Reason.LAYOUT)
-    count = int(np.prod(dims, dtype=np.int64))
+    count = math.prod(dims)   # Python ints: [2**32, 2**32] overflows int64 to 0
     if count > MAX_ELEMENTS or len(message.data) != count * _DTYPES[dtype].itemsize:
         raise IntegrityError(f"{what}: {len(message.data)} bytes of data for shape {list(dims)} {dtype}",
                              reason=Reason.LAYOUT)

@@ -34,3 +34,21 @@ def test_store_events_are_audited_with_their_actor(tmp_path):
     assert log.verify() == 8
     log.close()
     store.close()
+
+
+def test_a_join_is_audited_when_it_says_something_new_not_at_every_call(tmp_path):
+    """A site calling Join in a loop (726 a second, in a probe) grew the append-only log by one entry each time."""
+    store = Store(tmp_path / "state")
+    log = AuditLog(tmp_path / "state" / "audit.db")
+    audit = CoordinatorAudit(log, store)
+    for _ in range(50):
+        audit.site_joined("oslo", policy_digest="d" * 64, agent_version="0.1.0", serial=7)
+    audit.site_joined("oslo", policy_digest="e" * 64, agent_version="0.1.0", serial=7)   # its policy changed
+    audit.site_joined("oslo", policy_digest="e" * 64, agent_version="0.2.0", serial=7)   # upgraded
+    audit.site_joined("oslo", policy_digest="e" * 64, agent_version="0.2.0", serial=8)   # a new certificate
+    audit.site_joined("bergen", policy_digest="d" * 64, agent_version="0.1.0", serial=9)
+    got = [(e.subject, e.details["policy_digest"][0], e.details["agent_version"]) for e in log.entries()]
+    assert got == [("site:oslo", "d", "0.1.0"), ("site:oslo", "e", "0.1.0"), ("site:oslo", "e", "0.2.0"),
+                   ("site:oslo", "e", "0.2.0"), ("site:bergen", "d", "0.1.0")]
+    log.close()
+    store.close()

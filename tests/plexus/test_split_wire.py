@@ -29,6 +29,7 @@ def test_a_tensor_round_trips_exactly():
     (fpb.TensorData(dtype="F32", shape=[2, 3], data=b"\0" * 20), {}, "20 bytes of data for shape [2, 3]"),
     (fpb.TensorData(dtype="F32", shape=[], data=b""), {}, "is not a tensor"),
     (fpb.TensorData(dtype="F32", shape=[2, -3], data=b""), {}, "is not a tensor"),
+    (fpb.TensorData(dtype="F32", shape=[2**32, 2**32], data=b""), {}, "0 bytes of data for shape [4294967296, "),
     (tensor_message(np.array([[1.0, np.nan]], np.float32)), {}, "NaN or Inf"),
     (tensor_message(np.array([[np.inf]], np.float32)), {}, "NaN or Inf"),
 ])
