@@ -288,6 +288,12 @@ def _small_cells(spec: StatisticsSpec, sums: dict[str, np.ndarray], k: int) -> l
         return 0 < count < k
 
     labels, cells = group_labels(spec), []
+    if spec.group_by is not None:
+        # "all" less the listed groups: the rows whose group_by value is missing (or not listed). Its cells are
+        # differences of the sums released, as readable as any group's, so they face the same rule.
+        sums = {name: np.concatenate([v, v[:1] - v[1:].sum(axis=0, keepdims=True)]) if name.startswith(SUM_PREFIX)
+                else v for name, v in sums.items()}
+        labels = [*labels, f"{spec.group_by.column}=(missing or unlisted)"]
     if spec.min_max and _numeric(spec):
         cells.append("min and max of the numeric columns (each is one row's value; set min_max: false)")
     for g, label in enumerate(labels):

@@ -326,6 +326,18 @@ def test_small_cells_are_named_and_empty_cells_are_fine():
     assert isinstance(info.value, ValueError)
 
 
+def test_rows_whose_group_value_is_missing_are_a_cell_too():
+    """"all" less the listed groups is the sums of the rows without a group value: 2 rows here, whose ages the
+    released sums and sums of squares give exactly unless that difference is checked like any group."""
+    spec = statistics_spec_from_args({"columns": [{"name": "age", "range": [0, 100]}],
+                                      "group_by": {"column": "g", "categories": ["a", "b"]}, "min_max": False})
+    table = {"age": np.array(["50"] * 10 + ["53", "52"]), "g": np.array(["a"] * 5 + ["b"] * 5 + ["", ""])}
+    with pytest.raises(SmallCells) as info:
+        statistics.site_sums(spec, table, min_cell_count=5)
+    assert info.value.cells == ["group g=(missing or unlisted) (and every cell in it)"]
+    assert statistics.site_sums(spec, {k: v[:10] for k, v in table.items()}, min_cell_count=5)   # none missing
+
+
 def test_min_and_max_are_one_rows_value_so_a_min_cell_count_refuses_them():
     spec = statistics_spec_from_args({"columns": [{"name": "x"}]})
     with pytest.raises(SmallCells, match="min and max of the numeric columns"):
