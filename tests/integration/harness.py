@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -51,6 +52,25 @@ def expected_mean(layout: Layout, sent: dict) -> dict:
         blob = encode(update)[1]
         total.fold([blob], samples, max(float(np.abs(v).max()) for v in update.values()), nbytes=len(blob))
     return total.mean()
+
+
+def long_poll(site: RawSite, engine, wait_s: float = 30.0) -> tuple[threading.Thread, dict]:
+    """Start `site`'s long poll of wait_s at `engine`'s coordinator; return once it waits, with the thread and what
+    it will end with: {"task" or "error", "after_s"}."""
+    outcome: dict = {}
+
+    def poll():
+        started = time.monotonic()
+        try:
+            outcome["task"] = site.stub.NextTask(fpb.NextTaskRequest(wait_s=wait_s), timeout=2 * wait_s)
+        except grpc.RpcError as exc:
+            outcome["error"] = exc
+        outcome["after_s"] = time.monotonic() - started
+
+    polling = threading.Thread(target=poll)
+    polling.start()
+    wait_until(lambda: engine._presence.polling == 1, 10, "the site's long poll")
+    return polling, outcome
 
 
 def install_plugin(lib: Path, module: str, source: str, models: dict[str, str]) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-import time
 
 import grpc
 import pytest
@@ -17,7 +16,7 @@ from plexus.errors import ConfigError
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from site_agent.agent import SiteAgent
 
-from integration.harness import Federation, expected_mean, heart_job, wait_until
+from integration.harness import Federation, expected_mean, heart_job, long_poll, wait_until
 
 
 def _admin_stub(channel):
@@ -84,19 +83,7 @@ def test_a_site_revoked_while_it_long_polls_is_refused_at_once_and_counts_offlin
         a.join()
         b.join()
         engine = fed.coordinator.engine
-        outcome: dict = {}
-
-        def poll():
-            started = time.monotonic()
-            try:
-                outcome["task"] = b.stub.NextTask(fpb.NextTaskRequest(wait_s=30.0), timeout=60)
-            except grpc.RpcError as exc:
-                outcome["error"] = exc
-            outcome["after_s"] = time.monotonic() - started
-
-        polling = threading.Thread(target=poll)
-        polling.start()
-        wait_until(lambda: engine._presence.polling == 1, 10, "site b's long-poll")
+        polling, outcome = long_poll(b, engine)
         assert engine.online_sites() == {"a", "b"}
         pki.revoke(root, "b")
         polling.join(timeout=20)

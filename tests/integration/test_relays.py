@@ -8,8 +8,6 @@ import dataclasses
 import functools
 import json
 import signal
-import threading
-import time
 
 import grpc
 import numpy as np
@@ -26,7 +24,7 @@ from relay.server import Relay
 from site_agent.agent import SiteAgent
 from site_agent.training import train_local
 
-from integration.harness import DropsOut, Federation, RawSite, free_port, heart_job, scaled, wait_until
+from integration.harness import DropsOut, Federation, RawSite, free_port, heart_job, long_poll, scaled, wait_until
 
 RELAYS = ("relay-1", "relay-2")
 TREE = {"relay-1": ("a", "b"), "relay-2": ("c",)}   # and d dials the coordinator itself
@@ -261,19 +259,7 @@ def test_a_child_revoked_while_it_long_polls_its_relay_is_refused_at_once(tmp_pa
         b.join()
         tier = relay.tier.engine
         wait_until(lambda: tier.online_sites() == {"a", "b"}, 10, "both children online at the relay")
-        outcome: dict = {}
-
-        def poll():
-            started = time.monotonic()
-            try:
-                outcome["task"] = b.stub.NextTask(fpb.NextTaskRequest(wait_s=30.0), timeout=60)
-            except grpc.RpcError as exc:
-                outcome["error"] = exc
-            outcome["after_s"] = time.monotonic() - started
-
-        polling = threading.Thread(target=poll)
-        polling.start()
-        wait_until(lambda: tier._presence.polling == 1, 10, "b's long poll at the relay")
+        polling, outcome = long_poll(b, tier)
         pki.revoke(root, "b")
         polling.join(timeout=20)
         assert not polling.is_alive() and "task" not in outcome, outcome

@@ -120,9 +120,9 @@ def test_too_many_dropouts_fail_the_round_and_keep_the_model(federation):
     assert not federation.store.checkpoint_path(job_id, 1).exists()
 
 
-def test_malformed_masked_input_is_excluded_with_a_reason(federation):
-    from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto
-
+def _beside_honest_sites(federation):
+    """Honest agents a, b, c and raw site d in a one-round secure job: (d, the job id, d's key, cert and CA PEM, its
+    advert task)."""
     for name in "abc":
         start_agent(federation, name)
     raw = federation.raw_site("d")
@@ -131,9 +131,15 @@ def test_malformed_masked_input_is_excluded_with_a_reason(federation):
     job_id = federation.admin().submit(secure_job(rounds=1, min=3, seed=2)).job_id
     kit = federation.root / "sites" / "d"
     key, cert, ca = ((kit / f).read_bytes() for f in ("key.pem", "cert.pem", "ca.pem"))
-
     task = raw.next_task()
     assert task.kind == fpb.TASK_SECAGG_ADVERTISE
+    return raw, job_id, key, cert, ca, task
+
+
+def test_malformed_masked_input_is_excluded_with_a_reason(federation):
+    from plexus.secagg import SiteSession, advert_from_proto, advert_to_proto
+
+    raw, job_id, key, cert, ca, task = _beside_honest_sites(federation)
     session = SiteSession(task.job_id, task.round, "d")
     raw.stub.SecAgg(fpb.SecAggMessage(task_id=task.task_id, job_id=task.job_id, round=task.round, nonce=task.nonce,
                                       advert=advert_to_proto(session.advertise(50, key, cert))), timeout=5)
@@ -174,16 +180,7 @@ def test_an_advert_every_peer_would_refuse_is_refused_at_the_coordinator_and_the
     from plexus import crypto
     from plexus.secagg import SiteSession, advert_message, advert_to_proto
 
-    for name in "abc":
-        start_agent(federation, name)
-    raw = federation.raw_site("d")
-    raw.join()
-    federation.wait_online(*"abcd")
-    job_id = federation.admin().submit(secure_job(rounds=1, min=3, seed=2)).job_id
-    kit = federation.root / "sites" / "d"
-    key, cert = (kit / "key.pem").read_bytes(), (kit / "cert.pem").read_bytes()
-    task = raw.next_task()
-    assert task.kind == fpb.TASK_SECAGG_ADVERTISE
+    raw, job_id, key, cert, _, task = _beside_honest_sites(federation)
     advert = advert_to_proto(SiteSession(task.job_id, task.round, "d").advertise(50, key, cert))
     if flaw == "signature":
         advert.signature = bytes(len(advert.signature))
