@@ -64,7 +64,7 @@ from coordinator.drivers.sync import SyncRounds
 from coordinator.engine import Engine
 from coordinator.store import Store
 from coordinator.tasks import Binding, JoinInfo, TaskGrant, TaskResult, UpdateHeader
-from plexus.config import DatasetSpec, RoundConfig, parse_round_config
+from plexus.config import MAX_WAIT_S, DatasetSpec, RoundConfig, parse_round_config
 from plexus.datasets import HOSPITALS, Split, load_dataset
 from plexus.errors import PlexusError
 from plexus.models import build_job_model, load_numpy_state, state_views
@@ -80,7 +80,7 @@ STEP_S = {"cnn": 4.6e-3, "logistic": 1.0e-4}
 # Fashion-MNIST's fixed fetch + upload time per task: the 82 KB cnn down and back up (~70 Mbit/s and latency).
 TRANSFER_S = 0.02
 T0 = 1_000_000.0           # the virtual clock's origin (times are reported relative to it)
-NEVER = 1e9                # deadlines and windows the virtual run never reaches
+NEVER = MAX_WAIT_S         # deadlines and windows the virtual run never reaches: a day, the most a config allows
 CHUNK_BYTES = 64 << 10
 
 

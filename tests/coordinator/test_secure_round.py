@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from coordinator.secure_round import SecureRound, SecureRoundFailed
-from plexus import identity, pki
+from plexus import crypto, identity, pki
 from plexus.config import SecAggSpec, UplinkSpec
 from plexus.errors import IntegrityError
-from plexus.secagg import MAX_WEIGHT, NO_EXTRAS, Advert, SiteSession, frac_bits, mask_plan
+from plexus.secagg import MAX_WEIGHT, NO_EXTRAS, Advert, SiteSession, advert_message, frac_bits, mask_plan
 from plexus.wire import DTYPES, Layout
 
 LAYOUT = Layout.of({"w": np.zeros((2, 3), np.float32), "b": np.zeros(2, np.float32)})
@@ -19,8 +19,15 @@ def _round(min_sites=2, threshold=None) -> SecureRound:
     return SecureRound("job", 1, LAYOUT, SecAggSpec(threshold=threshold), min_sites)
 
 
-def _advert(site: str, n: int = 10) -> Advert:
-    return Advert(site=site, c_pk=b"c" * 32, s_pk=b"s" * 32, num_samples=n, signature=b"", cert_pem=b"",
+_KITS: dict = {}   # the module's site kits (the kits fixture fills it)
+
+
+def _advert(site: str, n: int = 10, *, round_: int = 1) -> Advert:
+    """Site `site`'s advert for round_ of "job", signed by its kit, with fresh keys; `n` as given, even out of range."""
+    kit = _KITS[site]
+    (_, c_pk), (_, s_pk) = crypto.x25519_keypair(), crypto.x25519_keypair()
+    signature = crypto.sign(kit.key_pem, advert_message("job", round_, site, c_pk, s_pk, n, b"h" * 32))
+    return Advert(site=site, c_pk=c_pk, s_pk=s_pk, num_samples=n, signature=signature, cert_pem=kit.cert_pem,
                   b_commitment=b"h" * 32)
 
 
@@ -92,9 +99,9 @@ def test_an_asynchronous_cohorts_round_takes_weights_up_to_its_own_bound():
     with pytest.raises(IntegrityError, match="between 1 and 2147483648"):
         sr.on_advert("a", _advert("a", n=2**31 + 1))
     cohort = SecureRound("job", 12, LAYOUT, SecAggSpec(), 3, max_weight=2**47)
-    cohort.on_advert("a", _advert("a", n=2**47))
+    cohort.on_advert("a", _advert("a", n=2**47, round_=12))
     with pytest.raises(IntegrityError, match="between 1 and 140737488355328"):
-        cohort.on_advert("b", _advert("b", n=2**47 + 1))
+        cohort.on_advert("b", _advert("b", n=2**47 + 1, round_=12))
 
 
 def test_a_reveal_at_the_wrong_x_or_outside_the_field_is_refused_on_arrival():
@@ -138,11 +145,14 @@ def test_an_int8_round_advertised_by_more_sites_than_its_field_sums_fails_with_t
         sr.advance(sites, sites)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def kits(tmp_path_factory):
     root = tmp_path_factory.mktemp("pki") / "fed"
     pki.init_federation(root, "Round Fed")
-    return {name: identity.load_kit(pki.add_site(root, name)) for name in "abcd"}
+    _KITS.update({name: identity.load_kit(pki.add_site(root, name)) for name in "abcd"})
+    many = [f"s{i:03d}" for i in range(112)]   # an int8 round's too many
+    _KITS.update(zip(many, map(identity.load_kit, pki.add_sites(root, {name: {} for name in many}, durable=False))))
+    return {name: _KITS[name] for name in "abcd"}
 
 
 def _run(kits, uplink, deltas, samples, *, drop="", clip=1.0, extras=NO_EXTRAS, max_weight=MAX_WEIGHT):
