@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.drivers import Context
-from coordinator.drivers.sync import check_rows, checked_metrics
+from coordinator.drivers.sync import check_rows, checked_metrics, weight_caps
 from coordinator.served import Held, ServedModel
 from coordinator.split_worker import SplitWorker
 from coordinator.store import JobRow
@@ -491,9 +491,11 @@ class SplitRounds:
             keyed = {(ph.round, "train", k): v for k, v in metrics.items()}
             keyed[(ph.round, "train", "num_samples")] = float(num_samples)
             status = TaskStatus.SUBMITTED
-        else:   # weighed by the rows its batches held at the server, whatever it says
+        else:   # weighed by the rows its batches held at the server, whatever it says, capped as training weights are
+            rows = self.ctx.presence.rows(self.cfg.data.dataset)
+            caps = weight_caps({s: rows.get(s, 0) for s in ph.participants}, self.cfg.sites.max_weight_share)
             keyed = {(ph.round, "eval", k): v for k, v in metrics.items()}
-            keyed[(ph.round, "eval", "num_samples")] = float(num_samples)
+            keyed[(ph.round, "eval", "num_samples")] = float(min(num_samples, caps.get(site, 1)))
             status = TaskStatus.EVALUATED
         keyed.update({(ph.round, "wire", k): v for k, v in session.wire_metrics().items()})
         self._settle(ph, site, status, "", keyed)

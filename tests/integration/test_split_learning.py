@@ -279,6 +279,37 @@ def test_a_synchronous_epoch_too_long_for_a_session_fails_the_job_naming_the_sit
     assert federation.admin().jobs()   # the engine answers
 
 
+def test_an_evaluation_weighs_at_most_the_rows_its_site_reported(federation):
+    """d joined with 10 training rows, then pushes 10 batches of 256 rows through its evaluation session: its held-out
+    metrics weigh 10 in the job's mean, as a federated job caps them (they weighed 2,560, and a claimed accuracy of
+    1.0 set the job's mean)."""
+    federation.start_site("a")
+    raw = federation.raw_site("d")
+    raw.join({"heart-disease": 10})
+    federation.wait_online("a", "d")
+    job_id = federation.admin().submit(split_job("vanilla", "splitfed", rounds=1, min_sites=2)).job_id
+    task = raw.next_task()
+    assert task.kind == fpb.TASK_SPLIT_TRAIN
+    raw.report(task, fpb.RESULT_FAILED, "sits this epoch out")
+    task = raw.next_task(timeout=scaled(120))
+    assert task.kind == fpb.TASK_SPLIT_EVALUATE
+    raw.fetch(task)
+
+    def messages():
+        yield fpb.SplitMessage(open=fpb.SplitOpen(task_id=task.task_id, job_id=task.job_id, round=task.round,
+                                                  nonce=task.nonce, batches=0))
+        for seq in range(10):
+            yield fpb.SplitMessage(batch=fpb.SplitBatch(seq=seq, activations=tensor_message(
+                np.zeros((256, 32), np.float32)), labels=tensor_message(np.zeros(256, np.int64))))
+        yield fpb.SplitMessage(done=fpb.SplitDone(num_samples=2560, metrics={"accuracy": 1.0, "loss": 0.0}))
+
+    list(raw.stub.Split(messages(), timeout=scaled(60)))
+    federation.wait_job(job_id, scaled(120))
+    weights = {m.site: m.value for m in federation.store.metrics(job_id)
+               if m.kind == "eval" and m.name == "num_samples"}
+    assert weights["d"] == 10 and weights["a"] > 10, weights
+
+
 def test_job_show_download_and_a_seeded_rerun(three_sites, tmp_path, capsys):
     job = split_job("u-shaped", "splitfed", seed=11)
     first, second = run_job(three_sites, job), run_job(three_sites, job)
