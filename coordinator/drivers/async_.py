@@ -70,6 +70,7 @@ from plexus.wire import Layout, decode, encode
 
 log = logging.getLogger("plexus.coordinator")
 
+FAIL_BACKOFF_S, FAIL_BACKOFF_MAX_S = 2.0, 60.0   # a site's wait after a failed training task (doubling in a row)
 COHORT_KINDS = (TaskKind.SECAGG_ADVERTISE, TaskKind.SECAGG_SHARE, TaskKind.SECAGG_MASK, TaskKind.SECAGG_UNMASK)
 
 
@@ -139,6 +140,7 @@ class AsyncRounds:
         self.budget_stop = ""
         self.started = False
         self.last_answer = ctx.monotonic()   # a site's last answer (an upload, result or phase message)
+        self._benched: dict[str, tuple[float, int]] = {}   # site -> (monotonic until, failures in a row)
         self.epsilons: dict[int, float] = {}
         self._bases: dict[int, dict[str, np.ndarray]] = {}
         self._spare: WeightedSum | None = None
@@ -250,6 +252,8 @@ class AsyncRounds:
             return None
         if self.buffer.count(site) >= self._cap():
             return None   # it has its share of this buffer; the flush wakes it
+        if site in self._benched and self.ctx.monotonic() < self._benched[site][0]:
+            return None   # its last training task failed or was refused: it waits before the next
         return self._issue(site, TaskKind.TRAIN, self.version, self.version)
 
     def current(self, site: str, task_id: str, round_: int, status: str) -> TaskGrant:
@@ -314,6 +318,7 @@ class AsyncRounds:
         member = Member(site, grant.task_id, grant.model_round, tau, arriving.samples, upload.weight)
         buffer.members.append(member)
         del self.outstanding[site]
+        self._benched.pop(site, None)
         self.last_answer = self.ctx.monotonic()
         self.ctx.store.finish_task(grant.task_id, TaskStatus.BUFFERED,
                                    f"in the buffer of version {buffer.version}: staleness {tau}, weight "
@@ -353,7 +358,8 @@ class AsyncRounds:
     def answered(self, site: str, grant: TaskGrant, answer: SecaggAnswer | TaskResult) -> str:
         if isinstance(answer, SecaggAnswer):
             return self._cohort_answer(site, grant, answer)
-        self.last_answer = self.ctx.monotonic()
+        if answer.status != TaskStatus.FAILED:   # failures alone do not keep a job from its idle_timeout_s
+            self.last_answer = self.ctx.monotonic()
         reason = bounded(answer.reason)
         cohort = self._cohort_of(site, grant)
         if answer.status == TaskStatus.DECLINED:
@@ -428,6 +434,14 @@ class AsyncRounds:
         """End a site's task with an outcome other than a buffered update; it can be given a new one."""
         if self.outstanding.get(site) is grant:
             del self.outstanding[site]
+        if grant.kind == TaskKind.TRAIN and (status == TaskStatus.FAILED
+                                             or status == TaskStatus.REJECTED and code != Reason.STALE):
+            # Its next task waits FAIL_BACKOFF_S, doubling with each failure in a row up to FAIL_BACKOFF_MAX_S: a
+            # site failing every task at once cannot have the state dir record hundreds of tasks a second. (A stale
+            # update is no fault of its site's: the new model goes out at once.)
+            _, row = self._benched.get(site, (0.0, 0))
+            wait = min(FAIL_BACKOFF_S * 2 ** min(row, 8), FAIL_BACKOFF_MAX_S)
+            self._benched[site] = (self.ctx.monotonic() + wait, row + 1)
         self.ctx.store.finish_task(grant.task_id, status, bounded(reason), job_id=self.job_id, round_=grant.round,
                                    site=site, code=code)
         log.info("job %s site %s: %s (%s)", self.job_id, site, status, reason)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from driver_rig import DriverRig, rigs
 
-from coordinator.drivers.async_ import AsyncRounds
+from coordinator.drivers.async_ import FAIL_BACKOFF_S, AsyncRounds
 from coordinator.tasks import Binding, TaskGrant, TaskResult
 from plexus import staleness
 from plexus.accounting import client_epsilon
@@ -307,7 +307,9 @@ def test_refusals_carry_their_reason_codes(rig):
     with pytest.raises(IntegrityError, match="exceeds the 1000 training rows"):
         r.send("a", g["a"], [1] * 4, num_samples=5000)
     events = [e for e in r.store.events_after(r.job_id, 0) if e.kind == "site_rejected"]
-    assert events and r.driver.grant("a").task_id != g["a"].task_id
+    assert events and r.driver.grant("a") is None   # a refused site waits FAIL_BACKOFF_S for its next task
+    r.now += FAIL_BACKOFF_S
+    assert r.driver.grant("a").task_id != g["a"].task_id
     assert Reason.STALE.value == "stale"
 
 

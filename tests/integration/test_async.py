@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import grpc
 import numpy as np
@@ -152,3 +153,19 @@ def _join(site) -> bool:
         return True
     except grpc.RpcError:
         return False
+
+
+def test_a_site_failing_every_task_at_once_waits_longer_each_time_and_does_not_keep_the_job_alive(federation):
+    """A site that answers each training task FAILED at once, in a loop, was given the next at once: 532 tasks a
+    second in a probe (5 MB/s into plexus.db), and its answers kept asynchronous.idle_timeout_s from firing."""
+    site = federation.raw_site("d")
+    site.join()
+    job_id = federation.admin().submit(async_job(asynchronous="{buffer: 2, idle_timeout_s: 4}")).job_id
+    started = time.monotonic()
+    while time.monotonic() - started < 3:
+        task = site.stub.NextTask(fpb.NextTaskRequest(wait_s=0.2), timeout=scaled(10))
+        if task.kind == fpb.TASK_TRAIN:
+            site.report(task, fpb.RESULT_FAILED, "fails at once")
+    assert 2 <= federation.store.task_counts(job_id)["d"] <= 3   # at 0 s and after 2 s (the next after 4 more)
+    assert federation.wait_job(job_id, scaled(30)) == "failed"
+    assert "no site has answered" in federation.store.job(job_id).message
