@@ -122,12 +122,17 @@ def connect(args):
     """An AdminClient for the kit and coordinator `args` name (the coordinator from the kit's admin.yaml unless
     given), or with --state, one that reads that state dir in this process."""
     from plexus.admin_client import AdminClient
-    from plexus.config import load_admin_config
+    from plexus.config import load_admin_config, split_address
 
     if args.state is not None:
         return _read_state_dir(args)
     _need_kit(args)
     address = args.coordinator
+    if address is not None:   # from the command line or PLEXUS_COORDINATOR: gRPC would dial :99999 as :34463
+        try:
+            split_address(address)
+        except ValueError as exc:
+            raise UsageError(f"--coordinator (or PLEXUS_COORDINATOR): {exc}") from None
     if address is None:
         if not (args.kit / "admin.yaml").exists():
             raise UsageError("no coordinator address: pass --coordinator HOST:PORT or set PLEXUS_COORDINATOR")

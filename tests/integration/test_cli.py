@@ -236,6 +236,9 @@ def test_abort_and_role_errors_read_clearly(federation, tmp_path, capsys):
     (["job", "download", "j", "-o", "m.safetensors", "--round", "9" * 30], "argument --round: 999"),
     (["job", "plot", "j", "-o", "TMP"], "argument -o/--output: TMP is a folder"),
     (["audit", "--limit", "9" * 30], "argument --limit: 999"),
+    (["job", "list", "--kit", "TMP", "--coordinator", "127.0.0.1:99999"],
+     "--coordinator (or PLEXUS_COORDINATOR): port 99999 in '127.0.0.1:99999' is out of range"),
+    (["job", "list", "--kit", "TMP", "--coordinator", "no-port"], "'no-port' is not host:port"),
     (["bogus"], "argument COMMAND: invalid choice: 'bogus'"),
     (["job", "frobnicate"], "argument ACTION: invalid choice: 'frobnicate'"),
 ])
