@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import time
 import uuid
 from collections import defaultdict
@@ -16,6 +15,7 @@ from safetensors.numpy import save_file
 
 from plexus import transport
 from plexus.errors import PlexusError
+from plexus.files import temp_beside
 from plexus.identity import load_kit
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc
 from plexus.wire import Layout, assemble, decode
@@ -122,7 +122,7 @@ class AdminClient:
         `path` is either what it was or the whole model."""
         got, state = self.download(job_id, round_)
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")   # files.TMP_PATTERN
+        tmp = temp_beside(path)
         try:
             save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(tmp),
                       metadata={"job": job_id, "round": str(got)})
@@ -199,7 +199,6 @@ def job_statistics(client: AdminClient, detail: admin_pb2.JobDetail, round_: int
     closed round (-1: the latest), and the ledger of statistics.dp (None without). PlexusError for a training job
     or one not pooled yet."""
     from plexus import statistics as stats
-    from plexus.errors import PlexusError
 
     s = detail.summary
     spec = statistics_spec(detail)

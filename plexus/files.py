@@ -12,6 +12,11 @@ from plexus.errors import FailedPrecondition
 TMP_PATTERN = ".*.tmp"   # write_atomically's files in progress; one left behind is from an interrupted write
 
 
+def temp_beside(path: Path) -> Path:
+    """A fresh name for a file being written to replace `path`, in its folder (TMP_PATTERN)."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+
+
 def write_atomically(path: Path, *parts, mode: int = 0o644, finish=None, sync: bool = True) -> Path:
     """Write `parts` in order to a new file beside `path`, fsync it, rename it over `path`, and fsync the
     folder so the rename itself survives a power cut. A part is bytes-like, or an iterable of bytes-like
@@ -20,7 +25,7 @@ def write_atomically(path: Path, *parts, mode: int = 0o644, finish=None, sync: b
     runs after the parts and before the sync: to patch in what only the whole data determines (a checksum).
     `sync=False` skips both fsyncs: still never torn, but a power cut may lose it (throwaway files only)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")   # TMP_PATTERN
+    tmp = temp_beside(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as fh:

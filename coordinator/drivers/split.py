@@ -40,7 +40,7 @@ from coordinator.tasks import (
     new_grant,
     site_seed,
 )
-from plexus.config import RoundConfig, parse_round_config
+from plexus.config import MAX_TURNS, RoundConfig, parse_round_config
 from plexus.errors import ConfigError, FailedPrecondition, IntegrityError, NotFound, Reason, RoundClosed
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.split_wire import array_of, tensor_message, weights_of
@@ -51,7 +51,6 @@ from plexus.wire import encode
 log = logging.getLogger("plexus.coordinator")
 
 MAX_EVAL_ROWS = 256   # rows per evaluation batch (a site's training batches are train.batch_size)
-MAX_BATCHES = 1_000_000   # batches one Split session may send (SplitOpen.batches), and a synchronous epoch's turns
 
 
 class Turns:
@@ -306,7 +305,7 @@ class SplitRounds:
             raise FailedPrecondition(f"task {grant.task_id} is a {grant.kind} task; only split tasks open a session")
         if site in ph.sessions:
             raise FailedPrecondition(f"task {grant.task_id} has a Split session open already")
-        if not 0 <= batches <= MAX_BATCHES:
+        if not 0 <= batches <= MAX_TURNS:
             raise IntegrityError(f"SplitOpen.batches {batches} is out of range", reason=Reason.LAYOUT)
         if grant.kind == TaskKind.SPLIT_TRAIN and ph.rendezvous is not None:   # synchronous: the epoch's turns
             if batches != ph.rendezvous.turns:
@@ -379,10 +378,10 @@ class SplitRounds:
                     "Join, so a synchronous epoch has no turns; check each site's dataset mapping (`plexus site "
                     "check`)")
         total = sum(rows.get(s, 0) for s in sites)
-        if (turns := -(-total // self.cfg.train.batch_size)) > MAX_BATCHES:
+        if (turns := -(-total // self.cfg.train.batch_size)) > MAX_TURNS:
             most = max(sites, key=lambda s: rows.get(s, 0))
             return (f"a synchronous epoch over the {total} rows the online sites reported would take {turns} turns of "
-                    f"train.batch_size {self.cfg.train.batch_size}, over the {MAX_BATCHES} a session may have "
+                    f"train.batch_size {self.cfg.train.batch_size}, over the {MAX_TURNS} a session may have "
                     f"(site {most} reported {rows.get(most, 0)}); raise train.batch_size, or check that site's "
                     "dataset")
         return ""

@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 from simulation.frames import read_frame
 from simulation.pool import ProcessPool
 from simulation.simulator import Simulator
@@ -71,13 +70,8 @@ def test_frames_arrive_whole_when_their_writer_is_stopped_and_continued():
     assert writer.wait(timeout=30) == 0
 
 
-def test_a_virtual_site_that_prints_to_stdout_does_not_break_the_frames(tmp_path, monkeypatch):
-    here = str(Path(__file__).resolve().parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-    sites = {h: SiteConfig(site=h, coordinator="unused.invalid:1", kit=Path("unused"),
-                           datasets={"heart-disease": DatasetSpec(kind="heart-disease", hospital=h)},
-                           policy=PolicySpec(allowed_models=("logistic",))) for h in ("cleveland", "hungary")}
-    outcome = Simulator([JOB], sites, tmp_path / "state", workers=1, pool=ProcessPool,
+def test_a_virtual_site_that_prints_to_stdout_does_not_break_the_frames(tmp_path, heart_sites):
+    outcome = Simulator([JOB], heart_sites, tmp_path / "state", workers=1, pool=ProcessPool,
                         agent="noisy_agent:NoisyAgent").run()
     assert (outcome.status, outcome.rounds) == ("completed", 2)
     log = (tmp_path / "state").rglob("worker-0.log")

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
-from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 from simulation.pool import ProcessPool
 from simulation.simulator import SimulationError, Simulator
 
@@ -21,13 +17,8 @@ seed: 1
 """
 
 
-def test_a_worker_that_dies_ends_the_simulation_naming_it(tmp_path, monkeypatch):
-    here = str(Path(__file__).resolve().parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-    sites = {h: SiteConfig(site=h, coordinator="unused.invalid:1", kit=Path("unused"),
-                           datasets={"heart-disease": DatasetSpec(kind="heart-disease", hospital=h)},
-                           policy=PolicySpec(allowed_models=("logistic",))) for h in ("cleveland", "hungary")}
-    simulator = Simulator([JOB], sites, tmp_path / "state", workers=1, pool=ProcessPool,
+def test_a_worker_that_dies_ends_the_simulation_naming_it(tmp_path, heart_sites):
+    simulator = Simulator([JOB], heart_sites, tmp_path / "state", workers=1, pool=ProcessPool,
                           agent="dying_agent:DyingAgent")
     with pytest.raises(SimulationError, match=r"simulation worker 0 \(PID \d+\) failed: it closed its output, exit "
                                               r"status 3; its log is .*worker-0\.log"):
