@@ -597,6 +597,10 @@ class PolicySpec:
     # over a share of a few rows (docs/split-learning.md); a site that must not show them leaves it out.
     split_schedules: tuple[str, ...] = field(default=SPLIT_SCHEDULES,
                                              metadata=_listed(SPLIT_SCHEDULES, "split schedule"))
+    # The largest model (its parameters and buffers, in bytes) this site builds; training takes a few times that.
+    # None: a quarter of this machine's memory (or of the agent's cgroup limit, where lower). A job whose model is
+    # larger is declined before anything is built.
+    max_model_bytes: int | None = field(default=None, metadata=in_range(1 << 20, 1 << 50))
 
 
 SITE_NAME = r"[a-z0-9][a-z0-9_-]{0,62}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+from pathlib import Path
 
 log = logging.getLogger("plexus")
 
@@ -31,3 +33,14 @@ def limit_malloc_arenas(arenas: int = 2) -> bool:
     if not taken:
         log.debug("mallopt(M_ARENA_MAX, %d) was refused", arenas)
     return taken
+
+
+def machine_memory(cgroup: Path = Path("/sys/fs/cgroup/memory.max")) -> int:
+    """The memory this process may use, in bytes: the machine's physical memory, or its cgroup's (v2) memory.max
+    where that is lower (a container's limit)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = cgroup.read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total

@@ -314,6 +314,16 @@ def build_model(name: str, args: Mapping[str, Any], *, seed: int, members: int =
     return model
 
 
+def state_bytes(name: str, args: Mapping[str, Any], *, members: int = 0) -> int:
+    """The bytes of model `name`'s state (parameters and buffers) built with `args`, counted on torch's meta device:
+    nothing is allocated and no weights are drawn, so a model far larger than this machine's memory is sized in
+    milliseconds. Raises what building it raises (ConfigError for bad arguments; a plug-in that cannot be built on
+    the meta device raises its own error)."""
+    with torch.device("meta"):
+        model = build_model(name, args, seed=0, members=members)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
 def build_job_model(job: Any) -> nn.Module:
     """The model a job (RoundConfig) trains: an Ensemble of one member per listed site for strategy `ensemble`."""
     return build_model(job.model.name, job.model.args, seed=job.seed, members=ensemble_members(job))

@@ -10,9 +10,10 @@ from dataclasses import asdict
 
 from plexus import statistics as stats
 from plexus.accounting import PrivacyLedger, dp_sgd_epsilon, dp_sgd_schedule, epsilon_after
-from plexus.config import EXACT_STRATEGIES, PolicySpec, RoundConfig
+from plexus.config import EXACT_STRATEGIES, PolicySpec, RoundConfig, ensemble_members
 from plexus.errors import ConfigError
-from plexus.models import REGISTRY, plugin_source_sha256
+from plexus.memory import machine_memory
+from plexus.models import REGISTRY, plugin_source_sha256, state_bytes
 
 
 def policy_digest(policy: PolicySpec) -> str:
@@ -47,6 +48,9 @@ def refusal(policy: PolicySpec, job: RoundConfig, installed_models: set[str], *,
     if policy.allowed_datasets is not None and job.data.dataset not in policy.allowed_datasets:
         return (f"dataset {job.data.dataset!r} is not in this site's policy.allowed_datasets "
                 f"{sorted(policy.allowed_datasets)}")
+    reason = _size_refusal(policy, job)
+    if reason:
+        return reason
     if policy.max_rounds is not None and job.rounds > policy.max_rounds:
         return f"the job has {job.rounds} rounds; this site's policy.max_rounds allows at most {policy.max_rounds}"
     if policy.max_rounds is not None and round_ is not None and round_ > policy.max_rounds:
@@ -92,6 +96,31 @@ def _plugin_refusal(policy: PolicySpec, name: str) -> str | None:
         return (f"plug-in model {name!r} does not match this site's policy.plugin_sha256: its source hashes to "
                 f"{actual}, the policy pins {pinned}; its code changed since it was reviewed")
     return None
+
+
+def max_model_bytes(policy: PolicySpec) -> int:
+    """policy.max_model_bytes, or its default: a quarter of the memory this process may use."""
+    return policy.max_model_bytes if policy.max_model_bytes is not None else machine_memory() // 4
+
+
+def _size_refusal(policy: PolicySpec, job: RoundConfig) -> str | None:
+    """Decline a model larger than this site builds, sized without building it (torch's meta device): the model
+    and its arguments are the coordinator's choice, and one that does not fit would take the machine's memory."""
+    limit = max_model_bytes(policy)
+    try:
+        size = state_bytes(job.model.name, job.model.args, members=ensemble_members(job))
+    except ConfigError as exc:
+        return f"model {job.model.name!r} cannot be built with the job's arguments: {exc}"
+    except Exception as exc:   # a plug-in whose construction needs real tensors
+        return (f"model {job.model.name!r} cannot be sized on torch's meta device before it is built "
+                f"({type(exc).__name__}: {exc}), so this site cannot check it against policy.max_model_bytes; the "
+                "plug-in must build its layers without reading their values")
+    if size <= limit:
+        return None
+    where = ("this site's policy.max_model_bytes" if policy.max_model_bytes is not None
+             else "a quarter of this machine's memory, the default of policy.max_model_bytes")
+    return (f"model {job.model.name!r} with the job's arguments holds {size:,} bytes of parameters and buffers, "
+            f"over {where} ({limit:,} bytes); raise policy.max_model_bytes if this machine can train it")
 
 
 def _noise_refusal(min_noise: float, job: RoundConfig) -> str | None:

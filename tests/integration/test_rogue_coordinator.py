@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from plexus.accounting import PrivacyLedger, dp_sgd_epsilon
 from plexus.config import DatasetSpec, PolicySpec
 from plexus.datasets import load_dataset
 from plexus.errors import IntegrityError
+from plexus.memory import machine_memory
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from site_agent import split as site_split
 
@@ -113,6 +115,21 @@ def test_absurd_local_steps_and_an_empty_model_stream_fail_the_task_and_the_site
     got = rogue.ask("empty-0123abcd", heart_job(name="empty"), timeout=30)
     assert got.what == "RESULT_FAILED" and "the model stream ended before its header" in got.reason, got
     rogue.empty_models = False
+    assert rogue.ask("steps-0123abcd", heart_job(name="steps")).what == "update"
+
+
+def test_a_model_larger_than_the_machine_is_declined_before_it_is_built(rogue, site):
+    """Twice this machine's memory in float32 parameters: building it would have failed at best, and taken the
+    machine's memory at worst (a few layers each smaller than it)."""
+    site(PolicySpec(allowed_models=("logistic", "vector")))
+    words = machine_memory() // 2
+    huge = heart_job(name="huge").replace("model: {name: logistic, args: {in_features: 13, num_classes: 2}}",
+                                          f"model: {{name: vector, args: {{size: {words}, chunks: 4}}}}")
+    assert "name: vector" in huge
+    got = rogue.ask("huge-0123abcd", huge, timeout=30)
+    assert got.what == "RESULT_DECLINED" and f"holds {4 * words:,} bytes" in got.reason, got
+    assert "a quarter of this machine's memory" in got.reason
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 << 20   # KiB: the test process stayed under 4 GiB
     assert rogue.ask("steps-0123abcd", heart_job(name="steps")).what == "update"
 
 

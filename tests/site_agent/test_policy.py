@@ -7,6 +7,7 @@ import textwrap
 from importlib.metadata import EntryPoint
 
 import pytest
+import torch
 
 from plexus import models
 from plexus.accounting import dp_sgd_epsilon, epsilon_after
@@ -216,3 +217,55 @@ def test_pin_model_cli_prints_the_hash_to_pin(tiny_plugin, capsys):
     assert f"plugin_sha256: {{tiny: '{models.plugin_source_sha256('tiny')}'}}" in out
     assert cli(["site", "pin-model", "mlp"]) == 1
     assert "built in" in capsys.readouterr().err
+
+
+def _sized(model: str, args: str):
+    return parse_round_config(f"name: j\nmodel: {{name: {model}, args: {args}}}\ndata: {{dataset: heart-disease}}\n"
+                              "rounds: 1\n")
+
+
+def test_a_model_over_max_model_bytes_is_declined_without_being_built():
+    """The coordinator picks the model's arguments; the site sizes them on torch's meta device. 784 × 1024 float32
+    weights are 3.2 MB; 8 GB of a vector is sized without a byte of it allocated."""
+    policy = PolicySpec(allowed_models=("mlp", "vector"), max_model_bytes=1 << 20)
+    assert refusal(policy, _sized("mlp", "{in_features: 784, hidden: [64]}"), INSTALLED) is None
+    got = refusal(policy, _sized("mlp", "{in_features: 784, hidden: [1024]}"), INSTALLED)
+    assert got == ("model 'mlp' with the job's arguments holds 3,223,560 bytes of parameters and buffers, over this "
+                   "site's policy.max_model_bytes (1,048,576 bytes); raise policy.max_model_bytes if this machine "
+                   "can train it"), got
+    got = refusal(policy, _sized("vector", "{size: 2000000000}"), INSTALLED)
+    assert "holds 8,000,000,000 bytes" in got, got
+    got = refusal(policy, _sized("mlp", "{in_features: 0}"), INSTALLED)
+    assert got.startswith("model 'mlp' cannot be built with the job's arguments: model 'mlp': argument "
+                          "'in_features' must be >= 1"), got
+
+
+def test_the_default_cap_is_a_quarter_of_the_memory_the_agent_may_use(tmp_path):
+    from plexus.memory import machine_memory
+    from site_agent.policy import max_model_bytes
+
+    total = machine_memory()
+    assert max_model_bytes(PolicySpec()) == total // 4
+    assert max_model_bytes(PolicySpec(max_model_bytes=5 << 20)) == 5 << 20
+    words = (total // 4) // 4 + 1   # float32 elements one past the default
+    got = refusal(PolicySpec(allowed_models=("vector",)), _sized("vector", f"{{size: {words}}}"), INSTALLED)
+    assert "over a quarter of this machine's memory, the default of policy.max_model_bytes" in got, got
+    cgroup = tmp_path / "memory.max"
+    cgroup.write_text("1073741824\n")
+    assert machine_memory(cgroup) == min(total, 1 << 30)
+    cgroup.write_text("max\n")   # no limit
+    assert machine_memory(cgroup) == total
+    assert machine_memory(tmp_path / "absent") == total
+
+
+def test_a_plugin_that_cannot_be_sized_on_the_meta_device_is_declined_saying_why(monkeypatch):
+    class NeedsValues(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+            self.scale = float(self.w.detach().sum())   # reads a value: no such thing on the meta device
+
+    monkeypatch.setitem(models.REGISTRY, "needs_values", NeedsValues)
+    got = refusal(PolicySpec(allowed_models=("needs_values",)), _sized("needs_values", "{}"), {"needs_values"})
+    assert got.startswith("model 'needs_values' cannot be sized on torch's meta device before it is built "), got
+    assert "the plug-in must build its layers without reading their values" in got
