@@ -111,7 +111,9 @@ def _size_refusal(policy: PolicySpec, job: RoundConfig) -> str | None:
         size = state_bytes(job.model.name, job.model.args, members=ensemble_members(job))
     except ConfigError as exc:
         return f"model {job.model.name!r} cannot be built with the job's arguments: {exc}"
-    except Exception as exc:   # a plug-in whose construction needs real tensors
+    except Exception as exc:   # sizes past torch's (int64) limits; a plug-in whose construction needs real tensors
+        if job.model.name in REGISTRY:
+            return f"model {job.model.name!r} cannot be built with the job's arguments: {type(exc).__name__}: {exc}"
         return (f"model {job.model.name!r} cannot be sized on torch's meta device before it is built "
                 f"({type(exc).__name__}: {exc}), so this site cannot check it against policy.max_model_bytes; the "
                 "plug-in must build its layers without reading their values")

@@ -7,7 +7,6 @@ import textwrap
 from importlib.metadata import EntryPoint
 
 import pytest
-import torch
 
 from plexus import models
 from plexus.accounting import dp_sgd_epsilon, epsilon_after
@@ -238,6 +237,9 @@ def test_a_model_over_max_model_bytes_is_declined_without_being_built():
     got = refusal(policy, _sized("mlp", "{in_features: 0}"), INSTALLED)
     assert got.startswith("model 'mlp' cannot be built with the job's arguments: model 'mlp': argument "
                           "'in_features' must be >= 1"), got
+    got = refusal(policy, _sized("mlp", "{in_features: 4611686018427387904, hidden: [4]}"), INSTALLED)
+    assert got.startswith("model 'mlp' cannot be built with the job's arguments: RuntimeError: Storage size "
+                          "calculation overflowed"), got
 
 
 def test_the_default_cap_is_a_quarter_of_the_memory_the_agent_may_use(tmp_path):
@@ -258,14 +260,11 @@ def test_the_default_cap_is_a_quarter_of_the_memory_the_agent_may_use(tmp_path):
     assert machine_memory(tmp_path / "absent") == total
 
 
-def test_a_plugin_that_cannot_be_sized_on_the_meta_device_is_declined_saying_why(monkeypatch):
-    class NeedsValues(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(3))
-            self.scale = float(self.w.detach().sum())   # reads a value: no such thing on the meta device
-
-    monkeypatch.setitem(models.REGISTRY, "needs_values", NeedsValues)
-    got = refusal(PolicySpec(allowed_models=("needs_values",)), _sized("needs_values", "{}"), {"needs_values"})
-    assert got.startswith("model 'needs_values' cannot be sized on torch's meta device before it is built "), got
-    assert "the plug-in must build its layers without reading their values" in got
+def test_a_plugin_that_cannot_be_sized_on_the_meta_device_is_declined_saying_why(tiny_plugin):
+    """The plug-in reads one of its own values while it builds: there are none on the meta device."""
+    tiny_plugin.write_text(PLUGIN.replace("nn.Linear(in_features, 2)\n", "nn.Linear(in_features, 2)\n"
+                                          "        self.scale = float(self.linear.weight.detach().sum())\n"))
+    policy = PolicySpec(allowed_models=("tiny",), plugin_sha256={"tiny": models.plugin_source_sha256("tiny")})
+    got = refusal(policy, job(model="tiny"), {"tiny"})
+    assert got.startswith("model 'tiny' cannot be sized on torch's meta device before it is built "), got
+    assert got.endswith("the plug-in must build its layers without reading their values"), got
