@@ -244,12 +244,26 @@ class TrainSpec:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
 
 
+MIN_NOISE, MAX_NOISE = 1e-6, 1e6
+
+
+def _noise_multiplier() -> dict:
+    """0 (clipping only), or a noise multiplier the privacy accountants can compute ε for: a positive value
+    below 1e-6 divides by zero in them (ε is past 10**27 there anyway) and one above 1e6 gains nothing."""
+    def check(value: float) -> str | None:
+        if value == 0 or MIN_NOISE <= value <= MAX_NOISE:
+            return None
+        return f"{value!r} is out of range; use 0 (no noise) or a value in [{MIN_NOISE:g}, {MAX_NOISE:g}]"
+
+    return {"check": check}
+
+
 @dataclass(frozen=True, slots=True)
 class DPSpec:
     """Differential privacy: where noise is added and how much."""
 
     mode: str = field(metadata=one_of("central", "distributed"))
-    noise_multiplier: float = field(metadata=in_range(0))
+    noise_multiplier: float = field(metadata=_noise_multiplier())
     clip_norm: float = field(metadata=in_range(0, lo_open=True))
     delta: float = field(default=1e-5, metadata=in_range(0, 1, lo_open=True, hi_open=True))
     target_epsilon: float | None = field(default=None, metadata=in_range(0, lo_open=True))
@@ -262,7 +276,7 @@ class DPSpec:
 class DPSGDSpec:
     """Sample-level DP-SGD at each site (Opacus): per-example clipping and noise σ·C."""
 
-    noise_multiplier: float = field(metadata=in_range(0))
+    noise_multiplier: float = field(metadata=_noise_multiplier())
     max_grad_norm: float = field(metadata=in_range(0, lo_open=True))
     delta: float = field(default=1e-5, metadata=in_range(0, 1, lo_open=True, hi_open=True))
 

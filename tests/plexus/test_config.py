@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from plexus.config import (
+    MAX_NOISE,
     MAX_WAIT_S,
+    MIN_NOISE,
     AdminConfig,
     CoordinatorConfig,
     DatasetSpec,
@@ -190,6 +192,7 @@ def test_sites_retries_is_left_out_of_the_dumped_config_unless_set():
 
 
 positive = st.floats(min_value=0, exclude_min=True, allow_nan=False, allow_infinity=False)
+NOISE = st.just(0.0) | st.floats(min_value=MIN_NOISE, max_value=MAX_NOISE)   # what the accountants can compute
 arg_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(alphabet="abcXYZ019 :-_#'\"", max_size=8),
@@ -203,7 +206,7 @@ def round_configs(draw):
     dp = draw(st.none() | st.builds(
         DPSpec,
         mode=st.sampled_from(["central", "distributed"]),
-        noise_multiplier=st.floats(min_value=0, allow_nan=False, allow_infinity=False),
+        noise_multiplier=NOISE,
         clip_norm=positive,
         delta=st.floats(min_value=0, max_value=1, exclude_min=True, exclude_max=True),
         target_epsilon=st.none() | positive,
@@ -227,7 +230,7 @@ def round_configs(draw):
         privacy=PrivacySpec(secure_aggregation=secure,
                             dp=dp, dp_sgd=draw(st.none() | st.builds(
                                 DPSGDSpec,
-                                noise_multiplier=st.floats(min_value=0, allow_nan=False, allow_infinity=False),
+                                noise_multiplier=NOISE,
                                 max_grad_norm=positive,
                                 delta=st.floats(min_value=0, max_value=1, exclude_min=True, exclude_max=True)))),
         seed=draw(st.integers(0, 2**63 - 1)),
@@ -490,7 +493,7 @@ def test_site_paths_resolve_when_loaded_by_relative_path(tmp_path, monkeypatch):
         (SITE.replace("coord.example.org:8443", "'::1:8443'"), "2: coordinator:", "brackets"),
         (SITE.replace("kit: kit\n", ""), "1: kit: missing required key", "add 'kit:' with a path"),
         (SITE + "policy: {allowed_model: [mlp]}\n", "4: policy.allowed_model: unknown key",
-         "allowed keys: allowed_datasets, allowed_models, max_epsilon, max_rounds, min_cell_count, "
+         "allowed keys: allowed_datasets, allowed_models, max_epsilon, max_model_bytes, max_rounds, min_cell_count, "
          "min_dp_noise, min_secure_cohort, plugin_sha256, require_secure_aggregation"),
         (SITE + "policy:\n  allowed_models: mlp\n", "5: policy.allowed_models: expected a list", ""),
         (SITE + "policy:\n  allowed_models: [mlp, 3]\n", "5: policy.allowed_models[1]: expected a string", ""),
@@ -642,7 +645,13 @@ def test_dp_sgd_parsed_with_default_delta():
 
 @pytest.mark.parametrize(("text", "prefix", "detail"), [
     ("privacy: {dp_sgd: {noise_multiplier: -1, max_grad_norm: 1}}\n",
-     "job.yaml:5: privacy.dp_sgd.noise_multiplier: -1.0 is out of range", ">= 0"),
+     "job.yaml:5: privacy.dp_sgd.noise_multiplier: -1.0 is out of range",
+     "use 0 (no noise) or a value in [1e-06, 1e+06]"),
+    # the accountant divided by zero after the site had trained (1e-300) or overflowed (1e300)
+    ("privacy: {dp_sgd: {noise_multiplier: 1.0e-300, max_grad_norm: 1}}\n",
+     "job.yaml:5: privacy.dp_sgd.noise_multiplier: 1e-300 is out of range", "or a value in [1e-06, 1e+06]"),
+    ("privacy: {dp: {mode: central, noise_multiplier: 1.0e+300, clip_norm: 1}}\n",
+     "job.yaml:5: privacy.dp.noise_multiplier: 1e+300 is out of range", "or a value in [1e-06, 1e+06]"),
     ("privacy: {dp_sgd: {noise_multiplier: 1, max_grad_norm: 0}}\n",
      "job.yaml:5: privacy.dp_sgd.max_grad_norm: 0.0 is out of range", "> 0"),
     ("privacy: {dp_sgd: {noise_multiplier: 1, max_grad_norm: 1, delta: 1}}\n",
