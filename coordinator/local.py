@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import sqlite3
 from pathlib import Path
 
 from coordinator.engine import Engine
@@ -58,10 +59,33 @@ def find_state_dir(path: Path) -> Path:
     would make a state dir of any folder."""
     for candidate in (path, path / "coordinator"):
         if (candidate / DB_FILE).is_file():
+            check_database(candidate / DB_FILE)
             return candidate
     what = "does not exist" if not path.exists() else f"holds no {DB_FILE} (nor coordinator/{DB_FILE})"
     raise ConfigError(f"--state {path} {what}: give a coordinator's state dir (its config's state_dir), or the "
                       "dir `plexus simulate --state DIR` wrote")
+
+
+def check_database(path: Path) -> None:
+    """Refuse a plexus.db that holds no coordinator's tables (an empty file, another program's database), read
+    without writing: the Store would write its schema into it, and the reads would show an empty coordinator. A
+    damaged database is the Store's to find (its quick_check names the fix)."""
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            db.close()
+    except sqlite3.OperationalError:   # cannot be opened read-only (a crashed run's WAL without its index): the
+        return                          # Store opens it, and its checks name what is wrong
+    except sqlite3.DatabaseError as exc:
+        tables, damage = set(), f": {exc}"
+    else:
+        damage = ""
+    if "jobs" not in tables:
+        raise ConfigError(f"--state: {path} is not a coordinator's database ({path.stat().st_size} bytes, no jobs "
+                          f"table{damage}); give the state dir a coordinator or `plexus simulate` wrote, or restore "
+                          "its plexus.db from a backup (docs/backup-restore.md)")
 
 
 def open_store(state_dir: Path) -> Store:

@@ -3,9 +3,11 @@ layout `plexus simulate --state DIR` writes (DIR/coordinator)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sqlite3
 import threading
 
 import pytest
@@ -134,6 +136,27 @@ def test_a_folder_that_is_no_state_dir_is_refused_untouched(tmp_path, capsys):
     assert cli(["sites", "list", "--state", str(tmp_path / "gone")]) == 1
     assert f"--state {tmp_path / 'gone'} does not exist" in capsys.readouterr().err
     assert not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"hello\n", "another program's"])
+def test_a_plexus_db_that_is_no_coordinators_is_refused_and_left_as_it_was(tmp_path, capsys, content):
+    """Before: an empty plexus.db got the coordinator's schema written into it (and another program's SQLite
+    database would have too), plus a lock, checkpoints/ and spool/ beside it, and the reads showed no jobs."""
+    state = tmp_path / "state"
+    state.mkdir()
+    db = state / "plexus.db"
+    if isinstance(content, bytes):
+        db.write_bytes(content)
+    else:
+        with contextlib.closing(sqlite3.connect(db)) as other:
+            other.execute("CREATE TABLE patients (id INTEGER)")
+            other.commit()
+    before = db.read_bytes()
+    assert cli(["job", "list", "--state", str(state)]) == 1
+    err = capsys.readouterr().err
+    assert f"--state: {db} is not a coordinator's database ({len(before)} bytes, no jobs table" in err, err
+    assert "restore its plexus.db from a backup (docs/backup-restore.md)" in err
+    assert db.read_bytes() == before and [p.name for p in state.iterdir()] == ["plexus.db"]
 
 
 def test_a_state_dir_in_use_is_refused_naming_its_holder(finished, capsys):
