@@ -650,7 +650,7 @@ class Session:
         if self.pending is not None:
             raise IntegrityError(f"batch {batch.seq} came before the gradient of batch {self.pending}",
                                  reason=Reason.LAYOUT)
-        if batch.seq != self.seq or (self.training and self.seq >= self.batches):
+        if batch.seq != self.seq or self.seq >= self.batches:
             raise IntegrityError(f"batch {batch.seq} is out of order: expected batch {self.seq} of the "
                                  f"{self.batches} the session announced", reason=Reason.LAYOUT)
         # Its values (finite, labels in range) are checked by the compute worker, once: the structure here.
@@ -709,7 +709,7 @@ class Session:
         if self.pending is not None:
             raise IntegrityError(f"the session ended while the server waits for batch {self.pending}'s gradient",
                                  reason=Reason.LAYOUT)
-        if self.training and self.seq != self.batches:
+        if self.seq != self.batches:
             raise IntegrityError(f"the session announced {self.batches} batches and sent {self.seq}",
                                  reason=Reason.LAYOUT)
         if done.num_samples != self.rows:

@@ -279,10 +279,12 @@ def test_a_synchronous_epoch_too_long_for_a_session_fails_the_job_naming_the_sit
     assert federation.admin().jobs()   # the engine answers
 
 
-def test_an_evaluation_weighs_at_most_the_rows_its_site_reported(federation):
+@pytest.mark.parametrize("announced", [10, 9])
+def test_an_evaluation_weighs_at_most_the_rows_its_site_reported(federation, announced):
     """d joined with 10 training rows, then pushes 10 batches of 256 rows through its evaluation session: its held-out
     metrics weigh 10 in the job's mean, as a federated job caps them (they weighed 2,560, and a claimed accuracy of
-    1.0 set the job's mean)."""
+    1.0 set the job's mean). An evaluation session that sends more batches than it announced is refused at the
+    first one too many, as a training session is (it was served to the end)."""
     federation.start_site("a")
     raw = federation.raw_site("d")
     raw.join({"heart-disease": 10})
@@ -297,17 +299,27 @@ def test_an_evaluation_weighs_at_most_the_rows_its_site_reported(federation):
 
     def messages():
         yield fpb.SplitMessage(open=fpb.SplitOpen(task_id=task.task_id, job_id=task.job_id, round=task.round,
-                                                  nonce=task.nonce, batches=0))
+                                                  nonce=task.nonce, batches=announced))
         for seq in range(10):
             yield fpb.SplitMessage(batch=fpb.SplitBatch(seq=seq, activations=tensor_message(
                 np.zeros((256, 32), np.float32)), labels=tensor_message(np.zeros(256, np.int64))))
         yield fpb.SplitMessage(done=fpb.SplitDone(num_samples=2560, metrics={"accuracy": 1.0, "loss": 0.0}))
 
-    list(raw.stub.Split(messages(), timeout=scaled(60)))
+    if announced == 9:
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw.stub.Split(messages(), timeout=scaled(60)))
+        assert "batch 9 is out of order: expected batch 9 of the 9 the session announced" in info.value.details()
+    else:
+        list(raw.stub.Split(messages(), timeout=scaled(60)))
     federation.wait_job(job_id, scaled(120))
     weights = {m.site: m.value for m in federation.store.metrics(job_id)
                if m.kind == "eval" and m.name == "num_samples"}
-    assert weights["d"] == 10 and weights["a"] > 10, weights
+    if announced == 9:
+        assert "d" not in weights and weights["a"] > 10, weights
+        (event,) = [e for e in federation.store.site_events(job_id) if e.site == "d" and e.status == "rejected"]
+        assert "the session announced" in event.reason, event
+    else:
+        assert weights["d"] == 10 and weights["a"] > 10, weights
 
 
 def test_job_show_download_and_a_seeded_rerun(three_sites, tmp_path, capsys):
