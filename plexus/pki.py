@@ -222,6 +222,13 @@ def revoke(root: Path, name: str, *, now: dt.datetime | None = None) -> int:
             f"{_ISSUE_HINT} if it should come back"
         )
     entry = active[0]
+    if entry.get("kind") == "coordinator":
+        raise errors.ConfigError(
+            f"{name!r} is the coordinator's certificate, and revoking it would protect nothing: sites, relays and "
+            "admins check the coordinator against ca.pem alone (they hold no CRL), so they would go on trusting it. "
+            "If its key has leaked, make a new federation (`plexus pki init`) and install new kits everywhere; "
+            "docs/certificates.md, \"Rotating the coordinator's certificate or the CA\", says how"
+        )
     entry["revoked"] = True
     entry["revoked_at"] = now.isoformat()
     # CRLs first: if writing the registry then fails, a rerun revokes again instead of

@@ -250,6 +250,20 @@ def test_revoke_unknown_or_twice(fed):
         pki.revoke(fed, "cleveland", now=NOW)
 
 
+def test_revoking_the_coordinator_is_refused_because_nobody_would_check_it(fed):
+    """Sites, relays and admins verify the coordinator against ca.pem only: a CRL entry for it would have been
+    reported done and protected nothing."""
+    crl = (fed / "coordinator" / "crl.pem").read_bytes()
+    registry = (fed / "federation.json").read_text()
+    with pytest.raises(errors.ConfigError) as info:
+        pki.revoke(fed, "coordinator", now=NOW)
+    assert str(info.value).startswith("'coordinator' is the coordinator's certificate, and revoking it would "
+                                      "protect nothing: sites, relays and admins check the coordinator against "
+                                      "ca.pem alone"), info.value
+    assert "make a new federation (`plexus pki init`)" in str(info.value)
+    assert (fed / "coordinator" / "crl.pem").read_bytes() == crl and (fed / "federation.json").read_text() == registry
+
+
 # --- ready configs ---------------------------------------------------------------------
 
 
