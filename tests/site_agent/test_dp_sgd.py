@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from plexus.accounting import PrivacyLedger, dp_sgd_epsilon
-from plexus.config import DPSGDSpec
+from plexus.config import DPSGDSpec, PolicySpec, parse_round_config
 from plexus.errors import ConfigError
 from plexus.models import build_model, state_to_numpy
 from site_agent.policy import refusal
@@ -67,13 +68,13 @@ def test_epsilon_accumulates_across_rounds_and_equals_the_policy_estimate(data):
         expected = dp_sgd_epsilon(round_, train_size=100, batch_size=20, epochs=2, noise_multiplier=1.0, delta=1e-5)
         assert result.metrics["epsilon"] == pytest.approx(expected, rel=1e-12)
     assert result.steps == 2 * 5 and result.num_samples == 100
-    job = SimpleNamespace(model=SimpleNamespace(name="mlp"), data=SimpleNamespace(dataset="d"), rounds=3,
-                          train=TRAIN, privacy=SimpleNamespace(secure_aggregation=False, dp=None, dp_sgd=DP_SGD),
-                          statistics=None, mode="federated")
-    policy = SimpleNamespace(allowed_models=("mlp",), allowed_datasets=None, max_rounds=None,
-                             require_secure_aggregation=False, min_dp_noise=None, max_epsilon=result.metrics["epsilon"])
+    job = parse_round_config(
+        "name: j\nmodel: {name: mlp, args: {in_features: 6, hidden: [8]}}\ndata: {dataset: d}\nrounds: 3\n"
+        "train: {epochs: 2, batch_size: 20, optimizer: {name: sgd, lr: 0.2}}\n"
+        "privacy: {dp_sgd: {noise_multiplier: 1.0, max_grad_norm: 1.0, delta: 1.0e-5}}\n")
+    policy = PolicySpec(allowed_models=("mlp",), max_epsilon=result.metrics["epsilon"])
     assert refusal(policy, job, {"mlp"}, train_size=100) is None
-    assert refusal(SimpleNamespace(**{**vars(policy), "max_epsilon": result.metrics["epsilon"] * 0.999}),
+    assert refusal(dataclasses.replace(policy, max_epsilon=result.metrics["epsilon"] * 0.999),
                    job, {"mlp"}, train_size=100) is not None
 
 
