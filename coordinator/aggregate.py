@@ -539,6 +539,8 @@ def _replay(journal, folded: int, fold) -> int:
     """Fold the first `folded` bytes of `journal()` (pieces split anywhere) again with `fold(at, pending, data)`,
     which folds whole elements from byte `at` on and keeps a split one in `pending`; the bytes it folded. How every
     update that fails is taken back out of its sum."""
+    if folded <= 0:
+        return 0   # nothing to read back: its journal may never have been written (a full disk)
     pending, position = bytearray(), 0
     for piece in journal():
         if position + len(pending) >= folded:

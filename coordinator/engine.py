@@ -9,10 +9,10 @@ next job and asks its driver to move it on; durable effects go through the Store
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import re
+import shutil
 import sqlite3
 import threading
 import time
@@ -44,7 +44,17 @@ from coordinator.tasks import (
     owned_task,
 )
 from plexus.config import MAX_ROUND_CONFIG_BYTES, RoundConfig, dump_round_config, ensemble_members, parse_round_config
-from plexus.errors import ConfigError, FailedPrecondition, IntegrityError, NotFound, PlexusError, RoundClosed
+from plexus.errors import (
+    ConfigError,
+    FailedPrecondition,
+    IntegrityError,
+    NotFound,
+    PlexusError,
+    RoundClosed,
+    Unavailable,
+    out_of_space,
+    storage_failure,
+)
 from plexus.text import bounded
 from plexus.vocab import TERMINAL, JobStatus, TaskKind, TaskStatus
 from plexus.wire import FLOAT_DTYPES, Layout
@@ -52,7 +62,8 @@ from plexus.wire import FLOAT_DTYPES, Layout
 log = logging.getLogger("plexus.coordinator")
 
 STORAGE_RETRY_S = 5.0
-_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
+STORAGE_RETRY_CAP_S = 300.0   # the longest wait between tries after storage failures in a row
+ROOM_BYTES = 64 << 20         # after a full disk: the free space (beyond the model twice over) a rerun waits for
 _SECAGG_KIND = {"advert": TaskKind.SECAGG_ADVERTISE, "shares": TaskKind.SECAGG_SHARE,
                 "reveal": TaskKind.SECAGG_UNMASK}
 
@@ -142,6 +153,8 @@ class Engine:
         self.storage_retry_s = STORAGE_RETRY_S
         self._storage_trouble = ""          # the state dir's failure last logged, until a round is saved again
         self._retry_at = 0.0                # monotonic: no tick before this, after a storage failure
+        self._storage_failures = 0          # in a row, since a round was last saved: each doubles the wait
+        self._free_wanted = 0               # after a full disk: free bytes the state dir must have to go on
         self._thread = threading.Thread(target=self._run, name="plexus-engine", daemon=True)
 
     @property
@@ -212,17 +225,19 @@ class Engine:
                 if (wait := self._retry_at - self._mono()) > 0:
                     self._cv.wait(wait)
                     continue
+                if self._free_wanted and not self._room_again():
+                    continue
                 try:
                     try:
                         timeout = self.tick()
                     except Exception as exc:  # the loop must survive; the job is failed with the reason
-                        if _storage_failure(exc):
+                        if storage_failure(exc):
                             raise
                         log.exception("round engine error")
                         self._fail_active("internal error in the round engine; see the coordinator log")
                         timeout = 0.5
                 except Exception as exc:   # also while failing a job: that needs the disk as well
-                    if not _storage_failure(exc):
+                    if not storage_failure(exc):
                         raise
                     self._storage_failed(exc)
                     continue
@@ -275,18 +290,26 @@ class Engine:
         if self._storage_trouble:
             log.info("job %s round %d saved: the state dir takes writes again", self._driver.job_id, round_)
             self._storage_trouble = ""
+        self._storage_failures = 0
 
     def _storage_failed(self, exc: Exception) -> None:
         """The state dir cannot be written (a full disk) or read: fail nothing. The round in progress is
         dropped with the job's in-memory state, and the job, still running at its last closed round, is
-        taken up again from its checkpoint every storage_retry_s until the store works: the round reruns."""
+        taken up again from its checkpoint once the store may work: the round reruns. Each rerun has the sites
+        train again (and spend DP-SGD budget), so reruns are rare: after a full disk, not before the state dir
+        has ROOM_BYTES free and the job's model twice over; and the wait between tries (storage_retry_s)
+        doubles with each failure in a row, up to STORAGE_RETRY_CAP_S."""
         text = f"{type(exc).__name__}: {exc}"
         if text != self._storage_trouble:   # once per distinct failure, not once per retry
             log.error("cannot use the state dir %s (%s); the round in progress is dropped and the job resumes "
                       "from its last checkpoint once it can", self.store.state_dir, text, exc_info=exc)
             self._storage_trouble = text
-        self._retry_at = self._mono() + self.storage_retry_s
+        self._storage_failures += 1
+        self._retry_at = self._mono() + min(STORAGE_RETRY_CAP_S,
+                                            self.storage_retry_s * 2 ** min(self._storage_failures - 1, 30))
         driver, self._driver = self._driver, None
+        if out_of_space(exc):
+            self._free_wanted = ROOM_BYTES + 2 * (self._model_bytes(driver.job_id) if driver is not None else 0)
         if driver is None:
             return
         message = f"{text}; the round runs again once the coordinator can write its state dir"
@@ -294,6 +317,29 @@ class Engine:
             driver.stop(message, dropped=True)
             self.store.interrupt_open_rounds()
         self._cv.notify_all()
+
+    def _room_again(self) -> bool:
+        """Whether the state dir has the room a full disk's rerun waits for; if not, look again later."""
+        free = _free_bytes(self.store.state_dir)
+        if free >= self._free_wanted:
+            log.info("the state dir %s has %d bytes free again: the job is taken up again", self.store.state_dir,
+                     free)
+            self._free_wanted = 0
+            return True
+        trouble = f"waiting for room: {free} of {self._free_wanted} bytes free"
+        if trouble != self._storage_trouble:
+            log.error("the state dir %s is full (%d bytes free); its job is taken up again once %d bytes are "
+                      "free, without its sites training in the meantime: free space under it",
+                      self.store.state_dir, free, self._free_wanted)
+            self._storage_trouble = trouble
+        self._retry_at = self._mono() + self.storage_retry_s
+        return False
+
+    def _model_bytes(self, job_id: str) -> int:
+        """The size of the job's latest checkpoint (0 if it cannot be told)."""
+        with suppress(OSError, sqlite3.Error, NotFound):
+            return self.store.checkpoint_path(job_id, self.store.job(job_id).current_round).stat().st_size
+        return 0
 
     def _fail_active(self, message: str) -> None:
         driver, self._driver = self._driver, None
@@ -513,6 +559,11 @@ class Engine:
                 upload.receive(chunks)
             except BaseException as exc:
                 with self._cv:
+                    if storage_failure(exc):   # the coordinator's disk, not the site's update: the round waits
+                        if self._driver is driver:
+                            self._storage_failed(exc)
+                        raise Unavailable(f"the coordinator cannot store updates now ({exc.strerror or exc}); the "
+                                          "round runs again once its state dir has room") from None
                     driver.refused(site, grant, upload, exc)
                 raise
             with self._cv:
@@ -577,12 +628,14 @@ class Engine:
         return online
 
 
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
 def _bind(grant: TaskGrant, task, kind: TaskKind | None) -> None:
     check_binding(grant, task.job_id, task.round, task.nonce, kind)
 
 
-def _storage_failure(exc: BaseException) -> bool:
-    """A full or failing disk under the state dir: to be waited out, not a reason to fail a job."""
-    if isinstance(exc, sqlite3.OperationalError):
-        return exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN)
-    return isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS

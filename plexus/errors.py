@@ -1,6 +1,8 @@
 """The Plexus error hierarchy; each maps to one gRPC status code (see plexus.rpc)."""
 
 import enum
+import errno
+import sqlite3
 
 
 class Reason(str, enum.Enum):
@@ -69,5 +71,26 @@ class ResourceExhausted(PlexusError):
     """The caller is over a limit on what it may hold at once (calls in progress); it may retry later."""
 
 
+class Unavailable(PlexusError):
+    """The service cannot do this now (its state dir cannot be written: a full disk); the caller retries later."""
+
+
 class TimedOut(PlexusError):
     """A peer did not send (or take) the next message of a stream in time; the stream was dropped."""
+
+
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
+
+
+def storage_failure(exc: BaseException) -> bool:
+    """A full or failing disk: to be waited out, not a reason to fail a job or blame a caller."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return exc.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN)
+    return isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """A storage failure that more free space cures (not quota, read-only or I/O errors)."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_FULL
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC

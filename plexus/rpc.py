@@ -34,6 +34,7 @@ STATUS_OF = (
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.TimedOut, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # ConfigError, IntegrityError
 )
 
@@ -143,6 +144,19 @@ def authorize(ident: Identity, *, kind: str | tuple[str, ...], min_role: str | N
             f"(issue a certificate with `plexus pki add-admin DIR NAME --role {min_role}`)")
 
 
+_logged_trouble = ""
+
+
+def _storage_trouble(method: str, exc: BaseException) -> None:
+    """Log a storage failure met by a call once per distinct failure, not with a traceback per call."""
+    global _logged_trouble
+    text = f"{type(exc).__name__}: {exc}"
+    if text != _logged_trouble:
+        _logged_trouble = text
+        log.error("%s: cannot use the state dir (%s); calls that write it are answered UNAVAILABLE until it can "
+                  "(free space under it)", method, text)
+
+
 def guarded(*, kind: str | tuple[str, ...], min_role: str | None = None):
     """Decorate a servicer method: authenticate, authorise (a certificate of `kind`, or of any kind in a
     tuple), count the call against its identity's limit (self.auth.calls) for as long as it runs, map errors
@@ -163,6 +177,10 @@ def guarded(*, kind: str | tuple[str, ...], min_role: str | None = None):
             return ident
 
         def _abort(context, exc):
+            if errors.storage_failure(exc):   # the coordinator's disk, not the caller: it may try again later
+                _storage_trouble(method.__name__, exc)
+                exc = errors.Unavailable("the coordinator cannot write its state dir now (the operator has the "
+                                         "details in its log); try again later")
             code = status_for(exc)
             if code is grpc.StatusCode.UNAUTHENTICATED:   # e.g. a revoked site still dialling in: tell the operator
                 log.warning("refused %s from %s: %s", method.__name__, context.peer(), exc)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -112,6 +113,46 @@ def test_a_full_disk_fails_only_the_round_and_the_job_resumes_when_space_is_back
     again = admin.submit(heart_job(name="full", rounds=3, seed=7) + strategy).job_id
     assert federation.wait_job(again, 120) == "completed"
     assert _final_model(federation.store, job_id) == _final_model(federation.store, again)
+
+
+def test_a_full_disk_under_incoming_updates_waits_for_room_without_the_sites_training_again(federation, monkeypatch):
+    """Before: a spool write failing with ENOSPC was answered INTERNAL, with a traceback per call; the sites were
+    given the task again at once and retrained in a loop (each retraining spends DP-SGD budget). Now the round is
+    dropped, the sites are told UNAVAILABLE, and the job waits, untaken, until the state dir has room."""
+    import coordinator.engine
+    import coordinator.intake
+
+    real = coordinator.intake.Upload.receive
+    full, attempts = threading.Event(), []
+
+    def receive(self, chunks):
+        if full.is_set():
+            attempts.append(self.journal.name)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.journal))
+        return real(self, chunks)
+
+    free = {"bytes": 10 << 20}   # what statvfs says of the state dir
+    monkeypatch.setattr(coordinator.intake.Upload, "receive", receive)
+    monkeypatch.setattr(coordinator.engine, "_free_bytes", lambda path: free["bytes"])
+    engine = federation.coordinator.engine
+    engine.storage_retry_s = 0.2
+    for name in ("a", "b"):
+        federation.start_site(name)
+    federation.wait_online("a", "b")
+    full.set()
+    job_id = federation.admin().submit(heart_job(name="spool", rounds=2, seed=3)).job_id
+    wait_until(lambda: attempts, 60, "an update to meet the full disk")
+    time.sleep(3)   # 15 of storage_retry_s: the job is not taken up again, so nobody trains again
+    assert len(attempts) <= 2, attempts   # each site's first update, at most
+    assert engine._free_wanted >= 64 << 20   # what it waits for: ROOM_BYTES and the model twice
+    events = federation.store.events_after(job_id, 0)
+    failed = [message for _, _, kind, _, _, message in events if kind == "round_failed"]
+    assert len(failed) == 1 and "No space left on device" in failed[0], failed
+
+    full.clear()
+    free["bytes"] += 100 << 20   # the operator made room
+    assert federation.wait_job(job_id, 120) == "completed", federation.store.job(job_id).message
+    assert len(attempts) <= 2 and engine._free_wanted == 0
 
 
 class EngineKilled(BaseException):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 from concurrent import futures
 
 import grpc
@@ -49,9 +52,12 @@ class _Health(health_pb2_grpc.HealthServicer):
     def __init__(self, auth: Authenticator):
         self.auth = auth
         self.callers: list[Identity] = []
+        self.fail: BaseException | None = None
 
     @guarded(kind=("site", "relay"))
     def Check(self, request, context, *, who):
+        if self.fail is not None:
+            raise self.fail
         self.callers.append(who)
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
@@ -61,7 +67,7 @@ def _check(kit_dir, port: int) -> None:
         health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
 
 
-def test_sites_and_relays_pass_a_guard_for_both_and_admins_do_not(tmp_path):
+def test_sites_and_relays_pass_a_guard_for_both_and_admins_do_not(tmp_path, caplog):
     root = pki.init_federation(tmp_path / "pki", "Rpc Fed", hosts=["127.0.0.1"])
     site, relay = pki.add_site(root, "cleveland"), pki.add_relay(root, "north", hosts=["127.0.0.1"])
     admin = pki.add_admin(root, "alice", role="admin")
@@ -85,6 +91,18 @@ def test_sites_and_relays_pass_a_guard_for_both_and_admins_do_not(tmp_path):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "relay 'north'" in err.value.details() and "revoked" in err.value.details()
         assert len(servicer.callers) == 2
+        # The coordinator's own disk is full: the caller is told to come back later, the log says it once.
+        servicer.fail = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/state/plexus.db")
+        with caplog.at_level(logging.ERROR, logger="plexus.rpc"):
+            for _ in range(3):
+                with pytest.raises(grpc.RpcError) as err:
+                    _check(site, port)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert err.value.details() == ("the coordinator cannot write its state dir now (the operator has the "
+                                               "details in its log); try again later")
+        (record,) = [r for r in caplog.records if r.name == "plexus.rpc" and r.levelno == logging.ERROR]
+        assert "Check: cannot use the state dir (OSError: [Errno 28] No space left on device: '/state/plexus.db')" \
+            in record.getMessage() and record.exc_info is None
     finally:
         srv.stop(None).wait()
         executor.shutdown()
