@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from plexus import __version__, staleness, transport
+from plexus.accounting import PrivacyLedger, dp_sgd_schedule
 from plexus.compression import is_delta, job_uplink
 from plexus.config import (
     SITE_BACKOFF_CAP_S,
@@ -352,6 +353,11 @@ class SiteAgent:
                     "privacy.dp_sgd, which Plexus runs in one process (Opacus's accounting of distributed "
                     "Poisson batches is not wired in): this site takes DP-SGD jobs once training.workers is 1")
         ledger = state.ledger() if trains and job.privacy.dp_sgd is not None else None
+        if ledger is not None and not ledger.history and state.rounds_trained() > 0:
+            # Each DP-SGD round is in the ledger before it trains: an empty one after trained rounds was lost.
+            return (f"this site has trained {state.rounds_trained()} round(s) of job {state.job_id!r} with DP-SGD "
+                    f"and its privacy ledger (dp_sgd/{state.job_id}.json in its state_dir) is missing or empty, so "
+                    "the privacy already spent cannot be counted; restore that file from a backup of the state_dir")
         return refusal(self.config.policy, job, installed_models(), round_=state.rounds_trained() + int(trains),
                        ledger=ledger, train_size=lambda: len(self.load_data(job.data).y_train))
 
@@ -484,11 +490,19 @@ class SiteAgent:
 
     @staticmethod
     def _train_dp_sgd(model, data: Split, job: RoundConfig, task, state: JobState) -> TrainResult:
-        """DP-SGD via Opacus; this site's privacy ledger for the job persists across rounds and restarts."""
-        ledger = state.ledger()
-        result = train_local_dp_sgd(model, data.x_train, data.y_train, job.train, job.privacy.dp_sgd,
-                                    seed=task.seed, ledger=ledger)
-        state.keep_ledger(ledger)
+        """DP-SGD via Opacus; this site's privacy ledger for the job persists across rounds and restarts. The
+        round's spend is recorded before it trains (its steps are fixed by the data's size and the job), so a
+        round that crashes mid-way counts too, and the ledger covers every round the site started."""
+        dp_sgd = job.privacy.dp_sgd
+        before = state.ledger()
+        rate, steps = dp_sgd_schedule(len(data.y_train), job.train.batch_size, job.train.epochs)
+        spent = PrivacyLedger(before.history)
+        spent.step(dp_sgd.noise_multiplier, rate, steps=steps)
+        state.keep_ledger(spent)
+        result = train_local_dp_sgd(model, data.x_train, data.y_train, job.train, dp_sgd, seed=task.seed,
+                                    ledger=before)   # stepped by the training as it goes: it ends equal to spent
+        if before.history != spent.history:
+            raise RuntimeError(f"DP-SGD took {before.history} where {spent.history} was recorded before it trained")
         return result
 
     @staticmethod

@@ -67,6 +67,27 @@ def test_replayed_round_one_cannot_spend_past_max_epsilon(rogue, site, tmp_path)
     assert ledger.epsilon(1e-5) <= cap
 
 
+def test_a_lost_dp_sgd_ledger_is_refused_instead_of_starting_the_budget_over(rogue, site, tmp_path):
+    """Before: deleting dp_sgd/JOB.json (or a restore from an old backup without it) gave the job a fresh privacy
+    budget. Each round's spend is recorded before it trains, so after trained rounds an empty ledger was lost."""
+    state = tmp_path / "site" / "state"
+    site(PolicySpec(allowed_models=("logistic",), max_epsilon=50.0))
+    assert [rogue.ask("lost-0123abcd", DP_SGD_JOB, round_=r).what for r in (1, 2)] == ["update", "update"]
+    ledger = state / "dp_sgd" / "lost-0123abcd.json"
+    kept = ledger.read_bytes()
+    rows = _train_rows()
+    assert PrivacyLedger.from_json(kept.decode()).epsilon(1e-5) == pytest.approx(
+        dp_sgd_epsilon(2, train_size=rows, batch_size=32, epochs=1, noise_multiplier=1.0, delta=1e-5), rel=1e-9)
+    for lost in (None, b"[]"):
+        ledger.unlink() if lost is None else ledger.write_bytes(lost)
+        got = rogue.ask("lost-0123abcd", DP_SGD_JOB, round_=3)
+        assert got.what == "RESULT_DECLINED", got
+        assert ("has trained 2 round(s) of job 'lost-0123abcd' with DP-SGD and its privacy ledger "
+                "(dp_sgd/lost-0123abcd.json in its state_dir) is missing or empty") in got.reason, got.reason
+    ledger.write_bytes(kept)   # restored from the backup
+    assert rogue.ask("lost-0123abcd", DP_SGD_JOB, round_=3).what == "update"
+
+
 def test_max_rounds_counts_the_rounds_the_site_ran_across_restarts(rogue, site):
     job = heart_job(name="replayed", rounds=2)
     agent, thread = site(PolicySpec(allowed_models=("logistic",), max_rounds=2))
