@@ -20,7 +20,7 @@ from coordinator.store import Store
 from plexus import transport
 from plexus.audit import AuditLog
 from plexus.config import CoordinatorConfig
-from plexus.errors import FailedPrecondition
+from plexus.errors import FailedPrecondition, IntegrityError
 from plexus.identity import RevocationList, federation_of, kit_identity, load_kit
 from plexus.proto.plexus.v1 import admin_pb2_grpc, federation_pb2_grpc
 from plexus.rpc import Authenticator, SendWatchdog
@@ -60,7 +60,12 @@ class Coordinator:
         self._crl_watch = threading.Thread(target=crl.watch, args=(self._crl_stop,), name="crl-watch", daemon=True)
         # The audit trail: append-only, hash-chained, beside plexus.db (`plexus audit --verify`).
         # Its head is signed with the coordinator's key (`plexus audit --export-head`, `--against`).
-        self.audit_log = AuditLog(Path(config.state_dir) / "audit.db", signer=(kit.key_pem, kit.cert_pem))
+        audit_path = Path(config.state_dir) / "audit.db"
+        if not audit_path.exists() and (jobs := len(self.store.jobs())):
+            raise IntegrityError(f"{audit_path} is missing, but the state dir holds {jobs} job(s): a new audit log "
+                                 "would start its hash chain over and hide what the old one recorded; restore it "
+                                 "from a backup (docs/backup-restore.md)")
+        self.audit_log = AuditLog(audit_path, signer=(kit.key_pem, kit.cert_pem))
         self.audit = CoordinatorAudit(self.audit_log, self.store)
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), poll_timeout_s=config.poll_timeout_s,
                              rejoin_grace_s=config.rejoin_grace_s, on_death=self._engine_died, models=models,

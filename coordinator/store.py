@@ -210,6 +210,7 @@ class Store:
         self._reading: Counter = Counter()   # (job, round) -> downloads streaming that checkpoint now
         path = self.state_dir / DB_FILE
         _check_wal(path)
+        _check_not_lost(path, self.checkpoints)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -671,6 +672,20 @@ class Store:
                      ", ".join(map(str, sorted(removed))), keep_last,
                      f", keep_every={keep_every}" if keep_every else "")
         return sorted(removed)
+
+
+def _check_not_lost(db: Path, checkpoints: Path) -> None:
+    """Refuse to start a new, empty database in a state dir that held one: its write-ahead log, a checkpoint
+    or the audit log is there and the database is not. SQLite would make a new one without a word, and every
+    job would be gone."""
+    if db.exists():
+        return
+    left = [p for p in (db.with_name(db.name + "-wal"), db.with_name("audit.db")) if p.exists()]
+    left += [p for p in sorted(checkpoints.glob("*/*.safetensors"))[:1]]
+    if left:
+        raise IntegrityError(f"{db} is missing, but {', '.join(str(p) for p in left)} "
+                             f"{'is' if len(left) == 1 else 'are'} still there: the state dir held a database, and "
+                             f"a new one would hold none of its jobs; {RESTORE}")
 
 
 def _check_wal(db: Path) -> None:

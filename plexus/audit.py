@@ -137,9 +137,18 @@ class AuditLog:
         self._signer, self._anchor_every = signer, anchor_every
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # an audit entry, once returned, survives a power cut
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # an audit entry, once returned, survives a power cut
+            self._db.executescript(_SCHEMA)
+        except sqlite3.OperationalError:   # locked or unreadable: not a damaged file
+            self._db.close()
+            raise
+        except sqlite3.DatabaseError as exc:   # not a database at all, or a malformed page
+            self._db.close()
+            raise IntegrityError(f"the audit log {self.path} is damaged ({exc}); restore it from a backup "
+                                 "(docs/backup-restore.md): the log is hash-chained, so a damaged one cannot be "
+                                 "mended in place") from None
 
     def close(self) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ import pytest
 from coordinator.server import Coordinator
 from plexus import pki
 from plexus.config import CheckpointsSpec, CoordinatorConfig
-from plexus.errors import FailedPrecondition
+from plexus.errors import FailedPrecondition, IntegrityError
 from plexus.health import check
 
 from checkpoint_damage import DAMAGE as DAMAGE_OF
@@ -177,6 +177,34 @@ def test_an_engine_thread_that_dies_turns_health_to_not_serving(federation, monk
 def _config(pki_root, state, listen="127.0.0.1:0") -> CoordinatorConfig:
     return CoordinatorConfig(listen=listen, kit=pki_root / "coordinator", state_dir=state,
                              crl=pki_root / "coordinator" / "crl.pem", poll_timeout_s=1.0, rejoin_grace_s=0.0)
+
+
+@pytest.mark.parametrize("loss", ["plexus.db", "audit.db", "audit.db damaged"])
+def test_a_state_dir_that_lost_its_database_or_audit_log_is_refused_naming_it(pki_root, tmp_path, loss):
+    """Before: without plexus.db the coordinator started empty (every job gone, the old WAL thrown away), without
+    audit.db it started a new hash chain, and a damaged audit.db was a raw sqlite3 traceback."""
+    state = tmp_path / "state"
+    first = Coordinator(_config(pki_root, state))
+    first.engine.submit(heart_job(name="kept"), "ops")
+    first.stop()
+    lost = state / loss.split()[0]
+    if loss.endswith("damaged"):
+        lost.write_bytes(b"not a database at all" * 10)
+    else:
+        lost.unlink()
+    with pytest.raises(IntegrityError) as info:
+        Coordinator(_config(pki_root, state))
+    message = str(info.value)
+    if loss == "plexus.db":
+        assert message.startswith(f"{lost} is missing, but {state / 'audit.db'}, ") and "0.safetensors" in message
+        assert not lost.exists()   # no new, empty database was made
+    elif loss == "audit.db":
+        assert message.startswith(f"{lost} is missing, but the state dir holds 1 job(s): a new audit log would "
+                                  "start its hash chain over")
+        assert not lost.exists()
+    else:
+        assert message.startswith(f"the audit log {lost} is damaged (file is not a database)")
+    assert "docs/backup-restore.md" in message
 
 
 def test_a_second_coordinator_on_the_same_state_dir_is_refused(federation, pki_root, tmp_path):
