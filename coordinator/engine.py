@@ -10,6 +10,7 @@ next job and asks its driver to move it on; durable effects go through the Store
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import shutil
@@ -50,6 +51,7 @@ from plexus.errors import (
     IntegrityError,
     NotFound,
     PlexusError,
+    Reason,
     RoundClosed,
     Unavailable,
     out_of_space,
@@ -155,6 +157,7 @@ class Engine:
         self._retry_at = 0.0                # monotonic: no tick before this, after a storage failure
         self._storage_failures = 0          # in a row, since a round was last saved: each doubles the wait
         self._free_wanted = 0               # after a full disk: free bytes the state dir must have to go on
+        self.tier_rows_cap: int | None = None   # a relay's tier: the most rows of a dataset its sites report in all
         self._thread = threading.Thread(target=self._run, name="plexus-engine", daemon=True)
 
     @property
@@ -475,12 +478,25 @@ class Engine:
     def join(self, site: str, info: JoinInfo) -> None:
         """A site (re)joins: it is online, and the training rows it reports bound its updates' weight."""
         with self._cv:
+            if self.tier_rows_cap is not None:
+                self._check_tier_rows(site, info.dataset_rows)
             self._presence.joined(site, info.dataset_rows)
             self.store.site_seen(site, agent_version=info.agent_version, models=list(info.models),
                                  datasets=list(info.datasets), policy_digest=info.policy_digest)
             self.store.site_joined(site, serial=info.serial, dataset_rows=info.dataset_rows,
                                    children=info.children if info.relay else None)
             self._cv.notify_all()
+
+    def _check_tier_rows(self, site: str, rows: dict[str, int]) -> None:
+        """A relay's tier: refuse a child whose rows would take its sites' total of a dataset past what the relay
+        may report to its parent at Join (the parent would refuse the whole relay, and every sibling with it)."""
+        for dataset, n in rows.items():
+            others = sum(int(json.loads(r.dataset_rows).get(dataset, 0)) for r in self.store.sites() if r.name != site)
+            if others + n > self.tier_rows_cap:
+                raise IntegrityError(f"Join refused: with {n} training rows of {dataset[:64]!r} this relay's sites "
+                                     f"would report {others + n} in all, past the {self.tier_rows_cap} its parent "
+                                     "takes from one relay; report the rows this site really has",
+                                     reason=Reason.NUM_SAMPLES)
 
     def next_task(self, site: str, wait_s: float, valid: Callable[[], None] = lambda: None) -> TaskGrant | None:
         """The site's task, waiting up to wait_s (at most poll_timeout_s) for one to appear. `valid()` raises once

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from coordinator.aggregate import MAX_WEIGHT
 from coordinator.audit import CoordinatorAudit
 from coordinator.engine import Engine
 from coordinator.metrics import CoordinatorMetrics
@@ -43,12 +44,12 @@ class Coordinator:
         # Locks the state dir first: a second coordinator on it stops here, naming the first one's PID.
         self.store = Store(config.state_dir, retention=config.checkpoints)
         try:
-            self._build(config, kit, models)
+            self._build(config, kit, models, kit_kind)
         except BaseException:
             self.store.close()   # and its lock, so a corrected retry in this process can take it
             raise
 
-    def _build(self, config: CoordinatorConfig, kit, models: ModelWorker | None) -> None:
+    def _build(self, config: CoordinatorConfig, kit, models: ModelWorker | None, kit_kind: str) -> None:
         # Revocation is not optional: without crl: in the config, the kit's own crl.pem is used. It is
         # checked before anything serves, so a rolled-back or expired CRL stops the start cleanly;
         # the highest CRL number seen is kept in the state dir, so a restart cannot roll it back.
@@ -71,6 +72,8 @@ class Coordinator:
                              rejoin_grace_s=config.rejoin_grace_s, on_death=self._engine_died, models=models,
                              model_limits=ModelLimits(config.model_build_timeout_s, config.model_build_memory_bytes),
                              take_up=self._take_up, refuse_jobs=self._refuse_jobs)
+        if kit_kind == "relay":   # its sites' rows are summed into one Join at the parent, which caps them
+            self.engine.tier_rows_cap = MAX_WEIGHT
         # One certificate's calls never take the whole pool (max_calls_per_identity < max_workers), and a
         # stream that stops moving lets go of its thread and transfer slot (stream_idle_timeout_s).
         auth = Authenticator(crl, max_calls=config.max_calls_per_identity)

@@ -16,7 +16,8 @@ from coordinator.events import admin_actor
 from coordinator.served import Held, ServedModel
 from coordinator.store import EventRow, JobRow, SiteRow
 from coordinator.tasks import Binding, JoinInfo, Partial, SecaggAnswer, TaskGrant, TaskResult, UpdateHeader
-from plexus.errors import FailedPrecondition, IntegrityError, TimedOut
+from plexus.config import MAX_SITES
+from plexus.errors import FailedPrecondition, IntegrityError, Reason, TimedOut
 from plexus.proto.plexus.v1 import admin_pb2, admin_pb2_grpc, federation_pb2 as fpb, federation_pb2_grpc
 from plexus.rpc import Authenticator, SendWatchdog, caller_certificate, guarded
 from plexus.secagg import advert_from_proto, advert_to_proto
@@ -30,6 +31,10 @@ _KINDS = {TaskKind.TRAIN: fpb.TASK_TRAIN, TaskKind.EVALUATE: fpb.TASK_EVALUATE,
 MAX_SHARE_VALUE_BYTES = 80   # a share value mod 2**521 - 1 fits in 66 bytes
 MAX_JOIN_NAMES = 256         # models, datasets (and their row counts) one site may advertise
 MAX_JOIN_NAME_CHARS = 64     # a model or dataset name, and the agent version
+# A relay's children at its Join, and the contributors of its partial sum: as many as a federation has sites,
+# each a path of site names ("child/grandchild/...") through at most 8 tiers.
+MAX_CHILDREN = MAX_SITES
+MAX_CHILD_PATH_CHARS = 8 * 64
 _RESULTS = {fpb.RESULT_EVALUATED: TaskStatus.EVALUATED, fpb.RESULT_DECLINED: TaskStatus.DECLINED,
             fpb.RESULT_FAILED: TaskStatus.FAILED, fpb.RESULT_TRAINED: TaskStatus.TRAINED}
 
@@ -260,12 +265,17 @@ def check_join(request: fpb.JoinRequest) -> None:
     """Refuse a Join whose names could not be shown or stored sanely (`plexus sites list`, the audit log):
     at most MAX_JOIN_NAMES of them, each 1-64 printable characters, and a hex policy digest."""
     for field_name, names in (("models", request.models), ("datasets", request.datasets),
-                              ("dataset_rows", list(request.dataset_rows)), ("children", request.children)):
+                              ("dataset_rows", list(request.dataset_rows))):
         if len(names) > MAX_JOIN_NAMES:
             raise IntegrityError(f"Join refused: {len(names)} {field_name}; a site advertises at most "
                                  f"{MAX_JOIN_NAMES}: map fewer datasets or install fewer model plug-ins")
         for name in names:
             _check_join_text(f"{field_name} name", name, allow_empty=False)
+    if len(request.children) > MAX_CHILDREN:
+        raise IntegrityError(f"Join refused: {len(request.children)} children; a relay stands for at most "
+                             f"{MAX_CHILDREN} sites and relays below it")
+    for name in request.children:
+        _check_join_text("children name", name, allow_empty=False, most=MAX_CHILD_PATH_CHARS)
     for dataset, rows in request.dataset_rows.items():
         if not 0 <= rows <= MAX_WEIGHT:   # a count the engine schedules by (a synchronous split epoch's turns)
             raise IntegrityError(f"Join refused: {rows} training rows of {dataset[:64]!r}; a site reports at most "
@@ -277,11 +287,11 @@ def check_join(request: fpb.JoinRequest) -> None:
                              "most 128 characters; a Plexus site agent sends the SHA-256 of its policy")
 
 
-def _check_join_text(what: str, text: str, *, allow_empty: bool) -> None:
-    if (not text and not allow_empty) or len(text) > MAX_JOIN_NAME_CHARS or not text.isprintable() \
+def _check_join_text(what: str, text: str, *, allow_empty: bool, most: int = MAX_JOIN_NAME_CHARS) -> None:
+    if (not text and not allow_empty) or len(text) > most or not text.isprintable() \
             or text != text.strip():
         shown = repr(text[:40]) + ("…" if len(text) > 40 else "")
-        raise IntegrityError(f"Join refused: {what} {shown} ({len(text)} characters) must be 1-{MAX_JOIN_NAME_CHARS} "
+        raise IntegrityError(f"Join refused: {what} {shown} ({len(text)} characters) must be 1-{most} "
                              "printable characters without control characters or surrounding spaces; rename it "
                              "in site.yaml (datasets) or in the model plug-in")
 
@@ -336,10 +346,15 @@ def update_header(header: fpb.UpdateHeader, *, relay: bool = False) -> UpdateHea
         if not relay:
             raise IntegrityError("only a relay's certificate may send a partial sum; a site sends its own update")
         contributors = tuple(header.partial.contributors)
-        if len(contributors) > MAX_JOIN_NAMES or any(len(c) > MAX_JOIN_NAME_CHARS for c in contributors):
-            raise IntegrityError(f"a partial sum names at most {MAX_JOIN_NAMES} contributors of at most "
-                                 f"{MAX_JOIN_NAME_CHARS} characters each")
-        partial = Partial(updates=header.partial.updates, contributors=contributors)
+        if len(contributors) > MAX_CHILDREN or any(len(c) > MAX_CHILD_PATH_CHARS for c in contributors):
+            raise IntegrityError(f"a partial sum names at most {MAX_CHILDREN} contributors of at most "
+                                 f"{MAX_CHILD_PATH_CHARS} characters each")
+        updates = header.partial.updates
+        if not len(contributors) <= updates <= min(header.num_samples, MAX_CHILDREN):
+            raise IntegrityError(f"a partial sum of {updates} update(s) from {len(contributors)} contributor(s) "
+                                 f"weighing {header.num_samples}: it holds at least one update per contributor, and "
+                                 f"each weighs at least 1 (at most {MAX_CHILDREN} updates)", reason=Reason.NUM_SAMPLES)
+        partial = Partial(updates=updates, contributors=contributors)
     return UpdateHeader(task=_binding(header), num_samples=header.num_samples, layout=layout,
                         metrics=dict(header.metrics), eval_metrics=dict(header.eval_metrics), problem=problem,
                         partial=partial)

@@ -11,7 +11,7 @@ import time
 
 import grpc
 
-from coordinator.aggregate import exact_layout
+from coordinator.aggregate import MAX_WEIGHT, exact_layout
 from coordinator.engine import Engine
 from coordinator.store import SiteRow, Store
 from plexus import __version__, transport
@@ -46,6 +46,9 @@ def join_request(sites: list[SiteRow]) -> fpb.JoinRequest:
         for dataset, n in json.loads(row.dataset_rows).items():
             rows[dataset] = rows.get(dataset, 0) + int(n)
         children += [row.name] + [f"{row.name}/{child}" for child in json.loads(row.children or "[]")]
+    # The tier refuses a child past this (Engine.tier_rows_cap); rows recorded before it did must not keep the
+    # parent refusing the whole relay.
+    rows = {dataset: min(n, MAX_WEIGHT) for dataset, n in rows.items()}
     return fpb.JoinRequest(agent_version=__version__, models=sorted(models), datasets=sorted(rows),
                            dataset_rows=rows, children=children)
 
@@ -82,6 +85,11 @@ class Upstream:
                     break
                 log.log(logging.INFO if exc.code() in _RETRY else logging.ERROR, "parent %s: %s: %s; retrying in "
                         "%.1fs", self.config.parent, exc.code().name, exc.details(), delay)
+            except Exception:   # never a silent end: the relay would serve its children and never its parent again
+                if self.stop.is_set():
+                    break
+                log.exception("parent %s: the relay's connection failed; retrying in %.1fs", self.config.parent,
+                              delay)
             finally:
                 self._channel = None
             self.stop.wait(delay * (1 + 0.2 * self._rng.random()))
@@ -101,8 +109,15 @@ class Upstream:
             if join_request(self.store.sites()) != self._joined:   # children come and go: the parent's view follows
                 self._join(stub)
             task = stub.NextTask(fpb.NextTaskRequest(wait_s=min(poll_s, 5.0)), timeout=min(poll_s, 5.0) + 15)
-            if task.kind != fpb.TASK_NONE:
+            if task.kind == fpb.TASK_NONE:
+                continue
+            try:
                 self.handle(stub, task)
+            except grpc.RpcError:
+                raise
+            except Exception as exc:   # whatever the parent sent, reported, and the relay goes on
+                log.exception("task %s from the parent failed", task.task_id)
+                self._report(stub, task, fpb.RESULT_FAILED, f"the relay failed: {type(exc).__name__}: {exc}")
 
     def handle(self, stub, task: fpb.Task) -> None:
         try:
@@ -123,7 +138,7 @@ class Upstream:
         if not any(row.id == task.job_id for row in self.store.jobs()):
             self.store.add_job(task.job_id, cfg.name, task.config_yaml, cfg.strategy.name, cfg.rounds,
                                f"parent {self.config.parent}")
-        left = task.deadline_unix_s - time.time() - self.config.tier.upload_margin_s
+        left = _remaining(task) - self.config.tier.upload_margin_s
         try:
             layout, blob = self._fetch(stub, task)
         except (IntegrityError, ValueError) as exc:
@@ -215,5 +230,14 @@ class Upstream:
                         exc.details())
 
 
+MAX_CALL_S = 2 * 86400.0   # past a round's longest deadline (a day); gRPC takes ~1e10 s as already expired
+
+
+def _remaining(task: fpb.Task) -> float:
+    """Seconds to the task's deadline, at most MAX_CALL_S whatever the parent sent (inf, 1e300, NaN: 0)."""
+    left = task.deadline_unix_s - time.time()
+    return min(MAX_CALL_S, left) if left == left else 0.0
+
+
 def _timeout(task: fpb.Task) -> float:
-    return max(30.0, task.deadline_unix_s - time.time() + 30.0)
+    return max(30.0, _remaining(task) + 30.0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from coordinator.aggregate import WeightedSum, exact_layout
-from coordinator.service import update_header
+from coordinator.service import check_join, update_header
 from plexus.errors import IntegrityError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.wire import Layout, encode
@@ -76,3 +76,28 @@ def test_only_a_relay_certificate_may_send_a_partial_sum():
     with pytest.raises(IntegrityError, match="only a relay's certificate may send a partial sum"):
         update_header(header)
     assert update_header(header, relay=True).partial.contributors == ("a", "b")
+
+
+@pytest.mark.parametrize("updates, num_samples, ok", [(2, 10, True), (10, 10, True), (1, 10, False),
+                                                      (11, 10, False), (2**32 - 1, 1000, False)])
+def test_a_partial_sum_holds_one_update_per_contributor_at_least_and_weighs_one_per_update(updates, num_samples, ok):
+    """Before, 2**32 - 1 updates of total weight 1000 was taken as told."""
+    header = fpb.UpdateHeader(task_id="t", job_id="j", round=1, num_samples=num_samples,
+                              partial=fpb.PartialSum(updates=updates, contributors=["a", "b"]))
+    if ok:
+        assert update_header(header, relay=True).partial.updates == updates
+    else:
+        with pytest.raises(IntegrityError, match=f"a partial sum of {updates} update"):
+            update_header(header, relay=True)
+
+
+def test_a_relay_may_stand_for_more_sites_than_a_site_has_datasets():
+    """A relay names its whole subtree at Join and its contributors in its sum, as paths of site names: 256 of
+    them (the cap on a site's models and datasets) or a 63-character name below another relay were refused."""
+    below = [f"relay-2/{'h' * 60}{i:03d}" for i in range(300)]
+    check_join(fpb.JoinRequest(agent_version="0.1.0", children=["relay-2", *below]))
+    header = fpb.UpdateHeader(task_id="t", job_id="j", round=1, num_samples=1000,
+                              partial=fpb.PartialSum(updates=301, contributors=["relay-2", *below]))
+    assert len(update_header(header, relay=True).partial.contributors) == 301
+    with pytest.raises(IntegrityError, match="must be 1-512 printable characters"):
+        check_join(fpb.JoinRequest(agent_version="0.1.0", children=["x" * 513]))

@@ -13,6 +13,8 @@ import grpc
 import numpy as np
 import pytest
 
+from coordinator.aggregate import MAX_WEIGHT
+from coordinator.store import SiteRow
 from coordinator.tasks import site_seed
 from plexus import pki
 from plexus.cli import main as cli
@@ -21,6 +23,7 @@ from plexus.datasets import heart_disease
 from plexus.models import build_model, load_numpy_state, state_to_numpy
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from relay.server import Relay
+from relay.upstream import join_request
 from site_agent.agent import SiteAgent
 from site_agent.training import train_local
 
@@ -150,6 +153,39 @@ def test_a_child_failing_at_a_relay_s_tier_leaves_the_flat_federation_s_model(re
         fed.close()
 
 
+def test_a_task_the_relay_fails_on_is_reported_and_the_relay_keeps_serving_its_parent(relay_kits, tmp_path,
+                                                                                       monkeypatch):
+    """Before: anything but a gRPC error (a parent's model too large to assemble: MemoryError) ended the relay's
+    thread to its parent for good, while it still served its children and the parent still listed it online."""
+    import relay.upstream
+
+    real, calls = relay.upstream.Upstream._fetch, []
+
+    def fetch(self, stub, task):
+        calls.append(task.round)
+        if len(calls) == 1:
+            raise MemoryError("the parent's model does not fit (test)")
+        return real(self, stub, task)
+
+    monkeypatch.setattr(relay.upstream.Upstream, "_fetch", fetch)
+    fed = Federation(relay_kits, tmp_path / "coordinator")
+    tier = Relay(relay_config(relay_kits, "relay-1", fed.address, tmp_path / "relay-1"))
+    tier.start()
+    try:
+        fed.start_site("a", coordinator=f"127.0.0.1:{tier.port}")
+        fed.start_site("d")
+        fed.wait_online("relay-1", "d")
+        job_id = fed.admin().submit(heart_job(name="fails-once", rounds=2, min=1)).job_id
+        assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
+        events = {(e.round, e.site): e for e in fed.store.site_events(job_id)}
+        assert events[1, "relay-1"].status == "failed"
+        assert events[1, "relay-1"].reason == "the relay failed: MemoryError: the parent's model does not fit (test)"
+        assert events[2, "relay-1"].status == "submitted" and calls[:2] == [1, 2]
+    finally:
+        tier.stop()
+        fed.close()
+
+
 def test_a_child_s_own_policy_is_enforced_at_the_child_below_a_relay(relay_kits, tmp_path):
     """b allows only logistic models: below relay-1 it declines the mlp job itself, and relay-1 stands for a."""
     fed = Federation(relay_kits, tmp_path / "coordinator")
@@ -238,6 +274,39 @@ def test_a_child_revoked_by_the_federation_crl_is_refused_by_its_relay(tmp_path)
     finally:
         relay.stop()
         fed.close()
+
+
+def test_one_child_s_rows_cannot_cut_its_relay_off_its_parent(tmp_path):
+    """The relay reports its children's rows summed: before, a child claiming 2**31 rows made the parent refuse
+    the relay's Join on every retry (its siblings lost every job), and the row stayed in the relay's store. Now
+    the relay's tier refuses that child, and rows recorded before it did are capped in the relay's Join."""
+    root = tmp_path / "pki"
+    pki.init_federation(root, "rows", hosts=["127.0.0.1"])
+    for name in ("a", "h"):
+        pki.add_site(root, name)
+    pki.add_relay(root, "relay-1", hosts=["127.0.0.1"])
+    fed = Federation(root, tmp_path / "coordinator")
+    relay = Relay(relay_config(root, "relay-1", fed.address, tmp_path / "relay"))
+    relay.start()
+    try:
+        address = f"127.0.0.1:{relay.port}"
+        good, greedy = RawSite(root / "sites" / "a", address), RawSite(root / "sites" / "h", address)
+        good.join({"heart-disease": 200})
+        with pytest.raises(grpc.RpcError) as refused:
+            greedy.join({"heart-disease": MAX_WEIGHT})
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"this relay's sites would report {MAX_WEIGHT + 200} in all" in refused.value.details()
+        greedy.join({"heart-disease": 50})   # what it really has is taken
+        wait_until(lambda: any(json.loads(r.dataset_rows) == {"heart-disease": 250} for r in fed.store.sites()
+                               if r.name == "relay-1"), scaled(30), "the relay's Join with its children's 250 rows")
+        good.close()
+        greedy.close()
+    finally:
+        relay.stop()
+        fed.close()
+    recorded = [SiteRow(name, 0.0, "0.1.0", "", "[]", '["heart-disease"]', "", json.dumps({"heart-disease": n}))
+                for name, n in (("a", 200), ("g", MAX_WEIGHT))]   # g's, recorded before the tier refused it
+    assert dict(join_request(recorded).dataset_rows) == {"heart-disease": MAX_WEIGHT}
 
 
 def test_a_child_revoked_while_it_long_polls_its_relay_is_refused_at_once(tmp_path):
