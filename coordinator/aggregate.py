@@ -473,6 +473,12 @@ class ExactFold(_Entering):
             self._require_open()
             value = max_abs / _SCALE
             if value > self._peak:   # the sum holds Σ w·|x| ≤ its largest element, as one entry of the range
+                if value * _SCALE >= _LIMIT / total.sites:   # as a site of the relay's whole weight would be
+                    raise IntegrityError(f"a relay's partial sum (largest |element| {value:.3g}) takes more than one "
+                                         f"participant's part of the fixed-point range (Σ n·|x| < "
+                                         f"{_LIMIT / _SCALE:.3g}, shared equally by the round's {total.sites} "
+                                         "site(s) and relay(s)); its children's training has probably diverged",
+                                         reason=Reason.NORM)
                 if (total._bound - self._peak + value) * _SCALE >= _LIMIT:
                     raise IntegrityError(f"a relay's partial sum (largest |element| {value:.3g}) overflows the "
                                          f"fixed-point range (Σ n·|x| < {_LIMIT / _SCALE:.3g}) with the round's "

@@ -101,3 +101,22 @@ def test_a_relay_may_stand_for_more_sites_than_a_site_has_datasets():
     assert len(update_header(header, relay=True).partial.contributors) == 301
     with pytest.raises(IntegrityError, match="must be 1-512 printable characters"):
         check_join(fpb.JoinRequest(agent_version="0.1.0", children=["x" * 513]))
+
+
+def test_a_relay_s_partial_sum_takes_one_participant_s_part_of_the_range_at_most():
+    """Before, a partial sum of elements near 2**62 was taken whole, and a direct site's honest update was then
+    refused as 'too large', blamed for it. A relay's sum may hold what a site of its whole weight could."""
+    top = WeightedSum(LAYOUT, sites=2)   # the round: one relay and one site
+    hog = np.zeros(LAYOUT.total_elements, np.int64)
+    hog[0] = 2**62 - 2**20
+    fold = top.begin_exact(1000, 2)
+    with pytest.raises(IntegrityError, match="takes more than one participant's part of the fixed-point range"):
+        fold.add(hog.tobytes(), float(hog[0]))
+    fold.undo(lambda: [b""])
+    honest = summed(updates(2))
+    fold, _ = fold_exact(top, honest)
+    fold.finish()
+    (update, weight), = updates(1, seed=5)
+    layout, blob = encode(update)
+    top.fold([bytes(blob)], weight, max(float(np.abs(v).max()) for v in update.values()), nbytes=layout.total_bytes)
+    assert top.count == 3   # the relay's two updates and the site's, refused before
