@@ -36,7 +36,7 @@ from plexus.config import (
 )
 from plexus.datasets import DataError, Split, load_for_job, train_rows
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
-from plexus.errors import ConfigError, FailedPrecondition, IntegrityError
+from plexus.errors import ConfigError, FailedPrecondition, IntegrityError, storage_failure
 from plexus.identity import kit_identity, load_kit
 from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
@@ -200,7 +200,7 @@ class SiteAgent:
             reason = exc.remote
         except Exception as exc:   # the site's own record cannot be read, or the policy's sums fail: nothing ran
             log.exception("task %s failed", task.task_id)
-            return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
+            return self.report(stub, task, fpb.RESULT_FAILED, failure_reason(exc))
         if reason:
             return self._decline(stub, task, reason)
         if task.kind in SPLIT_KINDS:
@@ -260,7 +260,7 @@ class SiteAgent:
         except Exception as exc:   # IntegrityError too: whatever the coordinator sent, reported, and the agent goes on
             log.exception("task %s failed", task.task_id)
             self._secure.pop((task.job_id, task.round), None)
-            return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
+            return self.report(stub, task, fpb.RESULT_FAILED, failure_reason(exc))
         if coded is not None:
             update = upload.wire
         else:
@@ -285,7 +285,7 @@ class SiteAgent:
             raise
         except Exception as exc:   # IntegrityError too: whatever the coordinator sent, reported, and the agent goes on
             log.exception("task %s failed", task.task_id)
-            return self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
+            return self.report(stub, task, fpb.RESULT_FAILED, failure_reason(exc))
         stream = self.split_stream(stub)
         stream.reply_timeout_s = job.split.batch_timeout_s + SPLIT_REPLY_MARGIN_S
         try:
@@ -297,7 +297,7 @@ class SiteAgent:
             return None
         except Exception as exc:   # a malformed reply (IntegrityError), or anything else: reported, the agent goes on
             log.exception("task %s failed", task.task_id)
-            self.report(stub, task, fpb.RESULT_FAILED, f"{type(exc).__name__}: {exc}")
+            self.report(stub, task, fpb.RESULT_FAILED, failure_reason(exc))
             return None
         finally:
             stream.close()
@@ -618,6 +618,16 @@ def round_config(text: str, job_id: str) -> RoundConfig:
     """A task's round config, parsed once per job (every task of a job carries the same text; RoundConfig is
     immutable)."""
     return parse_round_config(text, source=f"job {job_id}")
+
+
+def failure_reason(exc: BaseException) -> str:
+    """What the coordinator is told of a task that failed here. A full or failing disk under the state dir is
+    said as such, without the local path (the site's log has it)."""
+    if storage_failure(exc):
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return (f"this site cannot write its state_dir ({what}); its tasks fail until its operator frees space "
+                "there (its log names the file)")
+    return f"{type(exc).__name__}: {exc}"
 
 
 def kind_refusal(job: RoundConfig, kind: int) -> str:

@@ -56,6 +56,7 @@ from plexus.wire import DTYPES, Layout, decode, encode
 log = logging.getLogger("plexus.coordinator")
 
 MAX_METRICS = 64
+RETRY_WAIT_S = 1.0   # before a round that missed its quorum opens again; doubles with each retry of it
 
 
 # Strategy rules: the driver dispatches on the rule's type (MeanRule over the weighted mean, UpdatesRule over
@@ -302,6 +303,7 @@ class ActiveJob:
     total: WeightedSum | None = None         # the running sum, kept from round to round (round_sum)
     codec: object = None                     # the uplink codec (plexus.compression) when updates travel compressed
     retried: dict[int, int] = field(default_factory=dict)   # round -> times it was opened again (sites.retries)
+    retry_at: float = 0.0                    # monotonic: a round that missed its quorum opens again no sooner
     epsilons: dict[int, float] = field(default_factory=dict)   # DP: ε after round n, computed as it opened
     rates: dict[int, float] | None = None    # DP: round n's sampling rate q (read from the ledger once)
     downlink: Downlink | None = None         # compression.downlink fp16/delta8/4: what sites fetch instead of `served`
@@ -713,6 +715,10 @@ class SyncRounds:
         if missing and not job.opened_any and now - job.activated < grace:
             self._waiting(f"waiting up to {grace:g}s for the job's sites to connect: " + ", ".join(missing))
             return 0.5
+        if now < job.retry_at:
+            self._waiting(f"round {job.model_round + 1} opens again in {job.retry_at - now:.1f}s "
+                          f"(retry {job.retried.get(job.model_round + 1, 0)} of sites.retries={cfg.sites.retries})")
+            return min(0.5, job.retry_at - now)
         accounting = dp is not None and not job.budget_stop and job.model_round < cfg.rounds
         # The trainers, drawn once per look (the schedule is pure): ε needs the cohort's size before it opens.
         cohort = choose(job.strategy, job.model_round + 1, online, known) if accounting or not evaluating else []
@@ -886,6 +892,8 @@ class SyncRounds:
         """Close the round that missed its quorum; the next tick opens it again once enough sites are online."""
         job = self.job
         job.retried[rs.round] = retry
+        # A site that failed at once (a full disk, a restart) would fail the retries at once too: they wait.
+        job.retry_at = self.ctx.monotonic() + min(job.cfg.sites.deadline_s, RETRY_WAIT_S * 2 ** min(retry - 1, 20))
         message = f"round {rs.round} missed its quorum: {why}; opening it again (retry {retry} of " \
                   f"sites.retries={job.cfg.sites.retries})"
         self.ctx.store.close_round(job.row.id, rs.round, status="failed", contributors=sorted(rs.contributors),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import resource
 import time
 
@@ -86,6 +88,23 @@ def test_a_lost_dp_sgd_ledger_is_refused_instead_of_starting_the_budget_over(rog
                 "(dp_sgd/lost-0123abcd.json in its state_dir) is missing or empty") in got.reason, got.reason
     ledger.write_bytes(kept)   # restored from the backup
     assert rogue.ask("lost-0123abcd", DP_SGD_JOB, round_=3).what == "update"
+
+
+def test_a_full_state_dir_is_reported_as_such_without_the_local_path(rogue, site, tmp_path, monkeypatch):
+    """Before: the coordinator was told "OSError: [Errno 28] No space left on device: '/srv/.../rounds/x.json'"."""
+    import site_agent.state
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    site(PolicySpec(allowed_models=("logistic",)))
+    monkeypatch.setattr(site_agent.state, "write_atomically", full)
+    got = rogue.ask("full-0123abcd", heart_job(name="full"))
+    assert got.what == "RESULT_FAILED", got
+    assert got.reason == ("this site cannot write its state_dir (No space left on device); its tasks fail until its "
+                          "operator frees space there (its log names the file)"), got.reason
+    monkeypatch.undo()
+    assert rogue.ask("full-0123abcd", heart_job(name="full")).what == "update"
 
 
 def test_max_rounds_counts_the_rounds_the_site_ran_across_restarts(rogue, site):

@@ -82,3 +82,18 @@ def test_a_job_that_failed_on_a_missed_quorum_resumes_from_its_last_round_with_j
 
     assert cli(["job", "resume", job_id, *_admin_args(federation)]) == 1
     assert "is completed; only a failed job can be resumed (it has ended" in capsys.readouterr().err
+
+
+def test_the_retries_of_a_round_wait_longer_each_time(federation):
+    """Before: a site failing its task at once (its disk full) had every retry of the round spent within
+    milliseconds (3 in 32 ms in the probe). Now the round opens again after 1 s, then 2 s."""
+    dropout = _two_sites_and_a_dropout(federation)
+    job_id = federation.admin().submit(heart_job(name="paced", rounds=1, min=3, retries=2)).job_id
+    for _ in range(3):   # round 1, then its two retries: c fails each at once
+        dropout.report(dropout.next_task(), fpb.RESULT_FAILED, "the site's disk is full (test)")
+    assert federation.wait_job(job_id) == "failed"
+    kinds = [(e.kind, e.at) for e in _events(federation, job_id) if e.kind in ("round_opened", "round_retry")]
+    opened = [at for kind, at in kinds if kind == "round_opened"]
+    retried = [at for kind, at in kinds if kind == "round_retry"]
+    assert len(opened) == 3 and len(retried) == 2, kinds
+    assert opened[1] - retried[0] >= 0.9 and opened[2] - retried[1] >= 1.9, kinds
