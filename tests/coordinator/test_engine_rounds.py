@@ -198,6 +198,7 @@ def test_a_round_that_misses_its_quorum_is_opened_again_while_retries_last(store
         assert (store.job(job_id).status, store.job(job_id).current_round) == ("running", 0)
         assert ("b", "late", 1, "no update by the round deadline (60 s)") in store.site_events(job_id)
 
+        clock.now += 1   # the wait before a retry (RETRY_WAIT_S)
         _round_one(engine, clock, late="a")   # the second miss: no retry left
         assert wait_until(lambda: store.job(job_id).status == "failed" and store.job(job_id), 30).message \
             .startswith("round 1 failed: 1 update(s), below sites.min=2 (other sites — a: late)")
@@ -220,6 +221,7 @@ def test_a_retried_round_goes_to_the_site_the_schedule_had_due_not_the_next(stor
         assert wait_until(lambda: engine.next_task("a", 0.0), 30, "a's task").round == 1   # a takes it, never answers
         clock.now += 61
         wait_until(lambda: "round_retry" in [e[2] for e in store.events_after(job_id, 0)], 30, "the retry")
+        clock.now += 1   # the wait before a retry (RETRY_WAIT_S)
         for site in ("a", "b"):
             join(engine, site)
         again = wait_until(lambda: engine.driver and engine.driver.round, 30, "round 1 to open again")
