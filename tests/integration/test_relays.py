@@ -4,6 +4,7 @@ the job still ends with those bits."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -250,60 +251,53 @@ def test_a_relay_declines_what_it_cannot_run_and_the_job_goes_on(relay_kits, tmp
         fed.close()
 
 
-def test_a_child_revoked_by_the_federation_crl_is_refused_by_its_relay(tmp_path):
+@contextlib.contextmanager
+def one_relay(tmp_path, federation: str, sites: tuple[str, ...], *, revoked: tuple[str, ...] = ()):
+    """A federation of its own: relay-1 in front of the coordinator, and raw sites for `sites` dialling it (those
+    in `revoked` revoked before anything starts). Yields (the federation, the relay, the raw sites)."""
     root = tmp_path / "pki"
-    pki.init_federation(root, "revoking", hosts=["127.0.0.1"])
-    pki.add_site(root, "a")
-    pki.add_site(root, "b")
+    pki.init_federation(root, federation, hosts=["127.0.0.1"])
+    for name in sites:
+        pki.add_site(root, name)
     pki.add_relay(root, "relay-1", hosts=["127.0.0.1"])
-    pki.revoke(root, "b")
+    for name in revoked:
+        pki.revoke(root, name)
     fed = Federation(root, tmp_path / "coordinator")
     relay = Relay(relay_config(root, "relay-1", fed.address, tmp_path / "relay"))
     relay.start()
+    raw = {name: RawSite(root / "sites" / name, f"127.0.0.1:{relay.port}") for name in sites}
     try:
-        address = f"127.0.0.1:{relay.port}"
-        good, revoked = RawSite(root / "sites" / "a", address), RawSite(root / "sites" / "b", address)
-        good.join()
+        yield fed, relay, raw
+    finally:
+        for site in raw.values():
+            site.close()
+        relay.stop()
+        fed.close()
+
+
+def test_a_child_revoked_by_the_federation_crl_is_refused_by_its_relay(tmp_path):
+    with one_relay(tmp_path, "revoking", ("a", "b"), revoked=("b",)) as (fed, relay, raw):
+        raw["a"].join()
         with pytest.raises(grpc.RpcError) as refused:
-            revoked.join()
+            raw["b"].join()
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "revoked" in refused.value.details()
         assert [row.name for row in relay.tier.store.sites()] == ["a"]
-        good.close()
-        revoked.close()
-    finally:
-        relay.stop()
-        fed.close()
 
 
 def test_one_child_s_rows_cannot_cut_its_relay_off_its_parent(tmp_path):
     """The relay reports its children's rows summed: before, a child claiming 2**31 rows made the parent refuse
     the relay's Join on every retry (its siblings lost every job), and the row stayed in the relay's store. Now
     the relay's tier refuses that child, and rows recorded before it did are capped in the relay's Join."""
-    root = tmp_path / "pki"
-    pki.init_federation(root, "rows", hosts=["127.0.0.1"])
-    for name in ("a", "h"):
-        pki.add_site(root, name)
-    pki.add_relay(root, "relay-1", hosts=["127.0.0.1"])
-    fed = Federation(root, tmp_path / "coordinator")
-    relay = Relay(relay_config(root, "relay-1", fed.address, tmp_path / "relay"))
-    relay.start()
-    try:
-        address = f"127.0.0.1:{relay.port}"
-        good, greedy = RawSite(root / "sites" / "a", address), RawSite(root / "sites" / "h", address)
-        good.join({"heart-disease": 200})
+    with one_relay(tmp_path, "rows", ("a", "h")) as (fed, relay, raw):
+        raw["a"].join({"heart-disease": 200})
         with pytest.raises(grpc.RpcError) as refused:
-            greedy.join({"heart-disease": MAX_WEIGHT})
+            raw["h"].join({"heart-disease": MAX_WEIGHT})
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"this relay's sites would report {MAX_WEIGHT + 200} in all" in refused.value.details()
-        greedy.join({"heart-disease": 50})   # what it really has is taken
+        raw["h"].join({"heart-disease": 50})   # what it really has is taken
         wait_until(lambda: any(json.loads(r.dataset_rows) == {"heart-disease": 250} for r in fed.store.sites()
                                if r.name == "relay-1"), scaled(30), "the relay's Join with its children's 250 rows")
-        good.close()
-        greedy.close()
-    finally:
-        relay.stop()
-        fed.close()
     recorded = [SiteRow(name, 0.0, "0.1.0", "", "[]", '["heart-disease"]', "", json.dumps({"heart-disease": n}))
                 for name, n in (("a", 200), ("g", MAX_WEIGHT))]   # g's, recorded before the tier refused it
     assert dict(join_request(recorded).dataset_rows) == {"heart-disease": MAX_WEIGHT}

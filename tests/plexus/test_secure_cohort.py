@@ -14,7 +14,7 @@ from site_agent.policy import refusal
 
 JOB, ROUND = "job-1", 1
 NAMES = ["alder", "birch", "cedar", "daisy", "elm"]
-MINIMAL = "name: job\nmodel: {name: mlp}\ndata: {dataset: heart}\nrounds: 3\n"
+MINIMAL = "name: job\nmodel: {name: mlp, args: {in_features: 13}}\ndata: {dataset: heart}\nrounds: 3\n"
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +79,7 @@ def test_policy_min_secure_cohort_is_at_least_two(tmp_path, value, ok):
 
 
 def test_site_declines_a_secure_job_whose_sites_min_is_below_its_cohort():
-    job = parse_round_config(MINIMAL.replace("mlp", "mlp, args: {in_features: 13}")
-                             + "sites: {min: 3}\nprivacy: {secure_aggregation: true}\n")
+    job = parse_round_config(MINIMAL + "sites: {min: 3}\nprivacy: {secure_aggregation: true}\n")
     assert refusal(PolicySpec(allowed_models=("mlp",)), job, {"mlp"}) is None
     assert refusal(PolicySpec(allowed_models=("mlp",), min_secure_cohort=4), job, {"mlp"}) == (
         "the job's sites.min 3 lets a secure sum cover fewer sites than this site's policy.min_secure_cohort 4")
