@@ -292,7 +292,9 @@ class SendWatchdog:
                         context.cancel()
                 if self._due:
                     idle_since = None
-                    self._cv.wait(min(at for at, _ in self._due.values()) - now)
+                    # At most LINGER_S: a disarm does not wake the thread, which would otherwise sleep out the
+                    # idle_s of the last stream after it ended, and outlive its streams by that much.
+                    self._cv.wait(min(self.LINGER_S, min(at for at, _ in self._due.values()) - now))
                     continue
                 if idle_since is None:
                     idle_since = now

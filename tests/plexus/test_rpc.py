@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -13,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from plexus import errors, pki, transport
 from plexus.identity import Identity, RevocationList, load_kit
-from plexus.rpc import Authenticator, authorize, guarded
+from plexus.rpc import Authenticator, SendWatchdog, authorize, guarded
 
 SITE = Identity("cleveland", "site", None, 1)
 RELAY = Identity("north", "relay", None, 2)
@@ -106,3 +108,35 @@ def test_sites_and_relays_pass_a_guard_for_both_and_admins_do_not(tmp_path, capl
     finally:
         srv.stop(None).wait()
         executor.shutdown()
+
+
+class _Context:
+    def __init__(self):
+        self.cancelled = threading.Event()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def test_the_send_watchdog_cancels_a_stalled_stream_and_ends_soon_after_its_streams():
+    """Before: after its last stream ended the watchdog's thread slept out that stream's idle_s (30 s by default)
+    before it could end; a test waiting for the threads it started waited that long (a 29.6 s teardown)."""
+    watchdog = SendWatchdog(idle_s=30.0)
+    context = _Context()
+    stream = watchdog.paced((m for m in (b"a", b"b")), context)
+    assert next(stream) == b"a" and next(stream) == b"b"
+    thread = watchdog._thread
+    time.sleep(0.2)   # the thread waits for b's deadline, 30 s on
+    assert list(stream) == []   # the stream ends
+    thread.join(3 * SendWatchdog.LINGER_S + 1)
+    assert not thread.is_alive() and not context.cancelled.is_set()
+
+    quick = SendWatchdog(idle_s=0.2)
+    stalled = quick.paced((m for m in (b"a", b"b")), context)
+    assert next(stalled) == b"a"   # handed to gRPC, which the client never drains
+    assert context.cancelled.wait(5), "the stalled stream was not cancelled"
+    stalled.close()
+    quick.stop()
