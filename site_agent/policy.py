@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -103,12 +104,21 @@ def max_model_bytes(policy: PolicySpec) -> int:
     return policy.max_model_bytes if policy.max_model_bytes is not None else machine_memory() // 4
 
 
+@functools.lru_cache(maxsize=64)
+def _builtin_bytes(name: str, args_json: str, members: int) -> int:
+    return state_bytes(name, json.loads(args_json), members=members)
+
+
 def _size_refusal(policy: PolicySpec, job: RoundConfig) -> str | None:
     """Decline a model larger than this site builds, sized without building it (torch's meta device): the model
     and its arguments are the coordinator's choice, and one that does not fit would take the machine's memory."""
     limit = max_model_bytes(policy)
+    members = ensemble_members(job)
     try:
-        size = state_bytes(job.model.name, job.model.args, members=ensemble_members(job))
+        if job.model.name in REGISTRY:   # the same job's every task: sized once per process
+            size = _builtin_bytes(job.model.name, json.dumps(job.model.args, sort_keys=True, default=list), members)
+        else:   # a plug-in's code may change under its name (re-pinned): sized each time
+            size = state_bytes(job.model.name, job.model.args, members=members)
     except ConfigError as exc:
         return f"model {job.model.name!r} cannot be built with the job's arguments: {exc}"
     except Exception as exc:   # sizes past torch's (int64) limits; a plug-in whose construction needs real tensors
