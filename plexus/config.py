@@ -919,6 +919,9 @@ class TierSpec:
     # The relay answers its parent by then, or by the parent's deadline less upload_margin_s, whichever is first.
     deadline_s: float = field(default=300.0, metadata=in_range(0, 86400, lo_open=True))
     upload_margin_s: float = field(default=10.0, metadata=in_range(0, 3600))
+    # The largest model (bytes on the wire) the relay takes from its parent; it holds it a few times over (the
+    # model, what its children fetch, its tier's sum). None: a quarter of this machine's memory (or cgroup limit).
+    max_model_bytes: int | None = field(default=None, metadata=in_range(1 << 20, 1 << 50))
 
 
 @dataclass(frozen=True, slots=True)

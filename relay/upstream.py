@@ -18,6 +18,7 @@ from plexus import __version__, transport
 from plexus.config import RelayConfig, parse_round_config
 from plexus.errors import ConfigError, IntegrityError
 from plexus.identity import Kit, identity_from_cert
+from plexus.memory import machine_memory
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.secagg import SiteSession, advert_to_proto
 from plexus.vocab import TaskKind
@@ -194,6 +195,12 @@ class Upstream:
     def _fetch(self, stub, task: fpb.Task) -> tuple[Layout, bytes]:
         stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_timeout(task))
         layout = Layout.from_proto(model_header(stream).manifest)
+        limit = self.config.tier.max_model_bytes or machine_memory() // 4
+        if layout.total_bytes > limit:   # before a byte of it is allocated
+            stream.cancel()
+            what = ("this relay's tier.max_model_bytes" if self.config.tier.max_model_bytes else
+                    "a quarter of this relay's machine's memory, the default of its tier.max_model_bytes")
+            raise IntegrityError(f"it holds {layout.total_bytes:,} bytes, over {what} ({limit:,} bytes)")
         return layout, bytes(assemble(layout, (message.chunk for message in stream)))
 
     def _submit(self, stub, task: fpb.Task, answer: Answer) -> None:

@@ -42,9 +42,11 @@ def relay_kits(pki_root):
     return pki_root
 
 
-def relay_config(root, name: str, parent: str, state_dir, *, sites_min: int = 1) -> RelayConfig:
+def relay_config(root, name: str, parent: str, state_dir, *, sites_min: int = 1,
+                 max_model_bytes: int | None = None) -> RelayConfig:
     return RelayConfig(parent=parent, listen="127.0.0.1:0", kit=root / "relays" / name, state_dir=state_dir,
-                       crl=root / "crl.pem", tier=TierSpec(sites_min=sites_min, deadline_s=scaled(60)),
+                       crl=root / "crl.pem", tier=TierSpec(sites_min=sites_min, deadline_s=scaled(60),
+                                                          max_model_bytes=max_model_bytes),
                        poll_timeout_s=1.0, rejoin_grace_s=2.0)
 
 
@@ -182,6 +184,29 @@ def test_a_task_the_relay_fails_on_is_reported_and_the_relay_keeps_serving_its_p
         assert events[1, "relay-1"].status == "failed"
         assert events[1, "relay-1"].reason == "the relay failed: MemoryError: the parent's model does not fit (test)"
         assert events[2, "relay-1"].status == "submitted" and calls[:2] == [1, 2]
+    finally:
+        tier.stop()
+        fed.close()
+
+
+def test_a_model_over_the_relay_s_cap_is_refused_before_it_is_taken_in(relay_kits, tmp_path):
+    """Before: a relay assembled whatever model its parent sent, whole, then copied it (2**38 float32s: a
+    MemoryError that ended its thread to the parent)."""
+    fed = Federation(relay_kits, tmp_path / "coordinator")
+    tier = Relay(relay_config(relay_kits, "relay-1", fed.address, tmp_path / "relay-1", max_model_bytes=1 << 20))
+    tier.start()
+    try:
+        fed.start_site("a", coordinator=f"127.0.0.1:{tier.port}")
+        fed.start_site("d")
+        fed.wait_online("relay-1", "d")
+        job = heart_job(name="wide", model="mlp", rounds=1, min=1).replace(
+            "{in_features: 13, num_classes: 2}", "{in_features: 13, hidden: [2048, 128], num_classes: 2}")
+        job_id = fed.admin().submit(job).job_id
+        assert fed.wait_job(job_id, scaled(120)) == "completed", fed.store.job(job_id).message
+        events = {(e.round, e.site): e for e in fed.store.site_events(job_id)}
+        assert events[1, "relay-1"].status == "failed" and events[1, "d"].status == "submitted"
+        assert events[1, "relay-1"].reason.startswith("the parent's model is unusable: it holds 1,164,808 bytes, "
+                                                      "over this relay's tier.max_model_bytes (1,048,576 bytes)")
     finally:
         tier.stop()
         fed.close()
