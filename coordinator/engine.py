@@ -10,7 +10,6 @@ next job and asks its driver to move it on; durable effects go through the Store
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 import shutil
@@ -31,7 +30,7 @@ from coordinator.drivers.sync import SyncRounds, strategy_at
 from coordinator.events import admin_actor
 from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
 from coordinator.served import Held, ServedModel
-from coordinator.store import EventRow, JobRow, Store
+from coordinator.store import EventRow, JobRow, Store, rows_by_dataset
 from coordinator.strategies import make_strategy
 from coordinator.tasks import (
     Binding,
@@ -56,6 +55,7 @@ from plexus.errors import (
     Unavailable,
     out_of_space,
     storage_failure,
+    storage_text,
 )
 from plexus.text import bounded
 from plexus.vocab import TERMINAL, JobStatus, TaskKind, TaskStatus
@@ -490,8 +490,9 @@ class Engine:
     def _check_tier_rows(self, site: str, rows: dict[str, int]) -> None:
         """A relay's tier: refuse a child whose rows would take its sites' total of a dataset past what the relay
         may report to its parent at Join (the parent would refuse the whole relay, and every sibling with it)."""
+        siblings = rows_by_dataset(self.store.sites(), without=site)
         for dataset, n in rows.items():
-            others = sum(int(json.loads(r.dataset_rows).get(dataset, 0)) for r in self.store.sites() if r.name != site)
+            others = siblings.get(dataset, 0)
             if others + n > self.tier_rows_cap:
                 raise IntegrityError(f"Join refused: with {n} training rows of {dataset[:64]!r} this relay's sites "
                                      f"would report {others + n} in all, past the {self.tier_rows_cap} its parent "
@@ -578,7 +579,7 @@ class Engine:
                     if storage_failure(exc):   # the coordinator's disk, not the site's update: the round waits
                         if self._driver is driver:
                             self._storage_failed(exc)
-                        raise Unavailable(f"the coordinator cannot store updates now ({exc.strerror or exc}); the "
+                        raise Unavailable(f"the coordinator cannot store updates now ({storage_text(exc)}); the "
                                           "round runs again once its state dir has room") from None
                     driver.refused(site, grant, upload, exc)
                 raise

@@ -155,6 +155,16 @@ class SiteRow(NamedTuple):
     children: str = ""        # a relay: JSON list of the children it named at its last Join; "" for a site
 
 
+def rows_by_dataset(sites: Iterable[SiteRow], *, without: str = "") -> dict[str, int]:
+    """The training rows the sites reported at their last Join, summed per dataset (leaving out site `without`)."""
+    rows: dict[str, int] = {}
+    for site in sites:
+        if site.name != without:
+            for dataset, n in json.loads(site.dataset_rows or "{}").items():
+                rows[dataset] = rows.get(dataset, 0) + int(n)
+    return rows
+
+
 class EventRow(NamedTuple):
     """One recorded job event, as WatchJob streams it."""
 

@@ -94,3 +94,8 @@ def out_of_space(exc: BaseException) -> bool:
     if isinstance(exc, sqlite3.OperationalError):
         return exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_FULL
     return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
+def storage_text(exc: BaseException) -> str:
+    """A storage failure in words, without the path an OSError names (it stays in the local log)."""
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)

@@ -44,3 +44,9 @@ def machine_memory(cgroup: Path = Path("/sys/fs/cgroup/memory.max")) -> int:
     except OSError:
         return total
     return min(total, int(limit)) if limit.isdigit() else total
+
+
+def default_model_cap() -> int:
+    """The largest model a site or relay takes by default (policy.max_model_bytes, tier.max_model_bytes): a quarter
+    of the memory it may use, since training or summing holds the model a few times over."""
+    return machine_memory() // 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent import futures
 
 import grpc
@@ -20,6 +21,14 @@ _OPTIONS = [
 ]
 # gRPC sets SO_REUSEPORT by default: a second server on a port in use would bind, and share its calls.
 NO_PORT_SHARING = [("grpc.so_reuseport", 0)]
+MAX_CALL_S = 2 * 86400.0   # past a round's longest deadline (a day); gRPC takes ~1e10 s as already expired
+
+
+def seconds_left(deadline_unix_s: float) -> float:
+    """Seconds until a deadline a peer sent, at most MAX_CALL_S whatever it was (inf, 1e300; NaN: 0): what a
+    call timeout may be built from."""
+    left = deadline_unix_s - time.time()
+    return min(MAX_CALL_S, left) if left == left else 0.0
 
 
 def server(kit: Kit, address: str, *, executor: futures.ThreadPoolExecutor,

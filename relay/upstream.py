@@ -13,12 +13,12 @@ import grpc
 
 from coordinator.aggregate import MAX_WEIGHT, exact_layout
 from coordinator.engine import Engine
-from coordinator.store import SiteRow, Store
+from coordinator.store import SiteRow, Store, rows_by_dataset
 from plexus import __version__, transport
 from plexus.config import RelayConfig, parse_round_config
 from plexus.errors import ConfigError, IntegrityError
 from plexus.identity import Kit, identity_from_cert
-from plexus.memory import machine_memory
+from plexus.memory import default_model_cap
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
 from plexus.secagg import SiteSession, advert_to_proto
 from plexus.vocab import TaskKind
@@ -41,15 +41,12 @@ def join_request(sites: list[SiteRow]) -> fpb.JoinRequest:
     datasets with their rows summed, and who they are (below a child that is a relay, its own as
     "child/grandchild")."""
     models = set.intersection(*(set(json.loads(r.models)) for r in sites)) if sites else set()
-    rows: dict[str, int] = {}
     children = []
     for row in sites:
-        for dataset, n in json.loads(row.dataset_rows).items():
-            rows[dataset] = rows.get(dataset, 0) + int(n)
         children += [row.name] + [f"{row.name}/{child}" for child in json.loads(row.children or "[]")]
     # The tier refuses a child past this (Engine.tier_rows_cap); rows recorded before it did must not keep the
     # parent refusing the whole relay.
-    rows = {dataset: min(n, MAX_WEIGHT) for dataset, n in rows.items()}
+    rows = {dataset: min(n, MAX_WEIGHT) for dataset, n in rows_by_dataset(sites).items()}
     return fpb.JoinRequest(agent_version=__version__, models=sorted(models), datasets=sorted(rows),
                            dataset_rows=rows, children=children)
 
@@ -139,7 +136,7 @@ class Upstream:
         if not any(row.id == task.job_id for row in self.store.jobs()):
             self.store.add_job(task.job_id, cfg.name, task.config_yaml, cfg.strategy.name, cfg.rounds,
                                f"parent {self.config.parent}")
-        left = _remaining(task) - self.config.tier.upload_margin_s
+        left = transport.seconds_left(task.deadline_unix_s) - self.config.tier.upload_margin_s
         try:
             layout, blob = self._fetch(stub, task)
         except (IntegrityError, ValueError) as exc:
@@ -195,7 +192,7 @@ class Upstream:
     def _fetch(self, stub, task: fpb.Task) -> tuple[Layout, bytes]:
         stream = stub.FetchModel(fpb.FetchModelRequest(task_id=task.task_id), timeout=_timeout(task))
         layout = Layout.from_proto(model_header(stream).manifest)
-        limit = self.config.tier.max_model_bytes or machine_memory() // 4
+        limit = self.config.tier.max_model_bytes or default_model_cap()
         if layout.total_bytes > limit:   # before a byte of it is allocated
             stream.cancel()
             what = ("this relay's tier.max_model_bytes" if self.config.tier.max_model_bytes else
@@ -237,14 +234,5 @@ class Upstream:
                         exc.details())
 
 
-MAX_CALL_S = 2 * 86400.0   # past a round's longest deadline (a day); gRPC takes ~1e10 s as already expired
-
-
-def _remaining(task: fpb.Task) -> float:
-    """Seconds to the task's deadline, at most MAX_CALL_S whatever the parent sent (inf, 1e300, NaN: 0)."""
-    left = task.deadline_unix_s - time.time()
-    return min(MAX_CALL_S, left) if left == left else 0.0
-
-
 def _timeout(task: fpb.Task) -> float:
-    return max(30.0, _remaining(task) + 30.0)
+    return max(30.0, transport.seconds_left(task.deadline_unix_s) + 30.0)

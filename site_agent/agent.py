@@ -36,7 +36,7 @@ from plexus.config import (
 )
 from plexus.datasets import DataError, Split, load_for_job, train_rows
 from plexus.dp import add_noise, clip_update, distributed_std, noise_key
-from plexus.errors import ConfigError, FailedPrecondition, IntegrityError, storage_failure
+from plexus.errors import ConfigError, FailedPrecondition, IntegrityError, storage_failure, storage_text
 from plexus.identity import kit_identity, load_kit
 from plexus.models import build_job_model, installed_models, load_numpy_state, state_to_numpy, state_views
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, federation_pb2_grpc
@@ -624,9 +624,8 @@ def failure_reason(exc: BaseException) -> str:
     """What the coordinator is told of a task that failed here. A full or failing disk under the state dir is
     said as such, without the local path (the site's log has it)."""
     if storage_failure(exc):
-        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return (f"this site cannot write its state_dir ({what}); its tasks fail until its operator frees space "
-                "there (its log names the file)")
+        return (f"this site cannot write its state_dir ({storage_text(exc)}); its tasks fail until its operator "
+                "frees space there (its log names the file)")
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -663,10 +662,7 @@ def _model_delta(model, incoming: dict) -> tuple[Layout, dict[str, np.ndarray]]:
                     for t in layout.tensors}
 
 
-MAX_CALL_S = 2 * 86400.0   # past a round's longest deadline (a day); gRPC takes ~1e10 s as already expired
-
-
 def call_timeout(task: fpb.Task) -> float:
     """Seconds a call serving `task` may take: until the task's deadline plus 5 s, at least 5 s and at most
-    MAX_CALL_S, whatever deadline the coordinator sent."""
-    return min(MAX_CALL_S, max(5.0, task.deadline_unix_s - time.time() + 5.0))
+    transport.MAX_CALL_S + 5, whatever deadline the coordinator sent."""
+    return max(5.0, transport.seconds_left(task.deadline_unix_s) + 5.0)

@@ -13,7 +13,7 @@ from plexus import statistics as stats
 from plexus.accounting import PrivacyLedger, dp_sgd_epsilon, dp_sgd_schedule, epsilon_after
 from plexus.config import EXACT_STRATEGIES, PolicySpec, RoundConfig, ensemble_members
 from plexus.errors import ConfigError
-from plexus.memory import machine_memory
+from plexus.memory import default_model_cap
 from plexus.models import REGISTRY, plugin_source_sha256, state_bytes
 
 
@@ -101,7 +101,7 @@ def _plugin_refusal(policy: PolicySpec, name: str) -> str | None:
 
 def max_model_bytes(policy: PolicySpec) -> int:
     """policy.max_model_bytes, or its default: a quarter of the memory this process may use."""
-    return policy.max_model_bytes if policy.max_model_bytes is not None else machine_memory() // 4
+    return policy.max_model_bytes if policy.max_model_bytes is not None else default_model_cap()
 
 
 @functools.lru_cache(maxsize=64)
