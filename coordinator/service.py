@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
 from cryptography import x509
@@ -84,7 +84,8 @@ class Inbound:
     round closes). gRPC's request iterator has no timeout, so a helper thread waits in it and keeps at most
     one message ready: the reader takes it without waiting for the helper to be woken (one hand-over per
     message, not two), and a stream not being read holds one message beyond its flow-control window. The
-    helper ends with the call, which ends as soon as the method returns."""
+    helper ends with the call, which ends as soon as the method returns. A stream already in memory (a Sequence:
+    a call made in process, as `plexus simulate` makes them) cannot stall, and is read without a helper."""
 
     def __init__(self, messages, *, idle_s: float, what: str, setting: str = "the coordinator's stream_idle_timeout_s"):
         self._messages, self.idle_s, self.what, self.setting = messages, idle_s, what, setting
@@ -92,7 +93,9 @@ class Inbound:
         self._closed = False
         self._item: tuple | None = None    # (message, None), (None, None) at the end, or (None, the error)
         self._cut: BaseException | None = None
-        threading.Thread(target=self._pump, name="plexus-inbound", daemon=True).start()
+        self._held = iter(messages) if isinstance(messages, Sequence) else None
+        if self._held is None:
+            threading.Thread(target=self._pump, name="plexus-inbound", daemon=True).start()
 
     def __iter__(self):
         while (message := self.next()) is not None:
@@ -100,6 +103,10 @@ class Inbound:
 
     def next(self):
         """The next message; None at the end of the stream; TimedOut if none arrives within idle_s."""
+        if self._held is not None:
+            if self._cut is not None:
+                raise self._cut
+            return next(self._held, None)
         with self._cv:
             end = time.monotonic() + self.idle_s
             while self._item is None and self._cut is None:

@@ -26,6 +26,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,20 @@ def final_model(state: Path, job_id: str) -> dict[str, np.ndarray]:
 
 class SimulationError(PlexusError):
     """The simulation could not run (a worker died, a site could not join)."""
+
+
+class _Parsed(Sequence):
+    """Serialized messages of one type, each parsed when it is read: a client stream held in memory, which the
+    servicer reads as such (coordinator.service.Inbound), not as a network stream that might stall."""
+
+    def __init__(self, kind, messages: list[bytes]):
+        self._kind, self._messages = kind, messages
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __getitem__(self, index):
+        return self._kind.FromString(self._messages[index])
 
 
 @dataclass
@@ -375,8 +390,8 @@ class Simulator:
         """One call of `site`'s to the coordinator's servicer; (reply header, reply messages)."""
         stub = self._stubs[site]
         try:
-            if method == "SubmitUpdate":
-                replies = [stub.SubmitUpdate(fpb.UpdateMessage.FromString(m) for m in messages)]
+            if method == "SubmitUpdate":   # a stream in memory, each message parsed as it is read
+                replies = [stub.SubmitUpdate(_Parsed(fpb.UpdateMessage, messages))]
             elif method == "FetchModel":
                 return self._fetch(stub, fpb.FetchModelRequest.FromString(messages[0]), worker)
             else:
