@@ -3,9 +3,12 @@ handler behind."""
 
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import configuration, settings
@@ -62,6 +65,18 @@ def _nothing_left_running():
     problems += [f"child process {pid}: {_cmdline(pid)}" for pid in procs]
     if problems:
         pytest.fail("the test left running: " + "; ".join(problems))
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> SimpleNamespace:
+    """One whole `plexus --log-format json demo --rounds 20 --plot ...` (four hospitals), run once for the tests that
+    read its outcome (its table, its plot, its JSON logs): workdir, plot, and the finished process (bytes)."""
+    base = tmp_path_factory.mktemp("demo-run")
+    workdir, plot = base / "demo", base / "demo.png"
+    result = subprocess.run([sys.executable, "-m", "plexus", "--log-format", "json", "demo", "--rounds", "20",
+                             "--workdir", str(workdir), "--plot", str(plot)],
+                            capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    return SimpleNamespace(workdir=workdir, plot=plot, result=result)
 
 
 @pytest.fixture(autouse=True)

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 
 from cryptography.hazmat.primitives import serialization
 
 
-def test_demo_logs_hold_no_private_key_bytes(tmp_path):
-    workdir = tmp_path / "demo"
-    result = subprocess.run([sys.executable, "-m", "plexus", "--log-format", "json", "demo", "--sites", "2",
-                             "--rounds", "1", "--workdir", str(workdir)],
-                            capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+def test_demo_logs_hold_no_private_key_bytes(demo_run):
+    """Over the session's one whole demo run with JSON logs (conftest demo_run: four hospitals, 20 rounds)."""
+    workdir, result = demo_run.workdir, demo_run.result
     assert result.returncode == 0, (result.stdout + result.stderr).decode(errors="replace")
     logs = {p.name: p.read_bytes() for p in (workdir / "logs").glob("*.log")}
     assert {"coordinator.log", "site-cleveland.log", "site-hungary.log"} <= set(logs)
     haystacks = [*logs.values(), result.stdout, result.stderr]
     keys = sorted((workdir / "pki").rglob("*.key")) + sorted((workdir / "pki").rglob("key.pem"))
-    assert len(keys) >= 5   # the CA, the coordinator, two sites, the operator
+    assert len(keys) >= 5   # the CA, the coordinator, the sites (two at least), the operator
     needles = []
     for path in keys:
         pem = path.read_bytes()

@@ -18,7 +18,7 @@ from site_agent.training import train_local
 
 from integration.harness import HOSPITAL_OF, scaled, wait_until
 from integration.rogue import rogue_federation, site_agents
-from integration.test_secure_aggregation import CLIP, DropsOut, start_agent, u32
+from integration.test_secure_aggregation import CLIP, DROPOUT_PHASE_S, DropsOut, start_agent, u32
 from state_db import query
 
 ASYNC_SECURE_JOB = """\
@@ -35,9 +35,9 @@ seed: {seed}
 
 
 def async_secure_job(*, name="async-secure", versions=2, asynchronous="{buffer: 3, max_staleness: 4}", dp="",
-                     seed=0) -> str:
+                     seed=0, phase=scaled(2)) -> str:
     return ASYNC_SECURE_JOB.format(name=name, versions=versions, asynchronous=asynchronous, clip=CLIP,
-                                   phase=scaled(2), deadline=scaled(10), dp=f", dp: {dp}" if dp else "", seed=seed)
+                                   phase=phase, deadline=scaled(10), dp=f", dp: {dp}" if dp else "", seed=seed)
 
 
 def first_updates(job_yaml: str, sites, tasks: dict[str, int] | None = None
@@ -90,7 +90,8 @@ def test_a_member_that_drops_out_mid_cohort_is_recovered_and_the_version_still_m
         start_agent(federation, name)
     start_agent(federation, "d", DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)   # shares its keys, never masks
     federation.wait_online(*"abcd")
-    job_yaml = async_secure_job(versions=1, asynchronous="{buffer: 4, max_staleness: 4}", seed=5)
+    job_yaml = async_secure_job(versions=1, asynchronous="{buffer: 4, max_staleness: 4}", seed=5,
+                                phase=DROPOUT_PHASE_S)
     job_id = federation.admin().submit(job_yaml).job_id
     wait_until(lambda: federation.store.job(job_id).current_round == 1, scaled(15), "version 1")
 

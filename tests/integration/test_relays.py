@@ -29,6 +29,7 @@ from site_agent.agent import SiteAgent
 from site_agent.training import train_local
 
 from integration.harness import DropsOut, Federation, RawSite, free_port, heart_job, long_poll, scaled, wait_until
+from integration.test_secure_aggregation import DROPOUT_PHASE_S
 
 RELAYS = ("relay-1", "relay-2")
 TREE = {"relay-1": ("a", "b"), "relay-2": ("c",)}   # and d dials the coordinator itself
@@ -454,7 +455,7 @@ def test_secure_aggregation_across_two_tiers_with_a_dropout_in_each(tmp_path):
                        f"{children} online at their relay")
         fed.wait_online(*SECURE_TREE, "d1", "d2")
         job = heart_job(name="secure-tiers", rounds=1, min=3, seed=5, deadline=scaled(30)) + (
-            f"privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, phase_timeout_s: {scaled(3)}}}}}\n")
+            f"privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, phase_timeout_s: {DROPOUT_PHASE_S}}}}}\n")
         job_id = fed.admin().submit(job).job_id
         wait_until(lambda: fed.store.job(job_id).current_round == 1, scaled(120), "round 1 to close")
         secure_site(fed, "d2", fed.address)   # back for the final evaluation

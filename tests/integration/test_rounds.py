@@ -274,7 +274,9 @@ def test_an_update_refused_part_way_is_taken_back_out_of_the_sum_exactly(federat
 
 
 def test_an_update_still_arriving_at_the_deadline_is_taken_out_before_the_mean(federation):
-    job_id, sites, tasks, layout, state, sent = _honest_raw_round(federation, deadline=scaled(2))
+    # The round runs its whole deadline out (c never finishes); what must happen within it (three task polls, a
+    # fetch, c's first half, a's and b's updates) takes a few hundred ms at most.
+    job_id, sites, tasks, layout, state, sent = _honest_raw_round(federation, deadline=scaled(1))
     release, outcome = threading.Event(), {}
 
     def stalled():   # half of c's update is in the sum when its stream stops moving

@@ -22,6 +22,11 @@ from integration.harness import HOSPITAL_OF, DropsOut, heart_job, scaled, wait_u
 CLIP = 4.0
 
 
+# For a test whose dropouts must run phases out (each one costs the whole timeout): honest agents answer each
+# phase in about 60 ms here, fifty times less; tests whose raw sites compute phases by hand keep scaled(2).
+DROPOUT_PHASE_S = scaled(1)
+
+
 def secure_job(**kw) -> str:
     timeout = kw.pop("phase_timeout", scaled(2))   # honest sites answer each phase within it (in ms), even when loaded
     return heart_job(**kw) + (f"privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, "
@@ -69,7 +74,7 @@ def test_round_completes_with_the_survivors_sum_when_sites_drop_out(federation, 
     start_agent(federation, "d", DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)  # shared its keys, never masks
     start_agent(federation, "e", DropsOut, vanish_at=fpb.TASK_SECAGG_UNMASK)        # masked, then gone
     federation.wait_online(*"abcde")
-    job_yaml = secure_job(rounds=1, min=3, seed=11, deadline=scaled(5))
+    job_yaml = secure_job(rounds=1, min=3, seed=11, deadline=scaled(5), phase_timeout=DROPOUT_PHASE_S)
     job_id = federation.admin().submit(job_yaml).job_id
     wait_until(lambda: federation.store.job(job_id).current_round == 1, 60, "round 1 to close without d and e")
     for name in "de":   # back (restarted) for the final evaluation, which would otherwise wait out its deadline
@@ -112,7 +117,7 @@ def test_too_many_dropouts_fail_the_round_and_keep_the_model(federation):
     for name in "cd":
         start_agent(federation, name, DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)
     federation.wait_online(*"abcd")
-    job_id = federation.admin().submit(secure_job(rounds=1, min=3, seed=1)).job_id
+    job_id = federation.admin().submit(secure_job(rounds=1, min=3, seed=1, phase_timeout=DROPOUT_PHASE_S)).job_id
     assert federation.wait_job(job_id) == "failed"
     message = federation.store.job(job_id).message
     assert "secure aggregation, mask phase: 2 of 4 sites answered" in message and "threshold t=3" in message

@@ -17,7 +17,7 @@ from site_agent import local
 from site_agent.training import TrainResult
 
 from integration.harness import HOSPITAL_OF, heart_job, scaled, wait_until
-from integration.test_secure_aggregation import DropsOut, start_agent
+from integration.test_secure_aggregation import DROPOUT_PHASE_S, DropsOut, start_agent
 
 PROBE = "probe/sums"
 CLIP = 256.0   # at least every site's largest |value|: column sums and rows of at most 199 rows in [0, 1]
@@ -65,10 +65,10 @@ def probe(monkeypatch):
     monkeypatch.setattr(config, "SUMMING_STRATEGIES", config.SUMMING_STRATEGIES | {"probe"})
 
 
-def probe_job(seed: int) -> str:
+def probe_job(seed: int, phase_timeout: float = scaled(2)) -> str:
     return (heart_job(rounds=1, min=3, seed=seed, deadline=scaled(10)).replace("rounds: 1", "rounds: 1\nstrategy: "
             "{name: probe}") + f"privacy: {{secure_aggregation: true, secagg: {{clip: {CLIP}, "
-            f"phase_timeout_s: {scaled(2)}}}}}\n")
+            f"phase_timeout_s: {phase_timeout}}}}}\n")
 
 
 def plain_sum(sites) -> np.ndarray:
@@ -111,7 +111,7 @@ def test_an_update_extra_survives_dropouts_before_and_after_masking(federation, 
     start_agent(federation, "d", DropsOut, vanish_at=fpb.TASK_SECAGG_MASKED_INPUT)  # shared its keys, never masks
     start_agent(federation, "e", DropsOut, vanish_at=fpb.TASK_SECAGG_UNMASK)        # masked, then gone
     federation.wait_online(*"abcde")
-    job_id = federation.admin().submit(probe_job(seed=9)).job_id
+    job_id = federation.admin().submit(probe_job(seed=9, phase_timeout=DROPOUT_PHASE_S)).job_id
     wait_until(lambda: federation.store.job(job_id).current_round == 1, 60, "round 1 to close without d and e")
     for name in "de":   # back for the final evaluation, which would otherwise wait out its deadline
         start_agent(federation, name)

@@ -97,7 +97,8 @@ def test_a_site_stalling_its_update_every_round_is_recorded_late_and_frees_its_t
     stream_idle_timeout_s (long before the round's deadline), taken back out of the sum, and recorded late;
     the rounds close with quorum from the honest sites."""
     deadline = scaled(60)
-    fed = Federation(pki_root, tmp_path / "state", max_transfers=1, stream_idle_timeout_s=scaled(1))
+    # Run out twice (once a round); an honest site's update here is one header and one chunk, sent back to back.
+    fed = Federation(pki_root, tmp_path / "state", max_transfers=1, stream_idle_timeout_s=scaled(0.5))
     stop = threading.Event()
     try:
         staller = fed.raw_site("c")

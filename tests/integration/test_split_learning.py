@@ -565,10 +565,10 @@ def test_sigkill_mid_epoch_resumes_and_ends_bit_for_bit(tmp_path, procs):
     port, admin_kit, coord_cfg = cli_kits(root, "split-resume", ("a", "b"), allowed_models=("mlp",))
     addr = root / "coordinator" / "state" / "coordinator.addr"
     coordinator = procs.start("coordinator", "coordinator", "run", "--config", str(coord_cfg))
-    wait_until(addr.exists, 60, "the coordinator to listen")
-    for name in ("a", "b"):
+    for name in ("a", "b"):   # started beside the coordinator (a site dials until it listens): both import torch
         procs.start(f"site-{name}", "site", "run", "--config", str(root / "sites" / name / "site.yaml"),
                     "--threads", "1")
+    wait_until(addr.exists, 60, "the coordinator to listen")
     address, epochs = f"127.0.0.1:{port}", 6
     job = split_job("u-shaped", "synchronous", rounds=epochs, min_sites=2, seed=3)
     with AdminClient(address, admin_kit) as client:

@@ -156,10 +156,9 @@ def _kill_when_training(crew, helper):
     session = store.add("sessions", 0) + 1   # a connection of its own: the team's is the training thread's
 
     def kill():
-        while not store.check([f"training/{session}"]):
+        while not store.check([f"training/{session}"]):   # set as the formed team's steps begin (_run_ranks)
             time.sleep(0.01)
-        time.sleep(0.5)   # inside the training loop by now
-        os.kill(helper.pid, signal.SIGKILL)
+        os.kill(helper.pid, signal.SIGKILL)   # in the training loop: 400 epochs take far longer than this poll
 
     thread = threading.Thread(target=kill)
     thread.start()
