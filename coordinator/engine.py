@@ -556,12 +556,11 @@ class Engine:
             return driver.served(grant, held, zero_base=zero_base), grant.job_id, grant.model_round
 
     def submit_update(self, site: str, header: UpdateHeader, chunks: Iterable[tuple[int, bytes]],
-                      cut: Callable[[BaseException], None] = lambda exc: None, *, in_memory: bool = False) -> str:
+                      cut: Callable[[BaseException], None] = lambda exc: None) -> str:
         """Receive one site's update as (offset, data) chunks, validated and folded as they arrive; the reply.
 
         `cut(exc)` makes `chunks` raise exc: the driver calls it when the round closes while the update is
-        still arriving. The chunks stream without the engine lock. `in_memory`: the whole stream is held in this
-        process already (Upload.receive keeps its chunks as its journal).
+        still arriving. The chunks stream without the engine lock.
         """
         with self._cv:
             self._presence.touch(site)
@@ -574,7 +573,7 @@ class Engine:
             upload = driver.upload(site, grant, header, cut)
         try:
             try:
-                upload.receive(chunks, in_memory=in_memory)
+                upload.receive(chunks)
             except BaseException as exc:
                 with self._cv:
                     if storage_failure(exc):   # the coordinator's disk, not the site's update: the round waits

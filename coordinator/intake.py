@@ -3,9 +3,7 @@ while it streams.
 
 Every validated chunk goes into the upload's journal (a spool file) before it is folded, so the journal
 always holds what the fold may have to take out again: `withdraw` is the one way an update that fails,
-is refused, or is still arriving when its round closes leaves the sum. An update whose whole stream is already
-in this process's memory (a call made in process, as `plexus simulate` makes them) is its own journal: the
-chunks are kept as they are, not written out again. Under DP-FedAvg the update's
+is refused, or is still arriving when its round closes leaves the sum. Under DP-FedAvg the update's
 distance from the global model is summed as it streams too, so the clip check needs no second pass.
 """
 
@@ -40,36 +38,23 @@ class Upload:
         self.metrics = metrics or {}     # the site's metrics, recorded once it is accepted
         self.kept = False                # accepted into its sum, or kept on disk: withdraw does nothing
         self._folding = threading.Lock()  # one fold at a time: a chunk's, or `move`'s
-        self._held: list | None = None   # the journal of a stream held in memory: its chunks' own bytes
 
-    def receive(self, chunks: Iterable[tuple[int, bytes]], *, in_memory: bool = False) -> None:
+    def receive(self, chunks: Iterable[tuple[int, bytes]]) -> None:
         """Stream (offset, data) chunks through a Receiver into the journal, each folded (and measured) once
-        it is in the file; IntegrityError on the first bad chunk, whatever `chunks` raises as it is. With
-        `in_memory` (the chunks' bytes are the caller's, unchanging, and held anyway) the journal keeps them."""
-        if in_memory:
-            self._held = []
-            self._take(chunks, self._held.append, lambda: None)
-            return
+        it is in the file; IntegrityError on the first bad chunk, whatever `chunks` raises as it is."""
         with open(self.journal, "wb") as fh:
-            self._take(chunks, fh.write, fh.flush)
-
-    def _take(self, chunks, write, flush) -> None:
-        def sink(data) -> None:
-            write(data)
-            if self.fold is not None:
-                flush()
-                with self._folding:
-                    self.fold.add(data, receiver.max_abs)   # the running max, this chunk included
-            if self.distance is not None:
-                self.distance.add(data)
-        receiver = Receiver(self.layout, sink=sink)
-        for offset, data in chunks:
-            receiver.feed(offset, data)
-        receiver.finish()
-
-    def _journal(self):
-        """The journal's bytes, in blocks, from the first."""
-        return iter(list(self._held)) if self._held is not None else read_blocks(self.journal)
+            def sink(data) -> None:
+                fh.write(data)
+                if self.fold is not None:
+                    fh.flush()
+                    with self._folding:
+                        self.fold.add(data, receiver.max_abs)   # the running max, this chunk included
+                if self.distance is not None:
+                    self.distance.add(data)
+            receiver = Receiver(self.layout, sink=sink)
+            for offset, data in chunks:
+                receiver.feed(offset, data)
+            receiver.finish()
 
     @property
     def norm(self) -> float:
@@ -86,7 +71,7 @@ class Upload:
         """Take whatever of it is in the sum back out (nothing once accepted or kept). Call with the engine
         lock held, before the journal is removed."""
         if self.fold is not None and not self.kept:
-            self.fold.undo(self._journal)
+            self.fold.undo(lambda: read_blocks(self.journal))
 
     def move(self, fold) -> None:
         """Fold this upload into another sum from now on (an asynchronous buffer flushed while it streamed):
@@ -94,9 +79,9 @@ class Upload:
         and the chunks still to come follow it there. Call with the engine lock held, before it is accepted."""
         with self._folding:
             old, folded = self.fold, self.fold.position
-            old.undo(self._journal)
+            old.undo(lambda: read_blocks(self.journal))
             done = 0
-            for block in self._journal():
+            for block in read_blocks(self.journal):
                 piece = memoryview(block)[:folded - done]
                 if len(piece):
                     fold.add(piece, old.peak)
@@ -108,15 +93,9 @@ class Upload:
     def keep(self) -> Path:
         """Keep the complete upload on disk (rules that need every update at once); its new path."""
         held = self.journal.with_suffix(".held")
-        if self._held is not None:   # a stream held in memory: on disk now, as a streamed one is
-            with open(held, "wb") as fh:
-                fh.writelines(self._held)
-            self._held = None
-        else:
-            self.journal.rename(held)
+        self.journal.rename(held)
         self.kept = True
         return held
 
     def discard(self) -> None:
-        self._held = None
         self.journal.unlink(missing_ok=True)

@@ -97,11 +97,6 @@ class Inbound:
         if self._held is None:
             threading.Thread(target=self._pump, name="plexus-inbound", daemon=True).start()
 
-    @property
-    def in_memory(self) -> bool:
-        """Whether the stream is held in memory (a Sequence), not read from a network."""
-        return self._held is not None
-
     def __iter__(self):
         while (message := self.next()) is not None:
             yield message
@@ -202,7 +197,7 @@ class FederationService(federation_pb2_grpc.FederationServicer):
             with self.transfers.slot(context, who.name):
                 message = self.engine.submit_update(who.name, update_header(first.header, relay=who.kind == "relay"),
                                                     _chunks(inbound, lambda: self.auth.still_valid(who)),
-                                                    cut=inbound.cut, in_memory=inbound.in_memory)
+                                                    cut=inbound.cut)
         finally:
             inbound.close()
         return fpb.SubmitReply(accepted=True, message=message)
