@@ -36,7 +36,7 @@ import numpy as np
 from bench.common import descendants, proc_mem_kb
 from bench.plexus_site import DELTA
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig
-from plexus.memory import keep_freed_memory, limit_malloc_arenas
+from plexus.memory import set_up_simulation
 from simulation.partition import Partition, virtual_sites
 from simulation.pool import ProcessPool
 from simulation.simulator import Simulator, final_model
@@ -174,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                         "each), as a Plexus job does; off by default, as in Flower's run")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    limit_malloc_arenas()   # this process is the simulator: set up as `plexus simulate` sets up its own
-    keep_freed_memory()
+    set_up_simulation()   # this process is the simulator, set up as `plexus simulate` sets up its own
     result = {"what": args.what, "command": " ".join(["python -m bench.simulate", *(argv or sys.argv[1:])]),
               "machine": {"platform": platform.platform(), "cores": os.cpu_count(),
                           "loadavg_at_start": os.getloadavg()}, "cases": []}

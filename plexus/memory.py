@@ -58,6 +58,14 @@ def keep_freed_memory() -> bool:
                      _M_TOP_PAD: 64 << 20})
 
 
+def set_up_simulation() -> None:
+    """malloc as a simulation's processes have it (`plexus simulate`, its workers, bench/simulate.py): arenas capped
+    as in the coordinator, updates passing through one after another, and each update reusing the last one's pages
+    (the process's memory stays at its peak). Call it before the process starts threads."""
+    limit_malloc_arenas()
+    keep_freed_memory()
+
+
 def machine_memory(cgroup: Path = Path("/sys/fs/cgroup/memory.max")) -> int:
     """The memory this process may use, in bytes: the machine's physical memory, or its cgroup's (v2) memory.max
     where that is lower (a container's limit)."""

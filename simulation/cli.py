@@ -53,12 +53,11 @@ def add_commands(sub) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from plexus.config import load_round_config
-    from plexus.memory import keep_freed_memory, limit_malloc_arenas
+    from plexus.memory import set_up_simulation
     from simulation.profile import load_profile
     from simulation.simulator import Simulator
 
-    limit_malloc_arenas()   # as the coordinator does: updates pass through here one after the other
-    keep_freed_memory()     # and each reuses the pages of the one before (a simulation's memory stays at its peak)
+    set_up_simulation()
     if args.workers < 1:
         raise UsageError(f"--workers must be at least 1; got {args.workers}")
     if args.threads is not None and args.threads < 1:

@@ -249,11 +249,10 @@ class _Calls:
 def main() -> int:
     """Serve one simulator over stdin/stdout until it says stop or goes away."""
     from plexus.logs import configure
-    from plexus.memory import keep_freed_memory, limit_malloc_arenas
+    from plexus.memory import set_up_simulation
 
     configure("text", os.environ.get("PLEXUS_LOG", "INFO"))
-    limit_malloc_arenas()   # before the tasks' threads: freed model buffers go back, not to idle arenas
-    keep_freed_memory()     # each task's model and update buffers reuse the last task's pages
+    set_up_simulation()   # before the tasks' threads
     set_threads(int(os.environ.get("PLEXUS_SIMULATION_THREADS", "1")))
     # Frames go to the original stdout, through a buffered writer of their own (sys.stdout.buffer is an unbuffered
     # FileIO under PYTHONUNBUFFERED=1, as in the images); anything printed, by Python or a library's C code, goes
