@@ -2,7 +2,9 @@
 
 A pool hosts `count` workers (simulation/worker.py's SiteHost) and carries frames both ways: `send(worker,
 header, messages)` to one, and every frame a worker sends lands on the simulator's `inbox` as (worker,
-header, messages); a worker that ends unexpectedly puts (worker, None, [reason]) there.
+header, messages); a worker that ends unexpectedly puts (worker, None, [reason]) there. A worker's answers
+may come through shared memory (simulation/arena.py): their messages are then memoryviews, the worker's
+again once the call is replied to or held (`arena.owned` copies them out).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+from simulation import arena
 from simulation.frames import read_frame, write_frame
 
 
@@ -26,6 +29,7 @@ class ProcessPool:
         self._procs: list[subprocess.Popen] = []
         self._locks: list[threading.Lock] = []
         self._readers: list[threading.Thread] = []
+        self._arenas: list[arena.ArenaReader] = []
         self._closing = False
         logs.mkdir(parents=True, exist_ok=True)
         self._env = {**os.environ, "PLEXUS_SIMULATION_THREADS": str(threads)}
@@ -37,20 +41,26 @@ class ProcessPool:
             raise
 
     def _start(self, index: int, log_path: Path) -> None:
+        fd = arena.create(f"plexus-simulation-worker-{index}")
+        self._arenas.append(arena.ArenaReader(fd))
         with open(log_path, "ab") as log:   # the child keeps its own descriptor
             proc = subprocess.Popen([sys.executable, "-m", "simulation.worker"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=log, env=self._env, close_fds=True)
+                                    stdout=subprocess.PIPE, stderr=log, env={**self._env, arena.ENV: str(fd)},
+                                    close_fds=True, pass_fds=(fd,))
         self._procs.append(proc)
         self._locks.append(threading.Lock())
-        reader = threading.Thread(target=self._read, args=(index, proc, log_path), daemon=True,
+        reader = threading.Thread(target=self._read, args=(index, proc, log_path, self._arenas[-1]), daemon=True,
                                   name=f"simulation-worker-{index}")
         self._readers.append(reader)
         reader.start()
 
-    def _read(self, index: int, proc: subprocess.Popen, log_path: Path) -> None:
+    def _read(self, index: int, proc: subprocess.Popen, log_path: Path, shared: arena.ArenaReader) -> None:
         try:
             while (frame := read_frame(proc.stdout)) is not None:
-                self._inbox.put((index, *frame))
+                header, messages = frame
+                if "arena" in header:
+                    messages = shared.views(header.pop("arena"))
+                self._inbox.put((index, header, messages))
             reason = "it closed its output"
         except Exception as exc:   # FrameError, OSError, MemoryError...: the simulator must hear of it, not wait
             reason = f"its output could not be read ({type(exc).__name__}: {exc})"
@@ -61,6 +71,11 @@ class ProcessPool:
                 status = "still running"
             self._inbox.put((index, None, [f"simulation worker {index} (PID {proc.pid}) failed: {reason}, {status}; "
                                            f"its log is {log_path}"]))
+
+    @property
+    def shared_bytes(self) -> int:
+        """The bytes of answers that came through the workers' shared memory instead of their pipes."""
+        return sum(shared.read for shared in self._arenas)
 
     def send(self, worker: int, header: dict, messages: list[bytes] = ()) -> None:
         with self._locks[worker]:
@@ -86,3 +101,5 @@ class ProcessPool:
             reader.join(timeout=5)
         for proc in self._procs:
             proc.stdout.close()
+        for shared in self._arenas:
+            shared.close()

@@ -45,6 +45,7 @@ from plexus.proto.plexus.v1 import admin_pb2, federation_pb2 as fpb
 from plexus.rpc import Authenticator
 from plexus.vocab import TERMINAL
 from plexus.wire import DEFAULT_CHUNK_BYTES
+from simulation.arena import owned
 from simulation.profile import Profile
 from simulation.worker import ANSWERS, DEFAULT_AGENT
 
@@ -364,7 +365,7 @@ class Simulator:
                     self.now = now
             else:
                 task.parked = True
-                heapq.heappush(self._held, _Held(task.arrival, next(self._seq), worker, header, messages))
+                heapq.heappush(self._held, _Held(task.arrival, next(self._seq), worker, header, owned(messages)))
                 pool.send(worker, {"op": "held", "call": header["call"]})   # its worker computes on meanwhile
 
     def _answer(self, pool, worker: int, header: dict, messages: list[bytes]) -> None:

@@ -28,6 +28,7 @@ from plexus.config import load_site_config
 from plexus.inproc import LocalRpcError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.shutdown import exit_now
+from simulation.arena import ENV as ARENA_ENV, ArenaWriter
 from simulation.frames import read_frame, write_frame
 
 log = logging.getLogger("plexus.simulation")
@@ -67,7 +68,8 @@ class SiteHost:
     """The virtual sites of one worker. `receive` takes the simulator's frames; `outgoing` gives this host's
     (calls, and `done` once a task or join has ended), None once closed. Thread-safe."""
 
-    def __init__(self):
+    def __init__(self, arena: ArenaWriter | None = None):
+        self._arena = arena   # where answers' messages go instead of their frame (simulation/arena.py), if any
         self._configs: dict[str, dict] = {}
         self._agents: dict = {}
         self._waiting: dict[int, _Reply] = {}
@@ -92,13 +94,20 @@ class SiteHost:
         elif op == "reply":
             with self._lock:
                 waiting = self._waiting.pop(header["call"])
+            self._settled(header["call"])
             waiting.give(header, messages)
         elif op == "held":
             with self._lock:
                 waiting = self._waiting[header["call"]]
+            self._settled(header["call"])
             waiting.hold()
         else:
             raise ValueError(f"unknown frame op {op!r}")
+
+    def _settled(self, call: int) -> None:
+        """The simulator is done with the call's messages (it replied, or holds its own copy)."""
+        if self._arena is not None:
+            self._arena.release(call)
 
     def outgoing(self, timeout: float | None = None) -> tuple[dict, list[bytes]] | None:
         return self._out.get(timeout=timeout)
@@ -152,14 +161,18 @@ class SiteHost:
         with self._lock:
             call_id = next(self._ids)
             self._waiting[call_id] = reply
-        frame = ({"op": "call", "call": call_id, "site": site, "method": method}, requests)
-        del requests
+        header = {"op": "call", "call": call_id, "site": site, "method": method}
         if method not in ANSWERS:
-            self._out.put(frame)
-            del frame
+            self._out.put((header, requests))
+            del requests
             header, messages = reply.wait()
         else:
             self._answering.acquire()   # at most ANSWERING answers in the simulator's hands, not yet held
+            if self._arena is not None and (where := self._arena.place(call_id, requests)) is not None:
+                header["arena"] = where
+                requests.clear()   # the caller's list: its bytes are in the arena now
+            frame = (header, requests)
+            del requests
             self._out.put(frame)
             del frame   # the writer drops it once written
             self._holding.value = False
@@ -260,7 +273,8 @@ def main() -> int:
     frames_in, frames_out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    host = SiteHost()
+    arena = os.environ.get(ARENA_ENV)
+    host = SiteHost(ArenaWriter(int(arena)) if arena else None)
 
     def send():
         while (frame := host.outgoing()) is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig, parse_round_config
 from plexus.datasets import load_dataset
@@ -40,6 +41,8 @@ JOBS = {
     "compressed": dict(strategy="fedavg", model="mlp", hidden=", hidden: [16]",
                        extra="compression: {uplink: {codec: topk, fraction: 0.1}, downlink: {codec: delta8}}\n"),
     "async": dict(strategy="fedavg", extra="asynchronous: {buffer: 4, max_per_buffer: 1}\n"),
+    # 70k parameters: its updates (280 KB) come to the simulator through the workers' shared memory
+    "wide": dict(strategy="fedavg", model="mlp", hidden=", hidden: [256, 256]"),
 }
 
 
@@ -59,9 +62,18 @@ def site_configs(policy: PolicySpec) -> dict[str, SiteConfig]:
 def simulated(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
     """The seven jobs simulated on the four sites in worker processes: job name -> final model."""
     state = tmp_path_factory.mktemp("simulated") / "state"
+    pools = []
+
+    def pool(*args, **kwargs):
+        pools.append(ProcessPool(*args, **kwargs))
+        return pools[-1]
+
+    # the federation's sites train in this process, with its torch threads: the wide layers' sums depend on them
     outcome = Simulator([job_text(name) for name in JOBS], site_configs(PolicySpec(allowed_models=("logistic", "mlp"))),
-                        state, workers=2, pool=ProcessPool).run()
+                        state, workers=2, pool=pool, threads=torch.get_num_threads()).run()
     assert [status for _, status, _ in outcome.jobs] == ["completed"] * len(JOBS)
+    # the wide job's 3 rounds x 4 updates, at least, came through shared memory; the small ones in their frames
+    assert pools[0].shared_bytes >= 3 * 4 * 69_000 * 4
     return {name: final_model(state, job_id) for name, (job_id, _, _) in zip(JOBS, outcome.jobs)}
 
 

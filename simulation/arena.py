@@ -1,0 +1,138 @@
+"""An update's bytes from a worker to the simulator through shared memory instead of its pipe.
+
+Through a pipe, a 40 MB update is copied into the kernel and out again in 64 KiB pieces, each a pair of
+wake-ups; with 32 sites a round that was most of the simulation's CPU. Each worker process has instead a
+memory file (memfd) of its own, created by the simulator's ProcessPool and inherited by the worker: the
+worker copies an answer's messages into a free region of it (`ArenaWriter.place`) and sends, in the call's
+frame, only where they lie; the simulator reads them in place (`ArenaReader.views`) and the worker reuses the
+region once the simulator has replied to the call, or said that it holds it back (and has then copied them).
+
+Nothing but message bytes lives there; the frame's header says where, and the simulator checks that every
+region lies inside the file before reading it. A worker that dies takes its file with it: no name in
+/dev/shm is left behind. The Ray backend keeps its frames whole (its actors may be on other machines).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+ENV = "PLEXUS_SIMULATION_ARENA_FD"
+MIN_BYTES = 256 << 10   # answers smaller than this travel in their frame: copying them twice costs less
+ALIGN = 1 << 12
+
+
+class ArenaError(ValueError):
+    """A frame's arena region that cannot be read: the other end wrote something else."""
+
+
+def create(name: str) -> int:
+    """A new, empty memory file for one worker (inheritable only through `pass_fds`)."""
+    return os.memfd_create(name, os.MFD_CLOEXEC)
+
+
+def owned(messages: list) -> list:
+    """`messages` as the simulator's own bytes: those read in place from an arena are copied out, since their
+    region is the worker's again once the call is replied to (or held)."""
+    return [bytes(m) if isinstance(m, memoryview) else m for m in messages]
+
+
+class ArenaWriter:
+    """The worker's side: regions of the memory file, each free or lent to one call."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._regions: list[list] = []   # [offset, size, call or None], in file order, covering the file
+        self._map: mmap.mmap | None = None
+        self._size = 0
+
+    def place(self, call: int, messages: list[bytes]) -> dict | None:
+        """Copy `messages` into a free region lent to `call`; the frame header's `arena` entry saying where, or
+        None if they are small enough to travel in the frame."""
+        sizes = [len(m) for m in messages]
+        total = sum(sizes)
+        if total < MIN_BYTES:
+            return None
+        with self._lock:
+            offset = self._lend(call, total)
+            view = memoryview(self._map)
+        try:
+            at = offset
+            for message in messages:
+                view[at:at + len(message)] = message
+                at += len(message)
+        finally:
+            view.release()
+        return {"offset": offset, "sizes": sizes}
+
+    def release(self, call: int) -> None:
+        """The simulator is done with `call`'s region (it replied, or holds a copy): free it for the next."""
+        with self._lock:
+            for region in self._regions:
+                if region[2] == call:
+                    region[2] = None
+            merged: list[list] = []
+            for region in self._regions:   # neighbouring free regions become one
+                if merged and merged[-1][2] is None and region[2] is None:
+                    merged[-1][1] += region[1]
+                else:
+                    merged.append(region)
+            self._regions = merged
+
+    def _lend(self, call: int, size: int) -> int:
+        size = -(-size // ALIGN) * ALIGN
+        for index, region in enumerate(self._regions):
+            if region[2] is None and region[1] >= size:
+                if region[1] > size:   # the rest stays free
+                    self._regions.insert(index + 1, [region[0] + size, region[1] - size, None])
+                region[1], region[2] = size, call
+                return region[0]
+        if self._regions and self._regions[-1][2] is None:   # a free tail grows into what is needed
+            tail = self._regions.pop()
+            offset = tail[0]
+        else:
+            offset = self._size
+        self._grow(offset + size)
+        self._regions.append([offset, size, call])
+        return offset
+
+    def _grow(self, size: int) -> None:
+        os.ftruncate(self._fd, size)
+        # the old map is not closed: a call may still be copying into it (outside the lock); it goes with its last view
+        self._map, self._size = mmap.mmap(self._fd, size), size
+
+
+class ArenaReader:
+    """The simulator's side: one worker's memory file, mapped again whenever the worker has made it larger."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._map: mmap.mmap | None = None
+        self.read = 0   # bytes of messages read in place so far
+
+    def views(self, spec) -> list[memoryview]:
+        """The messages a frame's `arena` entry places, read in place (valid until the call is replied to)."""
+        try:
+            offset, sizes = int(spec["offset"]), [int(s) for s in spec["sizes"]]
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ArenaError(f"a frame's arena entry must be {{offset, sizes}}; got {spec!r:.200}") from exc
+        end = offset + sum(sizes)
+        if offset < 0 or any(s < 0 for s in sizes):
+            raise ArenaError(f"a frame's arena region cannot be negative (offset {offset}, sizes {sizes[:8]})")
+        if self._map is None or end > len(self._map):
+            size = os.fstat(self._fd).st_size
+            if end > size:
+                raise ArenaError(f"a frame's arena region ends at byte {end}, past the worker's {size}-byte file")
+            self._map = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)   # the old one goes with its last view
+        whole, out, at = memoryview(self._map), [], offset
+        for size in sizes:
+            out.append(whole[at:at + size])
+            at += size
+        self.read += end - offset
+        return out
+
+    def close(self) -> None:
+        self._map = None
+        os.close(self._fd)

@@ -1,0 +1,127 @@
+"""Answers through a worker's shared memory (simulation/arena.py): placed, read in place, and reused only
+once the simulator is done with them."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from simulation.arena import MIN_BYTES, ArenaError, ArenaReader, ArenaWriter, create, owned
+from simulation.worker import SiteHost
+
+BIG = MIN_BYTES + 12345
+
+
+@pytest.fixture
+def arena():
+    fd = create("plexus-test-arena")
+    writer, reader = ArenaWriter(fd), ArenaReader(os.dup(fd))
+    yield writer, reader
+    reader.close()
+    os.close(fd)
+
+
+def messages(seed: int, sizes=(BIG // 2, BIG - BIG // 2, 7)) -> list[bytes]:
+    return [bytes([(seed + i) % 251]) * n for i, n in enumerate(sizes)]
+
+
+def test_placed_messages_read_back_in_place_and_small_ones_stay_in_their_frame(arena):
+    writer, reader = arena
+    assert writer.place(1, [b"x" * (MIN_BYTES - 1)]) is None
+    sent = messages(3)
+    where = writer.place(2, sent)
+    views = reader.views(where)
+    assert [bytes(v) for v in views] == sent
+    assert reader.read == sum(map(len, sent))
+    assert owned(views) == sent and all(type(m) is bytes for m in owned(views))
+
+
+def test_a_region_is_reused_only_once_released(arena):
+    writer, reader = arena
+    first = writer.place(1, messages(1))
+    second = writer.place(2, messages(2))
+    assert second["offset"] >= first["offset"] + sum(first["sizes"])   # both lent: apart
+    assert [bytes(v) for v in reader.views(first)] == messages(1)       # the second did not overwrite the first
+    writer.release(1)
+    third = writer.place(3, messages(3))
+    assert third["offset"] == first["offset"]
+    assert [bytes(v) for v in reader.views(second)] == messages(2)
+
+
+def test_the_file_grows_for_a_larger_answer_and_the_reader_maps_it_again(arena):
+    writer, reader = arena
+    small = writer.place(1, messages(1))
+    reader.views(small)
+    large = writer.place(2, messages(2, sizes=(4 * BIG, 3 * BIG)))
+    assert [bytes(v) for v in reader.views(large)] == messages(2, sizes=(4 * BIG, 3 * BIG))
+    assert [bytes(v) for v in reader.views(small)] == messages(1)
+    writer.release(1)
+    writer.release(2)
+    again = writer.place(3, messages(3, sizes=(5 * BIG,)))   # the freed regions, merged, hold it
+    assert again["offset"] == 0
+
+
+def test_calls_placing_at_once_get_regions_apart(arena):
+    writer, reader = arena
+    placed: dict[int, dict] = {}
+
+    def place(call: int) -> None:
+        placed[call] = writer.place(call, messages(call))
+
+    threads = [threading.Thread(target=place, args=(call,)) for call in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    spans = sorted((w["offset"], w["offset"] + sum(w["sizes"])) for w in placed.values())
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all([bytes(v) for v in reader.views(placed[call])] == messages(call) for call in range(8))
+
+
+@pytest.mark.parametrize("spec, said", [
+    ({"offset": 0, "sizes": [10 ** 9]}, "past the worker's"),
+    ({"offset": -4096, "sizes": [1]}, "negative"),
+    ({"offset": 0, "sizes": [-1, 5]}, "negative"),
+    ({"offset": "here"}, "must be {offset, sizes}"),
+    (["not", "a", "dict"], "must be {offset, sizes}"),
+])
+def test_a_region_the_file_does_not_hold_is_refused(arena, spec, said):
+    writer, reader = arena
+    writer.place(1, messages(1))
+    with pytest.raises(ArenaError, match=said):
+        reader.views(spec)
+
+
+@pytest.mark.parametrize("settles", ["reply", "held"])
+def test_a_worker_lends_an_answers_region_until_the_simulator_replies_or_holds_it(arena, settles):
+    """SiteHost puts an update's messages in the arena, sends only where they lie, and reuses the region once
+    the simulator has replied to the call or said that it holds it (having copied it)."""
+    writer, reader = arena
+    host = SiteHost(writer)
+    result: list = []
+
+    def submit(seed: int) -> None:   # as a task's thread does: it computes, then answers
+        host._compute.acquire()
+        host._holding.value = True
+        result.append(host.call("site-a", "SubmitUpdate", messages(seed)))
+
+    first = threading.Thread(target=submit, args=(0,))
+    first.start()
+    header, inline = host.outgoing(timeout=10)
+    assert inline == [] and header["method"] == "SubmitUpdate"
+    assert [bytes(v) for v in reader.views(header["arena"])] == messages(0)
+    second = threading.Thread(target=submit, args=(1,))
+    second.start()
+    header2, _ = host.outgoing(timeout=10)
+    assert header2["arena"]["offset"] != header["arena"]["offset"]   # the first is still lent
+    if settles == "held":
+        host.receive({"op": "held", "call": header["call"]}, [])
+    host.receive({"op": "reply", "call": header["call"]}, [])
+    host.receive({"op": "reply", "call": header2["call"]}, [])
+    first.join(timeout=10)
+    second.join(timeout=10)
+    assert len(result) == 2
+    third = writer.place(99, messages(2))
+    assert third["offset"] == header["arena"]["offset"]   # both regions free again, merged
