@@ -1,11 +1,14 @@
-"""An update's bytes from a worker to the simulator through shared memory instead of its pipe.
+"""Updates and models between the simulator and a worker through shared memory instead of its pipes.
 
 Through a pipe, a 40 MB update is copied into the kernel and out again in 64 KiB pieces, each a pair of
-wake-ups; with 32 sites a round that was most of the simulation's CPU. Each worker process has instead a
-memory file (memfd) of its own, created by the simulator's ProcessPool and inherited by the worker: the
-worker copies an answer's messages into a free region of it (`ArenaWriter.place`) and sends, in the call's
-frame, only where they lie; the simulator reads them in place (`ArenaReader.views`) and the worker reuses the
-region once the simulator has replied to the call, or said that it holds it back (and has then copied them).
+wake-ups; with 32 sites a round that was most of the simulation's CPU. Each worker process has instead two
+memory files (memfd) of its own, created by the simulator's ProcessPool and inherited by the worker:
+- up: the worker copies an answer's messages into a free region of it (`ArenaWriter.place`) and sends, in the
+  call's frame, only where they lie; the simulator reads them in place (`ArenaReader.views`) and the worker
+  reuses the region once the simulator has replied to the call, or said that it holds it back (and has then
+  copied them);
+- down: the simulator places a large reply (a served model) there, and reuses the region once the worker says
+  it has parsed it (a `free` frame).
 
 Nothing but message bytes lives there; the frame's header says where, and the simulator checks that every
 region lies inside the file before reading it. A worker that dies takes its file with it: no name in
@@ -18,7 +21,8 @@ import mmap
 import os
 import threading
 
-ENV = "PLEXUS_SIMULATION_ARENA_FD"
+ENV = "PLEXUS_SIMULATION_ARENA_FD"         # the worker's up arena
+DOWN_ENV = "PLEXUS_SIMULATION_DOWN_ARENA_FD"
 MIN_BYTES = 256 << 10   # answers smaller than this travel in their frame: copying them twice costs less
 ALIGN = 1 << 12
 
@@ -47,6 +51,7 @@ class ArenaWriter:
         self._regions: list[list] = []   # [offset, size, call or None], in file order, covering the file
         self._map: mmap.mmap | None = None
         self._size = 0
+        self.placed = 0   # bytes of messages placed so far
 
     def place(self, call: int, messages: list[bytes]) -> dict | None:
         """Copy `messages` into a free region lent to `call`; the frame header's `arena` entry saying where, or
@@ -65,6 +70,7 @@ class ArenaWriter:
                 at += len(message)
         finally:
             view.release()
+        self.placed += total
         return {"offset": offset, "sizes": sizes}
 
     def release(self, call: int) -> None:
@@ -97,6 +103,11 @@ class ArenaWriter:
         self._grow(offset + size)
         self._regions.append([offset, size, call])
         return offset
+
+    def close(self) -> None:
+        with self._lock:
+            self._map = None
+            os.close(self._fd)
 
     def _grow(self, size: int) -> None:
         os.ftruncate(self._fd, size)

@@ -2,9 +2,10 @@
 
 A pool hosts `count` workers (simulation/worker.py's SiteHost) and carries frames both ways: `send(worker,
 header, messages)` to one, and every frame a worker sends lands on the simulator's `inbox` as (worker,
-header, messages); a worker that ends unexpectedly puts (worker, None, [reason]) there. A worker's answers
-may come through shared memory (simulation/arena.py): their messages are then memoryviews, the worker's
-again once the call is replied to or held (`arena.owned` copies them out).
+header, messages); a worker that ends unexpectedly puts (worker, None, [reason]) there. Large messages go
+through shared memory (simulation/arena.py) both ways: a worker's answers reach the inbox as memoryviews,
+the worker's again once the call is replied to or held (`arena.owned` copies them out); a large reply is
+placed in the worker's down arena and freed when the worker says so.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class ProcessPool:
         self._procs: list[subprocess.Popen] = []
         self._locks: list[threading.Lock] = []
         self._readers: list[threading.Thread] = []
-        self._arenas: list[arena.ArenaReader] = []
+        self._arenas: list[arena.ArenaReader] = []   # each worker's answers (up)
+        self._down: list[arena.ArenaWriter] = []     # large replies to each worker
         self._closing = False
         logs.mkdir(parents=True, exist_ok=True)
         self._env = {**os.environ, "PLEXUS_SIMULATION_THREADS": str(threads)}
@@ -41,12 +43,14 @@ class ProcessPool:
             raise
 
     def _start(self, index: int, log_path: Path) -> None:
-        fd = arena.create(f"plexus-simulation-worker-{index}")
-        self._arenas.append(arena.ArenaReader(fd))
+        up, down = (arena.create(f"plexus-simulation-worker-{index}-{way}") for way in ("up", "down"))
+        self._arenas.append(arena.ArenaReader(up))
+        self._down.append(arena.ArenaWriter(down))
         with open(log_path, "ab") as log:   # the child keeps its own descriptor
             proc = subprocess.Popen([sys.executable, "-m", "simulation.worker"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=log, env={**self._env, arena.ENV: str(fd)},
-                                    close_fds=True, pass_fds=(fd,))
+                                    stdout=subprocess.PIPE, stderr=log,
+                                    env={**self._env, arena.ENV: str(up), arena.DOWN_ENV: str(down)},
+                                    close_fds=True, pass_fds=(up, down))
         self._procs.append(proc)
         self._locks.append(threading.Lock())
         reader = threading.Thread(target=self._read, args=(index, proc, log_path, self._arenas[-1]), daemon=True,
@@ -58,6 +62,9 @@ class ProcessPool:
         try:
             while (frame := read_frame(proc.stdout)) is not None:
                 header, messages = frame
+                if header.get("op") == "free":   # the worker has parsed a reply placed in its down arena
+                    self._down[index].release(int(header["call"]))
+                    continue
                 if "arena" in header:
                     messages = shared.views(header.pop("arena"))
                 self._inbox.put((index, header, messages))
@@ -73,11 +80,14 @@ class ProcessPool:
                                            f"its log is {log_path}"]))
 
     @property
-    def shared_bytes(self) -> int:
-        """The bytes of answers that came through the workers' shared memory instead of their pipes."""
-        return sum(shared.read for shared in self._arenas)
+    def shared_bytes(self) -> dict[str, int]:
+        """The bytes that went through the workers' shared memory instead of their pipes: answers (up), replies
+        (down)."""
+        return {"up": sum(shared.read for shared in self._arenas), "down": sum(down.placed for down in self._down)}
 
     def send(self, worker: int, header: dict, messages: list[bytes] = ()) -> None:
+        if header.get("op") == "reply" and (where := self._down[worker].place(header["call"], messages)) is not None:
+            header, messages = {**header, "arena": where}, []
         with self._locks[worker]:
             write_frame(self._procs[worker].stdin, header, list(messages))
 
@@ -101,5 +111,5 @@ class ProcessPool:
             reader.join(timeout=5)
         for proc in self._procs:
             proc.stdout.close()
-        for shared in self._arenas:
+        for shared in (*self._arenas, *self._down):
             shared.close()

@@ -28,8 +28,8 @@ from plexus.config import load_site_config
 from plexus.inproc import LocalRpcError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.shutdown import exit_now
-from simulation.arena import ENV as ARENA_ENV, ArenaWriter
-from simulation.frames import read_frame, write_frame
+from simulation.arena import DOWN_ENV, ENV as ARENA_ENV, ArenaReader, ArenaWriter
+from simulation.frames import FrameError, read_frame, write_frame
 
 log = logging.getLogger("plexus.simulation")
 
@@ -108,6 +108,11 @@ class SiteHost:
         """The simulator is done with the call's messages (it replied, or holds its own copy)."""
         if self._arena is not None:
             self._arena.release(call)
+
+    def parsed(self, header: dict) -> None:
+        """The caller has parsed a reply that came through the down arena: its region is the simulator's again."""
+        if header.get("shared"):
+            self._out.put(({"op": "free", "call": header["call"]}, []))
 
     def outgoing(self, timeout: float | None = None) -> tuple[dict, list[bytes]] | None:
         return self._out.get(timeout=timeout)
@@ -239,9 +244,13 @@ class _Calls:
         payload = [m.SerializeToString() for m in (request if isinstance(request, list) else [request])]
         del request   # an update's messages: only their bytes travel on
         header, replies = self._host.call(self._site, method, payload)
-        if method == "FetchModel":
-            return iter(self._host.models(header, replies))
-        return _REPLY_TYPES[method].FromString(replies[0])
+        try:
+            if method == "FetchModel":
+                return iter(self._host.models(header, replies))
+            return _REPLY_TYPES[method].FromString(replies[0])
+        finally:
+            del replies
+            self._host.parsed(header)
 
     def Join(self, request, timeout=None):
         return self.call("Join", request)
@@ -273,8 +282,9 @@ def main() -> int:
     frames_in, frames_out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    arena = os.environ.get(ARENA_ENV)
-    host = SiteHost(ArenaWriter(int(arena)) if arena else None)
+    up, down = os.environ.get(ARENA_ENV), os.environ.get(DOWN_ENV)
+    host = SiteHost(ArenaWriter(int(up)) if up else None)
+    replies = ArenaReader(int(down)) if down else None
 
     def send():
         while (frame := host.outgoing()) is not None:
@@ -285,7 +295,12 @@ def main() -> int:
     writer.start()
     try:
         while (frame := read_frame(frames_in)) is not None and frame[0].get("op") != "stop":
-            host.receive(*frame)
+            header, messages = frame
+            if "arena" in header:   # a large reply, read in place from the down arena; freed once parsed
+                if replies is None:
+                    raise FrameError("a frame refers to a down arena this worker was not given")
+                messages, header["shared"] = replies.views(header.pop("arena")), True
+            host.receive(header, messages)
     finally:
         host.close()
         writer.join()

@@ -72,8 +72,9 @@ def simulated(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
     outcome = Simulator([job_text(name) for name in JOBS], site_configs(PolicySpec(allowed_models=("logistic", "mlp"))),
                         state, workers=2, pool=pool, threads=torch.get_num_threads()).run()
     assert [status for _, status, _ in outcome.jobs] == ["completed"] * len(JOBS)
-    # the wide job's 3 rounds x 4 updates, at least, came through shared memory; the small ones in their frames
-    assert pools[0].shared_bytes >= 3 * 4 * 69_000 * 4
+    # the wide job's 3 rounds x 4 updates, at least, came through shared memory, and its models to the 2 workers
+    assert pools[0].shared_bytes["up"] >= 3 * 4 * 69_000 * 4
+    assert pools[0].shared_bytes["down"] >= 3 * 2 * 69_000 * 4
     return {name: final_model(state, job_id) for name, (job_id, _, _) in zip(JOBS, outcome.jobs)}
 
 

@@ -8,8 +8,9 @@ import threading
 
 import pytest
 
+from plexus.proto.plexus.v1 import federation_pb2 as fpb, tensor_pb2
 from simulation.arena import MIN_BYTES, ArenaError, ArenaReader, ArenaWriter, create, owned
-from simulation.worker import SiteHost
+from simulation.worker import SiteHost, _Calls
 
 BIG = MIN_BYTES + 12345
 
@@ -125,3 +126,31 @@ def test_a_worker_lends_an_answers_region_until_the_simulator_replies_or_holds_i
     assert len(result) == 2
     third = writer.place(99, messages(2))
     assert third["offset"] == header["arena"]["offset"]   # both regions free again, merged
+
+
+def test_a_reply_read_from_the_down_arena_is_freed_once_its_caller_has_parsed_it(arena):
+    """The simulator places a served model in the worker's down arena; the worker's stub parses it and says
+    `free`, and only then may the simulator place the next one there."""
+    writer, reader = arena   # here the simulator writes and the worker reads
+    host = SiteHost()
+    model = [fpb.ModelMessage(chunk=tensor_pb2.Chunk(offset=i * BIG, data=bytes([i]) * BIG)).SerializeToString()
+             for i in range(2)]
+    got: list = []
+
+    def fetch() -> None:
+        host._compute.acquire()
+        host._holding.value = True
+        got.extend(_Calls(host, "site-a").FetchModel(fpb.FetchModelRequest()))
+
+    thread = threading.Thread(target=fetch)
+    thread.start()
+    header, _ = host.outgoing(timeout=10)
+    where = writer.place(header["call"], model)
+    host.receive({"op": "reply", "call": header["call"], "shared": True}, reader.views(where))
+    thread.join(timeout=10)
+    assert [m.chunk.data for m in got] == [bytes([i]) * BIG for i in range(2)]
+    assert host.outgoing(timeout=10) == ({"op": "free", "call": header["call"]}, [])
+    assert writer.place(-1, model)["offset"] != where["offset"]   # not freed yet on the simulator's side
+    writer.release(header["call"])
+    writer.release(-1)
+    assert writer.place(-2, model)["offset"] == where["offset"]
