@@ -28,6 +28,7 @@ from coordinator.drivers.async_ import AsyncRounds
 from coordinator.drivers.split import Session, SplitRounds
 from coordinator.drivers.sync import SyncRounds, strategy_at
 from coordinator.events import admin_actor
+from coordinator.intake import MemoryJournals
 from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
 from coordinator.served import Held, ServedModel
 from coordinator.store import EventRow, JobRow, Store, rows_by_dataset
@@ -158,6 +159,7 @@ class Engine:
         self._storage_failures = 0          # in a row, since a round was last saved: each doubles the wait
         self._free_wanted = 0               # after a full disk: free bytes the state dir must have to go on
         self.tier_rows_cap: int | None = None   # a relay's tier: the most rows of a dataset its sites report in all
+        self.journals: MemoryJournals | None = None   # uploads' journals in memory (the simulator's; see intake.py)
         self._thread = threading.Thread(target=self._run, name="plexus-engine", daemon=True)
 
     @property
@@ -278,7 +280,7 @@ class Engine:
     def _context(self) -> Context:
         return Context(store=self.store, presence=self._presence, clock=self._clock, monotonic=self._mono,
                        notify=self._cv.notify_all, models=self.models, model_limits=self.model_limits,
-                       rejoin_grace_s=self.rejoin_grace_s, saved=self._saved)
+                       rejoin_grace_s=self.rejoin_grace_s, saved=self._saved, journals=self.journals)
 
     def retire(self, keep_job: str, message: str) -> None:
         """End the active job unless it is `keep_job` (a relay's tier, when its parent moved on to another job)."""
