@@ -169,6 +169,7 @@ class Simulator:
         self._horizon = 0.0                           # the latest answer taken ahead of the clock (see above)
         self._answered = False                        # an answer reached the engine since its last tick
         self._served: dict[int, tuple[str, int]] = {}  # worker -> the served model it holds, its bytes (_fetch)
+        self._serialized: tuple[str, list[bytes]] = ("", [])   # the served model last sent, as sent (_fetch)
         self.dropped = 0
         self.round_wall_s: list[float] = []   # real seconds from the start to each round's close, every job
 
@@ -405,7 +406,8 @@ class Simulator:
 
     def _fetch(self, stub, request: fpb.FetchModelRequest, worker: int) -> tuple[dict, list[bytes]]:
         """A served model goes to each worker once: its header message names the model (digest, encoding,
-        base), so a worker that holds the stream that header began gets the header alone (SiteHost.models)."""
+        base), so a worker that holds the stream that header began gets the header alone (SiteHost.models), and
+        the stream is serialized once for all workers."""
         stream = stub.FetchModel(request)
         try:
             head = next(stream).SerializeToString()
@@ -413,7 +415,11 @@ class Simulator:
             held, size = self._served.get(worker, ("", 0))
             if held == key:
                 return {"cached": key, "bytes": size}, [head]
-            messages = [head, *(m.SerializeToString() for m in stream)]
+            if self._serialized[0] == key:   # another worker's copy: the same bytes, serialized once
+                messages = self._serialized[1]
+            else:
+                messages = [head, *(m.SerializeToString() for m in stream)]
+                self._serialized = (key, messages)
         finally:
             stream.close()
         size = sum(map(len, messages))
