@@ -87,6 +87,17 @@ def proc_mem_kb(pid: int) -> tuple[int, int]:
     return hwm, rss
 
 
+def proc_pss_kb(pid: int) -> int:
+    """Proportional set size in KiB (shared pages split among the processes that map them); 0 for a gone one."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 class Fleet:
     """The processes of one case, grouped by role, with a memory sampler."""
 

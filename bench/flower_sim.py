@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import Fleet, descendants, wait_until
+from bench.common import Fleet, descendants, proc_pss_kb, wait_until
 from bench.run import label, parse_size
 
 VENV = Path(os.environ.get("PLEXUS_BENCH_FLWR_SIM_VENV", "/tmp/plexus-bench-flwr-sim-venv"))
@@ -94,16 +94,6 @@ def _mem_available_kb() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1])
-    return 0
-
-
-def _pss_kb(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
     return 0
 
 
@@ -169,7 +159,7 @@ class TreeWatch:
         pss, counts = 0, {}
         for root in list(self.fleet.role_of_root):
             for pid in descendants(root):
-                pss += _pss_kb(pid)
+                pss += proc_pss_kb(pid)
                 ticks = _proc_cpu_ticks(pid)
                 if ticks:
                     self.cpu_ticks[pid] = ticks

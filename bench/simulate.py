@@ -15,7 +15,9 @@ sites only train (FitOnlyAgent); `--site-evaluation` adds a Plexus job's per-rou
 scale: `trivial` with 1,000 sites: wall time and peak memory.
 
 Memory: a thread samples VmRSS of this process and every descendant (the workers, the model worker) every
-0.2 s; "peak_total_mb" is the largest sum seen, "peak_process_mb" the largest VmHWM of any one process.
+0.2 s; "peak_total_mb" is the largest sum seen, "peak_process_mb" the largest VmHWM of any one process;
+"peak_total_pss_mb" the largest sum of PSS, which counts a page shared by processes (the workers' shared
+memory with the simulator) once, split among them, where the sum of VmRSS counts it in each.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import descendants, proc_mem_kb
+from bench.common import descendants, proc_mem_kb, proc_pss_kb
 from bench.plexus_site import DELTA
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 from plexus.memory import set_up_simulation
@@ -78,7 +80,7 @@ class Memory:
     """Peak summed VmRSS of this process tree and the largest single VmHWM, sampled every `interval_s`."""
 
     def __init__(self, interval_s: float = 0.2):
-        self.interval_s, self.peak_total_kb, self.peak_process_kb = interval_s, 0, 0
+        self.interval_s, self.peak_total_kb, self.peak_process_kb, self.peak_pss_kb = interval_s, 0, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -92,12 +94,14 @@ class Memory:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            total = 0
+            total = pss = 0
             for pid in [os.getpid(), *descendants(os.getpid())]:
                 hwm, rss = proc_mem_kb(pid)
                 total += rss
+                pss += proc_pss_kb(pid)
                 self.peak_process_kb = max(self.peak_process_kb, hwm)
             self.peak_total_kb = max(self.peak_total_kb, total)
+            self.peak_pss_kb = max(self.peak_pss_kb, pss)
 
 
 def parse_size(text: str) -> int:
@@ -127,7 +131,8 @@ def trivial_case(size: int, sites: int, rounds: int, workers: int, work: Path) -
     return {"size": size, "sites": sites, "rounds": rounds, "workers": workers, "status": outcome.status,
             "s_per_round": statistics.median(gaps) if gaps else None, "round_close_s": closes,
             "wall_s": outcome.wall_s, "result_ok": bool(worst < 1e-4 * max(expected, 1.0)), "max_abs_error": worst,
-            "peak_total_mb": memory.peak_total_kb / 1024, "peak_process_mb": memory.peak_process_kb / 1024}
+            "peak_total_mb": memory.peak_total_kb / 1024, "peak_process_mb": memory.peak_process_kb / 1024,
+            "peak_total_pss_mb": memory.peak_pss_kb / 1024}
 
 
 def fmnist_case(rounds: int, seed: int, workers: int, work: Path, *, site_evaluation: bool = False) -> dict:
@@ -157,7 +162,7 @@ def fmnist_case(rounds: int, seed: int, workers: int, work: Path, *, site_evalua
             "rounds_s": (outcome.round_wall_s[-1] - first) if outcome.round_wall_s else None,
             "first_round_close_s": first, "test_accuracy": accuracy, "test_rows": int(len(test.y_test)),
             "simulated_s": outcome.simulated_s, "peak_total_mb": memory.peak_total_kb / 1024,
-            "peak_process_mb": memory.peak_process_kb / 1024}
+            "peak_process_mb": memory.peak_process_kb / 1024, "peak_total_pss_mb": memory.peak_pss_kb / 1024}
 
 
 def main(argv: list[str] | None = None) -> int:
