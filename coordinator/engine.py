@@ -28,7 +28,6 @@ from coordinator.drivers.async_ import AsyncRounds
 from coordinator.drivers.split import Session, SplitRounds
 from coordinator.drivers.sync import SyncRounds, strategy_at
 from coordinator.events import admin_actor
-from coordinator.intake import MemoryJournals
 from coordinator.model_worker import ModelLimits, ModelWorker, shared_worker
 from coordinator.served import Held, ServedModel
 from coordinator.store import EventRow, JobRow, Store, rows_by_dataset
@@ -159,7 +158,6 @@ class Engine:
         self._storage_failures = 0          # in a row, since a round was last saved: each doubles the wait
         self._free_wanted = 0               # after a full disk: free bytes the state dir must have to go on
         self.tier_rows_cap: int | None = None   # a relay's tier: the most rows of a dataset its sites report in all
-        self.journals: MemoryJournals | None = None   # uploads' journals in memory (the simulator's; see intake.py)
         self._thread = threading.Thread(target=self._run, name="plexus-engine", daemon=True)
 
     @property
@@ -280,7 +278,7 @@ class Engine:
     def _context(self) -> Context:
         return Context(store=self.store, presence=self._presence, clock=self._clock, monotonic=self._mono,
                        notify=self._cv.notify_all, models=self.models, model_limits=self.model_limits,
-                       rejoin_grace_s=self.rejoin_grace_s, saved=self._saved, journals=self.journals)
+                       rejoin_grace_s=self.rejoin_grace_s, saved=self._saved)
 
     def retire(self, keep_job: str, message: str) -> None:
         """End the active job unless it is `keep_job` (a relay's tier, when its parent moved on to another job)."""
@@ -558,11 +556,13 @@ class Engine:
             return driver.served(grant, held, zero_base=zero_base), grant.job_id, grant.model_round
 
     def submit_update(self, site: str, header: UpdateHeader, chunks: Iterable[tuple[int, bytes]],
-                      cut: Callable[[BaseException], None] = lambda exc: None) -> str:
+                      cut: Callable[[BaseException], None] = lambda exc: None, *,
+                      replay: Callable[[], Iterable] | None = None) -> str:
         """Receive one site's update as (offset, data) chunks, validated and folded as they arrive; the reply.
 
         `cut(exc)` makes `chunks` raise exc: the driver calls it when the round closes while the update is
-        still arriving. The chunks stream without the engine lock.
+        still arriving. The chunks stream without the engine lock. `replay`: for a stream held in memory whole,
+        its chunks' bytes again, which then stand for the upload's journal (Upload.receive).
         """
         with self._cv:
             self._presence.touch(site)
@@ -575,7 +575,7 @@ class Engine:
             upload = driver.upload(site, grant, header, cut)
         try:
             try:
-                upload.receive(chunks)
+                upload.receive(chunks, replay=replay)
             except BaseException as exc:
                 with self._cv:
                     if storage_failure(exc):   # the coordinator's disk, not the site's update: the round waits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -93,8 +94,9 @@ class Inbound:
         self._closed = False
         self._item: tuple | None = None    # (message, None), (None, None) at the end, or (None, the error)
         self._cut: BaseException | None = None
-        self._held = iter(messages) if isinstance(messages, Sequence) else None
-        if self._held is None:
+        self.held = messages if isinstance(messages, Sequence) else None   # the whole stream, if in memory
+        self._in_memory = iter(messages) if self.held is not None else None
+        if self._in_memory is None:
             threading.Thread(target=self._pump, name="plexus-inbound", daemon=True).start()
 
     def __iter__(self):
@@ -103,10 +105,10 @@ class Inbound:
 
     def next(self):
         """The next message; None at the end of the stream; TimedOut if none arrives within idle_s."""
-        if self._held is not None:
+        if self._in_memory is not None:
             if self._cut is not None:
                 raise self._cut
-            return next(self._held, None)
+            return next(self._in_memory, None)
         with self._cv:
             end = time.monotonic() + self.idle_s
             while self._item is None and self._cut is None:
@@ -194,10 +196,12 @@ class FederationService(federation_pb2_grpc.FederationServicer):
             first = inbound.next()
             if first is None or first.WhichOneof("body") != "header":
                 raise IntegrityError("an update stream must start with its header")
+            held = inbound.held   # a stream in memory (plexus simulate's calls): its chunks are its journal
             with self.transfers.slot(context, who.name):
                 message = self.engine.submit_update(who.name, update_header(first.header, relay=who.kind == "relay"),
                                                     _chunks(inbound, lambda: self.auth.still_valid(who)),
-                                                    cut=inbound.cut)
+                                                    cut=inbound.cut, replay=None if held is None else
+                                                    lambda: (m.chunk.data for m in itertools.islice(held, 1, None)))
         finally:
             inbound.close()
         return fpb.SubmitReply(accepted=True, message=message)

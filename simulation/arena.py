@@ -43,7 +43,8 @@ def owned(messages: list) -> list:
 
 
 class ArenaWriter:
-    """The worker's side: regions of the memory file, each free or lent to one call."""
+    """The writing side (the worker for its answers, the simulator for large replies): regions of the memory file,
+    each free or lent to one call. Thread-safe."""
 
     def __init__(self, fd: int):
         self._fd = fd
@@ -63,6 +64,7 @@ class ArenaWriter:
         with self._lock:
             offset = self._lend(call, total)
             view = memoryview(self._map)
+            self.placed += total
         try:
             at = offset
             for message in messages:
@@ -70,11 +72,11 @@ class ArenaWriter:
                 at += len(message)
         finally:
             view.release()
-        self.placed += total
         return {"offset": offset, "sizes": sizes}
 
     def release(self, call: int) -> None:
-        """The simulator is done with `call`'s region (it replied, or holds a copy): free it for the next."""
+        """The reader is done with `call`'s region (the simulator replied or holds a copy; the worker parsed a
+        reply): free it for the next."""
         with self._lock:
             for region in self._regions:
                 if region[2] == call:
@@ -116,7 +118,7 @@ class ArenaWriter:
 
 
 class ArenaReader:
-    """The simulator's side: one worker's memory file, mapped again whenever the worker has made it larger."""
+    """The reading side of one memory file, mapped again whenever the writer has made it larger."""
 
     def __init__(self, fd: int):
         self._fd = fd
@@ -135,7 +137,7 @@ class ArenaReader:
         if self._map is None or end > len(self._map):
             size = os.fstat(self._fd).st_size
             if end > size:
-                raise ArenaError(f"a frame's arena region ends at byte {end}, past the worker's {size}-byte file")
+                raise ArenaError(f"a frame's arena region ends at byte {end}, past the {size}-byte shared file")
             self._map = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)   # the old one goes with its last view
         whole, out, at = memoryview(self._map), [], offset
         for size in sizes:

@@ -34,7 +34,6 @@ import grpc
 import numpy as np
 
 from coordinator.engine import Engine
-from coordinator.intake import MemoryJournals
 from coordinator.service import AdminService, FederationService
 from coordinator.store import Store
 from plexus import pki
@@ -197,7 +196,6 @@ class Simulator:
         self.engine = Engine(self.store, federation=federation_of(kit.cert_pem), clock=self._wall,
                              monotonic=lambda: self.now)
         self.engine.online_window_s = math.inf   # a virtual site is online unless its profile drops it
-        self.engine.journals = MemoryJournals()   # every update is in this process already: no spool file for it
         self.federation = FederationService(self.engine, auth, chunk_bytes=DEFAULT_CHUNK_BYTES, max_transfers=4)
         self.admin = AdminService(self.engine, auth, chunk_bytes=DEFAULT_CHUNK_BYTES)
         admin_kit = load_kit(root / "admins" / ADMIN)

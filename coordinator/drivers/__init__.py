@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from coordinator.intake import MemoryJournals, Upload
+from coordinator.intake import Upload
 from coordinator.model_worker import ModelLimits, ModelWorker
 from coordinator.served import Held, ServedModel
 from coordinator.store import Store
@@ -34,7 +34,6 @@ class Context:
     model_limits: ModelLimits
     rejoin_grace_s: float = 0.0
     saved: Callable[[int], None] = lambda round_: None   # a round's checkpoint is written (storage is back)
-    journals: MemoryJournals | None = None   # uploads' journals in memory, not spool files (the simulator's)
 
 
 class Driver(Protocol):

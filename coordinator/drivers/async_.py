@@ -293,7 +293,7 @@ class AsyncRounds:
             fold = buffer.total.begin(staleness.weight(self.spec.staleness, tau, samples))
             upload = Upload(self.layout, self.ctx.store.spool / f"{grant.task_id}.part", fold=fold,
                             distance=Distance(self.layout, self._base(grant.model_round)) if dp else None,
-                            owner=buffer, weight=fold.weight, metrics=metrics, memory=self.ctx.journals)
+                            owner=buffer, weight=fold.weight, metrics=metrics)
         except IntegrityError as exc:   # Stale is a RoundClosed: recorded by _check_fresh
             self._refuse(site, grant, TaskStatus.REJECTED, str(exc), exc.reason)
             raise
@@ -848,7 +848,7 @@ class AsyncRounds:
         try:
             sec.masked_layout.require_same(header.require_layout(), what="masked input")
             upload = Upload(sec.masked_layout, self.ctx.store.spool / f"{grant.task_id}.part",
-                            fold=sec.masked.begin(), owner=cohort, memory=self.ctx.journals)
+                            fold=sec.masked.begin(), owner=cohort)
         except IntegrityError as exc:
             self._cohort_record(cohort, site, grant, TaskStatus.REJECTED, str(exc), code=exc.reason)
             raise

@@ -529,7 +529,7 @@ class SyncRounds:
                 fold = None
             upload = Upload(layout, self.ctx.store.spool / f"{grant.task_id}.part", fold=fold,
                             distance=Distance(layout, job.base) if clip_checked and not coded else None,
-                            owner=rs, weight=weight, metrics=metrics, memory=self.ctx.journals)
+                            owner=rs, weight=weight, metrics=metrics)
         except IntegrityError as exc:
             self._record(rs, grant, site, TaskStatus.REJECTED, str(exc), code=exc.reason)
             raise
@@ -559,7 +559,7 @@ class SyncRounds:
             metrics = kept_metrics(job, site_metrics(rs, site, header.eval_metrics, header.metrics, weight))
             upload = Upload(layout, self.ctx.store.spool / f"{grant.task_id}.part",
                             fold=rs.total.begin_exact(weight, header.partial.updates), owner=rs, weight=weight,
-                            metrics=metrics, memory=self.ctx.journals)
+                            metrics=metrics)
         except IntegrityError as exc:
             self._record(rs, grant, site, TaskStatus.REJECTED, str(exc), code=exc.reason)
             raise

@@ -1,5 +1,5 @@
-"""An upload's journal (coordinator.intake.Upload): what a fold may have to take out again, in a spool file, or in
-a buffer lent by MemoryJournals (the simulator's engine), which the next upload reuses."""
+"""An upload's journal (coordinator.intake.Upload): what a fold may have to take out again, in a spool file for a
+stream read from the network, or the stream itself for one held in memory whole (`replay`)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from coordinator.aggregate import WeightedSum
-from coordinator.intake import KEPT_BUFFERS, MemoryJournals, Upload, read_blocks
+from coordinator.intake import Upload, read_blocks
 from plexus.errors import IntegrityError
 from plexus.wire import encode, iter_chunks
 
-MODES = pytest.mark.parametrize("in_memory", [False, True], ids=["spooled", "in-memory"])
+MODES = pytest.mark.parametrize("held", [False, True], ids=["spooled", "held-in-memory"])
 
 
 def _update(values) -> tuple:
@@ -23,37 +23,41 @@ def _chunks(blob: bytes, size: int = 8):
     return ((offset, bytes(piece)) for offset, piece in iter_chunks(bytearray(blob), size))
 
 
+def _receive(upload: Upload, blob: bytes, size: int, held: bool) -> None:
+    """As the servicer does: a stream held in memory is given again as its journal, every chunk of it."""
+    replay = (lambda: (data for _, data in _chunks(blob, size))) if held else None
+    upload.receive(_chunks(blob, size), replay=replay)
+
+
 @MODES
-def test_an_update_refused_part_way_comes_out_of_the_sum_again(tmp_path, in_memory):
-    memory = MemoryJournals() if in_memory else None
+def test_an_update_refused_part_way_comes_out_of_the_sum_again(tmp_path, held):
     layout, kept = _update([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     total = WeightedSum(layout)
-    first = Upload(layout, tmp_path / "a.part", fold=total.begin(3), memory=memory)
-    first.receive(_chunks(kept))
+    first = Upload(layout, tmp_path / "a.part", fold=total.begin(3))
+    _receive(first, kept, 8, held)
     first.accept()
     before = total.exact().copy()
 
     _, good = _update([100.0] * 6)
     bad = good[:8] + np.array([np.nan] * 4, np.float32).tobytes()   # two elements fold, then NaN
-    second = Upload(layout, tmp_path / "b.part", fold=total.begin(5), memory=memory)
+    second = Upload(layout, tmp_path / "b.part", fold=total.begin(5))
     with pytest.raises(IntegrityError, match="NaN or Inf"):
-        second.receive(_chunks(bad))
+        _receive(second, bad, 8, held)   # its replay would give the NaN chunk too: only the folded part is read
     assert not np.array_equal(total.exact(), before)   # its first chunk is in the sum
     second.withdraw()
     second.discard()
     np.testing.assert_array_equal(total.exact(), before)
     assert not (tmp_path / "b.part").exists()
-    assert (tmp_path / "a.part").exists() != in_memory   # a journal in memory is no spool file
+    assert (tmp_path / "a.part").exists() != held   # a stream held in memory writes no spool file
 
 
 @MODES
-def test_an_update_moved_to_another_sum_leaves_the_first_as_it_was(tmp_path, in_memory):
-    memory = MemoryJournals() if in_memory else None
+def test_an_update_moved_to_another_sum_leaves_the_first_as_it_was(tmp_path, held):
     layout, blob = _update(np.arange(10, dtype=np.float32))
     old, new = WeightedSum(layout), WeightedSum(layout)
     empty = old.exact().copy()
-    upload = Upload(layout, tmp_path / "u.part", fold=old.begin(2), memory=memory)
-    upload.receive(_chunks(blob, 12))
+    upload = Upload(layout, tmp_path / "u.part", fold=old.begin(2))
+    _receive(upload, blob, 12, held)
     upload.move(new.begin(2))
     upload.accept()
     np.testing.assert_array_equal(old.exact(), empty)
@@ -65,50 +69,34 @@ def test_an_update_moved_to_another_sum_leaves_the_first_as_it_was(tmp_path, in_
 
 
 @MODES
-def test_a_held_update_is_kept_on_disk_byte_for_byte(tmp_path, in_memory):
-    memory = MemoryJournals() if in_memory else None
+def test_a_held_update_is_kept_on_disk_byte_for_byte(tmp_path, held):
     layout, blob = _update([0.5, -1.5, 2.25])
-    upload = Upload(layout, tmp_path / "h.part", memory=memory)   # a rule that holds every update folds nothing
-    upload.receive(_chunks(blob, 4))
-    held = upload.keep()
-    assert held == tmp_path / "h.held"
-    assert b"".join(read_blocks(held)) == blob
+    upload = Upload(layout, tmp_path / "h.part")   # a rule that holds every update folds nothing as it streams
+    _receive(upload, blob, 4, held)
+    kept = upload.keep()
+    assert kept == tmp_path / "h.held"
+    assert b"".join(read_blocks(kept)) == blob
     upload.withdraw()   # kept: nothing to take out, and the file stays
     upload.discard()
-    assert held.exists()
+    assert kept.exists()
 
 
-def test_the_next_upload_reuses_a_finished_ones_buffer_and_uploads_in_flight_never_share_one(tmp_path):
-    memory = MemoryJournals()
-    layout, blob = _update(np.arange(64, dtype=np.float32))
+def test_a_journal_given_again_is_read_only_as_far_as_the_stream_was_received(tmp_path):
+    """A stream cut part-way (its round closed): what comes out is what went in, though the replay, being the whole
+    stream, goes on past it."""
+    layout, blob = _update(np.arange(16, dtype=np.float32))
     total = WeightedSum(layout)
-    first, second = (Upload(layout, tmp_path / f"{n}.part", fold=total.begin(1), memory=memory) for n in "ab")
-    first.receive(_chunks(blob, 32))
-    second.receive(_chunks(blob, 32))   # while the first still holds its journal
-    assert first._buffer is not second._buffer
-    lent = first._buffer
-    first.accept()
-    first.discard()
-    third = Upload(layout, tmp_path / "c.part", fold=total.begin(1), memory=memory)
-    third.receive(_chunks(blob, 32))
-    assert third._buffer is lent   # the finished upload's, at its full size already
-    second.withdraw()   # the second comes out again: its journal held its own bytes, not the third's
-    second.discard()
-    third.accept()
-    first_only = WeightedSum(layout)
-    for _ in range(2):
-        once = Upload(layout, tmp_path / "r.part", fold=first_only.begin(1))
-        once.receive(_chunks(blob, 32))
-        once.accept()
-        once.discard()
-    np.testing.assert_array_equal(total.exact(), first_only.exact())
+    empty = total.exact().copy()
+    upload = Upload(layout, tmp_path / "c.part", fold=total.begin(7))
 
+    def cut_after_two():
+        for index, chunk in enumerate(_chunks(blob, 16)):
+            if index == 2:
+                raise TimeoutError("the round closed")
+            yield chunk
 
-def test_only_a_few_free_buffers_are_kept():
-    memory = MemoryJournals()
-    buffers = [bytearray(8) for _ in range(KEPT_BUFFERS + 3)]
-    for buffer in buffers:
-        memory.give(buffer)
-    taken = [memory.take() for _ in range(KEPT_BUFFERS + 1)]
-    assert all(any(t is b for b in buffers) for t in taken[:KEPT_BUFFERS])
-    assert taken[-1] == bytearray() and not any(taken[-1] is b for b in buffers)   # a new one, once all are lent
+    with pytest.raises(TimeoutError):
+        upload.receive(cut_after_two(), replay=lambda: (data for _, data in _chunks(blob, 16)))
+    assert not np.array_equal(total.exact(), empty)
+    upload.withdraw()
+    np.testing.assert_array_equal(total.exact(), empty)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.intake import Upload
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig, parse_round_config
 from plexus.datasets import load_dataset
 from simulation.pool import ProcessPool
@@ -68,10 +69,21 @@ def simulated(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
         pools.append(ProcessPool(*args, **kwargs))
         return pools[-1]
 
+    journals = []   # for each upload the simulator took: whether its stream stood for its journal (no spool file)
+    real = Upload.receive
+
+    def receive(self, chunks, **kwargs):
+        journals.append(kwargs.get("replay") is not None)
+        return real(self, chunks, **kwargs)
+
     # the federation's sites train in this process, with its torch threads: the wide layers' sums depend on them
-    outcome = Simulator([job_text(name) for name in JOBS], site_configs(PolicySpec(allowed_models=("logistic", "mlp"))),
-                        state, workers=2, pool=pool, threads=torch.get_num_threads()).run()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Upload, "receive", receive)
+        outcome = Simulator([job_text(name) for name in JOBS],
+                            site_configs(PolicySpec(allowed_models=("logistic", "mlp"))),
+                            state, workers=2, pool=pool, threads=torch.get_num_threads()).run()
     assert [status for _, status, _ in outcome.jobs] == ["completed"] * len(JOBS)
+    assert len(journals) >= 3 * 4 * len(JOBS) and all(journals)
     # the wide job's 3 rounds x 4 updates, at least, came through shared memory, and its models to the 2 workers
     assert pools[0].shared_bytes["up"] >= 3 * 4 * 69_000 * 4
     assert pools[0].shared_bytes["down"] >= 3 * 2 * 69_000 * 4

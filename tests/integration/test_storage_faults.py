@@ -125,11 +125,11 @@ def test_a_full_disk_under_incoming_updates_waits_for_room_without_the_sites_tra
     real = coordinator.intake.Upload.receive
     full, attempts = threading.Event(), []
 
-    def receive(self, chunks):
+    def receive(self, chunks, **kwargs):
         if full.is_set():
             attempts.append(self.journal.name)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.journal))
-        return real(self, chunks)
+        return real(self, chunks, **kwargs)
 
     free = {"bytes": 10 << 20}   # what statvfs says of the state dir
     monkeypatch.setattr(coordinator.intake.Upload, "receive", receive)
