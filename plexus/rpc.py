@@ -101,15 +101,19 @@ class Authenticator:
         self.calls = CallLimit(max_calls)
 
     def identify(self, context: grpc.ServicerContext) -> Identity:
+        """The caller's identity, its certificate checked against the CRL on every call: by parsing it the first
+        time, by its serial afterwards (the identity is kept by the certificate's exact bytes)."""
         pem = caller_certificate(context)
-        self._crl.check(pem)
         with self._lock:
             ident = self._cache.get(pem)
         if ident is None:
+            self._crl.check(pem)
             check_leaf(pem, self._crl.ca_pem)
             ident = identity_from_cert(pem)
             with self._lock:
                 self._cache[pem] = ident
+        elif self._crl.revoked(ident.serial):
+            raise revoked_error(f"{ident.kind} {ident.name!r}", ident.serial)
         return ident
 
     def revoked(self, serial: int) -> bool:
