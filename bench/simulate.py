@@ -14,10 +14,12 @@ rows), R rounds of 1 epoch, batch 32, SGD lr 0.05; accuracy of the final model o
 sites only train (FitOnlyAgent); `--site-evaluation` adds a Plexus job's per-round evaluation at every site.
 scale: `trivial` with 1,000 sites: wall time and peak memory.
 
-Memory: a thread samples VmRSS of this process and every descendant (the workers, the model worker) every
-0.2 s; "peak_total_mb" is the largest sum seen, "peak_process_mb" the largest VmHWM of any one process;
-"peak_total_pss_mb" the largest sum of PSS, which counts a page shared by processes (the workers' shared
-memory with the simulator) once, split among them, where the sum of VmRSS counts it in each.
+Memory: a process of its own (bench/memwatch.py) samples VmRSS of this process and every descendant (the
+workers, the model worker) every 0.2 s; "peak_total_mb" is the largest sum seen, "peak_process_mb" the largest
+VmHWM of any one process; "peak_total_pss_mb" the largest sum of PSS (every 0.5 s, as Flower's side), which
+counts a page shared by processes (the workers' shared memory with the simulator) once, split among them, where
+the sum of VmRSS counts it in each. Until 2026-12-05 a thread of this process sampled, and counted this
+process's VmRSS twice.
 """
 
 from __future__ import annotations
@@ -27,15 +29,14 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import descendants, proc_mem_kb, proc_pss_kb
 from bench.plexus_site import DELTA
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 from plexus.memory import set_up_simulation
@@ -77,31 +78,24 @@ class FitOnlyAgent(SiteAgent):
 
 
 class Memory:
-    """Peak summed VmRSS of this process tree and the largest single VmHWM, sampled every `interval_s`."""
+    """Peak summed VmRSS of this process tree (this process and its descendants, each once), the largest single
+    VmHWM and the peak summed PSS, sampled by bench/memwatch.py in a process of its own."""
 
-    def __init__(self, interval_s: float = 0.2):
-        self.interval_s, self.peak_total_kb, self.peak_process_kb, self.peak_pss_kb = interval_s, 0, 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    def __init__(self):
+        self.peak_total_kb = self.peak_process_kb = self.peak_pss_kb = 0
 
     def __enter__(self):
-        self._thread.start()
+        self._watch = subprocess.Popen([sys.executable, "-m", "bench.memwatch", str(os.getpid())],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       cwd=Path(__file__).resolve().parents[1])
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            total = pss = 0
-            for pid in [os.getpid(), *descendants(os.getpid())]:
-                hwm, rss = proc_mem_kb(pid)
-                total += rss
-                pss += proc_pss_kb(pid)
-                self.peak_process_kb = max(self.peak_process_kb, hwm)
-            self.peak_total_kb = max(self.peak_total_kb, total)
-            self.peak_pss_kb = max(self.peak_pss_kb, pss)
+        self._watch.stdin.close()
+        peak = json.loads(self._watch.stdout.read())
+        self._watch.wait()
+        self.peak_total_kb, self.peak_process_kb, self.peak_pss_kb = (
+            peak["peak_total_kb"], peak["peak_process_kb"], peak["peak_pss_kb"])
 
 
 def parse_size(text: str) -> int:
