@@ -12,7 +12,8 @@ memory files (memfd) of its own, created by the simulator's ProcessPool and inhe
 
 Nothing but message bytes lives there; the frame's header says where, and the simulator checks that every
 region lies inside the file before reading it. A worker that dies takes its file with it: no name in
-/dev/shm is left behind. The Ray backend keeps its frames whole (its actors may be on other machines).
+/dev/shm is left behind. The Ray backend keeps its frames whole (its actors may be on other machines), and
+so does a system without memfd_create (not Linux).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import mmap
 import os
 import threading
 
+SUPPORTED = hasattr(os, "memfd_create")   # Linux; elsewhere every message travels in its frame
 ENV = "PLEXUS_SIMULATION_ARENA_FD"         # the worker's up arena
 DOWN_ENV = "PLEXUS_SIMULATION_DOWN_ARENA_FD"
 MIN_BYTES = 256 << 10   # answers smaller than this travel in their frame: copying them twice costs less

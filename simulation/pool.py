@@ -30,8 +30,8 @@ class ProcessPool:
         self._procs: list[subprocess.Popen] = []
         self._locks: list[threading.Lock] = []
         self._readers: list[threading.Thread] = []
-        self._arenas: list[arena.ArenaReader] = []   # each worker's answers (up)
-        self._down: list[arena.ArenaWriter] = []     # large replies to each worker
+        self._arenas: list[arena.ArenaReader | None] = []   # each worker's answers (up), if shared memory is there
+        self._down: list[arena.ArenaWriter | None] = []     # large replies to each worker
         self._closing = False
         logs.mkdir(parents=True, exist_ok=True)
         self._env = {**os.environ, "PLEXUS_SIMULATION_THREADS": str(threads)}
@@ -43,14 +43,18 @@ class ProcessPool:
             raise
 
     def _start(self, index: int, log_path: Path) -> None:
-        up, down = (arena.create(f"plexus-simulation-worker-{index}-{way}") for way in ("up", "down"))
-        self._arenas.append(arena.ArenaReader(up))
-        self._down.append(arena.ArenaWriter(down))
+        env, fds = self._env, ()
+        if arena.SUPPORTED:
+            up, down = (arena.create(f"plexus-simulation-worker-{index}-{way}") for way in ("up", "down"))
+            self._arenas.append(arena.ArenaReader(up))
+            self._down.append(arena.ArenaWriter(down))
+            env, fds = {**env, arena.ENV: str(up), arena.DOWN_ENV: str(down)}, (up, down)
+        else:   # every message in its frame
+            self._arenas.append(None)
+            self._down.append(None)
         with open(log_path, "ab") as log:   # the child keeps its own descriptor
             proc = subprocess.Popen([sys.executable, "-m", "simulation.worker"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=log,
-                                    env={**self._env, arena.ENV: str(up), arena.DOWN_ENV: str(down)},
-                                    close_fds=True, pass_fds=(up, down))
+                                    stdout=subprocess.PIPE, stderr=log, env=env, close_fds=True, pass_fds=fds)
         self._procs.append(proc)
         self._locks.append(threading.Lock())
         reader = threading.Thread(target=self._read, args=(index, proc, log_path, self._arenas[-1]), daemon=True,
@@ -58,14 +62,16 @@ class ProcessPool:
         self._readers.append(reader)
         reader.start()
 
-    def _read(self, index: int, proc: subprocess.Popen, log_path: Path, shared: arena.ArenaReader) -> None:
+    def _read(self, index: int, proc: subprocess.Popen, log_path: Path, shared: arena.ArenaReader | None) -> None:
         try:
             while (frame := read_frame(proc.stdout)) is not None:
                 header, messages = frame
-                if header.get("op") == "free":   # the worker has parsed a reply placed in its down arena
+                if shared is not None and header.get("op") == "free":   # the worker parsed a reply in its down arena
                     self._down[index].release(int(header["call"]))
                     continue
                 if "arena" in header:
+                    if shared is None:
+                        raise arena.ArenaError("a frame refers to shared memory this worker was not given")
                     messages = shared.views(header.pop("arena"))
                 self._inbox.put((index, header, messages))
             reason = "it closed its output"
@@ -83,10 +89,12 @@ class ProcessPool:
     def shared_bytes(self) -> dict[str, int]:
         """The bytes that went through the workers' shared memory instead of their pipes: answers (up), replies
         (down)."""
-        return {"up": sum(shared.read for shared in self._arenas), "down": sum(down.placed for down in self._down)}
+        return {"up": sum(shared.read for shared in self._arenas if shared is not None),
+                "down": sum(down.placed for down in self._down if down is not None)}
 
     def send(self, worker: int, header: dict, messages: list[bytes] = ()) -> None:
-        if header.get("op") == "reply" and (where := self._down[worker].place(header["call"], messages)) is not None:
+        down = self._down[worker]
+        if down is not None and header.get("op") == "reply" and (where := down.place(header["call"], messages)):
             header, messages = {**header, "arena": where}, []
         with self._locks[worker]:
             write_frame(self._procs[worker].stdin, header, list(messages))
@@ -112,4 +120,5 @@ class ProcessPool:
         for proc in self._procs:
             proc.stdout.close()
         for shared in (*self._arenas, *self._down):
-            shared.close()
+            if shared is not None:
+                shared.close()

@@ -8,8 +8,12 @@ import threading
 
 import pytest
 
+from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, tensor_pb2
+from simulation import arena as shared
 from simulation.arena import MIN_BYTES, ArenaError, ArenaReader, ArenaWriter, create, owned
+from simulation.pool import ProcessPool
+from simulation.simulator import Simulator, final_model
 from simulation.worker import SiteHost, _Calls
 
 BIG = MIN_BYTES + 12345
@@ -154,3 +158,39 @@ def test_a_reply_read_from_the_down_arena_is_freed_once_its_caller_has_parsed_it
     writer.release(header["call"])
     writer.release(-1)
     assert writer.place(-2, model)["offset"] == where["offset"]
+
+
+WIDE_JOB = """\
+name: wide
+model: {name: mlp, args: {in_features: 13, num_classes: 2, hidden: [256, 256]}}
+data: {dataset: heart-disease}
+rounds: 2
+strategy: {name: fedavg}
+sites: {min: 2, deadline_s: 60}
+train: {epochs: 1, batch_size: 16, optimizer: {name: sgd, lr: 0.05}}
+seed: 3
+"""
+
+
+def test_without_shared_memory_every_message_travels_in_its_frame_and_the_bits_are_the_same(tmp_path, monkeypatch):
+    """Where memfd_create is missing (not Linux) the pool gives its workers no arenas: the same job ends with the
+    same model, its 280 KB updates and models all in the pipes' frames."""
+    sites = {h: SiteConfig(site=h, coordinator="unused.invalid:1", kit=tmp_path / "unused",
+                           datasets={"heart-disease": DatasetSpec(kind="heart-disease", hospital=h)},
+                           policy=PolicySpec(allowed_models=("mlp",))) for h in ("cleveland", "hungary")}
+    models, moved = {}, {}
+    for supported in (True, False):
+        monkeypatch.setattr(shared, "SUPPORTED", supported)
+        pools = []
+
+        def pool(*args, **kwargs):
+            pools.append(ProcessPool(*args, **kwargs))
+            return pools[-1]
+
+        state = tmp_path / f"shared-{supported}"
+        outcome = Simulator([WIDE_JOB], sites, state, workers=2, pool=pool, threads=1).run()
+        assert outcome.status == "completed"
+        models[supported], moved[supported] = final_model(state, outcome.job_id), pools[0].shared_bytes
+    assert moved[True]["up"] > 0 and moved[True]["down"] > 0
+    assert moved[False] == {"up": 0, "down": 0}
+    assert all(models[True][k].tobytes() == models[False][k].tobytes() for k in models[True])
