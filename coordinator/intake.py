@@ -40,7 +40,7 @@ class Upload:
                  owner: object = None, weight: int = 0, metrics: dict | None = None):
         self.layout, self.journal, self.fold, self.distance = layout, journal, fold, distance
         self._replay: Callable[[], Iterable] | None = None   # the journal, for a stream held in memory
-        self._size = 0                                        # ... of which the first _size bytes were received
+        self._receiver: Receiver | None = None               # ... of which its first `received` bytes came in
         self.owner = owner               # whatever the driver ties the upload to (its round)
         self.weight = weight             # what it weighs in its sum
         self.metrics = metrics or {}     # the site's metrics, recorded once it is accepted
@@ -54,8 +54,8 @@ class Upload:
         `replay()`, for a stream held in memory whole and unchanging until the upload ends, gives the chunks'
         bytes again from the first: then the stream is the journal, and no file is written."""
         if replay is not None:
-            self._replay, self._size = replay, 0
-            self._take(chunks, self._count, lambda: None)
+            self._replay = replay
+            self._take(chunks, lambda data: None, lambda: None)
             return
         with open(self.journal, "wb") as fh:
             self._take(chunks, fh.write, fh.flush)
@@ -69,23 +69,18 @@ class Upload:
                     self.fold.add(data, receiver.max_abs)   # the running max, this chunk included
             if self.distance is not None:
                 self.distance.add(data)
-        receiver = Receiver(self.layout, sink=sink)
+        receiver = self._receiver = Receiver(self.layout, sink=sink)
         for offset, data in chunks:
             receiver.feed(offset, data)
         receiver.finish()
-
-    def _count(self, data) -> None:
-        self._size += len(data)
 
     def _blocks(self) -> Iterator:
         """The journal's bytes so far, in pieces: the spool file's, or the stream's again, up to what was received."""
         if self._replay is None:
             yield from read_blocks(self.journal)
             return
-        left = self._size
-        for data in self._replay():
-            if left <= 0:
-                return
+        left, stream = self._receiver.received, iter(self._replay())
+        while left > 0 and (data := next(stream, None)) is not None:   # nothing past it is read (or parsed)
             piece = memoryview(data)[:left]
             left -= len(piece)
             yield piece

@@ -44,6 +44,16 @@ def owned(messages: list) -> list:
     return [bytes(m) if isinstance(m, memoryview) else m for m in messages]
 
 
+def messages_of(header: dict, messages: list, reader: ArenaReader | None) -> list:
+    """The messages a frame carries: its own, or those its header's `arena` entry places (popped from it) in the
+    reader's file."""
+    if "arena" not in header:
+        return messages
+    if reader is None:
+        raise ArenaError("a frame refers to shared memory this process was not given")
+    return reader.views(header.pop("arena"))
+
+
 class ArenaWriter:
     """The writing side (the worker for its answers, the simulator for large replies): regions of the memory file,
     each free or lent to one call. Thread-safe."""

@@ -69,11 +69,7 @@ class ProcessPool:
                 if shared is not None and header.get("op") == "free":   # the worker parsed a reply in its down arena
                     self._down[index].release(int(header["call"]))
                     continue
-                if "arena" in header:
-                    if shared is None:
-                        raise arena.ArenaError("a frame refers to shared memory this worker was not given")
-                    messages = shared.views(header.pop("arena"))
-                self._inbox.put((index, header, messages))
+                self._inbox.put((index, header, arena.messages_of(header, messages, shared)))
             reason = "it closed its output"
         except Exception as exc:   # FrameError, OSError, MemoryError...: the simulator must hear of it, not wait
             reason = f"its output could not be read ({type(exc).__name__}: {exc})"

@@ -28,8 +28,8 @@ from plexus.config import load_site_config
 from plexus.inproc import LocalRpcError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.shutdown import exit_now
-from simulation.arena import DOWN_ENV, ENV as ARENA_ENV, ArenaReader, ArenaWriter
-from simulation.frames import FrameError, read_frame, write_frame
+from simulation.arena import DOWN_ENV, ENV as ARENA_ENV, ArenaReader, ArenaWriter, messages_of
+from simulation.frames import read_frame, write_frame
 
 log = logging.getLogger("plexus.simulation")
 
@@ -249,7 +249,6 @@ class _Calls:
                 return iter(self._host.models(header, replies))
             return _REPLY_TYPES[method].FromString(replies[0])
         finally:
-            del replies
             self._host.parsed(header)
 
     def Join(self, request, timeout=None):
@@ -296,11 +295,9 @@ def main() -> int:
     try:
         while (frame := read_frame(frames_in)) is not None and frame[0].get("op") != "stop":
             header, messages = frame
-            if "arena" in header:   # a large reply, read in place from the down arena; freed once parsed
-                if replies is None:
-                    raise FrameError("a frame refers to a down arena this worker was not given")
-                messages, header["shared"] = replies.views(header.pop("arena")), True
-            host.receive(header, messages)
+            if "arena" in header:   # a large reply, read in place from the down arena: freed once parsed
+                header["shared"] = True
+            host.receive(header, messages_of(header, messages, replies))
     finally:
         host.close()
         writer.join()
