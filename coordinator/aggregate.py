@@ -9,12 +9,14 @@ number of sites.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from plexus.errors import IntegrityError, Reason, RoundClosed
+from plexus.files import Blocks
 from plexus.wire import DTYPES, Layout, decode
 
 FRAC_BITS = 32                  # resolution 2**-32 ≈ 2.3e-10, finer than float32 for |x| > 2**-9
@@ -249,19 +251,24 @@ class WeightedSum:
             self._poisoned = "its mean was taken and its memory released"
         return blob
 
-    def mean_blocks(self) -> Iterator[memoryview]:
-        """The mean's wire blob as consecutive blocks of at most FOLD_ELEMENTS elements, computed as they
-        are taken: written straight into a file, the mean never exists whole in memory. Each block is
-        only valid until the next one is asked for; the sum is kept (reset() empties it)."""
+    def mean_blocks(self, *, kept: int = 1, elements: int = FOLD_ELEMENTS) -> Blocks:
+        """The mean's wire blob as consecutive blocks of at most `elements` elements, computed as they are
+        taken: written straight into a file, the mean never exists whole in memory. Each block is valid until
+        `kept` more are taken (they are written into `kept` buffers in turn); the sum is kept (reset() empties
+        it)."""
         self._require_mean()
-        scratch = {}
+        return Blocks(self._mean_blocks(kept, elements), kept)
+
+    def _mean_blocks(self, kept: int, elements: int) -> Iterator[memoryview]:
+        scratch, turn = {}, itertools.count()
         for i, t in enumerate(self.layout.tensors):
             dtype = DTYPES[t.dtype]
             if dtype not in scratch:
-                scratch[dtype] = np.empty(FOLD_ELEMENTS, dtype)
-            for k in range(0, t.numel, FOLD_ELEMENTS):
-                out = scratch[dtype][:min(FOLD_ELEMENTS, t.numel - k)]
-                self._mean_into(i, k, out)
+                scratch[dtype] = [np.empty(elements, dtype) for _ in range(kept)]
+            for k in range(0, t.numel, elements):
+                out = scratch[dtype][next(turn) % kept][:min(elements, t.numel - k)]
+                for j in range(0, len(out), FOLD_ELEMENTS):
+                    self._mean_into(i, k + j, out[j:j + FOLD_ELEMENTS])
                 yield memoryview(out).cast("B")
 
     def _require_mean(self) -> None:

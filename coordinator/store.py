@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 from coordinator.events import COORDINATOR, Event, admin_actor, outcome_actor
 from plexus.config import CheckpointsSpec
 from plexus.errors import IntegrityError, NotFound, Reason
-from plexus.files import TMP_PATTERN, lock_exclusively, write_atomically, write_blocks
+from plexus.files import TMP_PATTERN, Blocks, fed_beside, lock_exclusively, write_atomically, write_blocks
 from plexus.wire import Layout, Receiver, encode
 
 log = logging.getLogger("plexus.store")
@@ -549,16 +549,14 @@ class Store:
         at = 8 + text.rindex(f'"sha256":"{_NO_DIGEST}"'.encode()) + len('"sha256":"')   # the metadata comes last
         digest = _digest(layout)
 
-        def hashed() -> Iterator[memoryview]:
-            for block in _exactly(blob, layout.total_bytes, path):
-                digest.update(block)
-                yield block
+        kept = blob.kept if isinstance(blob, Blocks) else 1   # blocks that may be hashed behind the writes
+        hashed = fed_beside(Blocks(_exactly(blob, layout.total_bytes, path), kept), digest.update)
 
         def finish(fh) -> None:
             fh.seek(at)
             fh.write(digest.hexdigest().encode())
 
-        write_atomically(path, len(text).to_bytes(8, "little"), text, hashed(), mode=0o600, finish=finish)
+        write_atomically(path, len(text).to_bytes(8, "little"), text, hashed, mode=0o600, finish=finish)
         self._tx([("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
                    (self._name(path), metadata["job"], int(metadata["round"]), digest.hexdigest(), self.clock()))])
         return path

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import queue
 import secrets
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from plexus.errors import FailedPrecondition
@@ -75,3 +79,55 @@ def lock_exclusively(path: Path, what: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Consecutive blocks of a file's data (bytes-like), each valid until `kept` more have been taken (a producer
+    that writes each into one of `kept` buffers in turn): `fed_beside` may then read them a while longer."""
+
+    blocks: Iterable
+    kept: int = 1
+
+    def __iter__(self) -> Iterator:
+        return iter(self.blocks)
+
+
+def fed_beside(blocks: Blocks, each: Callable[[memoryview], None]) -> Iterator:
+    """`blocks` in order, each also passed to `each` (a digest's update) on a helper thread, up to `kept - 2`
+    blocks behind the caller: what `each` costs overlaps producing the blocks and what the caller does with them
+    (writing a checkpoint: its SHA-256 beside the mean's blocks and the file's writes; all three release the GIL).
+    With kept < 3 there is no room and `each` runs in the caller's thread. Every block has been through `each`
+    once this generator is exhausted; whatever `each` raises reaches the caller, and the helper has ended once
+    this generator has (exhausted, closed or failed)."""
+    depth = blocks.kept - 2
+    if depth < 1:
+        for block in blocks:
+            each(block)
+            yield block
+        return
+    fed: queue.Queue = queue.Queue(maxsize=depth)
+    failed: list[BaseException] = []
+    end = object()
+
+    def feed() -> None:
+        while (block := fed.get()) is not end:
+            if not failed:
+                try:
+                    each(block)
+                except BaseException as exc:   # noqa: BLE001 (raised in the caller's thread)
+                    failed.append(exc)
+
+    helper = threading.Thread(target=feed, name="plexus-fed-beside", daemon=True)
+    helper.start()
+    try:
+        for block in blocks:
+            if failed:
+                raise failed[0]
+            fed.put(block)   # waits while the helper is `depth` blocks behind: no buffer is reused under it
+            yield block
+    finally:
+        fed.put(end)
+        helper.join()
+    if failed:
+        raise failed[0]

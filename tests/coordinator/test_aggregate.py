@@ -312,6 +312,26 @@ def test_mean_blocks_are_the_mean_blob_block_by_block():
     assert len(blocks) > len(layout.tensors)                   # "a" spans two blocks
 
 
+@pytest.mark.parametrize("kept, elements", [(1, 1 << 16), (4, 1 << 12), (3, 100_000)])
+def test_mean_blocks_through_buffers_in_turn_stay_valid_until_that_many_more_are_taken(kept, elements):
+    rng = np.random.default_rng(4)
+    state = {"a": rng.standard_normal(70_000).astype(np.float32), "n": np.arange(9, dtype=np.int64),
+             "b": rng.standard_normal(300_000).astype(np.float32)}
+    layout, blob = encode(state)
+    total = WeightedSum(layout)
+    total.fold([blob], 5, 10.0, nbytes=len(blob))
+    whole = bytes(total.mean_blob())
+
+    taken, copies = [], []
+    for block in total.mean_blocks(kept=kept, elements=elements):
+        taken.append(block)
+        copies.append(bytes(block))
+        assert [bytes(b) for b in taken[-kept:]] == copies[-kept:]   # the last `kept` are all still intact
+
+    assert b"".join(copies) == whole
+    assert max(len(c) for c in copies) == elements * 4 or elements > 300_000
+
+
 @pytest.mark.parametrize("weight", [1, 3, 2 ** 20, 2 ** 31])
 def test_the_addition_path_and_the_rint_path_add_the_same_integers(weight):
     """Updates with weight·max|x| below 2**18 take the float-addition path, the rest multiply and round:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import json
 import sqlite3
+import threading
 
 import numpy as np
 import pytest
 
+from coordinator.aggregate import WeightedSum
 from coordinator.store import Store
 from plexus.errors import IntegrityError, NotFound, Reason
 from plexus.wire import encode
@@ -416,6 +418,23 @@ def test_a_checkpoint_can_be_written_from_blocks_as_they_are_produced(store):
 
     assert len(produced) == -(-len(blob) // 5)
     _assert_bit_exact(store.load_checkpoint("job-1", 1), state)
+
+
+def test_a_mean_written_through_buffers_in_turn_is_hashed_beside_the_writes_and_verifies(store, tmp_path):
+    rng = np.random.default_rng(5)
+    state = {"a": rng.standard_normal(300_001).astype(np.float32), "b": np.arange(7, dtype=np.float64)}
+    layout, blob = encode(state)
+    total = WeightedSum(layout)
+    total.fold([blob], 3, float(np.abs(state["a"]).max()), nbytes=len(blob))
+    plain = Store(tmp_path / "plain")
+
+    store.save_checkpoint_blob("job-1", 1, layout, total.mean_blocks(kept=4, elements=1 << 12))
+    plain.save_checkpoint_blob("job-1", 1, layout, total.mean_blob())
+
+    assert store.checkpoint_path("job-1", 1).read_bytes() == plain.checkpoint_path("job-1", 1).read_bytes()
+    _assert_bit_exact(store.load_checkpoint("job-1", 1), total.mean())   # its SHA-256 checked against the database's
+    assert not [t for t in threading.enumerate() if t.name == "plexus-fed-beside"]
+    plain.close()
 
 
 @pytest.mark.parametrize("cut", [-4, 4])
