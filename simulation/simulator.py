@@ -46,6 +46,7 @@ from plexus.rpc import Authenticator
 from plexus.vocab import TERMINAL
 from plexus.wire import DEFAULT_CHUNK_BYTES
 from simulation.arena import owned
+from simulation.inplace import chunk_in_place
 from simulation.profile import Profile
 from simulation.worker import ANSWERS, DEFAULT_AGENT
 
@@ -77,7 +78,8 @@ class SimulationError(PlexusError):
 
 class _Parsed(Sequence):
     """Serialized messages of one type, each parsed when it is read: a client stream held in memory, which the
-    servicer reads as such (coordinator.service.Inbound), not as a network stream that might stall."""
+    servicer reads as such (coordinator.service.Inbound), not as a network stream that might stall. Chunk
+    messages are read in place (simulation.inplace): their data is a view of the message, not a copy."""
 
     def __init__(self, kind, messages: list[bytes]):
         self._kind, self._messages = kind, messages
@@ -86,7 +88,8 @@ class _Parsed(Sequence):
         return len(self._messages)
 
     def __getitem__(self, index):
-        return self._kind.FromString(self._messages[index])
+        message = self._messages[index]
+        return chunk_in_place(message) or self._kind.FromString(message)
 
 
 @dataclass

@@ -28,8 +28,9 @@ from plexus.config import load_site_config
 from plexus.inproc import LocalRpcError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.shutdown import exit_now
-from simulation.arena import DOWN_ENV, ENV as ARENA_ENV, ArenaReader, ArenaWriter, messages_of
+from simulation.arena import DOWN_ENV, ENV as ARENA_ENV, ArenaReader, ArenaWriter, aligned_copy, messages_of
 from simulation.frames import read_frame, write_frame
+from simulation.inplace import chunk_in_place
 
 log = logging.getLogger("plexus.simulation")
 
@@ -198,7 +199,9 @@ class SiteHost:
             if key != header["cached"]:
                 raise ValueError("the simulator referred to a model this worker does not hold")
             return parsed
-        parsed = [fpb.ModelMessage.FromString(m) for m in messages]
+        if any(isinstance(m, memoryview) for m in messages):   # in the down arena, freed once this returns
+            messages = aligned_copy(messages)   # one copy for all its sites, which read its chunks in place
+        parsed = [chunk_in_place(m) or fpb.ModelMessage.FromString(m) for m in messages]
         if "cache" in header:
             self._model = (header["cache"], parsed)
         return parsed

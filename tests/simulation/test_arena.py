@@ -3,17 +3,21 @@ once the simulator is done with them."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
+import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, tensor_pb2
 from simulation import arena as shared
-from simulation.arena import MIN_BYTES, ArenaError, ArenaReader, ArenaWriter, create, owned
+from simulation.arena import END_ALIGN, MIN_BYTES, ArenaError, ArenaReader, ArenaWriter, create, owned
+from simulation.inplace import chunk_in_place
 from simulation.pool import ProcessPool
-from simulation.simulator import Simulator, final_model
+from simulation.simulator import Simulator, _Parsed, final_model
 from simulation.worker import SiteHost, _Calls
 
 BIG = MIN_BYTES + 12345
@@ -41,6 +45,62 @@ def test_placed_messages_read_back_in_place_and_small_ones_stay_in_their_frame(a
     assert [bytes(v) for v in views] == sent
     assert reader.read == sum(map(len, sent))
     assert owned(views) == sent and all(type(m) is bytes for m in owned(views))
+
+
+def chunk(offset: int, data: bytes) -> bytes:
+    return fpb.UpdateMessage(chunk=tensor_pb2.Chunk(offset=offset, data=data)).SerializeToString()
+
+
+def test_each_message_ends_aligned_so_a_chunks_data_is_read_aligned_and_in_place(arena):
+    writer, reader = arena
+    sent = [(0, bytes(range(256)) * 1024), (1 << 20, b"\x01" * 8 * 40001), (2 ** 40 + 3, b"\x02" * 8)]
+    views = reader.views(writer.place(1, [chunk(offset, data) for offset, data in sent]))
+    for view, (offset, data) in zip(views, sent):
+        message = chunk_in_place(view)
+        assert (message.chunk.offset, bytes(message.chunk.data)) == (offset, data)
+        assert message.chunk.data.obj is view.obj   # a view of the shared file, not a copy
+        values = np.frombuffer(message.chunk.data, dtype=np.float64)
+        assert values.flags.aligned and values.ctypes.data % math.gcd(len(data), END_ALIGN) == 0
+
+
+@pytest.mark.parametrize("message", [
+    fpb.UpdateMessage(chunk=tensor_pb2.Chunk(offset=0, data=b"abcd")),
+    fpb.UpdateMessage(chunk=tensor_pb2.Chunk(offset=300, data=b"")),
+    fpb.UpdateMessage(chunk=tensor_pb2.Chunk(offset=2 ** 64 - 1, data=b"x" * 200)),
+    fpb.UpdateMessage(chunk=tensor_pb2.Chunk()),
+])
+def test_a_chunk_read_in_place_is_the_chunk_protobuf_parses(message):
+    read = chunk_in_place(message.SerializeToString())
+    assert read.WhichOneof("body") == "chunk"
+    assert (read.chunk.offset, bytes(read.chunk.data)) == (message.chunk.offset, message.chunk.data)
+    parsed = _Parsed(fpb.UpdateMessage, [message.SerializeToString()])[0]
+    assert (parsed.chunk.offset, bytes(parsed.chunk.data)) == (message.chunk.offset, message.chunk.data)
+
+
+def data_then_offset() -> bytes:   # valid protobuf, but not as protobuf writes it
+    inner = b"\x12\x02hi" + b"\x08\x05"
+    return b"\x12" + bytes([len(inner)]) + inner
+
+
+@pytest.mark.parametrize("serialized", [
+    fpb.UpdateMessage(header=fpb.UpdateHeader(job_id="j", round=3)).SerializeToString(),
+    data_then_offset(),
+    chunk(7, b"abc") + b"\x18\x01",                 # a field after the chunk
+    b"\x12\x06\x08\x01\x12\x02ab\x20\x01",          # an unknown field inside it
+    b"\x12\x05\x08\x01\x12\x09ab",                  # data longer than the message
+    b"\x12\x03\x08\x80\x80",                        # a varint cut short
+    b"\x12\x0b\x08" + b"\xff" * 10,                  # a varint of more than 64 bits
+    b"\x12",
+])
+def test_anything_else_is_left_to_protobuf_which_parses_or_refuses_it(serialized):
+    assert chunk_in_place(serialized) is None
+    try:
+        expected = fpb.UpdateMessage.FromString(serialized)
+    except DecodeError as exc:
+        with pytest.raises(DecodeError, match=str(exc)):
+            _Parsed(fpb.UpdateMessage, [serialized])[0]
+    else:
+        assert _Parsed(fpb.UpdateMessage, [serialized])[0] == expected
 
 
 def test_a_region_is_reused_only_once_released(arena):
@@ -80,7 +140,7 @@ def test_calls_placing_at_once_get_regions_apart(arena):
         thread.start()
     for thread in threads:
         thread.join()
-    spans = sorted((w["offset"], w["offset"] + sum(w["sizes"])) for w in placed.values())
+    spans = sorted((w["offset"], w["offset"] + sum(w["sizes"]) + sum(w["skips"])) for w in placed.values())
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     assert all([bytes(v) for v in reader.views(placed[call])] == messages(call) for call in range(8))
 
@@ -89,8 +149,11 @@ def test_calls_placing_at_once_get_regions_apart(arena):
     ({"offset": 0, "sizes": [10 ** 9]}, "past the .*shared file"),
     ({"offset": -4096, "sizes": [1]}, "negative"),
     ({"offset": 0, "sizes": [-1, 5]}, "negative"),
-    ({"offset": "here"}, "must be {offset, sizes}"),
-    (["not", "a", "dict"], "must be {offset, sizes}"),
+    ({"offset": "here"}, "must be {offset, sizes, skips}"),
+    (["not", "a", "dict"], "must be {offset, sizes, skips}"),
+    ({"offset": 0, "sizes": [1, 2], "skips": [0]}, "one skip .* per message"),
+    ({"offset": 0, "sizes": [1], "skips": [END_ALIGN]}, "one skip .* per message"),
+    ({"offset": 0, "sizes": [1], "skips": [-1]}, "one skip .* per message"),
 ])
 def test_a_region_the_file_does_not_hold_is_refused(arena, spec, said):
     writer, reader = arena
@@ -157,7 +220,13 @@ def test_a_reply_read_from_the_down_arena_is_freed_once_its_caller_has_parsed_it
     assert writer.place(-1, model)["offset"] != where["offset"]   # not freed yet on the simulator's side
     writer.release(header["call"])
     writer.release(-1)
-    assert writer.place(-2, model)["offset"] == where["offset"]
+    other = [fpb.ModelMessage(chunk=tensor_pb2.Chunk(offset=i * BIG, data=b"\x07" * BIG)).SerializeToString()
+             for i in range(2)]
+    assert writer.place(-2, other)["offset"] == where["offset"]   # the region now holds another model
+    # the worker's sites read the model from the worker's own copy, in place, each chunk ending aligned
+    assert [bytes(m.chunk.data) for m in got] == [bytes([i]) * BIG for i in range(2)]
+    assert all(isinstance(m.chunk.data, memoryview) and m.chunk.data.readonly for m in got)
+    assert all((np.frombuffer(m.chunk.data, np.uint8).ctypes.data + BIG) % END_ALIGN == 0 for m in got)
 
 
 WIDE_JOB = """\
