@@ -96,6 +96,8 @@ class SiteHost:
             with self._lock:
                 waiting = self._waiting.pop(header["call"])
             self._settled(header["call"])
+            if "cache" in header or "cached" in header:   # a served model (`models`)
+                header, messages = self._served(header, messages)
             waiting.give(header, messages)
         elif op == "held":
             with self._lock:
@@ -104,6 +106,17 @@ class SiteHost:
             waiting.hold()
         else:
             raise ValueError(f"unknown frame op {op!r}")
+
+    def _served(self, header: dict, messages: list) -> tuple[dict, list]:
+        """A served model's reply, parsed as it arrives: a later reply may refer to it (`cached`), and may reach a
+        task that computes before the task this one is for (tasks wait for their replies without computing)."""
+        try:
+            parsed = self.models(header, messages)
+        except ValueError as exc:   # the caller raises it
+            return {"error": {"code": "INTERNAL", "details": str(exc)}}, []
+        finally:
+            self.parsed(header)
+        return {**header, "shared": False, "parsed": True}, parsed
 
     def _settled(self, call: int) -> None:
         """The simulator is done with the call's messages (it replied, or holds its own copy)."""
@@ -162,16 +175,22 @@ class SiteHost:
         it sends: the next task computes from then on, while this one only waits and records. But only ANSWERING
         answers at a time may wait for the simulator to take them (it takes them one by one); those it holds
         back for virtual time (it says `held`) do not count. So a worker holds a few tasks' updates at a time
-        (and those held), never one per site. `requests` is the caller's to drop: the frame keeps them."""
+        (and those held), never one per site. While a task waits for any other reply (its model, most often),
+        another task computes. `requests` is the caller's to drop: the frame keeps them."""
         reply = _Reply()
         with self._lock:
             call_id = next(self._ids)
             self._waiting[call_id] = reply
         header = {"op": "call", "call": call_id, "site": site, "method": method}
         if method not in ANSWERS:
+            holding = getattr(self._holding, "value", False)
+            if holding:   # another task computes while this one waits for its reply (a model, most often)
+                self._compute.release()
             self._out.put((header, requests))
             del requests
             header, messages = reply.wait()
+            if holding:
+                self._compute.acquire()
         else:
             self._answering.acquire()   # at most ANSWERING answers in the simulator's hands, not yet held
             if self._arena is not None and (where := self._arena.place(call_id, requests)) is not None:
@@ -249,7 +268,7 @@ class _Calls:
         header, replies = self._host.call(self._site, method, payload)
         try:
             if method == "FetchModel":
-                return iter(self._host.models(header, replies))
+                return iter(replies if header.get("parsed") else self._host.models(header, replies))
             return _REPLY_TYPES[method].FromString(replies[0])
         finally:
             self._host.parsed(header)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -227,6 +228,58 @@ def test_a_reply_read_from_the_down_arena_is_freed_once_its_caller_has_parsed_it
     assert [bytes(m.chunk.data) for m in got] == [bytes([i]) * BIG for i in range(2)]
     assert all(isinstance(m.chunk.data, memoryview) and m.chunk.data.readonly for m in got)
     assert all((np.frombuffer(m.chunk.data, np.uint8).ctypes.data + BIG) % END_ALIGN == 0 for m in got)
+
+
+def test_while_a_task_waits_for_its_model_another_task_of_the_worker_computes():
+    host = SiteHost()
+    fetched: list = []
+
+    def fetch() -> None:   # a task: it computes (holds the worker's one compute slot) until it must wait
+        host._compute.acquire()
+        host._holding.value = True
+        fetched.extend(_Calls(host, "site-a").FetchModel(fpb.FetchModelRequest()))
+        fetched.append(host._compute.acquire(blocking=False))   # False: it holds the slot again
+
+    thread = threading.Thread(target=fetch)
+    thread.start()
+    header, _ = host.outgoing(timeout=10)            # its FetchModel is on its way to the simulator
+    assert host._compute.acquire(timeout=10)         # ... and the slot is free for another task meanwhile
+    model = [fpb.ModelMessage(chunk=tensor_pb2.Chunk(offset=0, data=b"m" * 8)).SerializeToString()]
+    host.receive({"op": "reply", "call": header["call"]}, model)
+    time.sleep(0.2)
+    assert thread.is_alive() and not fetched         # it waits for the slot before it goes on
+    host._compute.release()
+    thread.join(timeout=10)
+    assert [bytes(m.chunk.data) for m in fetched[:1]] == [b"m" * 8] and fetched[1] is False
+
+
+def test_a_served_model_is_parsed_as_it_arrives_so_a_task_told_it_is_cached_finds_it():
+    """Tasks wait for their models without computing, and whichever takes the compute slot first goes on: the
+    task whose reply says `cached` may go before the one that brought the model."""
+    host = SiteHost()
+    got: dict = {}
+
+    def fetch(site: str) -> None:
+        host._compute.acquire()
+        host._holding.value = True
+        got[site] = [bytes(m.SerializeToString() if hasattr(m, "SerializeToString") else m.chunk.data)
+                     for m in _Calls(host, site).FetchModel(fpb.FetchModelRequest())]
+        host._compute.release()
+
+    threads = [threading.Thread(target=fetch, args=(site,)) for site in ("site-a", "site-b")]
+    for thread in threads:
+        thread.start()
+    calls = {h["site"]: h["call"] for h, _ in (host.outgoing(timeout=10), host.outgoing(timeout=10))}
+    assert host._compute.acquire(timeout=10)   # neither task goes on yet
+    head = fpb.ModelMessage(header=fpb.ModelHeader(round=4)).SerializeToString()
+    chunk = fpb.ModelMessage(chunk=tensor_pb2.Chunk(offset=0, data=b"w" * 16)).SerializeToString()
+    host.receive({"op": "reply", "call": calls["site-a"], "cache": "k"}, [head, chunk])
+    assert host._model[0] == "k"              # parsed on arrival, while its task still waits
+    host.receive({"op": "reply", "call": calls["site-b"], "cached": "k"}, [head])
+    host._compute.release()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert got["site-a"] == got["site-b"] == [head, b"w" * 16]
 
 
 WIDE_JOB = """\
