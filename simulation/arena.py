@@ -54,23 +54,6 @@ def ends_aligned(sizes: list[int]) -> tuple[list[int], int]:
     return skips, at
 
 
-def aligned_copy(messages: list) -> list[memoryview]:
-    """`messages` copied into one read-only buffer of this process's own, laid out as `place` lays them out;
-    views of it, which keep it alive."""
-    skips, total = ends_aligned([len(m) for m in messages])
-    buffer = np.empty(total + END_ALIGN, np.uint8)
-    at = -buffer.ctypes.data % END_ALIGN
-    views = []
-    for message, skip in zip(messages, skips):
-        at += skip
-        buffer[at:at + len(message)] = np.frombuffer(message, np.uint8)
-        views.append(at)
-        at += len(message)
-    buffer.flags.writeable = False
-    whole = memoryview(buffer)
-    return [whole[start:start + len(message)] for start, message in zip(views, messages)]
-
-
 def owned(messages: list) -> list:
     """`messages` as the simulator's own bytes: those read in place from an arena are copied out, since their
     region is the worker's again once the call is replied to (or held)."""
@@ -173,7 +156,10 @@ class ArenaReader:
         self.read = 0   # bytes of messages read in place so far
 
     def views(self, spec) -> list[memoryview]:
-        """The messages a frame's `arena` entry places, read in place (valid until the call is replied to)."""
+        """The messages a frame's `arena` entry places, read in place: valid until the writer reuses the region
+        (the simulator's replies once it has replied to the call; a worker's once it says `free`). All of one
+        call's views are of one object (`.obj`), alive while any of them is: the worker frees a reply's region
+        when it goes (SiteHost.receive)."""
         try:
             offset, sizes = int(spec["offset"]), [int(s) for s in spec["sizes"]]
             skips = [int(s) for s in spec.get("skips", [0] * len(sizes))]
@@ -190,7 +176,10 @@ class ArenaReader:
             if end > size:
                 raise ArenaError(f"a frame's arena region ends at byte {end}, past the {size}-byte shared file")
             self._map = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)   # the old one goes with its last view
-        whole, out, at = memoryview(self._map), [], offset
+        if end == offset:
+            return [b""] * len(sizes)
+        region = np.frombuffer(self._map, np.uint8, count=end - offset, offset=offset)   # see the docstring
+        whole, out, at = memoryview(region), [], 0
         for size, skip in zip(sizes, skips):
             at += skip
             out.append(whole[at:at + size])

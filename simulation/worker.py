@@ -20,6 +20,7 @@ import os
 import queue
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import grpc
@@ -28,7 +29,7 @@ from plexus.config import load_site_config
 from plexus.inproc import LocalRpcError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.shutdown import exit_now
-from simulation.arena import DOWN_ENV, ENV as ARENA_ENV, ArenaReader, ArenaWriter, aligned_copy, messages_of
+from simulation.arena import DOWN_ENV, ENV as ARENA_ENV, ArenaReader, ArenaWriter, messages_of
 from simulation.frames import read_frame, write_frame
 from simulation.inplace import chunk_in_place
 
@@ -96,6 +97,9 @@ class SiteHost:
             with self._lock:
                 waiting = self._waiting.pop(header["call"])
             self._settled(header["call"])
+            if header.get("shared") and messages and isinstance(messages[0], memoryview):
+                # read in place in the down arena: the region is the simulator's again once nothing uses it
+                weakref.finalize(messages[0].obj, self._free, header["call"]).atexit = False
             if "cache" in header or "cached" in header:   # a served model (`models`)
                 header, messages = self._served(header, messages)
             waiting.give(header, messages)
@@ -114,19 +118,17 @@ class SiteHost:
             parsed = self.models(header, messages)
         except ValueError as exc:   # the caller raises it
             return {"error": {"code": "INTERNAL", "details": str(exc)}}, []
-        finally:
-            self.parsed(header)
-        return {**header, "shared": False, "parsed": True}, parsed
+        return {**header, "parsed": True}, parsed
 
     def _settled(self, call: int) -> None:
         """The simulator is done with the call's messages (it replied, or holds its own copy)."""
         if self._arena is not None:
             self._arena.release(call)
 
-    def parsed(self, header: dict) -> None:
-        """The caller has parsed a reply that came through the down arena: its region is the simulator's again."""
-        if header.get("shared"):
-            self._out.put(({"op": "free", "call": header["call"]}, []))
+    def _free(self, call: int) -> None:
+        """Nothing refers to a reply's messages in the down arena any more (a served model: once another has
+        replaced it and its sites are done with it): its region is the simulator's again."""
+        self._out.put(({"op": "free", "call": call}, []))
 
     def outgoing(self, timeout: float | None = None) -> tuple[dict, list[bytes]] | None:
         return self._out.get(timeout=timeout)
@@ -218,9 +220,7 @@ class SiteHost:
             if key != header["cached"]:
                 raise ValueError("the simulator referred to a model this worker does not hold")
             return parsed
-        if any(isinstance(m, memoryview) for m in messages):   # in the down arena, freed once this returns
-            messages = aligned_copy(messages)   # one copy for all its sites, which read its chunks in place
-        parsed = [chunk_in_place(m) or fpb.ModelMessage.FromString(m) for m in messages]
+        parsed = [chunk_in_place(m) or fpb.ModelMessage.FromString(m) for m in messages]   # its sites read in place
         if "cache" in header:
             self._model = (header["cache"], parsed)
         return parsed
@@ -266,12 +266,9 @@ class _Calls:
         payload = [m.SerializeToString() for m in (request if isinstance(request, list) else [request])]
         del request   # an update's messages: only their bytes travel on
         header, replies = self._host.call(self._site, method, payload)
-        try:
-            if method == "FetchModel":
-                return iter(replies if header.get("parsed") else self._host.models(header, replies))
-            return _REPLY_TYPES[method].FromString(replies[0])
-        finally:
-            self._host.parsed(header)
+        if method == "FetchModel":
+            return iter(replies if header.get("parsed") else self._host.models(header, replies))
+        return _REPLY_TYPES[method].FromString(replies[0])
 
     def Join(self, request, timeout=None):
         return self.call("Join", request)

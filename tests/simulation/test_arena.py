@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import threading
 import time
 
@@ -196,9 +197,10 @@ def test_a_worker_lends_an_answers_region_until_the_simulator_replies_or_holds_i
     assert third["offset"] == header["arena"]["offset"]   # both regions free again, merged
 
 
-def test_a_reply_read_from_the_down_arena_is_freed_once_its_caller_has_parsed_it(arena):
-    """The simulator places a served model in the worker's down arena; the worker's stub parses it and says
-    `free`, and only then may the simulator place the next one there."""
+def test_a_reply_read_from_the_down_arena_is_freed_once_nothing_uses_it(arena):
+    """The simulator places a served model in the worker's down arena; the worker's sites read its chunks there, in
+    place and aligned, and the worker says `free` once none of them is in use: only then may the simulator place
+    the next one there."""
     writer, reader = arena   # here the simulator writes and the worker reads
     host = SiteHost()
     model = [fpb.ModelMessage(chunk=tensor_pb2.Chunk(offset=i * BIG, data=bytes([i]) * BIG)).SerializeToString()
@@ -216,18 +218,20 @@ def test_a_reply_read_from_the_down_arena_is_freed_once_its_caller_has_parsed_it
     where = writer.place(header["call"], model)
     host.receive({"op": "reply", "call": header["call"], "shared": True}, reader.views(where))
     thread.join(timeout=10)
-    assert [m.chunk.data for m in got] == [bytes([i]) * BIG for i in range(2)]
+    assert [bytes(m.chunk.data) for m in got] == [bytes([i]) * BIG for i in range(2)]
+    assert all(isinstance(m.chunk.data, memoryview) and m.chunk.data.readonly for m in got)
+    assert all((np.frombuffer(m.chunk.data, np.uint8).ctypes.data + BIG) % END_ALIGN == 0 for m in got)
+    with pytest.raises(queue.Empty):
+        host.outgoing(timeout=0.2)   # its chunks are in use: no `free`
+    del got[1:]
+    with pytest.raises(queue.Empty):
+        host.outgoing(timeout=0.2)   # one still is
+    got.clear()
     assert host.outgoing(timeout=10) == ({"op": "free", "call": header["call"]}, [])
     assert writer.place(-1, model)["offset"] != where["offset"]   # not freed yet on the simulator's side
     writer.release(header["call"])
     writer.release(-1)
-    other = [fpb.ModelMessage(chunk=tensor_pb2.Chunk(offset=i * BIG, data=b"\x07" * BIG)).SerializeToString()
-             for i in range(2)]
-    assert writer.place(-2, other)["offset"] == where["offset"]   # the region now holds another model
-    # the worker's sites read the model from the worker's own copy, in place, each chunk ending aligned
-    assert [bytes(m.chunk.data) for m in got] == [bytes([i]) * BIG for i in range(2)]
-    assert all(isinstance(m.chunk.data, memoryview) and m.chunk.data.readonly for m in got)
-    assert all((np.frombuffer(m.chunk.data, np.uint8).ctypes.data + BIG) % END_ALIGN == 0 for m in got)
+    assert writer.place(-2, model)["offset"] == where["offset"]
 
 
 def test_while_a_task_waits_for_its_model_another_task_of_the_worker_computes():
