@@ -1,5 +1,6 @@
-"""plexus.files.fed_beside: a file's blocks passed to a second reader (a checkpoint's SHA-256) on a helper thread,
-behind the writer but never behind the producer's reuse of its buffers."""
+"""plexus.files: a file's blocks passed to a second reader (a checkpoint's SHA-256) on a helper thread, behind the
+writer but never behind the producer's reuse of its buffers (fed_beside); a large file handed to the disk as it is
+written, so that its fsync has little left to wait for (write_atomically)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 
 import pytest
 
-from plexus.files import Blocks, fed_beside
+from plexus import files
+from plexus.files import Blocks, fed_beside, write_atomically
 
 
 def in_turn(count: int, kept: int, size: int = 64):
@@ -75,3 +77,27 @@ def test_a_caller_that_stops_early_ends_the_helper():
     next(taken)
     taken.close()   # a failed file write: write_atomically stops reading
     assert not helpers()
+
+
+def test_a_large_file_is_handed_to_the_disk_as_it_is_written_and_ends_whole(tmp_path, monkeypatch):
+    started = []
+    real = files._SYNC_FILE_RANGE
+    if real is None:
+        pytest.skip("no sync_file_range in this C library")
+
+    def recorded(fd, offset, nbytes, flags):
+        started.append((offset, nbytes))
+        return real(fd, offset, nbytes, flags)
+
+    monkeypatch.setattr(files, "_SYNC_FILE_RANGE", recorded)
+    blocks = [bytes([i]) * (3 << 20) for i in range(9)]   # 27 MiB in 3 MiB blocks
+    path = write_atomically(tmp_path / "big", b"head", iter(blocks))
+    assert path.read_bytes() == b"head" + b"".join(blocks)
+    step = files.WRITEBACK_BYTES
+    assert [offset for offset, _ in started] == [0, 4 + (9 << 20), 4 + (18 << 20)]   # each once 8 MiB more are written
+    assert all(nbytes >= step for _, nbytes in started)
+    assert sum(nbytes for _, nbytes in started) <= len(path.read_bytes())
+
+    started.clear()
+    write_atomically(tmp_path / "scratch", iter(blocks), sync=False)   # no fsync: nothing to start early
+    assert started == []
