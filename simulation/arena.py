@@ -104,6 +104,14 @@ class ArenaWriter:
             view.release()
         return {"offset": offset, "sizes": sizes, "skips": skips}
 
+    def stream(self, call: int, size: int) -> Placing:
+        """A region of at least `size` bytes lent to `call`, to be filled message by message as they are made
+        (`Placing.add`, each laid out as `place` lays them out) and ended by `Placing.done`: a message goes there
+        from the processor's cache, not from a list of them all in main memory."""
+        with self._lock:
+            offset = self._lend(call, size)
+            return Placing(self, call, offset, -(-size // ALIGN) * ALIGN, memoryview(self._map))
+
     def release(self, call: int) -> None:
         """The reader is done with `call`'s region (the simulator replied or holds a copy; the worker parsed a
         reply): free it for the next."""
@@ -111,13 +119,31 @@ class ArenaWriter:
             for region in self._regions:
                 if region[2] == call:
                     region[2] = None
-            merged: list[list] = []
-            for region in self._regions:   # neighbouring free regions become one
-                if merged and merged[-1][2] is None and region[2] is None:
-                    merged[-1][1] += region[1]
-                else:
-                    merged.append(region)
-            self._regions = merged
+            self._merge()
+
+    def _trim(self, offset: int, used: int) -> None:
+        """The region at `offset` keeps its first `used` bytes (rounded up to ALIGN; none: all of it is free)."""
+        used = -(-used // ALIGN) * ALIGN
+        with self._lock:
+            for index, region in enumerate(self._regions):
+                if region[0] == offset:
+                    if used == 0:
+                        region[2] = None
+                    elif region[1] > used:
+                        self._regions.insert(index + 1, [offset + used, region[1] - used, None])
+                        region[1] = used
+                    break
+            self._merge()
+
+    def _merge(self) -> None:
+        """Neighbouring free regions become one. Call with the lock held."""
+        merged: list[list] = []
+        for region in self._regions:
+            if merged and merged[-1][2] is None and region[2] is None:
+                merged[-1][1] += region[1]
+            else:
+                merged.append(region)
+        self._regions = merged
 
     def _lend(self, call: int, size: int) -> int:
         size = -(-size // ALIGN) * ALIGN
@@ -145,6 +171,42 @@ class ArenaWriter:
         os.ftruncate(self._fd, size)
         # the old map is not closed: a call may still be copying into it (outside the lock); it goes with its last view
         self._map, self._size = mmap.mmap(self._fd, size), size
+
+
+class Placing:
+    """A region being filled as an answer's messages are made (ArenaWriter.stream). Not thread-safe: one caller."""
+
+    def __init__(self, writer: ArenaWriter, call: int, offset: int, size: int, view: memoryview):
+        self._writer, self._call, self._offset, self._size, self._view = writer, call, offset, size, view
+        self._sizes: list[int] = []
+        self._skips: list[int] = []
+        self._at = 0   # bytes of the region used so far
+
+    def add(self, message) -> None:
+        skip = -(self._at + len(message)) % END_ALIGN
+        end = self._at + skip + len(message)
+        if end > self._size:   # more than the caller foresaw: a region twice the size, what is written moved there
+            self._move(2 * end)
+        start = self._offset + self._at + skip
+        self._view[start:start + len(message)] = message
+        self._sizes.append(len(message))
+        self._skips.append(skip)
+        self._at = end
+
+    def done(self) -> dict:
+        """The frame header's `arena` entry for the messages added; the region's unused end is free again."""
+        self._writer._trim(self._offset, self._at)
+        self._writer.placed += sum(self._sizes)
+        return {"offset": self._offset, "sizes": self._sizes, "skips": self._skips}
+
+    def _move(self, size: int) -> None:
+        writer = self._writer
+        with writer._lock:
+            offset = writer._lend(self._call, size)
+            view = memoryview(writer._map)
+        view[offset:offset + self._at] = self._view[self._offset:self._offset + self._at]
+        writer._trim(self._offset, 0)   # the old region: free
+        self._offset, self._size, self._view = offset, -(-size // ALIGN) * ALIGN, view
 
 
 class ArenaReader:

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plexus.errors import IntegrityError
+from plexus.proto.plexus.v1 import federation_pb2 as fpb
+from plexus.wire import Layout, chunk_limit
+
 
 @dataclass(frozen=True)
 class _Chunk:
@@ -72,3 +76,26 @@ def _varint(view: memoryview, at: int) -> tuple[int | None, int]:
             return value, at
     return None, at
 
+
+
+def serialized(message) -> bytes:
+    """A message's bytes (a message already serialized stays as it is)."""
+    return message if isinstance(message, (bytes, bytearray, memoryview)) else message.SerializeToString()
+
+
+# What a chunk message adds to its data at most: its tags and lengths (1 + 5 + 1 + 10 + 1 + 5 bytes) and the gap
+# that aligns its end in the arena (simulation.arena.END_ALIGN, < 64).
+CHUNK_OVERHEAD = 23 + 63
+
+
+def update_bytes(header) -> int:
+    """At most the bytes of the update stream that `header` (an UpdateMessage with its header) begins: its
+    manifest's data, its chunks' overhead (at most one chunk per MIN_AVERAGE_CHUNK_BYTES, as the coordinator
+    allows), and the header itself; 0 for anything else (a stream whose size it does not say)."""
+    if not isinstance(header, fpb.UpdateMessage) or header.WhichOneof("body") != "header":
+        return 0
+    try:
+        total = Layout.from_proto(header.header.manifest).total_bytes
+    except (IntegrityError, ValueError, KeyError):
+        return 0
+    return header.ByteSize() + CHUNK_OVERHEAD + total + CHUNK_OVERHEAD * chunk_limit(total)

@@ -29,9 +29,9 @@ from plexus.config import load_site_config
 from plexus.inproc import LocalRpcError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb
 from plexus.shutdown import exit_now
-from simulation.arena import DOWN_ENV, ENV as ARENA_ENV, ArenaReader, ArenaWriter, messages_of
+from simulation.arena import DOWN_ENV, ENV as ARENA_ENV, MIN_BYTES, ArenaReader, ArenaWriter, messages_of
 from simulation.frames import read_frame, write_frame
-from simulation.inplace import chunk_in_place
+from simulation.inplace import chunk_in_place, serialized, update_bytes
 
 log = logging.getLogger("plexus.simulation")
 
@@ -188,16 +188,23 @@ class SiteHost:
             holding = getattr(self._holding, "value", False)
             if holding:   # another task computes while this one waits for its reply (a model, most often)
                 self._compute.release()
-            self._out.put((header, requests))
+            self._out.put((header, [serialized(m) for m in requests]))
             del requests
             header, messages = reply.wait()
             if holding:
                 self._compute.acquire()
         else:
             self._answering.acquire()   # at most ANSWERING answers in the simulator's hands, not yet held
-            if self._arena is not None and (where := self._arena.place(call_id, requests)) is not None:
+            try:
+                where, requests = self._placed(call_id, requests)
+            except BaseException:
+                with self._lock:
+                    self._waiting.pop(call_id, None)
+                self._settled(call_id)
+                self._answering.release()
+                raise
+            if where is not None:
                 header["arena"] = where
-                requests.clear()   # the caller's list: its bytes are in the arena now
             frame = (header, requests)
             del requests
             self._out.put(frame)
@@ -210,6 +217,25 @@ class SiteHost:
         if "error" in header:
             raise LocalRpcError(grpc.StatusCode[header["error"]["code"]], header["error"]["details"])
         return header, messages
+
+    def _placed(self, call: int, requests) -> tuple[dict | None, list[bytes]]:
+        """An answer's messages serialized one by one as they come: (where they lie in the up arena, []), or (None,
+        their bytes) for a frame (no arena, or too small for it). An update whose header names its size goes
+        straight into the arena, each message from the cache."""
+        requests = iter(requests)
+        first = next(requests, None)
+        if first is None:
+            return None, []
+        size = update_bytes(first) if self._arena is not None else 0
+        if size < MIN_BYTES:
+            messages = [serialized(first), *(serialized(m) for m in requests)]
+            where = None if self._arena is None else self._arena.place(call, messages)
+            return where, [] if where is not None else messages
+        placing = self._arena.stream(call, size)
+        placing.add(serialized(first))
+        for message in requests:
+            placing.add(serialized(message))
+        return placing.done(), []
 
     def models(self, header: dict, messages: list[bytes]) -> list:
         """A FetchModel reply, parsed: the simulator sends a served model to a worker once (`cache`: its
@@ -263,13 +289,11 @@ class _Calls:
         self._host, self._site = host, site
 
     def call(self, method: str, messages):
-        """`messages` (an update's stream) are serialized one by one as they come: each goes from the agent's
-        chunk to its bytes while still in the processor's cache, and no message outlives its bytes. (Built whole
-        first, then serialized, a 10M-parameter update crossed main memory twice more; at 10M × 32 the rounds
-        took 12 % longer.)"""
-        payload = [m.SerializeToString() for m in messages]
-        del messages   # only their bytes travel on
-        header, replies = self._host.call(self._site, method, payload)
+        """`messages` (an update's stream) are serialized one by one as they come (SiteHost._placed): each goes
+        from the agent's chunk to its bytes, and into the shared memory, while still in the processor's cache,
+        and no message outlives its bytes. (Built whole first, then serialized, a 10M-parameter update crossed
+        main memory twice more; at 10M × 32 the rounds took 12 % longer.)"""
+        header, replies = self._host.call(self._site, method, messages)
         if method == "FetchModel":
             return iter(replies if header.get("parsed") else self._host.models(header, replies))
         return _REPLY_TYPES[method].FromString(replies[0])

@@ -3,6 +3,7 @@ once the simulator is done with them."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import queue
@@ -15,12 +16,13 @@ from google.protobuf.message import DecodeError
 
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, tensor_pb2
+from plexus.wire import Layout
 from simulation import arena as shared
 from simulation.arena import END_ALIGN, MIN_BYTES, ArenaError, ArenaReader, ArenaWriter, create, owned
 from simulation.inplace import chunk_in_place
 from simulation.pool import ProcessPool
 from simulation.simulator import Simulator, _Parsed, final_model
-from simulation.worker import SiteHost, _Calls
+from simulation.worker import ANSWERING, SiteHost, _Calls
 
 BIG = MIN_BYTES + 12345
 
@@ -162,6 +164,77 @@ def test_a_region_the_file_does_not_hold_is_refused(arena, spec, said):
     writer.place(1, messages(1))
     with pytest.raises(ArenaError, match=said):
         reader.views(spec)
+
+
+@pytest.mark.parametrize("foreseen", [10 ** 6, 1000])   # enough, and too little: the region moves as it fills
+def test_a_streamed_region_holds_what_was_added_and_frees_what_it_did_not_use(arena, foreseen):
+    writer, reader = arena
+    sent = messages(4) + [b"z" * 100_000]
+    placing = writer.stream(1, foreseen)
+    for message in sent:
+        placing.add(message)
+    where = placing.done()
+    assert [bytes(v) for v in reader.views(where)] == sent
+    ends = list(itertools.accumulate(size + skip for size, skip in zip(where["sizes"], where["skips"])))
+    assert all((where["offset"] + end) % END_ALIGN == 0 for end in ends)   # each message ends aligned
+    end = where["offset"] + sum(where["sizes"]) + sum(where["skips"])
+    after = writer.place(2, messages(5))
+    if foreseen >= end - where["offset"]:
+        assert after["offset"] == -(-end // shared.ALIGN) * shared.ALIGN   # the unused end was free again
+    assert after["offset"] >= end or after["offset"] + sum(after["sizes"]) + sum(after["skips"]) <= where["offset"]
+    assert [bytes(v) for v in reader.views(where)] == sent                  # ... and the messages still intact
+    writer.release(1)
+    writer.release(2)
+    assert writer.place(3, messages(6))["offset"] == 0
+
+
+def update(seed: int, chunks: int = 3, size: int = 200_000) -> list:
+    layout = Layout.build([("w", "F32", (chunks * size // 4,))])
+    head = fpb.UpdateMessage(header=fpb.UpdateHeader(task_id=f"t{seed}", manifest=layout.to_proto()))
+    return [head, *(fpb.UpdateMessage(chunk=tensor_pb2.Chunk(offset=i * size, data=bytes([seed + i]) * size))
+                    for i in range(chunks))]
+
+
+def test_a_worker_streams_an_update_into_its_arena_as_the_agent_yields_it(arena):
+    writer, reader = arena
+    host = SiteHost(writer)
+    sent = update(1)
+    made: list = []
+
+    def agent_stream():   # messages made one by one, as an agent's generator makes them
+        for message in sent:
+            made.append(message)
+            yield message
+
+    def submit() -> None:
+        host._compute.acquire()
+        host._holding.value = True
+        host.call("site-a", "SubmitUpdate", agent_stream())
+
+    thread = threading.Thread(target=submit)
+    thread.start()
+    header, inline = host.outgoing(timeout=10)
+    assert inline == [] and len(made) == len(sent)
+    assert [bytes(v) for v in reader.views(header["arena"])] == [m.SerializeToString() for m in sent]
+    host.receive({"op": "reply", "call": header["call"]}, [])
+    thread.join(timeout=10)
+    assert writer.place(9, messages(2))["offset"] == header["arena"]["offset"]   # free again
+
+
+def test_an_update_whose_agent_fails_part_way_leaves_nothing_lent(arena):
+    writer, _ = arena
+    host = SiteHost(writer)
+
+    def failing():
+        yield from update(2)[:2]
+        raise OSError("the site's disk failed while it encoded its update")
+
+    host._compute.acquire()
+    host._holding.value = True
+    with pytest.raises(OSError, match="disk failed"):
+        host.call("site-a", "SubmitUpdate", failing())
+    assert host._waiting == {} and writer.place(9, messages(2))["offset"] == 0   # the region is free again
+    assert all(host._answering.acquire(timeout=1) for _ in range(ANSWERING))   # every slot is back
 
 
 @pytest.mark.parametrize("settles", ["reply", "held"])
