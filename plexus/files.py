@@ -63,8 +63,8 @@ def write_atomically(path: Path, *parts, mode: int = 0o644, finish=None, sync: b
 
 
 # While a large file is written, the kernel is told every this many bytes to start writing them to the disk
-# (sync_file_range, Linux): by the fsync at the end most of it is there, and the fsync waits for the rest only. A
-# 40 MB checkpoint's fsync went from 16-22 ms to 2-4 ms on this project's test machine, its writes taking as long.
+# (sync_file_range, Linux): by the fsync at the end most of it is there, and the fsync waits for the rest only
+# (docs/performance.md, "A large file is handed to the disk as it is written").
 WRITEBACK_BYTES = 8 << 20
 
 

@@ -196,7 +196,8 @@ class Placing:
     def done(self) -> dict:
         """The frame header's `arena` entry for the messages added; the region's unused end is free again."""
         self._writer._trim(self._offset, self._at)
-        self._writer.placed += sum(self._sizes)
+        with self._writer._lock:
+            self._writer.placed += sum(self._sizes)
         return {"offset": self._offset, "sizes": self._sizes, "skips": self._skips}
 
     def _move(self, size: int) -> None:

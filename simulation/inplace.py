@@ -3,10 +3,10 @@
 Protobuf copies a bytes field out of the message it parses, and again into a new bytes object each time the field
 is read. In a simulation every update and every served model crosses as serialized messages in memory: the
 simulator reads an update's chunks in place in the worker's shared memory, and a worker's virtual sites read a
-served model's chunks in place in one copy of it. (perf at 10M parameters × 8 sites: memmove went from 17 % to 6 %
-of the simulator's CPU; a worker no longer copies the model out of protobuf for each of its sites.) The shared
-memory lays each message out to end on an aligned boundary (simulation.arena.END_ALIGN), so that a chunk's data,
-its last field, starts aligned: numpy reads it at full speed, where unaligned it copied it through a buffer first."""
+served model's chunks in place in the worker's shared memory. The shared memory lays each message out to end on an
+aligned boundary (simulation.arena.END_ALIGN), so that a chunk's data, its last field, starts aligned: numpy reads
+it at full speed, where unaligned it copied it through a buffer first. Figures: docs/performance.md ("The
+simulation moves each update through main memory as few times as it can")."""
 
 from __future__ import annotations
 

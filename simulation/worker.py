@@ -116,8 +116,8 @@ class SiteHost:
         task that computes before the task this one is for (tasks wait for their replies without computing)."""
         try:
             parsed = self.models(header, messages)
-        except ValueError as exc:   # the caller raises it
-            return {"error": {"code": "INTERNAL", "details": str(exc)}}, []
+        except Exception as exc:   # noqa: BLE001 (a reply it cannot parse: its caller raises it, the worker goes on)
+            return {"error": {"code": "INTERNAL", "details": f"{type(exc).__name__}: {exc}"}}, []
         return {**header, "parsed": True}, parsed
 
     def _settled(self, call: int) -> None:
@@ -178,7 +178,8 @@ class SiteHost:
         answers at a time may wait for the simulator to take them (it takes them one by one); those it holds
         back for virtual time (it says `held`) do not count. So a worker holds a few tasks' updates at a time
         (and those held), never one per site. While a task waits for any other reply (its model, most often),
-        another task computes. `requests` is the caller's to drop: the frame keeps them."""
+        another task computes. `requests`: the call's messages (or their bytes), serialized here one by one as
+        they come (`_placed`)."""
         reply = _Reply()
         with self._lock:
             call_id = next(self._ids)
@@ -291,8 +292,7 @@ class _Calls:
     def call(self, method: str, messages):
         """`messages` (an update's stream) are serialized one by one as they come (SiteHost._placed): each goes
         from the agent's chunk to its bytes, and into the shared memory, while still in the processor's cache,
-        and no message outlives its bytes. (Built whole first, then serialized, a 10M-parameter update crossed
-        main memory twice more; at 10M × 32 the rounds took 12 % longer.)"""
+        and no message outlives its bytes (docs/performance.md, "The simulation moves each update ...")."""
         header, replies = self._host.call(self._site, method, messages)
         if method == "FetchModel":
             return iter(replies if header.get("parsed") else self._host.models(header, replies))

@@ -58,8 +58,8 @@ log = logging.getLogger("plexus.coordinator")
 MAX_METRICS = 64
 RETRY_WAIT_S = 1.0   # before a round that missed its quorum opens again; doubles with each retry of it
 # A FedAvg mean goes into its checkpoint block by block through this many buffers, so that its SHA-256 is computed
-# on a helper thread up to two blocks behind the mean and the file's writes (plexus.files.fed_beside): at 10M
-# parameters this took the round's close from 62–68 to 41 ms (bench.simulate, 10M × 8 sites, median of 10 rounds).
+# on a helper thread up to two blocks behind the mean and the file's writes (plexus.files.fed_beside); figures in
+# docs/performance.md ("A checkpoint's SHA-256 is computed beside its writes").
 MEAN_BLOCKS_KEPT, MEAN_BLOCK_ELEMENTS = 4, 1 << 18
 
 

@@ -15,6 +15,7 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from plexus.config import DatasetSpec, PolicySpec, SiteConfig
+from plexus.inproc import LocalRpcError
 from plexus.proto.plexus.v1 import federation_pb2 as fpb, tensor_pb2
 from plexus.wire import Layout
 from simulation import arena as shared
@@ -357,6 +358,28 @@ def test_a_served_model_is_parsed_as_it_arrives_so_a_task_told_it_is_cached_find
     for thread in threads:
         thread.join(timeout=10)
     assert got["site-a"] == got["site-b"] == [head, b"w" * 16]
+
+
+def test_a_served_model_that_cannot_be_parsed_fails_its_call_not_the_worker():
+    host = SiteHost()
+    failed: list = []
+
+    def fetch() -> None:
+        host._compute.acquire()
+        host._holding.value = True
+        try:
+            _Calls(host, "site-a").FetchModel(fpb.FetchModelRequest())
+        except LocalRpcError as exc:
+            failed.append(exc.details())
+        host._compute.release()
+
+    thread = threading.Thread(target=fetch)
+    thread.start()
+    header, _ = host.outgoing(timeout=10)
+    host.receive({"op": "reply", "call": header["call"], "cache": "k"}, [b"\x0a\xff"])   # cut short
+    thread.join(timeout=10)
+    assert len(failed) == 1 and "DecodeError" in failed[0]
+    assert host._model == ("", [])   # nothing half-parsed is kept
 
 
 WIDE_JOB = """\
