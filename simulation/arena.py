@@ -44,16 +44,6 @@ def create(name: str) -> int:
     return os.memfd_create(name, os.MFD_CLOEXEC)
 
 
-def ends_aligned(sizes: list[int]) -> tuple[list[int], int]:
-    """(the gap before each message, the bytes in all) for messages laid one after another from an aligned start,
-    each ending on an END_ALIGN boundary."""
-    skips, at = [], 0
-    for size in sizes:
-        skips.append(-(at + size) % END_ALIGN)
-        at += skips[-1] + size
-    return skips, at
-
-
 def owned(messages: list) -> list:
     """`messages` as the simulator's own bytes: those read in place from an arena are copied out, since their
     region is the worker's again once the call is replied to (or held)."""
@@ -83,30 +73,19 @@ class ArenaWriter:
         self.placed = 0   # bytes of messages placed so far
 
     def place(self, call: int, messages: list[bytes]) -> dict | None:
-        """Copy `messages` into a free region lent to `call`, each ending on an END_ALIGN boundary; the frame
+        """Copy `messages` into a free region lent to `call`, laid out as `stream` lays them out; the frame
         header's `arena` entry saying where, or None if they are small enough to travel in the frame."""
-        sizes = [len(m) for m in messages]
-        total = sum(sizes)
+        total = sum(len(m) for m in messages)
         if total < MIN_BYTES:
             return None
-        skips, at = ends_aligned(sizes)
-        with self._lock:
-            offset = self._lend(call, at)
-            view = memoryview(self._map)
-            self.placed += total
-        try:
-            at = offset
-            for message, skip in zip(messages, skips):
-                at += skip
-                view[at:at + len(message)] = message
-                at += len(message)
-        finally:
-            view.release()
-        return {"offset": offset, "sizes": sizes, "skips": skips}
+        placing = self.stream(call, total + (END_ALIGN - 1) * len(messages))   # room for every gap
+        for message in messages:
+            placing.add(message)
+        return placing.done()
 
     def stream(self, call: int, size: int) -> Placing:
         """A region of at least `size` bytes lent to `call`, to be filled message by message as they are made
-        (`Placing.add`, each laid out as `place` lays them out) and ended by `Placing.done`: a message goes there
+        (`Placing.add`, each ending on an END_ALIGN boundary) and ended by `Placing.done`: a message goes there
         from the processor's cache, not from a list of them all in main memory."""
         with self._lock:
             offset = self._lend(call, size)

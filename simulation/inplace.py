@@ -77,7 +77,6 @@ def _varint(view: memoryview, at: int) -> tuple[int | None, int]:
     return None, at
 
 
-
 def serialized(message) -> bytes:
     """A message's bytes (a message already serialized stays as it is)."""
     return message if isinstance(message, (bytes, bytearray, memoryview)) else message.SerializeToString()
