@@ -1,11 +1,13 @@
 """Split learning's server part in a compute worker process, so the coordinator process stays free of torch.
 
 The coordinator (`SplitWorker`, numpy only) and the worker (`python -m coordinator.split_worker`, torch) talk over
-the worker's stdin and stdout in frames: a 4-byte big-endian length, a small JSON header (the operation, each
-tensor's dtype and shape), then the tensors' raw bytes, little-endian, in order. With `shared_memory` (the
-default) the tensors travel instead through a shared-memory segment the coordinator creates (0600, its own
-user): the header names the segment and each tensor's offset, and each side makes one copy of a tensor, not
-three through a pipe. No tensor is ever written as JSON, and nothing is pickled.
+the worker's stdin and stdout in frames: a 4-byte big-endian length, a small binary header (the operation, each
+tensor's dtype and shape; any further fields as JSON), then the tensors' raw bytes, little-endian, in order. With
+`shared_memory` (the default) the tensors travel instead through a shared-memory segment the coordinator creates
+(0600, its own user): the header names the segment and each tensor's offset, and each side makes one copy of a
+tensor, not three through a pipe. A forward's activations go to the segment's upper half, where the worker
+computes on them in place until their backward; every other request, and every reply, keeps to its lower half.
+No tensor is ever written as JSON, and nothing is pickled.
 
 Operations (plexus.split's ServerStep, one batch at a time):
 - `load`: the job's model (a registry name and its arguments, built from the job seed), the variant, the cuts,
@@ -20,15 +22,18 @@ Operations (plexus.split's ServerStep, one batch at a time):
   `optimizer` -> SGD's momentum buffers ("momentum/<name>"); `load_optimizer` puts them back.
 
 Every reply also says how long the worker computed (`compute_s`: the batch's checks and the server part's compute,
-not the copy a forward's activations take out of the segment), so the hop's own cost is measured apart.
+not the copy a forward's activations take out of the segment where they are not in place), so the hop's own cost
+is measured apart.
 
     python -m coordinator.split_worker        (started by SplitWorker; not run by hand)
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -44,6 +49,7 @@ import numpy as np
 
 from coordinator.model_worker import end_child, end_child_later
 from plexus.errors import ConfigError, IntegrityError, Reason
+from plexus.memory import keep_freed_memory
 from plexus.shutdown import exit_now
 
 log = logging.getLogger("plexus.split")
@@ -55,21 +61,62 @@ MAX_TENSOR_BYTES = 1 << 31
 SHM_DIR = Path("/dev/shm")
 
 
-def write_frame(stream, header: dict, tensors: list[np.ndarray] = (), shm=None) -> None:
-    """Send a frame; with `shm` (a SharedMemory) the tensors go into it, from offset 0, instead of the stream."""
-    arrays = [np.ascontiguousarray(t, dtype=_DTYPES[_name(t)]) for t in tensors]
-    specs, offset = [], 0
+def _libc_getcpu():
+    """glibc's sched_getcpu (the CPU the calling thread runs on), or None where there is none."""
+    try:
+        return ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+
+
+_getcpu = _libc_getcpu() if hasattr(os, "sched_setaffinity") else None
+
+
+# A frame's header: a fixed part (the tensor count, the shared segment name's length, the operation's code, which of
+# `compute_s` and `loss` it carries, and their values), the segment's name, each tensor's record (dtype code, rank,
+# offset in the segment, then its dimensions), then any other fields as JSON. A batch's requests and replies have no
+# other fields: their header costs a few struct calls a side, not JSON's dumps and parse (28 µs a call a side, cold
+# after the server part's compute; docs/performance.md).
+_HEAD = struct.Struct("<HBBBdd")          # tensor count, name's length, op code, has (1: compute_s, 2: loss), both
+_OPS = ("", "load", "vanilla", "forward", "backward", "drop", "evaluate", "infer", "state", "optimizer",
+        "load_optimizer", "load_state")   # code 0: no operation (a reply); an op not here travels in the JSON
+_OP_CODES = {op: code for code, op in enumerate(_OPS) if op}
+_TENSOR = struct.Struct("<BBQ")           # dtype code, rank, offset
+_CODES = {"F32": 0, "I64": 1}
+_BY_CODE = [_DTYPES["F32"], _DTYPES["I64"]]
+_DIMS = [struct.Struct(f"<{n}Q") for n in range(9)]   # a tensor's dimensions, by rank
+MAX_RANK = len(_DIMS) - 1
+
+
+def write_frame(stream, header: dict, tensors: list[np.ndarray] = (), shm=None, *, at: int = 0) -> None:
+    """Send a frame; with `shm` (a Segment) the tensors go into it, one after another from offset `at`, instead of
+    the stream."""
+    arrays = [t if isinstance(t, np.ndarray) and t.dtype in _NAMES and t.flags.c_contiguous
+              else np.ascontiguousarray(t, dtype=_DTYPES[_name(np.asarray(t))]) for t in tensors]
+    name = shm.name.encode() if shm is not None else b""
+    rest = dict(header)
+    op = _OP_CODES.get(rest.get("op"), 0)
+    if op:
+        del rest["op"]
+    compute, loss = rest.pop("compute_s", None), rest.pop("loss", None)
+    has = (compute is not None) | (loss is not None) << 1
+    parts = [b"", _HEAD.pack(len(arrays), len(name), op, has, compute or 0.0, loss or 0.0), name]
+    offset = at if shm is not None else 0
     for a in arrays:
-        specs.append({"dtype": _name(a), "shape": list(a.shape), "offset": offset})
+        if a.ndim > MAX_RANK:
+            raise ValueError(f"a split-worker tensor has {a.ndim} dimensions; at most {MAX_RANK} travel")
+        parts += (_TENSOR.pack(_CODES[_NAMES[a.dtype]], a.ndim, offset), _DIMS[a.ndim].pack(*a.shape))
         offset += a.nbytes
     if shm is not None:
         if offset > shm.size:
             raise ValueError(f"{offset} bytes of tensors do not fit the {shm.size}-byte shared segment")
-        for a, spec in zip(arrays, specs):
-            np.frombuffer(shm.buf, dtype=a.dtype, count=a.size, offset=spec["offset"])[...] = a.reshape(-1)
-    header = dict(header, tensors=specs, shm=shm.name if shm is not None else "")
-    text = json.dumps(header).encode()
-    stream.write(struct.pack(">I", len(text)) + text)
+        for a in arrays:
+            shm.buf[at:at + a.nbytes] = memoryview(a).cast("B")
+            at += a.nbytes
+    if rest:
+        parts.append(json.dumps(rest).encode())
+    parts[0] = struct.pack(">I", sum(map(len, parts)))
+    stream.write(b"".join(parts))
     if shm is None:
         for a in arrays:
             stream.write(memoryview(a).cast("B"))
@@ -79,27 +126,45 @@ def write_frame(stream, header: dict, tensors: list[np.ndarray] = (), shm=None) 
 def read_frame(stream, attach=None, *, copy: bool = True) -> tuple[dict, list[np.ndarray]]:
     """Read a frame; tensors in a shared segment are copied out of it (`attach(name)` gives the segment), or with
     `copy=False` are views into it, valid until the segment is written again."""
-    head = _read_exactly(stream, 4)
-    (size,) = struct.unpack(">I", head)
+    (size,) = struct.unpack(">I", _read_exactly(stream, 4))
     if size > MAX_HEADER:
         raise IntegrityError(f"a split-worker frame header of {size} bytes is over {MAX_HEADER}: out of step")
-    header = json.loads(_read_exactly(stream, size))
-    shm = attach(header["shm"]) if header.get("shm") and attach is not None else None
-    if header.get("shm") and shm is None:
+    head = _read_exactly(stream, size)
+    try:
+        count, length, op, has, compute, loss = _HEAD.unpack_from(head)
+        at = _HEAD.size + length
+        name = head[_HEAD.size:at].decode("ascii")
+        specs = []
+        for _ in range(count):
+            code, rank, offset = _TENSOR.unpack_from(head, at)
+            if code >= len(_BY_CODE) or rank > MAX_RANK:
+                raise IntegrityError(f"a split-worker frame names a tensor of dtype code {code} and rank {rank}: not "
+                                     f"F32 or I64 of rank at most {MAX_RANK}")
+            at += _TENSOR.size
+            specs.append((_BY_CODE[code], _DIMS[rank].unpack_from(head, at), offset))
+            at += _DIMS[rank].size
+        header = json.loads(head[at:]) if at < size else {}
+        if not isinstance(header, dict) or op >= len(_OPS) or has > 3:
+            raise ValueError("not a JSON object" if not isinstance(header, dict) else f"op code {op}, has {has}")
+    except (struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise IntegrityError(f"a split-worker frame header does not parse ({exc}): out of step") from None
+    if op:
+        header["op"] = _OPS[op]
+    if has & 1:
+        header["compute_s"] = compute
+    if has & 2:
+        header["loss"] = loss
+    shm = attach(name) if name and attach is not None else None
+    if name and shm is None:
         raise IntegrityError("a split-worker frame names a shared segment this side does not take")
     tensors = []
-    for spec in header.pop("tensors", []):
-        dtype = _DTYPES.get(spec.get("dtype"))
-        shape = tuple(int(n) for n in spec.get("shape", ()))
-        if dtype is None or any(n < 0 for n in shape):
-            raise IntegrityError(f"a split-worker frame names tensor {spec!r}: not F32 or I64 with a shape")
-        count = int(np.prod(shape, dtype=np.int64))
+    for dtype, shape, offset in specs:
+        count = math.prod(shape)
         nbytes = count * dtype.itemsize
         if nbytes > MAX_TENSOR_BYTES:
             raise IntegrityError(f"a split-worker tensor of {nbytes} bytes is over {MAX_TENSOR_BYTES}")
         if shm is not None:
-            offset = int(spec.get("offset", -1))
-            if not 0 <= offset <= shm.size - nbytes:
+            if offset > shm.size - nbytes:
                 raise IntegrityError(f"a split-worker tensor at offset {offset} overruns the shared segment")
             view = np.frombuffer(shm.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
             tensors.append(view.copy() if copy else view)
@@ -109,12 +174,12 @@ def read_frame(stream, attach=None, *, copy: bool = True) -> tuple[dict, list[np
 
 
 def _name(a: np.ndarray) -> str:
-    kind = np.dtype(a.dtype)
-    if kind.kind == "f":
+    kind = a.dtype.kind
+    if kind == "f":
         return "F32"
-    if kind.kind in "iu":
+    if kind in "iu":
         return "I64"
-    raise TypeError(f"a split-worker tensor is float32 or int64, not {kind}")
+    raise TypeError(f"a split-worker tensor is float32 or int64, not {a.dtype}")
 
 
 def _read_exactly(stream, n: int) -> bytes:
@@ -155,6 +220,7 @@ class Segment:
         self._map = mmap.mmap(fd, size)
         os.close(fd)
         self.buf = memoryview(self._map)
+        self.address = np.frombuffer(self.buf, np.uint8, 1).__array_interface__["data"][0]   # where it is mapped
 
     @classmethod
     def create(cls, size: int) -> Segment:
@@ -198,14 +264,24 @@ class Segment:
 
 class SplitWorker:
     """The coordinator's handle on one compute worker process (thread-safe: one call at a time). With
-    `shared_memory`, tensors travel through a segment that grows to the largest call's tensors."""
+    `shared_memory`, tensors travel through a segment that grows to the largest call's tensors.
 
-    def __init__(self, *, shared_memory: bool = True):
+    With `colocate` (the default, on Linux) and a single-threaded server part, each call runs on one CPU: the
+    calling thread stays, for the call, on the CPU it is on, and the worker is moved there (while it waits, so
+    nothing migrates mid-compute). The request then wakes the worker and the reply wakes the caller by a switch on
+    that CPU, where an idle CPU would take its wake-up from its idle state: 0.2 ms a call on this project's VMs, a
+    C-state's exit latency on bare metal. The caller waits while the worker computes, so the two never compete for
+    that CPU; the coordinator's other threads run on the others."""
+
+    def __init__(self, *, shared_memory: bool = True, colocate: bool = True):
         self._proc = subprocess.Popen([sys.executable, "-m", "coordinator.split_worker"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE)
         self._lock = threading.Lock()
         self._shared = shared_memory
         self._shm = None
+        self._colocate = colocate and _getcpu is not None
+        self._single = False    # the server part computes on one thread (known from `load`)
+        self._cpu = -1          # the CPU the worker is held to
         self.compute_s = 0.0    # the worker's own time in the last call
 
     def _segment(self, tensors) -> Segment | None:
@@ -235,9 +311,13 @@ class SplitWorker:
         views into the shared segment instead of copies, and what `consume` returns (while the call still holds the
         worker, so nothing overwrites them) is the call's result: one copy fewer where the caller copies anyway."""
         with self._lock:
+            mask = self._to_one_cpu() if self._single else None
             try:
                 shm = self._segment(tensors) if self._shared else None
-                write_frame(self._proc.stdin, {"op": op, **fields}, tensors, shm)
+                # A forward's activations go to the segment's upper half, where the worker computes on them in
+                # place until their backward: every other request and every reply keeps to the lower half.
+                write_frame(self._proc.stdin, {"op": op, **fields}, tensors, shm,
+                            at=shm.size // 2 if shm is not None and op == "forward" else 0)
                 header, out = read_frame(self._proc.stdout, lambda name: shm if shm is not None and name == shm.name
                                          else None, copy=consume is None)
                 if shm is not None:
@@ -245,10 +325,40 @@ class SplitWorker:
             except (BrokenPipeError, EOFError) as exc:
                 raise ConfigError(f"the split compute worker (PID {self._proc.pid}) ended: {exc}; see the "
                                   "coordinator's log") from None
+            finally:
+                if mask is not None:
+                    self._restore(mask)
+            if op == "load" and not header.get("error"):
+                # Held to one CPU only with one torch thread: threads the worker starts inherit its CPU.
+                self._single = self._colocate and int(fields.get("threads", 1)) == 1
             if header.get("error"):
                 raise (IntegrityError if header.get("kind") == "integrity" else ConfigError)(header["error"])
             self.compute_s = float(header.get("compute_s", 0.0))
             return consume(header, out) if consume is not None else (header, out)
+
+    def _to_one_cpu(self) -> set[int] | None:
+        """Hold the calling thread, for this call, to the CPU it runs on, and the worker to the same one; the
+        thread's own CPUs to give back after the call (None: nothing changed)."""
+        try:
+            cpu, mask = _getcpu(), os.sched_getaffinity(0)
+            if cpu not in mask:
+                return None
+            if cpu != self._cpu:
+                os.sched_setaffinity(self._proc.pid, {cpu})
+                self._cpu = cpu
+            os.sched_setaffinity(0, {cpu})
+            return mask
+        except OSError as exc:   # a cpuset that changed under us, a sandbox refusing the call: go on unheld
+            log.info("the split compute worker (PID %d) runs unheld from now on: %s", self._proc.pid, exc)
+            self._single = False
+            return None
+
+    @staticmethod
+    def _restore(mask: set[int]) -> None:
+        try:
+            os.sched_setaffinity(0, mask)
+        except OSError as exc:
+            log.warning("a coordinator thread stays held to one CPU: giving its CPUs back failed (%s)", exc)
 
     def close(self, *, wait: bool = True) -> None:
         """End the worker; with wait=False its end (which waits for the operation it is in) runs on a thread of its
@@ -334,7 +444,7 @@ class _Server:
                 return {"loss": loss, "correct": int((logits.argmax(1) == y).sum())}, []
         if op in ("forward", "infer"):
             check_batch(tensors[0], self.row_shape, max_rows=self.max_rows)
-            if op == "forward":   # its activations, copied out of the segment as they came (main), outlive the call
+            if op == "forward":   # its activations (in place in the segment's upper half, or a copy: main) outlive it
                 return {}, [self.step.forward(self._in(tensors[0])).cpu().numpy()]
             with torch.no_grad():
                 self.parts.middle.eval()
@@ -391,8 +501,18 @@ class _Segments:
 
     def __init__(self):
         self.current: Segment | None = None
+        self.used = False   # the last request came through the segment (its reply goes back that way)
+
+    def held(self, view: np.ndarray) -> bool:
+        """Whether `view` lies in the current segment's upper half (where a forward's activations go)."""
+        seg = self.current
+        if seg is None:
+            return False
+        start = view.__array_interface__["data"][0] - seg.address
+        return seg.size // 2 <= start and start + view.nbytes <= seg.size
 
     def attach(self, name: str) -> Segment:
+        self.used = True
         if self.current is None or self.current.name != name:
             if self.current is not None:
                 self.current.close()
@@ -401,6 +521,8 @@ class _Segments:
 
 
 def main() -> int:
+    # A batch's tensors are the same sizes batch after batch: from the heap each time, not fresh pages faulted in.
+    keep_freed_memory()
     server, segments = _Server(), _Segments()
     # Frames go to the original stdout; anything a model plug-in or library prints goes to stderr (the
     # coordinator's log), so it cannot break the frames.
@@ -408,13 +530,17 @@ def main() -> int:
     os.dup2(2, 1)
     while True:
         try:
-            # Views into the segment: each operation uses its tensors before the reply overwrites them (forward,
-            # whose activations outlive the call, copies them).
+            # Views into the segment: each operation uses its tensors before the reply overwrites them (a forward's
+            # activations outlive the call: below).
+            segments.used = False
             header, tensors = read_frame(stdin, segments.attach, copy=False)
         except EOFError:
             return 0
-        if header.get("op") == "forward":   # its activations outlive the call (backward needs them): a copy out of
-            tensors = [np.array(t) for t in tensors]   # the segment, the hop's cost, so before the clock starts
+        if header.get("op") == "forward" and segments.used and not all(segments.held(t) for t in tensors):
+            # Its activations outlive the call (backward needs them). In the segment's upper half they stay as they
+            # are until the next forward; anywhere else in it, the next request overwrites them: a copy out (before
+            # the clock starts, so counted as the hop's).
+            tensors = [np.array(t) for t in tensors]
         started = time.perf_counter()
         try:
             reply, out = server.handle(header, tensors)
@@ -425,9 +551,9 @@ def main() -> int:
         except (ValueError, KeyError, TypeError) as exc:
             reply, out = {"error": f"{type(exc).__name__}: {exc}"}, []
         reply["compute_s"] = time.perf_counter() - started
-        shm = segments.current if header.get("shm") else None
-        if shm is not None and sum(np.asarray(t).size * 8 for t in out) > shm.size:
-            shm = None   # a reply larger than the segment (a model's state) goes through the pipe
+        shm = segments.current if segments.used else None
+        if shm is not None and sum(np.asarray(t).size * 8 for t in out) > shm.size // 2:
+            shm = None   # a reply larger than the segment's lower half (a model's state) goes through the pipe
         write_frame(stdout, reply, out, shm)
         tensors = out = None   # the request's views into the segment go before the next request may replace it
 

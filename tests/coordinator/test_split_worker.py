@@ -4,10 +4,12 @@ refused and the worker goes on; the coordinator's side never imports torch."""
 
 from __future__ import annotations
 
+import io
 import os
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.split_worker import SHM_DIR, SplitWorker
+from coordinator.split_worker import SHM_DIR, Segment, SplitWorker, read_frame, write_frame
 from plexus.errors import ConfigError, IntegrityError
 from plexus.models import build_model
 from plexus.split import ServerStep, split
@@ -116,7 +118,7 @@ def test_the_segment_has_no_name_once_the_worker_holds_it_so_a_killed_coordinato
     code = (
         "import os, sys, time\n"
         "import numpy as np\n"
-        "from coordinator.split_worker import SHM_DIR, SplitWorker\n"
+        "from coordinator.split_worker import SHM_DIR, Segment, SplitWorker, read_frame, write_frame\n"
         "w = SplitWorker()\n"
         "header, _ = w.call('load', model='cnn', args={'width': 16}, seed=0, variant='vanilla', cuts=['block1'])\n"
         "for rows in (2, 64):   # the second batch outgrows the first segment: a new one\n"
@@ -253,3 +255,116 @@ def test_the_coordinator_side_never_imports_torch():
     code = "import sys, coordinator.split_worker; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
         == "False"
+
+
+def test_a_forward_s_activations_stay_in_place_while_other_calls_use_the_segment(worker):
+    """In shared memory the worker computes a forward on its activations where they lie, in the segment's upper
+    half, until their backward; requests and replies in between keep to the lower half. Were they anywhere else, the
+    `infer` between them would overwrite them and the backward's gradients would be wrong."""
+    _, local = load(worker, "u-shaped", ["hidden1", "hidden2"], [32])
+    a, _ = batch(seed=4)
+    _, (out,) = worker.call("forward", [a])
+    expected_out = local.forward(torch.from_numpy(a)).numpy()
+    other, _ = batch(rows=64, seed=5)
+    worker.call("infer", [other])
+    worker.call("infer", [other[:7]])
+    g = np.random.default_rng(6).normal(size=out.shape).astype(np.float32)
+    _, (grad,) = worker.call("backward", [g])
+    np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grad, local.backward(torch.from_numpy(g)).numpy(), rtol=1e-5, atol=1e-7)
+    # The step: its first layer's weight gradient is the activations' (the gradient at the cut is not).
+    header, state = worker.call("state")
+    mine = {local.parts.names[id(p)]: p.detach().numpy() for p in local.parts.middle.parameters()}
+    assert sorted(mine) == header["names"]
+    for name, tensor in zip(header["names"], state):
+        np.testing.assert_allclose(tensor, mine[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def _affinity(pid: int) -> set[int]:
+    return os.sched_getaffinity(pid)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to hold the worker to")
+def test_a_single_threaded_worker_is_held_to_its_caller_s_cpu_and_the_caller_gets_its_cpus_back():
+    mine = _affinity(0)
+    held, free = SplitWorker(), SplitWorker(colocate=False)
+    threaded = SplitWorker()
+    try:
+        for w in (held, free, threaded):
+            w.call("load", model="mlp", args=MLP, seed=3, variant="vanilla", cuts=["hidden1"],
+                   threads=2 if w is threaded else 1)
+            w.call("vanilla", list(batch()))
+        assert len(_affinity(held.pid)) == 1 and _affinity(held.pid) <= mine   # the CPU its caller was on
+        assert _affinity(free.pid) == mine and _affinity(threaded.pid) == mine   # never held
+        assert _affinity(0) == mine   # the calling thread, after each call
+        # A caller on another CPU takes the worker with it.
+        for cpu in sorted(mine)[:2]:
+            os.sched_setaffinity(0, {cpu})
+            try:
+                held.call("vanilla", list(batch()))
+            finally:
+                os.sched_setaffinity(0, mine)
+            assert _affinity(held.pid) == {cpu}
+    finally:
+        for w in (held, free, threaded):
+            w.close()
+
+
+def _frame(header, tensors=(), shm=None, at=0):
+    out = io.BytesIO()
+    write_frame(out, header, tensors, shm, at=at)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("header", [{"op": "forward"}, {"op": "vanilla", "compute_s": 0.25},
+                                    {"compute_s": 0.003, "loss": float("nan")}, {"loss": 2.5, "correct": 7},
+                                    {"op": "no-such-op", "lr": 0.1, "names": ["a", "b"]}, {}])
+def test_frames_carry_their_fields_and_tensors_through_the_pipe_and_the_segment(header):
+    tensors = [np.arange(24, dtype=np.float32).reshape(2, 3, 4), np.arange(5, dtype=np.int64),
+               np.float32(1.5) * np.ones((), np.float32), np.arange(6, dtype=np.float64).reshape(3, 2)[:, 0]]
+    seg = Segment.create(1 << 16)
+    try:
+        for shm, at in ((None, 0), (seg, 0), (seg, 1 << 15)):
+            got, back = read_frame(io.BufferedReader(io.BytesIO(_frame(header, tensors, shm, at))),
+                                   lambda name: seg if name == seg.name else None)
+            assert got.keys() == header.keys()
+            for key, value in header.items():
+                assert got[key] == value or (value != value and got[key] != got[key]), key   # NaN stays NaN
+            assert [t.dtype for t in back] == [np.float32, np.int64, np.float32, np.float32]
+            for sent, came in zip(tensors, back):
+                np.testing.assert_array_equal(came, sent)
+    finally:
+        seg.close(unlink=True)
+
+
+def test_malformed_frames_are_refused_as_out_of_step():
+    good = _frame({"op": "forward"}, [np.zeros((2, 3), np.float32)])
+    (size,) = struct.unpack(">I", good[:4])
+    tensor_at = 4 + 21   # after the length, and the fixed part (21 bytes) and an empty segment name
+    bare = _frame({"op": "forward"})
+    bad = {
+        "is over 1048576": struct.pack(">I", (1 << 20) + 1) + good[4:],
+        "does not parse": struct.pack(">I", 10) + good[4:14],   # cut short
+        "dtype code 7": good[:tensor_at] + b"\x07" + good[tensor_at + 1:],
+        "rank 9": good[:tensor_at + 1] + b"\x09" + good[tensor_at + 2:],
+        "op code 238": good[:4 + 3] + b"\xee" + good[4 + 4:],
+        "not a JSON object": struct.pack(">I", len(bare) - 4 + 3) + bare[4:] + b"[1]",
+        "a shared segment this side does not take": _frame({}, [], _FakeSegment("plexus-split-1-00"), 0),
+    }
+    assert size < len(good) - 4   # the tensor's bytes follow the header in the pipe
+    for message, frame in bad.items():
+        with pytest.raises(IntegrityError, match=message):
+            read_frame(io.BufferedReader(io.BytesIO(frame)), lambda name: None)
+    seg = Segment.create(1 << 12)
+    try:   # a tensor said to lie past the segment's end
+        frame = _frame({}, [np.zeros(64, np.float32)], seg, at=(1 << 12) - 256)   # its 256 bytes end the segment
+        frame = frame.replace(struct.pack("<Q", (1 << 12) - 256), struct.pack("<Q", (1 << 12) - 128), 1)
+        with pytest.raises(IntegrityError, match="overruns the shared segment"):
+            read_frame(io.BufferedReader(io.BytesIO(frame)), lambda name: seg)
+    finally:
+        seg.close(unlink=True)
+
+
+class _FakeSegment:
+    def __init__(self, name):
+        self.name, self.size, self.buf = name, 0, memoryview(b"")
