@@ -18,7 +18,7 @@ def add_commands(sub) -> None:
 def _run(args) -> int:
     from coordinator.server import run
     from plexus.config import load_coordinator_config
-    from plexus.memory import limit_malloc_arenas
+    from plexus.memory import set_up_coordinator
 
-    limit_malloc_arenas()   # before gRPC starts its threads
+    set_up_coordinator()   # before gRPC starts its threads
     return run(load_coordinator_config(args.config))

@@ -14,6 +14,7 @@ log = logging.getLogger("plexus")
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
 _MMAP_THRESHOLD_MAX = 32 << 20   # the largest M_MMAP_THRESHOLD glibc takes on a 64-bit machine
 KEPT_FREE_BYTES = 1 << 30
+COORDINATOR_KEPT_FREE_BYTES = 64 << 20
 
 
 def _mallopt(settings: dict[int, int]) -> bool:
@@ -45,17 +46,26 @@ def limit_malloc_arenas(arenas: int = 2) -> bool:
     return _mallopt({_M_ARENA_MAX: arenas})
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(kept: int = KEPT_FREE_BYTES) -> bool:
     """Keep freed memory for the next allocation instead of handing it back to the kernel; True if glibc took it.
 
     A worker process that allocates the same buffers over and over (a batch's tensors, an update's chunks) gets
     them, by default, as fresh mappings (above 128 KiB) or from a heap trimmed after each free: each time the
     kernel faults their pages in again, which in a virtual machine costs more than the copy that fills them.
-    Here, blocks up to 32 MiB come from the heap and up to KEPT_FREE_BYTES of freed heap stay mapped: the
+    Here, blocks up to 32 MiB come from the heap and up to `kept` bytes of freed heap stay mapped: the
     process's memory stays at its peak, not above it. Call it first thing in a worker process.
     """
-    return _mallopt({_M_MMAP_THRESHOLD: _MMAP_THRESHOLD_MAX, _M_TRIM_THRESHOLD: KEPT_FREE_BYTES,
-                     _M_TOP_PAD: 64 << 20})
+    return _mallopt({_M_MMAP_THRESHOLD: _MMAP_THRESHOLD_MAX, _M_TRIM_THRESHOLD: kept, _M_TOP_PAD: 64 << 20})
+
+
+def set_up_coordinator() -> bool:
+    """malloc as the coordinator process has it (`plexus coordinator run`): arenas capped, and up to 64 MiB of
+    freed memory kept for the next allocation. A split-learning job allocates its wire messages afresh for every
+    batch (a megabyte or so each); given back to the kernel after each, they cost their page faults again every
+    batch, 0.3-0.5 ms of a batch on this project's VMs (docs/performance.md). Call it before the process starts
+    threads. True if glibc took both settings."""
+    capped = limit_malloc_arenas()
+    return keep_freed_memory(COORDINATOR_KEPT_FREE_BYTES) and capped
 
 
 def set_up_simulation() -> None:

@@ -17,8 +17,8 @@ def test_glibc_takes_the_arena_cap():
 # last nine.
 _REFAULTS = """
 import ctypes, ctypes.util, resource, sys
-from plexus.memory import keep_freed_memory
-taken = keep_freed_memory() if sys.argv[1] == "keep" else None
+from plexus.memory import keep_freed_memory, set_up_coordinator
+taken = {"keep": keep_freed_memory, "coordinator": set_up_coordinator}.get(sys.argv[1], lambda: None)()
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -41,8 +41,9 @@ def test_kept_freed_memory_is_reused_without_faulting_its_pages_in_again():
     # What the simulation's processes and workers set, so a task's buffers reuse the last task's pages. By default
     # glibc hands the freed chunks back to the kernel (the heap's free top is over its trim threshold), and each
     # time their 6,144 pages (24 MiB) fault in again.
+    # The coordinator keeps up to 64 MiB: enough for a split-learning batch's wire messages, or these 24 MiB.
     runs = {mode: subprocess.run([sys.executable, "-c", _REFAULTS, mode], capture_output=True, text=True,
-                                 check=True).stdout.split() for mode in ("default", "keep")}
-    assert runs["keep"][0] == "True"
+                                 check=True).stdout.split() for mode in ("default", "keep", "coordinator")}
+    assert runs["keep"][0] == "True" and runs["coordinator"][0] == "True"
     assert int(runs["default"][1]) >= 8 * 6144
-    assert int(runs["keep"][1]) < 500
+    assert int(runs["keep"][1]) < 500 and int(runs["coordinator"][1]) < 500
