@@ -339,6 +339,7 @@ class SplitWorker:
     def _to_one_cpu(self) -> set[int] | None:
         """Hold the calling thread, for this call, to the CPU it runs on, and the worker to the same one; the
         thread's own CPUs to give back after the call (None: nothing changed)."""
+        mask = None
         try:
             cpu, mask = _getcpu(), os.sched_getaffinity(0)
             if cpu not in mask:
@@ -351,6 +352,11 @@ class SplitWorker:
         except OSError as exc:   # a cpuset that changed under us, a sandbox refusing the call: go on unheld
             log.info("the split compute worker (PID %d) runs unheld from now on: %s", self._proc.pid, exc)
             self._single = False
+            if self._cpu >= 0 and mask is not None:
+                try:   # where it was held, let it go
+                    os.sched_setaffinity(self._proc.pid, mask)
+                except OSError:
+                    pass
             return None
 
     @staticmethod

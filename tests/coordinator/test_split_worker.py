@@ -368,3 +368,28 @@ def test_malformed_frames_are_refused_as_out_of_step():
 class _FakeSegment:
     def __init__(self, name):
         self.name, self.size, self.buf = name, 0, memoryview(b"")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to hold the worker to")
+def test_a_refused_affinity_call_lets_the_worker_go_and_the_calls_go_on(monkeypatch):
+    mine = _affinity(0)
+    w = SplitWorker()
+    try:
+        w.call("load", model="mlp", args=MLP, seed=3, variant="vanilla", cuts=["hidden1"])
+        w.call("vanilla", list(batch()))
+        assert len(_affinity(w.pid)) == 1   # held
+        real = os.sched_setaffinity
+
+        def refuse_for_the_caller(pid, cpus):
+            if pid == 0:
+                raise PermissionError(1, "Operation not permitted")
+            real(pid, cpus)
+
+        monkeypatch.setattr(os, "sched_setaffinity", refuse_for_the_caller)
+        header, (grad,) = w.call("vanilla", list(batch(seed=2)))
+        assert np.isfinite(header["loss"]) and grad.shape == (16, 32)
+        assert _affinity(w.pid) == mine and _affinity(0) == mine   # let go; the caller never held
+        w.call("vanilla", list(batch(seed=3)))
+        assert _affinity(w.pid) == mine   # and unheld from then on
+    finally:
+        w.close()
