@@ -75,8 +75,8 @@ _getcpu = _libc_getcpu() if hasattr(os, "sched_setaffinity") else None
 # A frame's header: a fixed part (the tensor count, the shared segment name's length, the operation's code, which of
 # `compute_s` and `loss` it carries, and their values), the segment's name, each tensor's record (dtype code, rank,
 # offset in the segment, then its dimensions), then any other fields as JSON. A batch's requests and replies have no
-# other fields: their header costs a few struct calls a side, not JSON's dumps and parse (28 µs a call a side, cold
-# after the server part's compute; docs/performance.md).
+# other fields: their header costs a few struct calls a side, not JSON's dumps and parse (docs/performance.md,
+# "Split learning's compute-worker hop").
 _HEAD = struct.Struct("<HBBBdd")          # tensor count, name's length, op code, has (1: compute_s, 2: loss), both
 _OPS = ("", "load", "vanilla", "forward", "backward", "drop", "evaluate", "infer", "state", "optimizer",
         "load_optimizer", "load_state")   # code 0: no operation (a reply); an op not here travels in the JSON
@@ -269,9 +269,9 @@ class SplitWorker:
     With `colocate` (the default, on Linux) and a single-threaded server part, each call runs on one CPU: the
     calling thread stays, for the call, on the CPU it is on, and the worker is moved there (while it waits, so
     nothing migrates mid-compute). The request then wakes the worker and the reply wakes the caller by a switch on
-    that CPU, where an idle CPU would take its wake-up from its idle state: 0.2 ms a call on this project's VMs, a
-    C-state's exit latency on bare metal. The caller waits while the worker computes, so the two never compete for
-    that CPU; the coordinator's other threads run on the others."""
+    that CPU, where an idle CPU would take its wake-up from its idle state, a VM's halted vCPU or a C-state's exit
+    latency on bare metal (docs/performance.md, "Split learning's compute-worker hop"). The caller waits while the
+    worker computes, so the two never compete for that CPU; the coordinator's other threads run on the others."""
 
     def __init__(self, *, shared_memory: bool = True, colocate: bool = True):
         self._proc = subprocess.Popen([sys.executable, "-m", "coordinator.split_worker"], stdin=subprocess.PIPE,

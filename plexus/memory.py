@@ -62,8 +62,8 @@ def set_up_coordinator() -> bool:
     """malloc as the coordinator process has it (`plexus coordinator run`): arenas capped, and up to 64 MiB of
     freed memory kept for the next allocation. A split-learning job allocates its wire messages afresh for every
     batch (a megabyte or so each); given back to the kernel after each, they cost their page faults again every
-    batch, 0.3-0.5 ms of a batch on this project's VMs (docs/performance.md). Call it before the process starts
-    threads. True if glibc took both settings."""
+    batch (docs/performance.md, "The coordinator keeps up to 64 MiB of freed memory"). Call it before the process
+    starts threads. True if glibc took both settings."""
     capped = limit_malloc_arenas()
     return keep_freed_memory(COORDINATOR_KEPT_FREE_BYTES) and capped
 
