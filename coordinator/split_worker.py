@@ -55,7 +55,6 @@ from plexus.shutdown import exit_now
 log = logging.getLogger("plexus.split")
 
 _DTYPES = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
-_NAMES = {v: k for k, v in _DTYPES.items()}
 MAX_HEADER = 1 << 20
 MAX_TENSOR_BYTES = 1 << 31
 SHM_DIR = Path("/dev/shm")
@@ -82,8 +81,8 @@ _OPS = ("", "load", "vanilla", "forward", "backward", "drop", "evaluate", "infer
         "load_optimizer", "load_state")   # code 0: no operation (a reply); an op not here travels in the JSON
 _OP_CODES = {op: code for code, op in enumerate(_OPS) if op}
 _TENSOR = struct.Struct("<BBQ")           # dtype code, rank, offset
-_CODES = {"F32": 0, "I64": 1}
-_BY_CODE = [_DTYPES["F32"], _DTYPES["I64"]]
+_BY_CODE = list(_DTYPES.values())          # a tensor's dtype code: its place here
+_CODE_OF = {dtype: code for code, dtype in enumerate(_BY_CODE)}
 _DIMS = [struct.Struct(f"<{n}Q") for n in range(9)]   # a tensor's dimensions, by rank
 MAX_RANK = len(_DIMS) - 1
 
@@ -91,7 +90,7 @@ MAX_RANK = len(_DIMS) - 1
 def write_frame(stream, header: dict, tensors: list[np.ndarray] = (), shm=None, *, at: int = 0) -> None:
     """Send a frame; with `shm` (a Segment) the tensors go into it, one after another from offset `at`, instead of
     the stream."""
-    arrays = [t if isinstance(t, np.ndarray) and t.dtype in _NAMES and t.flags.c_contiguous
+    arrays = [t if isinstance(t, np.ndarray) and t.dtype in _CODE_OF and t.flags.c_contiguous
               else np.ascontiguousarray(t, dtype=_DTYPES[_name(np.asarray(t))]) for t in tensors]
     name = shm.name.encode() if shm is not None else b""
     rest = dict(header)
@@ -105,7 +104,7 @@ def write_frame(stream, header: dict, tensors: list[np.ndarray] = (), shm=None, 
     for a in arrays:
         if a.ndim > MAX_RANK:
             raise ValueError(f"a split-worker tensor has {a.ndim} dimensions; at most {MAX_RANK} travel")
-        parts += (_TENSOR.pack(_CODES[_NAMES[a.dtype]], a.ndim, offset), _DIMS[a.ndim].pack(*a.shape))
+        parts += (_TENSOR.pack(_CODE_OF[a.dtype], a.ndim, offset), _DIMS[a.ndim].pack(*a.shape))
         offset += a.nbytes
     if shm is not None:
         if offset > shm.size:
@@ -220,6 +219,7 @@ class Segment:
         self._map = mmap.mmap(fd, size)
         os.close(fd)
         self.buf = memoryview(self._map)
+        self.upper = size // 2   # a forward's activations go from here on; all else keeps below (SplitWorker.call)
         self.address = np.frombuffer(self.buf, np.uint8, 1).__array_interface__["data"][0]   # where it is mapped
 
     @classmethod
@@ -317,7 +317,7 @@ class SplitWorker:
                 # A forward's activations go to the segment's upper half, where the worker computes on them in
                 # place until their backward: every other request and every reply keeps to the lower half.
                 write_frame(self._proc.stdin, {"op": op, **fields}, tensors, shm,
-                            at=shm.size // 2 if shm is not None and op == "forward" else 0)
+                            at=shm.upper if shm is not None and op == "forward" else 0)
                 header, out = read_frame(self._proc.stdout, lambda name: shm if shm is not None and name == shm.name
                                          else None, copy=consume is None)
                 if shm is not None:
@@ -515,7 +515,7 @@ class _Segments:
         if seg is None:
             return False
         start = view.__array_interface__["data"][0] - seg.address
-        return seg.size // 2 <= start and start + view.nbytes <= seg.size
+        return seg.upper <= start and start + view.nbytes <= seg.size
 
     def attach(self, name: str) -> Segment:
         self.used = True
@@ -558,7 +558,7 @@ def main() -> int:
             reply, out = {"error": f"{type(exc).__name__}: {exc}"}, []
         reply["compute_s"] = time.perf_counter() - started
         shm = segments.current if segments.used else None
-        if shm is not None and sum(np.asarray(t).size * 8 for t in out) > shm.size // 2:
+        if shm is not None and sum(np.asarray(t).size * 8 for t in out) > shm.upper:
             shm = None   # a reply larger than the segment's lower half (a model's state) goes through the pipe
         write_frame(stdout, reply, out, shm)
         tensors = out = None   # the request's views into the segment go before the next request may replace it
